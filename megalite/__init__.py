@@ -1,0 +1,1 @@
+"""megalite: Megatron-style GPT pretraining on torch.distributed, readable end to end."""

@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="A small, readable, Megatron-style GPT pretraining codebase on torch.distributed",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megalite", "megalite.*"]),
+    # torch >= 2.6 for torch.load(weights_only=True) on our checkpoints.
+    install_requires=["torch>=2.6", "numpy", "sentencepiece", "tensorboard"],
+    extras_require={
+        "flash": ["flash-attn>=2.5"],
+        "hf": ["tokenizers>=0.15"],
+        "dev": ["pytest>=7", "tokenizers>=0.15"],
+    },
+)
