@@ -1,0 +1,22 @@
+"""Errors users see (DESIGN.md §9).
+
+Each names the thing that is wrong (flag, file, rank, iteration) with the expected and
+actual values. Entry points catch `MegaliteError`, print its message and exit non-zero,
+so a user never reads a traceback for bad input.
+"""
+
+
+class MegaliteError(Exception):
+    """Base of every error caused by user input or user files."""
+
+
+class ConfigError(MegaliteError):
+    """A flag or a combination of flags that cannot work."""
+
+
+class DataError(MegaliteError):
+    """A missing, corrupt or inconsistent data file, or input text that cannot be used."""
+
+
+class NotYetSupportedError(ConfigError):
+    """A flag whose capability has not landed yet was set to a non-default value."""
