@@ -1,0 +1,170 @@
+"""Megatron-LM's command-line flags: one parser, grouped as in `--help`.
+
+Flag names and defaults follow Megatron-LM so scripts port unchanged. `parse_args` only
+parses; `megalite.config.validate_args` turns the namespace into frozen dataclasses and
+rejects combinations that cannot work. Nothing here is read as a global.
+"""
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="Pretrain a GPT model with megalite (Megatron-LM flags).",
+        allow_abbrev=False,
+    )
+    for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
+                      _data, _checkpointing, _logging, _distributed):
+        add_group(parser)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def _model(parser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="MLP hidden size (default 4 x hidden size).")
+    g.add_argument("--num-attention-heads", type=int, default=None,
+                   help="Number of attention heads.")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Use grouped-query attention (--num-query-groups K/V heads).")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="Number of K/V head groups under --group-query-attention.")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Per-head dimension (default hidden size / heads).")
+    g.add_argument("--seq-length", type=int, default=None, help="Sequence length to train on.")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Size of the learned position table (default --seq-length).")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope"], help="Position embedding.")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base.")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's channels rotated by RoPE.")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU.")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="No biases in linear layers.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate input embedding and output layer weights.")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="Std of the normal init; output projections get std/sqrt(2L).")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this (times TP size).")
+    g.add_argument("--attention-backend", default="sdpa", choices=["auto", "flash", "sdpa", "unfused"],
+                   help="Attention kernel (only sdpa lands with the foundation).")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="Alias of --attention-backend flash.")
+
+
+def _parallelism(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="ZeRO-1: shard optimizer state across data-parallel ranks.")
+
+
+def _training(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step (default micro batch x DP).")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Exit after the iteration that is a multiple of this.")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global grad-norm clip (0: off).")
+
+
+def _learning_rate(parser):
+    g = parser.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "WSD"])
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warm-up as a fraction of the decay steps.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="Default --train-iters.")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Default --train-samples.")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+
+
+def _mixed_precision(parser):
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="Static fp16 loss scale (default: dynamic).")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _data(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true",
+                   help="Synthetic counting documents (Megatron's mock GPT dataset).")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="Vocabulary size for --mock-data / NullTokenizer.")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _checkpointing(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+
+
+def _logging(parser):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-throughput", action="store_true",
+                   help="Add TFLOP/s/GPU and tokens/s to the log line.")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+
+
+def _distributed(parser):
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="Default: nccl when an accelerator is visible, else gloo.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)

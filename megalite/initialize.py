@@ -1,0 +1,68 @@
+"""Process start-up: the process group, this rank's device, and the seeds.
+
+The same code runs under `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK in the
+environment) and as a plain `python pretrain_gpt.py` (a one-rank group on loopback).
+"""
+
+import datetime
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megalite.config import DistributedConfig
+from megalite.errors import ConfigError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def accelerator_type() -> str | None:
+    """'cuda' (or another accelerator's device type) when one is visible, else None."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.accelerator.current_accelerator().type
+
+
+def choose_backend(config: DistributedConfig) -> str:
+    accel = accelerator_type()
+    backend = config.backend or ("nccl" if accel else "gloo")
+    if backend == "nccl" and accel is None:
+        raise ConfigError("--distributed-backend nccl needs a GPU and none is visible; "
+                          "use --distributed-backend gloo to train on the CPU")
+    return backend
+
+
+def initialize_distributed(config: DistributedConfig) -> tuple[int, int, torch.device]:
+    """Init the default process group; returns (rank, world size, device)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    backend = choose_backend(config)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device(accelerator_type(), int(os.environ.get("LOCAL_RANK", "0")))
+        torch.accelerator.set_device_index(device.index)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(minutes=config.timeout_minutes),
+            device_id=device if backend == "nccl" else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def set_seed(seed: int):
+    """Seed every generator training draws from (dropout, data shuffles in Python/NumPy).
+    Weights do not depend on these: each parameter has its own generator."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every accelerator device

@@ -1,0 +1,92 @@
+"""AdamW with the pieces Megatron wraps around it: weight-decay groups, fp16 loss-scale
+unscaling with a skip on overflow, and global grad-norm clipping."""
+
+import torch
+from torch import nn
+
+from megalite.config import OptimizerConfig
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D parameters): decaying a gain or an
+    offset towards zero only fights the normalisation (Loshchilov & Hutter 2019)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients together, accumulated in fp32."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+@torch.no_grad()
+def clip_grads(params: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor):
+    """Megatron's rule: scale by max_norm / (norm + 1e-6) only when that is below 1."""
+    coeff = max_norm / (total_norm.item() + 1.0e-6)
+    if coeff < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coeff)
+
+
+class Optimizer:
+    """One optimizer step: unscale (fp16), check for overflow, clip, AdamW."""
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None):
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.adam = torch.optim.AdamW(
+            parameter_groups(model, config.weight_decay), lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+
+    @property
+    def param_groups(self):
+        return self.adam.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None]:
+        """Returns (update applied, grad norm). An fp16 overflow skips the update."""
+        if self.grad_scaler is not None:
+            inv_scale = 1.0 / self.grad_scaler.scale
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(inv_scale)
+            found_inf = not all(torch.isfinite(p.grad).all() for p in self.params
+                                if p.grad is not None)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.zero_grad()
+                return False, None
+        grad_norm = global_grad_norm(self.params)
+        if self.config.clip_grad > 0:
+            clip_grads(self.params, self.config.clip_grad, grad_norm)
+        self.adam.step()
+        return True, grad_norm.item()
+
+    def state_dict(self) -> dict:
+        state = {"adam": self.adam.state_dict()}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state

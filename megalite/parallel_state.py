@@ -1,0 +1,126 @@
+"""The rank grid (DESIGN.md §2) and its process groups, as one object passed down.
+
+Ranks are laid out TP fastest, then DP, then PP (Megatron's order):
+    rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+so a tensor-parallel group is consecutive ranks (one node, fast links) and pipeline stages
+are far apart. The arithmetic is pure (`RankGrid`), so it is tested without processes;
+`ParallelState` builds the torch.distributed groups from it once.
+"""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megalite.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+    def __post_init__(self):
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if tp <= 0 or pp <= 0 or self.world_size % (tp * pp):
+            raise ConfigError(f"world size {self.world_size} is not divisible by "
+                              f"--tensor-model-parallel-size={tp} x "
+                              f"--pipeline-model-parallel-size={pp}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
+        return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
+        return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+    def _groups_varying(self, axes: str) -> list[list[int]]:
+        """Rank lists in which only the named axes ('t', 'd', 'p') vary."""
+        sizes = {"t": self.tensor_model_parallel_size, "d": self.data_parallel_size,
+                 "p": self.pipeline_model_parallel_size}
+        fixed = [a for a in "tdp" if a not in axes]
+        groups = {}
+        for rank in range(self.world_size):
+            coords = dict(zip("tdp", self.coordinates(rank)))
+            groups.setdefault(tuple(coords[a] for a in fixed), []).append(rank)
+        for ranks in groups.values():
+            if len(ranks) != _product(sizes[a] for a in axes):
+                raise RuntimeError(f"rank grid bug: group {ranks} for axes {axes}")
+        return sorted(groups.values())
+
+    def tensor_groups(self) -> list[list[int]]:
+        return self._groups_varying("t")
+
+    def data_groups(self) -> list[list[int]]:
+        return self._groups_varying("d")
+
+    def pipeline_groups(self) -> list[list[int]]:
+        return self._groups_varying("p")
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        """TP x PP: every rank holding a piece of one model replica."""
+        return self._groups_varying("tp")
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline: they hold the tied input
+        embedding and output layer, whose grads must be summed across them."""
+        return [sorted({ranks[0], ranks[-1]}) for ranks in self.pipeline_groups()]
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+class ParallelState:
+    """This rank's coordinates and the process groups it belongs to.
+
+    Every rank must call `new_group` for every group in the same order, so all groups are
+    created here, once, and each rank keeps the ones that contain it.
+    """
+
+    def __init__(self, grid: RankGrid, rank: int):
+        self.grid = grid
+        self.rank = rank
+        self.tp_rank, self.dp_rank, self.pp_rank = grid.coordinates(rank)
+        self.tp_group = self._make(grid.tensor_groups())
+        self.dp_group = self._make(grid.data_groups())
+        self.pp_group = self._make(grid.pipeline_groups())
+        self.mp_group = self._make(grid.model_parallel_groups())
+        self.embedding_group = self._make(grid.embedding_groups())
+
+    def _make(self, all_ranks: list[list[int]]):
+        mine = None
+        for ranks in all_ranks:
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    @property
+    def tp_size(self) -> int:
+        return self.grid.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.grid.pipeline_model_parallel_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.grid.data_parallel_size
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1

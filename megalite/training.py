@@ -1,0 +1,237 @@
+"""pretrain(): build everything from the flags, run the training loop, evaluate, log.
+
+One step (`train_step`) runs the global batch's micro-batches forward and backward with
+gradient accumulation, then one optimizer update. The step's loss is the token-weighted
+mean over the whole global batch (DESIGN.md §3): each micro-batch's summed token losses
+are divided by the number of loss tokens in the global batch, so how the batch is cut
+into micro-batches cannot change the loss or the gradient.
+"""
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalite.arguments import parse_args
+from megalite.config import Config, PrecisionConfig, validate_args
+from megalite.data.mock import MockGPTDataset
+from megalite.errors import MegaliteError
+from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
+from megalite.model.gpt import GPTModel
+from megalite.optimizer.grad_scaler import build_grad_scaler
+from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
+                                   num_floating_point_operations, validation_lines)
+
+
+class NumericalError(MegaliteError):
+    """The loss became NaN or infinite outside fp16 loss scaling."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+def print_rank_last(message: str):
+    """Megatron prints training logs from the last rank, which holds the loss under PP."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(message, flush=True)
+
+
+def autocast(precision: PrecisionConfig, device: torch.device):
+    """bf16/fp16 autocast on whichever device we run; a no-op in fp32."""
+    if not (precision.bf16 or precision.fp16):
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision.bf16 else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def build_datasets(config: Config, train_iters: int):
+    """(train, valid, test) datasets, sized for the whole run."""
+    t, g = config.training, config.training.global_batch_size
+    eval_runs = train_iters // t.eval_interval + 1
+    sizes = (train_iters * g, eval_runs * t.eval_iters * g, t.eval_iters * g)
+    return [MockGPTDataset(max(n, 1), config.data.seq_length, config.data.vocab_size,
+                           seed=t.seed + split) for split, n in enumerate(sizes)]
+
+
+def microbatch_indices(step: int, global_batch_size: int, micro_batch_size: int,
+                       dp_rank: int, dp_size: int) -> list[range]:
+    """Sample indices of this DP rank's micro-batches in global batch `step`: the global
+    batch is the same samples whatever DP is; each DP rank takes a contiguous slice."""
+    per_rank = global_batch_size // dp_size
+    start = step * global_batch_size + dp_rank * per_rank
+    return [range(s, s + micro_batch_size) for s in range(start, start + per_rank,
+                                                          micro_batch_size)]
+
+
+def collate(dataset, indices, device: torch.device) -> dict:
+    samples = [dataset[i] for i in indices]
+    return {key: torch.stack([s[key] for s in samples]).to(device) for key in samples[0]}
+
+
+def train_step(model, optimizer: Optimizer, microbatches: list[dict],
+               precision: PrecisionConfig, device: torch.device) -> tuple[float, bool, float | None]:
+    """Forward and backward every micro-batch, then step. Returns (loss, skipped, grad norm)."""
+    num_tokens = sum(mb["loss_mask"].sum() for mb in microbatches)
+    optimizer.zero_grad()
+    total = torch.zeros((), device=device)
+    for mb in microbatches:
+        with autocast(precision, device):
+            token_losses = model(mb["tokens"], mb["labels"])
+        loss = (token_losses * mb["loss_mask"]).sum() / num_tokens
+        optimizer.scale_loss(loss).backward()
+        total += loss.detach()
+    updated, grad_norm = optimizer.step()
+    return total.item(), not updated, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model, dataset, first_sample: int, config: Config, device: torch.device) -> float:
+    """Token-weighted mean loss over --eval-iters global batches from `first_sample`."""
+    t = config.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = 0.0
+    for step in range(t.eval_iters):
+        for indices in microbatch_indices(step, t.global_batch_size, t.micro_batch_size, 0, 1):
+            batch = collate(dataset, [first_sample + i for i in indices], device)
+            with autocast(config.precision, device):
+                losses = model(batch["tokens"], batch["labels"])
+            loss_sum += (losses * batch["loss_mask"]).sum()
+            tokens += batch["loss_mask"].sum().item()
+    model.train()
+    return loss_sum.item() / max(tokens, 1.0)
+
+
+def pretrain(argv=None) -> int:
+    """Entry point of pretrain_gpt.py. Returns the process exit code."""
+    try:
+        config = validate_args(parse_args(argv), world_size_from_env())
+        rank, world_size, device = initialize_distributed(config.distributed)
+    except MegaliteError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        p = config.parallel
+        state = ParallelState(RankGrid(world_size, p.tensor_model_parallel_size,
+                                       p.pipeline_model_parallel_size), rank)
+        run_training(config, state, device)
+        return 0
+    except MegaliteError as e:
+        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        dist.destroy_process_group()
+
+
+def run_training(config: Config, state: ParallelState, device: torch.device) -> TrainState:
+    set_seed(config.training.seed)
+    model = GPTModel(config.model, config.training.seed).to(device)
+    optimizer = Optimizer(model, config.optimizer, build_grad_scaler(config.precision))
+    scheduler = LRScheduler(optimizer, config.scheduler)
+    train_ds, valid_ds, test_ds = build_datasets(config, config.training.train_iters)
+    tensorboard = TensorBoardLogger(config.logging.tensorboard_dir
+                                    if dist.get_rank() == dist.get_world_size() - 1 else None)
+    print_rank_last(f"> number of parameters: {sum(p.numel() for p in model.parameters())}")
+    try:
+        progress = train(config, state, model, optimizer, scheduler, train_ds, valid_ds,
+                         tensorboard, device)
+        if config.training.eval_iters > 0:
+            _evaluate_and_print(f"iteration {progress.iteration} on validation set", model,
+                                valid_ds, progress.consumed_valid_samples, config, device,
+                                tensorboard, progress.iteration)
+            _evaluate_and_print(f"iteration {progress.iteration} on test set", model, test_ds,
+                                0, config, device, tensorboard, None)
+    finally:
+        tensorboard.close()
+    return progress
+
+
+def train(config: Config, state: ParallelState, model, optimizer, scheduler, train_ds,
+          valid_ds, tensorboard: TensorBoardLogger, device: torch.device) -> TrainState:
+    t, log = config.training, config.logging
+    progress = TrainState()
+    stats = IntervalStats()
+    flops_per_step = num_floating_point_operations(config.model, t.global_batch_size)
+    model.train()
+    while progress.iteration < t.train_iters:
+        start = time.perf_counter()
+        microbatches = [collate(train_ds, idx, device) for idx in microbatch_indices(
+            progress.iteration, t.global_batch_size, t.micro_batch_size, state.dp_rank,
+            state.dp_size)]
+        lr = scheduler.lr
+        loss_scale = optimizer.loss_scale
+        loss, skipped, grad_norm = train_step(model, optimizer, microbatches, config.precision,
+                                              device)
+        if not skipped:
+            scheduler.step(t.global_batch_size)
+        _synchronize(device)
+        elapsed = time.perf_counter() - start
+        progress.iteration += 1
+        progress.consumed_train_samples += t.global_batch_size
+        if not math.isfinite(loss) and not config.precision.fp16:
+            raise NumericalError(f"iteration {progress.iteration}: lm loss is {loss}")
+        stats.add(loss, skipped, elapsed)
+        if progress.iteration % log.tensorboard_log_interval == 0:
+            tensorboard.scalars(progress.iteration, {
+                "lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                "loss-scale": loss_scale, "batch-size": t.global_batch_size})
+        if progress.iteration % log.log_interval == 0:
+            _log_interval(config, progress, stats, lr, loss_scale, grad_norm, flops_per_step,
+                          tensorboard)
+            stats = IntervalStats()
+        if t.eval_iters > 0 and progress.iteration % t.eval_interval == 0:
+            _evaluate_and_print(f"iteration {progress.iteration}", model, valid_ds,
+                                progress.consumed_valid_samples, config, device, tensorboard,
+                                progress.iteration)
+            progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
+        if t.exit_interval and progress.iteration % t.exit_interval == 0:
+            print_rank_last(f"exiting program at iteration {progress.iteration}")
+            break
+    return progress
+
+
+def _synchronize(device: torch.device):
+    # Kernels run asynchronously on an accelerator: wait, or the timing measures launches.
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr: float,
+                  loss_scale: float, grad_norm, flops_per_step: float,
+                  tensorboard: TensorBoardLogger):
+    t = config.training
+    seconds_per_iter = stats.elapsed_s / stats.iters
+    world_size = dist.get_world_size()
+    tflops = flops_per_step / (seconds_per_iter * world_size * 1e12)
+    tokens_per_s = t.global_batch_size * config.data.seq_length / seconds_per_iter
+    print_rank_last(log_line(
+        iteration=progress.iteration, train_iters=t.train_iters,
+        consumed_samples=progress.consumed_train_samples, elapsed_ms=seconds_per_iter * 1e3,
+        tflops_per_gpu=tflops if config.logging.log_throughput else None, learning_rate=lr,
+        global_batch_size=t.global_batch_size, lm_loss=stats.mean_loss, loss_scale=loss_scale,
+        grad_norm=grad_norm, skipped_iters=stats.skipped_iters, nan_iters=stats.nan_iters,
+        tokens_per_second=tokens_per_s))
+    tensorboard.scalars(progress.iteration, {"throughput": tflops,
+                                             "tokens-per-second": tokens_per_s})
+
+
+def _evaluate_and_print(prefix: str, model, dataset, first_sample: int, config: Config,
+                        device: torch.device, tensorboard: TensorBoardLogger,
+                        iteration: int | None):
+    loss = evaluate(model, dataset, first_sample, config, device)
+    for line in validation_lines(prefix, loss):
+        print_rank_last(line)
+    if iteration is not None:
+        tensorboard.scalars(iteration, {"lm loss validation": loss,
+                                        "lm loss validation ppl": math.exp(min(20.0, loss))})

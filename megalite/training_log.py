@@ -1,0 +1,112 @@
+"""What training reports: Megatron's log line, its FLOPs count, and TensorBoard scalars."""
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+
+from megalite.model.config import GPTConfig
+
+
+def num_floating_point_operations(config: GPTConfig, batch_size: int) -> float:
+    """Training FLOPs of one step over `batch_size` sequences (Megatron-LM's count for a
+    dense GPT; Narayanan et al. 2021, appendix).
+
+    Every GEMM runs 3 times (forward, grad of input, grad of weight) at 2 FLOPs per
+    multiply-add, and the per-layer GEMMs come in pairs, hence the factor 12 = 3 x 2 x 2:
+
+        12 B s L h^2 [ (1 + g/n + s/(2h)) q/h  +  (f/h) x (3/2 with SwiGLU)  +  V/(2 L h) ]
+
+    with B sequences of length s, L layers, hidden h, n heads, g query groups,
+    q = n x kv_channels the query projection width, f the MLP width and V the padded
+    vocabulary. Inside the attention bracket: Q and output projections (1), K and V (g/n),
+    and the attention core QK^T and softmax x V, of which a causal mask leaves half (s/2h).
+    The last term is the logit layer.
+    """
+    c = config
+    h, s = c.hidden_size, c.seq_length
+    attention = (1 + c.num_query_groups / c.num_attention_heads + s / h / 2) * (
+        c.query_projection_size / h)
+    mlp = c.ffn_hidden_size / h * (1.5 if c.swiglu else 1.0)
+    logits = c.padded_vocab_size / (2 * c.num_layers * h)
+    return 12 * batch_size * s * c.num_layers * h * h * (attention + mlp + logits)
+
+
+@dataclass
+class IntervalStats:
+    """Sums over the iterations since the last log line."""
+    loss_sum: float = 0.0
+    advanced_iters: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    elapsed_s: float = 0.0
+    iters: int = 0
+
+    def add(self, loss: float, skipped: bool, elapsed_s: float):
+        self.iters += 1
+        self.elapsed_s += elapsed_s
+        if skipped:
+            self.skipped_iters += 1
+        else:
+            self.advanced_iters += 1
+            self.loss_sum += loss
+        if not math.isfinite(loss):
+            self.nan_iters += 1
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(1, self.advanced_iters)
+
+
+def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
+             elapsed_ms: float, tflops_per_gpu: float | None, learning_rate: float,
+             global_batch_size: int, lm_loss: float, loss_scale: float,
+             grad_norm: float | None, skipped_iters: int, nan_iters: int,
+             tokens_per_second: float) -> str:
+    """Megatron's training log line, field for field, then tokens per second."""
+    line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+    line += f" iteration {iteration:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    if tflops_per_gpu is not None:
+        # Three decimals rather than Megatron's one: a CPU run is well below 1 TFLOP/s.
+        line += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f} |"
+    line += f" learning rate: {learning_rate:.6E} |"
+    line += f" global batch size: {global_batch_size:5d} |"
+    line += f" lm loss: {lm_loss:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped_iters:3d} |"
+    line += f" number of nan iterations: {nan_iters:3d} |"
+    line += f" tokens per second: {tokens_per_second:.1f} |"
+    return line
+
+
+def validation_lines(prefix: str, loss: float) -> list[str]:
+    """Megatron's boxed validation report; perplexity capped at exp(20) as Megatron does."""
+    body = (f" validation loss at {prefix} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {math.exp(min(20.0, loss)):.6E} | ")
+    rule = "-" * (len(body) + 1)
+    return [rule, body, rule]
+
+
+class TensorBoardLogger:
+    """Scalars under Megatron's tag names; a no-op without --tensorboard-dir."""
+
+    def __init__(self, log_dir: str | None):
+        self.writer = None
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def scalars(self, iteration: int, values: dict):
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, iteration)
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
