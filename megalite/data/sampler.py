@@ -1,0 +1,88 @@
+"""Which samples each data-parallel rank reads, step by step (DESIGN.md §3).
+
+Global batch b is samples [b*G, (b+1)*G) of the dataset, whatever the data-parallel size:
+DP rank r takes the contiguous slice [r*G/dp, (r+1)*G/dp) of it and cuts that into
+micro-batches. So the samples of a step, and their order when the ranks' slices are put
+side by side, do not depend on the layout. Like Megatron's pretraining sampler it starts at
+`consumed_samples` (from the checkpoint), so a resumed run reads exactly what an
+uninterrupted one would have read from there, and it drops a final partial global batch.
+(Megatron hands rank r the r-th micro-batch of every dp*micro_batch_size chunk instead:
+same samples per step, a different split among ranks.)
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Sequence
+
+import torch
+
+from megalite.errors import ConfigError
+
+
+class MicroBatchSampler:
+    """Yields this DP rank's micro-batches (lists of sample indices) from `consumed_samples`.
+
+    Use as `DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_samples)`.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        global_batch_size: int,
+    ):
+        if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size < 1:
+            raise ConfigError(
+                f"--micro-batch-size ({micro_batch_size}), data-parallel size "
+                f"({data_parallel_size}) and --global-batch-size ({global_batch_size}) must be >= 1"
+            )
+        if global_batch_size % (micro_batch_size * data_parallel_size) != 0:
+            raise ConfigError(
+                f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
+                f"{micro_batch_size} x data-parallel size {data_parallel_size}"
+            )
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ConfigError(
+                f"data-parallel rank {data_parallel_rank} not in [0, {data_parallel_size})"
+            )
+        if consumed_samples < 0 or consumed_samples % global_batch_size != 0:
+            raise ConfigError(
+                f"consumed samples {consumed_samples} (from the checkpoint) is not a whole number "
+                f"of global batches of --global-batch-size {global_batch_size}; resume with the "
+                f"global batch size the checkpoint was trained with"
+            )
+        if consumed_samples > total_samples:
+            raise ConfigError(
+                f"consumed samples {consumed_samples} (from the checkpoint) exceed the "
+                f"{total_samples} samples of the dataset"
+            )
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // data_parallel_size
+        self.local_start = data_parallel_rank * self.local_batch_size
+
+    def __len__(self) -> int:
+        """Micro-batches this rank will yield."""
+        global_batches = (self.total_samples - self.consumed_samples) // self.global_batch_size
+        return global_batches * (self.local_batch_size // self.micro_batch_size)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        G, mbs = self.global_batch_size, self.micro_batch_size
+        for batch_start in range(self.consumed_samples, self.total_samples - G + 1, G):
+            local_start = batch_start + self.local_start
+            for start in range(local_start, local_start + self.local_batch_size, mbs):
+                yield list(range(start, start + mbs))
+
+
+def collate_samples(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Stack a micro-batch's samples: each key becomes a [micro_batch_size, ...] tensor."""
+    keys = samples[0].keys()
+    for sample in samples[1:]:
+        if sample.keys() != keys:
+            raise ValueError(f"samples of one micro-batch differ in keys: {sorted(keys)} vs {sorted(sample.keys())}")
+    return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
