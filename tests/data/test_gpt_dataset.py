@@ -317,3 +317,26 @@ def test_non_builder_without_cache_files_names_the_cache_dir(tmp_path):
     with pytest.raises(DataError, match="every rank"):
         GPTDataset(TinyIndexedDataset(10), np.arange(10), 5, 8, seed=0,
                    cache_dir=str(tmp_path / "cache"), is_builder=False)
+
+
+# ---------------------------------------------------------------------------------- real reader
+
+def test_with_the_real_indexed_dataset(tmp_path):
+    indexed = pytest.importorskip("megalite.data.indexed_dataset")
+    tiny = TinyIndexedDataset(num_documents=30, seed=9)
+    prefix = str(tmp_path / "corpus_text_document")
+    builder = indexed.IndexedDatasetBuilder(prefix + ".bin", np.uint16, vocab_size=1000)
+    for seq in tiny.sequences:
+        builder.add_document(seq)
+    builder.finalize(prefix + ".idx")
+    real = indexed.IndexedDataset(prefix)
+
+    train, _, _ = split_documents(len(real), "90,10,0")
+    doc_ids = np.arange(*train)
+    on_disk = GPTDataset(real, doc_ids, 45, 12, seed=2, name=prefix, eod_token=EOD, eod_mask_loss=True,
+                         cache_dir=str(tmp_path / "cache"))
+    in_memory = GPTDataset(tiny, doc_ids, 45, 12, seed=2, name=prefix, eod_token=EOD, eod_mask_loss=True)
+    assert on_disk.description_hash == in_memory.description_hash  # same lengths, same name
+    for i in range(len(on_disk)):
+        for key in ("tokens", "labels", "loss_mask"):
+            np.testing.assert_array_equal(on_disk[i][key], in_memory[i][key])
