@@ -69,7 +69,8 @@ def normalize_weights(weights: Sequence[float]) -> List[float]:
     """Weights divided by their sum (in float64, as Megatron's `normalize`); each must be > 0."""
     for weight in weights:
         if not (math.isfinite(weight) and weight > 0):
-            raise ConfigError(f"--data-path: every weight must be a finite number > 0, got {weight}")
+            raise ConfigError(
+                f"--data-path: every weight must be a finite number > 0, got {weight}")
     array = np.array(weights, dtype=np.float64)
     return (array / np.sum(array)).tolist()
 
@@ -87,8 +88,8 @@ def build_blending_indices(weights: Sequence[float], size: int) -> Dict[str, np.
     counts = [0] * len(w)
     picks = array("h", bytes(2 * size))  # int16, like Megatron's dataset index
     if len(w) > 1:
-        # A plain loop (no C++ helper): ~0.5 us per sample for two datasets (5 s for 1e7), built once and
-        # cached; see benchmarks/dataset_index_build.py.
+        # A plain loop (no C++ helper): ~0.5 us per sample for two datasets (5 s for 1e7),
+        # built once and cached; see benchmarks/dataset_index_build.py.
         w0, others = w[0], range(1, len(w))
         for i in range(size):
             t = i if i > 1 else 1
@@ -131,7 +132,8 @@ class BlendedDataset(torch.utils.data.Dataset):
                 f"--data-path: {len(weights)} weights for {len(datasets)} datasets"
             )
         if len(datasets) >= np.iinfo(np.int16).max:
-            raise ConfigError(f"--data-path: at most {np.iinfo(np.int16).max - 1} datasets can be blended")
+            raise ConfigError(
+                f"--data-path: at most {np.iinfo(np.int16).max - 1} datasets can be blended")
         if num_samples < 0:
             raise ConfigError(f"number of blended samples must be >= 0, got {num_samples}")
         self.datasets = list(datasets)

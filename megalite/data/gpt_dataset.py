@@ -166,7 +166,9 @@ def build_or_load_indices(
         try:
             loaded[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:
-            raise DataError(f"cannot read index cache file {path}: {err}; delete it to rebuild") from err
+            raise DataError(
+                f"cannot read index cache file {path}: {err}; delete it to rebuild"
+            ) from err
     return loaded, prefix
 
 
@@ -180,8 +182,8 @@ def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) 
     return max(1, -(-tokens_needed // tokens_per_epoch))
 
 
-def _separate_final_epoch(tokens_per_epoch, num_epochs, num_samples, seq_length) -> Tuple[bool, int]:
-    """Megatron-core's rule; returns (separate?, number of samples before the final epoch)."""
+def _separate_final_epoch(tokens_per_epoch, num_epochs, num_samples, seq_length):
+    """Megatron-core's rule -> (separate?, number of samples before the final epoch)."""
     if num_epochs == 1:
         return False, 0
     samples_before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
@@ -191,7 +193,8 @@ def _separate_final_epoch(tokens_per_epoch, num_epochs, num_samples, seq_length)
     return separate, samples_before_final
 
 
-def build_document_index(document_ids, num_epochs, rng: np.random.RandomState, separate_final_epoch):
+def build_document_index(document_ids, num_epochs, rng: np.random.RandomState,
+                         separate_final_epoch: bool):
     """The split's documents repeated `num_epochs` times, shuffled together.
 
     With `separate_final_epoch` the first num_epochs-1 epochs are shuffled together and the
@@ -235,7 +238,7 @@ def build_sample_index(sequence_lengths, document_index, seq_length, num_samples
         sample_index[first:last, 1] = starts - (ends[doc] - lengths[doc])
         first = last
     if first != num_samples_total + 1:
-        raise AssertionError("document index shorter than the samples it must hold")
+        raise RuntimeError("internal: the document index holds fewer tokens than its samples")
     return sample_index
 
 
@@ -264,7 +267,8 @@ def build_gpt_indices(sequence_lengths, document_ids, num_samples, seq_length, s
     rng = np.random.RandomState(seed)
     document_index = build_document_index(document_ids, num_epochs, rng, separate)
     num_samples_total = (num_epochs * tokens_per_epoch - 1) // seq_length
-    sample_index = build_sample_index(sequence_lengths, document_index, seq_length, num_samples_total)
+    sample_index = build_sample_index(
+        sequence_lengths, document_index, seq_length, num_samples_total)
     shuffle_first = samples_before_final if separate else num_samples_total
     shuffle_index = build_shuffle_index(shuffle_first, num_samples_total, rng)
     return {"document_index": document_index, "sample_index": sample_index,
@@ -276,7 +280,7 @@ def build_gpt_indices(sequence_lengths, document_ids, num_samples, seq_length, s
 # --------------------------------------------------------------------------------------
 
 class GPTDataset(torch.utils.data.Dataset):
-    """Samples of `seq_length` input tokens from the documents `document_ids` of an indexed dataset.
+    """Samples of `seq_length` input tokens from documents `document_ids` of an indexed dataset.
 
     Args:
         indexed_dataset: has `sequence_lengths` (int32[N]) and `get(idx, offset, length)`.

@@ -37,7 +37,8 @@ class MicroBatchSampler:
         if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size < 1:
             raise ConfigError(
                 f"--micro-batch-size ({micro_batch_size}), data-parallel size "
-                f"({data_parallel_size}) and --global-batch-size ({global_batch_size}) must be >= 1"
+                f"({data_parallel_size}) and --global-batch-size ({global_batch_size}) "
+                f"must be >= 1"
             )
         if global_batch_size % (micro_batch_size * data_parallel_size) != 0:
             raise ConfigError(
@@ -84,5 +85,6 @@ def collate_samples(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, tor
     keys = samples[0].keys()
     for sample in samples[1:]:
         if sample.keys() != keys:
-            raise ValueError(f"samples of one micro-batch differ in keys: {sorted(keys)} vs {sorted(sample.keys())}")
+            raise ValueError(f"samples of one micro-batch differ in keys: "
+                             f"{sorted(keys)} vs {sorted(sample.keys())}")
     return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
