@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from megalite.errors import ConfigError, NotYetSupportedError
 from megalite.model.config import GPTConfig
+from megalite.parallel_state import RankGrid
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,6 @@ class Config:
 
 def validate_args(args, world_size: int = 1) -> Config:
     """Check the parsed flags and build the frozen config. Raises ConfigError."""
-    _check_not_yet_supported(args)
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "lr")
     _check_positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -118,6 +118,7 @@ def validate_args(args, world_size: int = 1) -> Config:
                     "make_vocab_size_divisible_by", "tensor_model_parallel_size",
                     "pipeline_model_parallel_size", "distributed_timeout_minutes")
     parallel = _parallel_config(args, world_size)
+    _check_not_yet_supported(args)
     return Config(
         model=_model_config(args, parallel),
         parallel=parallel,
@@ -188,11 +189,7 @@ def _check_positive(args, *names):
 
 def _parallel_config(args, world_size: int) -> ParallelConfig:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size={tp} "
-            f"x --pipeline-model-parallel-size={pp}")
-    dp = world_size // (tp * pp)
+    dp = RankGrid(world_size, tp, pp).data_parallel_size
     if dp > 1:
         raise NotYetSupportedError(
             f"data parallelism (world size {world_size} = TP {tp} x PP {pp} x DP {dp}) "

@@ -45,18 +45,18 @@ def choose_backend(config: DistributedConfig) -> str:
 
 def initialize_distributed(config: DistributedConfig) -> tuple[int, int, torch.device]:
     """Init the default process group; returns (rank, world size, device)."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     backend = choose_backend(config)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device(accelerator_type(), int(os.environ.get("LOCAL_RANK", "0")))
         torch.accelerator.set_device_index(device.index)
     if not dist.is_initialized():
+        # Without torchrun's environment, a one-rank group on a free loopback port.
+        single = {} if "RANK" in os.environ else dict(
+            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         dist.init_process_group(
             backend, timeout=datetime.timedelta(minutes=config.timeout_minutes),
-            device_id=device if backend == "nccl" else None)
+            device_id=device if backend == "nccl" else None, **single)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -147,9 +147,11 @@ def run_training(config: Config, state: ParallelState, device: torch.device) -> 
         progress = train(config, state, model, optimizer, scheduler, train_ds, valid_ds,
                          tensorboard, device)
         if config.training.eval_iters > 0:
+            # The loop may have just written this iteration's validation scalars.
+            evaluated = progress.iteration % config.training.eval_interval == 0
             _evaluate_and_print(f"iteration {progress.iteration} on validation set", model,
                                 valid_ds, progress.consumed_valid_samples, config, device,
-                                tensorboard, progress.iteration)
+                                tensorboard, None if evaluated else progress.iteration)
             _evaluate_and_print(f"iteration {progress.iteration} on test set", model, test_ds,
                                 0, config, device, tensorboard, None)
     finally:

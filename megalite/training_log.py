@@ -68,8 +68,9 @@ def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     if tflops_per_gpu is not None:
-        # Three decimals rather than Megatron's one: a CPU run is well below 1 TFLOP/s.
-        line += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f} |"
+        # Four significant digits rather than Megatron's one decimal: a CPU run is far
+        # below 1 TFLOP/s and would print 0.0.
+        line += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.4g} |"
     line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     line += f" lm loss: {lm_loss:.6E} |"

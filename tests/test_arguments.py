@@ -1,0 +1,154 @@
+"""Flag parsing and validation: Megatron's defaults, derived values, and every error."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megalite.arguments import build_parser, parse_args
+from megalite.config import pad_vocab_size, validate_args
+from megalite.errors import ConfigError, NotYetSupportedError
+
+from conftest import BASE_FLAGS
+
+
+def config_of(*extra, world_size=1):
+    return validate_args(parse_args(BASE_FLAGS + list(extra)), world_size)
+
+
+def test_megatron_defaults():
+    a = parse_args([])
+    assert (a.attention_dropout, a.hidden_dropout, a.init_method_std) == (0.1, 0.1, 0.02)
+    assert (a.make_vocab_size_divisible_by, a.seed, a.lr_decay_style) == (128, 1234, "linear")
+    assert (a.weight_decay, a.adam_beta1, a.adam_beta2, a.adam_eps) == (0.01, 0.9, 0.999, 1e-8)
+    assert (a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis) == (
+        2.0 ** 32, 1.0, 1000, 2)
+    assert (a.log_interval, a.eval_interval, a.eval_iters, a.clip_grad) == (100, 1000, 100, 1.0)
+    assert (a.position_embedding_type, a.normalization, a.norm_epsilon) == (
+        "learned_absolute", "LayerNorm", 1e-5)
+    assert a.add_bias_linear and not a.swiglu and a.rotary_base == 10000
+    assert a.distributed_timeout_minutes == 10
+
+
+def test_help_is_grouped():
+    text = build_parser().format_help()
+    for group in ("model:", "parallelism:", "training:", "learning rate:", "mixed precision:",
+                  "data:", "checkpointing:", "logging:", "distributed:"):
+        assert group in text
+
+
+def test_derived_defaults():
+    c = config_of()
+    m = c.model
+    assert (m.ffn_hidden_size, m.kv_channels, m.num_query_groups) == (256, 16, 4)
+    assert m.max_position_embeddings == 32 and m.padded_vocab_size == 64
+    assert c.training.num_microbatches == 2
+    # Megatron's SwiGLU default: 2/3 of 4h rounded down to a multiple of 64.
+    assert config_of("--swiglu", "--hidden-size", "96").model.ffn_hidden_size == 256
+    assert config_of("--global-batch-size", "4").training.num_microbatches == 1
+
+
+def test_vocab_padding_closed_form():
+    assert pad_vocab_size(50257, 128, 1) == 50304
+    assert pad_vocab_size(50257, 128, 8) == 51200
+    assert pad_vocab_size(64, 64, 1) == 64
+    assert config_of("--vocab-size", "65").model.padded_vocab_size == 128
+
+
+def test_train_samples_gives_iterations_and_sample_schedule():
+    c = validate_args(parse_args([f for f in BASE_FLAGS if f not in ("--train-iters", "10")]
+                                 + ["--train-samples", "100", "--lr-warmup-samples", "16"]))
+    assert c.training.train_iters == 12  # 100 // 8
+    assert (c.scheduler.warmup_steps, c.scheduler.decay_steps) == (16, 100)
+
+
+def test_iteration_schedule_is_counted_in_samples():
+    c = config_of("--lr-warmup-iters", "2", "--lr-decay-iters", "8")
+    assert (c.scheduler.warmup_steps, c.scheduler.decay_steps) == (16, 64)
+    c = config_of("--lr-warmup-fraction", "0.25")
+    assert c.scheduler.warmup_steps == 20  # 0.25 x 10 iters x 8 samples
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
+    (["--global-batch-size", "6"], ["--global-batch-size=6", "--micro-batch-size=4"]),
+    (["--num-attention-heads", "3"], ["--hidden-size=64", "--num-attention-heads=3"]),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     ["--num-attention-heads=4", "--num-query-groups=3"]),
+    (["--seq-length", "64", "--max-position-embeddings", "32"],
+     ["--seq-length=64", "--max-position-embeddings=32"]),
+    (["--train-samples", "80"], ["--train-iters", "--train-samples"]),
+    (["--lr-warmup-iters", "10"], ["warm-up", "--lr-warmup"]),
+    (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], ["--lr-warmup-fraction"]),
+    (["--lr-decay-style", "WSD"], ["WSD", "--lr-wsd-decay-iters"]),
+    (["--lr-decay-samples", "40"], ["--lr-decay-samples", "--train-samples"]),
+    (["--min-lr", "0.1"], ["--min-lr=0.1", "--lr=0.001"]),
+    (["--lr", "-1"], ["--lr must be positive", "-1"]),
+    (["--attention-dropout", "1.5"], ["--attention-dropout", "1.5"]),
+    (["--adam-beta2", "1.0"], ["--adam-beta2", "1.0"]),
+    (["--micro-batch-size", "0"], ["--micro-batch-size", "0"]),
+    (["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"],
+     ["--min-loss-scale=8", "--initial-loss-scale=4"]),
+    (["--hysteresis", "0"], ["--hysteresis=0"]),
+    (["--position-embedding-type", "rope", "--kv-channels", "15"],
+     ["--kv-channels=15", "even"]),
+    (["--rotary-percent", "0"], ["--rotary-percent", "0"]),
+    (["--vocab-size", "1"], ["--vocab-size", "1"]),
+    (["--exit-interval", "0"], ["--exit-interval", "0"]),
+    (["--eval-iters", "-1"], ["--eval-iters", "-1"]),
+])
+def test_bad_combinations_name_flags_and_values(extra, words):
+    with pytest.raises(ConfigError) as err:
+        config_of(*extra)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_missing_required_flags_are_named():
+    with pytest.raises(ConfigError, match="--num-layers.*--lr|--lr.*--num-layers"):
+        validate_args(parse_args(["--mock-data", "--vocab-size", "64", "--hidden-size", "8",
+                                  "--num-attention-heads", "2", "--seq-length", "8",
+                                  "--micro-batch-size", "1", "--train-iters", "1"]))
+
+
+def test_no_data_source_is_an_error():
+    flags = [f for f in BASE_FLAGS if f != "--mock-data"]
+    with pytest.raises(ConfigError, match="--mock-data"):
+        validate_args(parse_args(flags))
+
+
+def test_world_size_must_fit_the_grid():
+    with pytest.raises(ConfigError, match="world size 3"):
+        config_of("--tensor-model-parallel-size", "2", world_size=3)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
+    ["--num-layers-per-virtual-pipeline-stage", "1"], ["--sequence-parallel"],
+    ["--use-distributed-optimizer"], ["--use-flash-attn"], ["--attention-backend", "flash"],
+    ["--save", "/tmp/x"], ["--load", "/tmp/x"], ["--data-path", "a"],
+    ["--tokenizer-type", "GPT2BPETokenizer"], ["--finetune"],
+])
+def test_later_capabilities_refuse_instead_of_ignoring(extra):
+    world = 2 if "2" in extra else 1
+    with pytest.raises(NotYetSupportedError, match="not yet supported"):
+        config_of(*extra, world_size=world)
+
+
+def test_data_parallel_not_yet_supported():
+    with pytest.raises(NotYetSupportedError, match="DP 2"):
+        config_of(world_size=2)
+
+
+def test_config_is_frozen():
+    c = config_of()
+    with pytest.raises(AttributeError):
+        c.training.train_iters = 5
+
+
+def test_entry_script_exits_nonzero_with_message(tmp_path):
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE_FLAGS, "--bf16", "--fp16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--bf16 and --fp16" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,87 @@
+"""Optimizer pieces: weight-decay groups, clipping vs torch's, fp16 loss scaling rules."""
+
+import pytest
+import torch
+
+from megalite.config import OptimizerConfig
+from megalite.model.gpt import GPTModel
+from megalite.optimizer.grad_scaler import DynamicGradScaler
+from megalite.optimizer.optimizer import Optimizer, parameter_groups
+
+from test_model import make_config
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    model = GPTModel(make_config(), seed=1)
+    decay, no_decay = parameter_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decay["params"])
+    assert {names[id(p)] for p in no_decay["params"]} == {
+        n for n, p in model.named_parameters() if n.endswith(".bias") or "layernorm" in n}
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+
+
+def test_clipping_matches_torch():
+    torch.manual_seed(0)
+    a, b = GPTModel(make_config(), 1), GPTModel(make_config(), 1)
+    tokens = torch.randint(0, 128, (2, 16))
+    for m in (a, b):
+        m(tokens, tokens).sum().backward()
+    opt = Optimizer(a, OptimizerConfig(lr=1e-3, clip_grad=0.5))
+    _, norm = opt.step()
+    ref_norm = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5)
+    assert norm == pytest.approx(ref_norm.item(), rel=1e-6)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        # `a`'s grads were clipped in place before its AdamW step; compare the grads.
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_dynamic_scaler_hysteresis_backoff_and_growth():
+    s = DynamicGradScaler(initial_scale=1024, min_scale=1, window=3, hysteresis=2)
+    s.update(found_inf=True)
+    assert s.scale == 1024  # first overflow absorbed by hysteresis
+    s.update(found_inf=True)
+    assert s.scale == 512
+    s.update(found_inf=True)
+    assert s.scale == 256  # hysteresis is only restored by a growth
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert s.scale == 512
+    s.update(found_inf=True)
+    assert s.scale == 512  # hysteresis restored
+    tiny = DynamicGradScaler(initial_scale=2, min_scale=1, window=10, hysteresis=1)
+    for _ in range(3):
+        tiny.update(found_inf=True)
+    assert tiny.scale == 1
+
+
+def test_overflow_skips_the_step_and_backs_off():
+    model = GPTModel(make_config(), seed=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = DynamicGradScaler(initial_scale=2.0 ** 16, min_scale=1, window=1000, hysteresis=1)
+    opt = Optimizer(model, OptimizerConfig(lr=1e-2), scaler)
+    tokens = torch.randint(0, 128, (2, 16))
+    opt.scale_loss(model(tokens, tokens).mean()).backward()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    updated, norm = opt.step()
+    assert not updated and norm is None and scaler.scale == 2.0 ** 15
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    opt.scale_loss(model(tokens, tokens).mean()).backward()
+    updated, norm = opt.step()
+    assert updated and norm > 0
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_unscaled_grads_equal_fp32_grads():
+    """With a finite scale the step sees the true gradient: same update as no scaling."""
+    tokens = torch.randint(0, 128, (2, 16))
+    results = []
+    for scaler in (None, DynamicGradScaler(2.0 ** 10, 1, 1000, 2)):
+        model = GPTModel(make_config(), seed=1)
+        opt = Optimizer(model, OptimizerConfig(lr=1e-2, clip_grad=0.0), scaler)
+        opt.scale_loss(model(tokens, tokens).mean()).backward()
+        opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

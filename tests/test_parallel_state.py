@@ -1,0 +1,71 @@
+"""The rank grid against an independent construction: the ranks as a [PP, DP, TP] array
+(TP fastest), whose rows along each axis are that axis's groups."""
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from megalite.errors import ConfigError
+from megalite.parallel_state import ParallelState, RankGrid
+
+
+def layouts(max_world=64):
+    for world in range(1, max_world + 1):
+        for tp in range(1, world + 1):
+            for pp in range(1, world // tp + 1):
+                if world % (tp * pp) == 0:
+                    yield world, tp, pp
+
+
+def reference_groups(world, tp, pp, axis):
+    """Groups along axis 0 (PP), 1 (DP) or 2 (TP) of arange(world).reshape(PP, DP, TP)."""
+    grid = np.arange(world).reshape(pp, world // (tp * pp), tp)
+    moved = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
+    return sorted(map(list, moved.tolist()))
+
+
+@pytest.mark.parametrize("world, tp, pp", list(layouts()))
+def test_groups_match_reference(world, tp, pp):
+    grid = RankGrid(world, tp, pp)
+    assert grid.data_parallel_size * tp * pp == world
+    assert grid.tensor_groups() == reference_groups(world, tp, pp, 2)
+    assert grid.data_groups() == reference_groups(world, tp, pp, 1)
+    assert grid.pipeline_groups() == reference_groups(world, tp, pp, 0)
+    array = np.arange(world).reshape(pp, -1, tp)
+    model_parallel = sorted(sorted(array[:, d, :].ravel().tolist())
+                            for d in range(array.shape[1]))
+    assert grid.model_parallel_groups() == model_parallel
+    for rank in range(world):
+        t, d, p = grid.coordinates(rank)
+        assert array[p, d, t] == rank == grid.rank(t, d, p)
+
+
+def test_tensor_groups_are_consecutive_ranks():
+    grid = RankGrid(16, 4, 2)
+    assert grid.tensor_groups()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert grid.pipeline_groups()[0] == [0, 8]
+
+
+def test_embedding_groups_are_first_and_last_stage():
+    grid = RankGrid(16, 2, 4)  # DP 2
+    assert grid.embedding_groups()[0] == [0, 12]
+    assert RankGrid(4, 4, 1).embedding_groups() == [[0], [1], [2], [3]]
+
+
+def test_world_size_not_divisible_is_named():
+    with pytest.raises(ConfigError, match="world size 6.*=4.*=1"):
+        RankGrid(6, 4, 1)
+
+
+def test_single_process_degenerates(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        state = ParallelState(RankGrid(1), 0)
+        assert (state.tp_rank, state.dp_rank, state.pp_rank) == (0, 0, 0)
+        assert (state.tp_size, state.dp_size, state.pp_size) == (1, 1, 1)
+        assert state.is_pipeline_first_stage and state.is_pipeline_last_stage
+        for group in (state.tp_group, state.dp_group, state.pp_group, state.mp_group,
+                      state.embedding_group):
+            assert dist.get_world_size(group) == 1
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,156 @@
+"""End-to-end single-process training through pretrain(), as pretrain_gpt.py runs it."""
+
+import math
+import re
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megalite.training import pretrain
+
+from conftest import BASE_FLAGS
+
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+
+# Megatron's training log line, field for field (megatron/training/training.py,
+# training_log), followed by megalite's tokens per second.
+LOG_LINE = re.compile(
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<it>\d+)/ +(?P<n>\d+) \|"
+    r" consumed samples: +(?P<samples>\d+) \|"
+    r" elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
+    r"( throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[\d.]+) \|)?"
+    r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d\d) \|"
+    r" global batch size: +(?P<gbs>\d+) \|"
+    r" lm loss: (?P<loss>\d\.\d{6}E[+-]\d\d|nan) \|"
+    r" loss scale: (?P<scale>[\d.]+) \|"
+    r"( grad norm: (?P<gnorm>[\d.]+) \|)?"
+    r" number of skipped iterations: +(?P<skipped>\d+) \|"
+    r" number of nan iterations: +(?P<nan>\d+) \|"
+    r" tokens per second: (?P<tps>[\d.]+) \|$")
+
+
+def run(capsys, *flags):
+    code = pretrain(list(flags))
+    out, err = capsys.readouterr()
+    logs = [m.groupdict() for m in map(LOG_LINE.match, out.splitlines()) if m]
+    return code, out, err, logs
+
+
+def flags_with(**overrides):
+    flags = list(BASE_FLAGS)
+    for key, value in overrides.items():
+        flag = "--" + key.replace("_", "-")
+        i = flags.index(flag)
+        flags[i + 1] = str(value)
+    return flags
+
+
+def mock_entropy_rate(vocab_size: int) -> float:
+    """Bayes-optimal loss (nats/token) on --mock-data: documents 1..L then eod with L
+    uniform on 1..M, M = vocab - 2. After eod the next token is 1 for sure; after token t
+    the document ends with probability 1/(M - t + 1), and token t is reached with
+    probability (M - t + 1)/M. Mean document length is (M + 1)/2 + 1 tokens."""
+    M = vocab_size - 2
+
+    def h(p):
+        return 0.0 if p in (0.0, 1.0) else -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    expected = sum((M - t + 1) / M * h(1 / (M - t + 1)) for t in range(1, M + 1))
+    return expected / ((M + 1) / 2 + 1)
+
+
+def test_learns_the_synthetic_task(capsys):
+    """From log(64) = 4.16 nats at init to within 0.15 nats of the Bayes-optimal 0.13:
+    that needs both the counting rule and the document-end hazard to be learned."""
+    flags = flags_with(train_iters=250) + NO_DROPOUT + [
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", "20", "--log-interval", "50", "--eval-interval", "1000",
+        "--eval-iters", "8", "--global-batch-size", "16", "--weight-decay", "0.1"]
+    code, out, _, logs = run(capsys, *flags)
+    assert code == 0
+    bayes = mock_entropy_rate(64)
+    assert 0.1 < bayes < 0.2
+    assert float(logs[0]["loss"]) > 1.0  # mean of the first 50 iterations
+    final = re.search(r"iteration 250 on validation set \| lm loss value: (\S+)", out)
+    assert float(final.group(1)) < bayes + 0.15
+
+
+def test_log_line_fields(capsys):
+    code, out, _, logs = run(capsys, *flags_with(train_iters=6), "--log-interval", "3",
+                             "--log-throughput", "--eval-iters", "0")
+    assert code == 0 and len(logs) == 2
+    first, second = logs
+    assert (first["it"], first["n"], first["samples"], first["gbs"]) == ("3", "6", "24", "8")
+    assert second["samples"] == "48"
+    assert first["tflops"] is not None and float(first["tflops"]) > 0
+    assert first["scale"] == "1.0" and first["skipped"] == "0" and first["nan"] == "0"
+    # 8 samples x 32 tokens per iteration.
+    assert float(first["tps"]) == pytest.approx(256 / (float(first["ms"]) / 1e3), rel=0.02)
+    _, _, _, plain = run(capsys, *flags_with(train_iters=2), "--log-interval", "1",
+                         "--eval-iters", "0")
+    assert plain[0]["tflops"] is None
+
+
+def test_tensorboard_event_file(capsys, tmp_path):
+    code, *_ = run(capsys, *flags_with(train_iters=4), "--log-interval", "2",
+                   "--eval-interval", "2", "--eval-iters", "1", "--tensorboard-dir",
+                   str(tmp_path))
+    assert code == 0
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "loss-scale", "throughput",
+            "lm loss validation", "lm loss validation ppl"} <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("lm loss validation")] == [2, 4]
+    ppl, val = events.Scalars("lm loss validation ppl")[0], events.Scalars("lm loss validation")[0]
+    assert ppl.value == pytest.approx(math.exp(val.value), rel=1e-5)
+
+
+def test_deterministic_under_seed(capsys):
+    """Dropout on: the same seed gives the same losses, another seed other losses."""
+    common = flags_with(train_iters=4) + ["--log-interval", "1", "--eval-iters", "0"]
+    losses = [[r["loss"] for r in run(capsys, *common, "--seed", seed)[3]]
+              for seed in ("5", "5", "6")]
+    assert losses[0] == losses[1]
+    assert losses[0] != losses[2]
+
+
+def test_exit_interval_and_train_samples(capsys):
+    code, out, _, logs = run(capsys, *flags_with(train_iters=10), "--log-interval", "1",
+                             "--eval-iters", "0", "--exit-interval", "3")
+    assert code == 0 and [r["it"] for r in logs] == ["1", "2", "3"]
+    assert "exiting program at iteration 3" in out
+    flags = [f for f in BASE_FLAGS if f not in ("--train-iters", "10")]
+    code, _, _, logs = run(capsys, *flags, "--train-samples", "20", "--log-interval", "1",
+                           "--eval-iters", "0")
+    assert code == 0 and [(r["it"], r["n"]) for r in logs] == [("1", "2"), ("2", "2")]
+
+
+def test_fp16_overflow_skips_and_backs_off(capsys):
+    """Scale 2^40 overflows fp16 activation grads (max 65504); with --hysteresis 1 each
+    overflow halves the scale and the step is skipped, and the lr schedule waits."""
+    tiny = ["--hidden-size", "16", "--num-attention-heads", "2", "--num-layers", "1",
+            "--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "2"]
+    code, _, _, logs = run(capsys, *BASE_FLAGS, *tiny, "--train-iters", "3", "--fp16",
+                           "--initial-loss-scale", str(2.0 ** 40), "--hysteresis", "1",
+                           "--log-interval", "1", "--eval-iters", "0",
+                           "--lr-warmup-iters", "2")
+    assert code == 0
+    assert [float(r["scale"]) for r in logs] == [2.0 ** 40, 2.0 ** 39, 2.0 ** 38]
+    assert [r["skipped"] for r in logs] == ["1", "1", "1"]
+    assert all(r["gnorm"] is None for r in logs)
+    assert {float(r["lr"]) for r in logs} == {0.0}  # warm-up never advanced
+
+
+def test_bf16_learns(capsys):
+    code, _, _, logs = run(capsys, *flags_with(train_iters=40), *NO_DROPOUT, "--bf16",
+                           "--lr", "3e-3", "--log-interval", "20", "--eval-iters", "0")
+    assert code == 0
+    assert float(logs[-1]["loss"]) < float(logs[0]["loss"]) - 1.0
+
+
+def test_nan_loss_is_a_named_error(capsys):
+    code, _, err, _ = run(capsys, *flags_with(train_iters=30), "--lr", "1e9",
+                          "--clip-grad", "0", "--eval-iters", "0", "--weight-decay", "0")
+    assert code == 1
+    assert re.search(r"iteration \d+: lm loss is (nan|inf)", err)
