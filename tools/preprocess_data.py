@@ -120,7 +120,7 @@ def _encode_chunk(chunk):
 
 
 def _encode_line(line):
-    """{key: (int64 ids, sequence lengths)}, or a str saying why the line is unusable."""
+    """{key: (token ids, sequence lengths)}, or a str saying why the line is unusable."""
     try:
         data = _parse(line)
         return {key: _tokenize_document(_sentences(data, key)) for key in _worker["keys"]}
@@ -185,7 +185,8 @@ def _checked_ids(ids, vocab_size):
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         bad = ids[(ids < 0) | (ids >= vocab_size)][0]
         raise _BadLine(f"token id {bad} outside the vocabulary [0, {vocab_size})")
-    return ids
+    # In range, so int32 holds them exactly at half the bytes to send to the parent.
+    return ids.astype(np.int32) if vocab_size <= 2**31 else ids
 
 
 # ---- parent side: read lines, keep them in order, write the datasets ----
