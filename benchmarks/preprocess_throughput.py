@@ -1,0 +1,151 @@
+"""Throughput and peak memory of tools/preprocess_data.py on the embedded corpus.
+
+The corpus is the Python standard library's own source (one .py file = one document,
+~30 MB, nothing downloaded). A SentencePiece BPE tokenizer is trained on it with
+tools/train_tokenizer.py unless --tokenizer-model is given. The tool then runs at each
+--workers count, and each figure is printed next to references measured in the same run:
+reading the input file (page cache, 1 MiB blocks) and the plain SentencePiece encode of
+every document in one process (json.loads + encode_as_ids, no output) -- the work one
+worker does, without the reading, ordering and writing around it.
+
+    python benchmarks/preprocess_throughput.py [--workers 1 2] [--repeat 2]
+        [--tokenizer-model tok.model] [--vocab-size 8000] [--workdir DIR]
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
+TRAIN_TOKENIZER = os.path.join(ROOT, "tools", "train_tokenizer.py")
+
+# Runs a command, then prints the peak RSS (KiB) of the largest process it started (the
+# tool's parent or one of its workers) and the CPU seconds of all of them together:
+# RUSAGE_CHILDREN covers every waited-for descendant.
+RUSAGE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+          "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+          "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
+          "print(r.ru_maxrss, r.ru_utime + r.ru_stime)")
+
+
+def build_corpus(path):
+    """One JSON line per stdlib .py file (site-packages excluded), in sorted order."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    count = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for folder, dirs, files in os.walk(stdlib):
+            dirs[:] = sorted(d for d in dirs if d != "site-packages")  # walk order, pruned
+            for name in sorted(f for f in files if f.endswith(".py")):
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    out.write(json.dumps({"text": f.read()}) + "\n")
+                count += 1
+    return count
+
+
+def read_speed(path):
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(1 << 20):
+            pass
+    return os.path.getsize(path) / (time.perf_counter() - start)
+
+
+def encode_speed(path, model):
+    """(seconds, CPU seconds, tokens) to encode every document in this process."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model)
+    start, cpu, tokens = time.perf_counter(), time.process_time(), 0
+    with open(path, "rb") as f:
+        for line in f:
+            tokens += len(sp.encode_as_ids(json.loads(line)["text"]))
+    return time.perf_counter() - start, time.process_time() - cpu, tokens
+
+
+def cpu_scaling(processes):
+    """Speed of `processes` busy processes relative to one: what parallel work can gain here
+    (below `processes` when other jobs share the cores)."""
+    with multiprocessing.Pool(processes) as pool:
+        pool.map(_spin, [1] * processes)  # start-up out of the timing
+        start = time.perf_counter()
+        pool.map(_spin, [0.5] * processes)
+        parallel = time.perf_counter() - start
+    start = time.perf_counter()
+    _spin(0.5)
+    return processes * (time.perf_counter() - start) / parallel
+
+
+def _spin(seconds_of_work):
+    n = int(seconds_of_work * 2e7)
+    return sum(i * i for i in range(n))
+
+
+def run_tool(corpus, model, prefix, workers):
+    """(wall seconds, CPU seconds, peak RSS in MiB) of one preprocess_data.py run."""
+    cmd = [sys.executable, PREPROCESS, "--input", corpus, "--output-prefix", prefix,
+           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
+           "--append-eod", "--workers", str(workers), "--log-interval", "100000"]
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", RUSAGE, *cmd], check=True,
+                         capture_output=True, text=True).stdout
+    rss, cpu = out.split()
+    return time.perf_counter() - start, float(cpu), int(rss) / 1024
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeat", type=int, default=2, help="runs per setting; best is kept")
+    parser.add_argument("--tokenizer-model", help="skip training; use this SentencePiece model")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--workdir", help="keep corpus and outputs here (default: a temp dir)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.workdir or tmp
+        os.makedirs(work, exist_ok=True)
+        report(args, work)
+
+
+def report(args, work):
+    corpus = os.path.join(work, "stdlib.jsonl")
+    docs = build_corpus(corpus)
+    mb = os.path.getsize(corpus) / 2**20
+    print(f"corpus: {docs} documents, {mb:.1f} MiB ({sys.version.split()[0]} stdlib)")
+    model = args.tokenizer_model
+    if model is None:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, TRAIN_TOKENIZER, "--input", corpus, "--model-prefix",
+                        os.path.join(work, "tok"), "--vocab-size", str(args.vocab_size)],
+                       check=True, capture_output=True)
+        model = os.path.join(work, "tok.model")
+        print(f"tokenizer: trained BPE {args.vocab_size} in {time.perf_counter() - start:.1f} s")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+          + ", ".join(f"{n} busy processes run {cpu_scaling(n):.2f}x one"
+                      for n in sorted(set(args.workers)) if n > 1))
+    print(f"reference: read input                {read_speed(corpus) / 2**20:8.1f} MB/s")
+    wall, cpu, tokens = encode_speed(corpus, model)
+    print(f"reference: sentencepiece, 1 process  {mb / wall:8.2f} MB/s, {docs / wall:7.1f} "
+          f"docs/s, {wall:5.1f} s, {cpu:5.1f} CPU s ({tokens} tokens)")
+    outputs = {}
+    for workers in args.workers:
+        prefix = os.path.join(work, f"out_w{workers}")
+        wall, cpu, rss = min(run_tool(corpus, model, prefix, workers)
+                             for _ in range(args.repeat))
+        print(f"preprocess_data.py --workers {workers}:  {mb / wall:8.2f} MB/s, "
+              f"{docs / wall:7.1f} docs/s, {wall:5.1f} s, {cpu:5.1f} CPU s, "
+              f"peak RSS {rss:.0f} MiB per process")
+        outputs[workers] = [open(prefix + "_text_document" + ext, "rb").read()
+                            for ext in (".bin", ".idx")]
+    same = all(out == next(iter(outputs.values())) for out in outputs.values())
+    print(f"outputs identical across --workers {args.workers}: {same}")
+
+
+if __name__ == "__main__":
+    main()
