@@ -21,7 +21,10 @@ import json
 import os
 import sys
 
-from megalite.errors import ConfigError, DataError, MegaliteError
+# Runnable from a checkout without `pip install -e .`.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megalite.errors import ConfigError, DataError, MegaliteError  # noqa: E402
 
 
 def get_args(argv=None):

@@ -152,7 +152,8 @@ def test_null_tokenizer_exact_bytes_for_two_keys(tmp_path):
     # NullTokenizer(10): eod is 10, vocab 11, as in Megatron.
     assert read_output(tmp_path / "out", "text") == megatron_files(
         [[[1, 2, 3, 10]], [], [[4, 5], [6, 10]]], 11)
-    assert read_output(tmp_path / "out", "code") == megatron_files([[[7, 10]], [[8, 9, 10]], []], 11)
+    assert read_output(tmp_path / "out", "code") == megatron_files(
+        [[[7, 10]], [[8, 9, 10]], []], 11)
     assert "3 documents (1 empty), 3 sequences, 8 tokens" in result.stdout
 
 
@@ -169,7 +170,8 @@ def test_bad_flags(tmp_path):
     null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
     result = preprocess(tmp_path / "in.jsonl", tmp_path / "out", *null,
                         "--workers", "3", "--partitions", "2")
-    assert result.returncode == 1 and "--workers 3 must be a multiple of --partitions 2" in result.stderr
+    assert result.returncode == 1
+    assert "--workers 3 must be a multiple of --partitions 2" in result.stderr
     result = preprocess(tmp_path / "missing.jsonl", tmp_path / "out", *null)
     assert result.returncode == 1 and "missing.jsonl: file not found" in result.stderr
     result = preprocess(tmp_path / "in.jsonl", tmp_path / "out", "--append-eod",
