@@ -18,9 +18,11 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from build_stdlib_corpus import build_corpus  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
@@ -33,20 +35,6 @@ RUSAGE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=
           "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
           "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
           "print(r.ru_maxrss, r.ru_utime + r.ru_stime)")
-
-
-def build_corpus(path):
-    """One JSON line per stdlib .py file (site-packages excluded), in sorted order."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    count = 0
-    with open(path, "w", encoding="utf-8") as out:
-        for folder, dirs, files in os.walk(stdlib):
-            dirs[:] = sorted(d for d in dirs if d != "site-packages")  # walk order, pruned
-            for name in sorted(f for f in files if f.endswith(".py")):
-                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
-                    out.write(json.dumps({"text": f.read()}) + "\n")
-                count += 1
-    return count
 
 
 def read_speed(path):

@@ -7,6 +7,8 @@ rejects combinations that cannot work. Nothing here is read as a global.
 
 import argparse
 
+from megalite.data.tokenizer import TOKENIZER_TYPES
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -133,14 +135,20 @@ def _data(parser):
                    help="Synthetic counting documents (Megatron's mock GPT dataset).")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="Vocabulary size for --mock-data / NullTokenizer.")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--tokenizer-type", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Indexed dataset prefixes, optionally weighted: [w1] p1 [w2 p2 ...].")
+    g.add_argument("--split", default="969,30,1",
+                   help="Train/valid/test proportions of each dataset's documents.")
+    g.add_argument("--data-cache-path", default=None,
+                   help="Where sample indices are cached (default: beside the data).")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece model, or tokenizer.json for HuggingFaceTokenizer.")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json.")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt.")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="No loss on positions whose input token is end-of-document.")
+    g.add_argument("--num-workers", type=int, default=2, help="Data loader worker processes.")
 
 
 def _checkpointing(parser):

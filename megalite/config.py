@@ -79,6 +79,13 @@ class DataConfig:
     seq_length: int
     mock_data: bool = False
     vocab_size: int | None = None
+    """The tokenizer's vocabulary (or --vocab-size for --mock-data), before padding."""
+    data_path: tuple[str, ...] = ()
+    """--data-path as given: prefixes, optionally preceded by weights."""
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    eod_mask_loss: bool = False
+    num_workers: int = 2
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,13 @@ class Config:
     distributed: DistributedConfig
 
 
-def validate_args(args, world_size: int = 1) -> Config:
-    """Check the parsed flags and build the frozen config. Raises ConfigError."""
+def validate_args(args, world_size: int = 1,
+                  tokenizer_vocab_size: int | None = None) -> Config:
+    """Check the parsed flags and build the frozen config. Raises ConfigError.
+
+    `tokenizer_vocab_size` is the vocabulary of the tokenizer --tokenizer-type built
+    (None without one); it sets the padded vocabulary of the model.
+    """
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size", "lr")
     _check_positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -119,14 +131,17 @@ def validate_args(args, world_size: int = 1) -> Config:
                     "pipeline_model_parallel_size", "distributed_timeout_minutes")
     parallel = _parallel_config(args, world_size)
     _check_not_yet_supported(args)
+    vocab_size = _vocab_size(args, tokenizer_vocab_size)
     return Config(
-        model=_model_config(args, parallel),
+        model=_model_config(args, parallel, vocab_size),
         parallel=parallel,
         training=_training_config(args, parallel),
         optimizer=_optimizer_config(args),
         scheduler=_scheduler_config(args),
         precision=_precision_config(args),
-        data=_data_config(args),
+        data=DataConfig(args.seq_length, args.mock_data, vocab_size, tuple(args.data_path or ()),
+                        args.split, args.data_cache_path, args.eod_mask_loss,
+                        args.num_workers),
         logging=LoggingConfig(args.log_interval, args.log_throughput, args.tensorboard_dir,
                               args.tensorboard_log_interval),
         distributed=DistributedConfig(args.distributed_backend, args.distributed_timeout_minutes),
@@ -142,13 +157,6 @@ _NOT_YET = {
     "sequence_parallel": False,
     "use_distributed_optimizer": False,
     "use_flash_attn": False,
-    "data_path": None,
-    "data_cache_path": None,
-    "tokenizer_type": None,
-    "tokenizer_model": None,
-    "vocab_file": None,
-    "merge_file": None,
-    "eod_mask_loss": False,
     "save": None,
     "load": None,
     "save_interval": None,
@@ -198,7 +206,7 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
                           args.use_distributed_optimizer)
 
 
-def _model_config(args, parallel: ParallelConfig) -> GPTConfig:
+def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
     heads, hidden = args.num_attention_heads, args.hidden_size
     kv_channels = args.kv_channels
     if kv_channels is None:
@@ -233,7 +241,7 @@ def _model_config(args, parallel: ParallelConfig) -> GPTConfig:
         num_layers=args.num_layers, hidden_size=hidden, ffn_hidden_size=ffn,
         num_attention_heads=heads, num_query_groups=groups, kv_channels=kv_channels,
         seq_length=args.seq_length, max_position_embeddings=max_pos,
-        padded_vocab_size=pad_vocab_size(_vocab_size(args), args.make_vocab_size_divisible_by,
+        padded_vocab_size=pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
                                          parallel.tensor_model_parallel_size),
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent, normalization=args.normalization,
@@ -244,11 +252,18 @@ def _model_config(args, parallel: ParallelConfig) -> GPTConfig:
     )
 
 
-def _vocab_size(args) -> int:
-    if not args.mock_data:
-        raise ConfigError("no training data: pass --mock-data (with --vocab-size)")
-    if args.vocab_size is None or args.vocab_size < 2:
-        raise ConfigError(f"--mock-data needs --vocab-size >= 2, got {args.vocab_size}")
+def _vocab_size(args, tokenizer_vocab_size: int | None) -> int:
+    if args.mock_data == bool(args.data_path):
+        raise ConfigError("pass exactly one data source: --data-path PREFIX... (with "
+                          "--tokenizer-type) or --mock-data (with --vocab-size)")
+    if args.data_path and args.tokenizer_type is None:
+        raise ConfigError("--data-path needs --tokenizer-type (and its files) to know the "
+                          "vocabulary and the end-of-document id")
+    if tokenizer_vocab_size is not None:
+        return tokenizer_vocab_size
+    if args.vocab_size is None or args.vocab_size < 3:
+        raise ConfigError(f"--mock-data needs --vocab-size >= 3 (or a --tokenizer-type), "
+                          f"got {args.vocab_size}")
     return args.vocab_size
 
 
@@ -278,6 +293,8 @@ def _training_config(args, parallel: ParallelConfig) -> TrainingConfig:
         train_iters = args.train_iters
     if train_iters <= 0:
         raise ConfigError(f"--train-iters must be positive, got {train_iters}")
+    if args.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0, got {args.num_workers}")
     if args.eval_iters < 0:
         raise ConfigError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.exit_interval is not None and args.exit_interval <= 0:
@@ -363,7 +380,3 @@ def _precision_config(args) -> PrecisionConfig:
                           f"--hysteresis={args.hysteresis} must be positive")
     return PrecisionConfig(args.bf16, args.fp16, args.loss_scale, args.initial_loss_scale,
                            args.min_loss_scale, int(args.loss_scale_window), args.hysteresis)
-
-
-def _data_config(args) -> DataConfig:
-    return DataConfig(args.seq_length, args.mock_data, args.vocab_size)

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from megalite.arguments import parse_args
 from megalite.config import Config, PrecisionConfig, validate_args
-from megalite.data.mock import MockGPTDataset
+from megalite.data.datasets import build_datasets
+from megalite.data.sampler import MicroBatchSampler, collate_samples
+from megalite.data.tokenizer import build_tokenizer
 from megalite.errors import MegaliteError
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.gpt import GPTModel
@@ -55,28 +57,19 @@ def autocast(precision: PrecisionConfig, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def build_datasets(config: Config, train_iters: int):
-    """(train, valid, test) datasets, sized for the whole run."""
-    t, g = config.training, config.training.global_batch_size
-    eval_runs = train_iters // t.eval_interval + 1
-    sizes = (train_iters * g, eval_runs * t.eval_iters * g, t.eval_iters * g)
-    return [MockGPTDataset(max(n, 1), config.data.seq_length, config.data.vocab_size,
-                           seed=t.seed + split) for split, n in enumerate(sizes)]
-
-
-def microbatch_indices(step: int, global_batch_size: int, micro_batch_size: int,
-                       dp_rank: int, dp_size: int) -> list[range]:
-    """Sample indices of this DP rank's micro-batches in global batch `step`: the global
-    batch is the same samples whatever DP is; each DP rank takes a contiguous slice."""
-    per_rank = global_batch_size // dp_size
-    start = step * global_batch_size + dp_rank * per_rank
-    return [range(s, s + micro_batch_size) for s in range(start, start + per_rank,
-                                                          micro_batch_size)]
-
-
-def collate(dataset, indices, device: torch.device) -> dict:
-    samples = [dataset[i] for i in indices]
-    return {key: torch.stack([s[key] for s in samples]).to(device) for key in samples[0]}
+def microbatches(dataset, consumed_samples: int, config: Config, state: ParallelState,
+                 device: torch.device):
+    """This DP rank's micro-batches from `consumed_samples` on, as tensors on `device`.
+    Worker processes (--num-workers) read and collate ahead of the training loop."""
+    t = config.training
+    sampler = MicroBatchSampler(len(dataset), consumed_samples, t.micro_batch_size,
+                                state.dp_rank, state.dp_size, t.global_batch_size)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate_samples,
+        num_workers=config.data.num_workers, pin_memory=device.type != "cpu",
+        persistent_workers=config.data.num_workers > 0)
+    for batch in loader:
+        yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def train_step(model, optimizer: Optimizer, microbatches: list[dict],
@@ -96,27 +89,32 @@ def train_step(model, optimizer: Optimizer, microbatches: list[dict],
 
 
 @torch.no_grad()
-def evaluate(model, dataset, first_sample: int, config: Config, device: torch.device) -> float:
-    """Token-weighted mean loss over --eval-iters global batches from `first_sample`."""
-    t = config.training
+def evaluate(model, batches, config: Config, device: torch.device) -> float:
+    """Token-weighted mean loss over --eval-iters global batches drawn from `batches`."""
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = 0.0
-    for step in range(t.eval_iters):
-        for indices in microbatch_indices(step, t.global_batch_size, t.micro_batch_size, 0, 1):
-            batch = collate(dataset, [first_sample + i for i in indices], device)
-            with autocast(config.precision, device):
-                losses = model(batch["tokens"], batch["labels"])
-            loss_sum += (losses * batch["loss_mask"]).sum()
-            tokens += batch["loss_mask"].sum().item()
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    for _ in range(config.training.eval_iters * config.training.num_microbatches):
+        batch = next(batches)
+        with autocast(config.precision, device):
+            losses = model(batch["tokens"], batch["labels"])
+        loss_sum += (losses * batch["loss_mask"]).sum()
+        tokens += batch["loss_mask"].sum()
     model.train()
-    return loss_sum.item() / max(tokens, 1.0)
+    return (loss_sum / tokens.clamp(min=1.0)).item()
 
 
 def pretrain(argv=None) -> int:
     """Entry point of pretrain_gpt.py. Returns the process exit code."""
     try:
-        config = validate_args(parse_args(argv), world_size_from_env())
+        args = parse_args(argv)
+        tokenizer = None
+        if args.tokenizer_type is not None:
+            tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                        vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                        vocab_size=args.vocab_size)
+        config = validate_args(args, world_size_from_env(),
+                               tokenizer.vocab_size if tokenizer else None)
         rank, world_size, device = initialize_distributed(config.distributed)
     except MegaliteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -125,7 +123,7 @@ def pretrain(argv=None) -> int:
         p = config.parallel
         state = ParallelState(RankGrid(world_size, p.tensor_model_parallel_size,
                                        p.pipeline_model_parallel_size), rank)
-        run_training(config, state, device)
+        run_training(config, state, device, tokenizer.eod if tokenizer else None)
         return 0
     except MegaliteError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
@@ -134,46 +132,52 @@ def pretrain(argv=None) -> int:
         dist.destroy_process_group()
 
 
-def run_training(config: Config, state: ParallelState, device: torch.device) -> TrainState:
+def run_training(config: Config, state: ParallelState, device: torch.device,
+                 eod: int | None) -> TrainState:
     set_seed(config.training.seed)
     model = GPTModel(config.model, config.training.seed).to(device)
     optimizer = Optimizer(model, config.optimizer, build_grad_scaler(config.precision))
     scheduler = LRScheduler(optimizer, config.scheduler)
-    train_ds, valid_ds, test_ds = build_datasets(config, config.training.train_iters)
-    tensorboard = TensorBoardLogger(config.logging.tensorboard_dir
-                                    if dist.get_rank() == dist.get_world_size() - 1 else None)
+    train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
+                                                 barrier=dist.barrier)
+    is_last = dist.get_rank() == dist.get_world_size() - 1
+    tensorboard = TensorBoardLogger(config.logging.tensorboard_dir if is_last else None)
     print_rank_last(f"> number of parameters: {sum(p.numel() for p in model.parameters())}")
+    evaluating = config.training.eval_iters > 0
+    valid = (microbatches(valid_ds, 0, config, state, device)
+             if evaluating and valid_ds is not None else None)
     try:
-        progress = train(config, state, model, optimizer, scheduler, train_ds, valid_ds,
+        progress = train(config, state, model, optimizer, scheduler, train_ds, valid,
                          tensorboard, device)
-        if config.training.eval_iters > 0:
+        if valid is not None:
             # The loop may have just written this iteration's validation scalars.
             evaluated = progress.iteration % config.training.eval_interval == 0
             _evaluate_and_print(f"iteration {progress.iteration} on validation set", model,
-                                valid_ds, progress.consumed_valid_samples, config, device,
-                                tensorboard, None if evaluated else progress.iteration)
-            _evaluate_and_print(f"iteration {progress.iteration} on test set", model, test_ds,
-                                0, config, device, tensorboard, None)
+                                valid, config, device, tensorboard,
+                                None if evaluated else progress.iteration)
+        if evaluating and test_ds is not None:
+            _evaluate_and_print(f"iteration {progress.iteration} on test set", model,
+                                microbatches(test_ds, 0, config, state, device), config,
+                                device, tensorboard, None)
     finally:
         tensorboard.close()
     return progress
 
 
 def train(config: Config, state: ParallelState, model, optimizer, scheduler, train_ds,
-          valid_ds, tensorboard: TensorBoardLogger, device: torch.device) -> TrainState:
+          valid, tensorboard: TensorBoardLogger, device: torch.device) -> TrainState:
     t, log = config.training, config.logging
     progress = TrainState()
     stats = IntervalStats()
     flops_per_step = num_floating_point_operations(config.model, t.global_batch_size)
+    batches = microbatches(train_ds, progress.consumed_train_samples, config, state, device)
     model.train()
     while progress.iteration < t.train_iters:
         start = time.perf_counter()
-        microbatches = [collate(train_ds, idx, device) for idx in microbatch_indices(
-            progress.iteration, t.global_batch_size, t.micro_batch_size, state.dp_rank,
-            state.dp_size)]
+        step_batches = [next(batches) for _ in range(t.num_microbatches)]
         lr = scheduler.lr
         loss_scale = optimizer.loss_scale
-        loss, skipped, grad_norm = train_step(model, optimizer, microbatches, config.precision,
+        loss, skipped, grad_norm = train_step(model, optimizer, step_batches, config.precision,
                                               device)
         if not skipped:
             scheduler.step(t.global_batch_size)
@@ -192,10 +196,9 @@ def train(config: Config, state: ParallelState, model, optimizer, scheduler, tra
             _log_interval(config, progress, stats, lr, loss_scale, grad_norm, flops_per_step,
                           tensorboard)
             stats = IntervalStats()
-        if t.eval_iters > 0 and progress.iteration % t.eval_interval == 0:
-            _evaluate_and_print(f"iteration {progress.iteration}", model, valid_ds,
-                                progress.consumed_valid_samples, config, device, tensorboard,
-                                progress.iteration)
+        if valid is not None and progress.iteration % t.eval_interval == 0:
+            _evaluate_and_print(f"iteration {progress.iteration}", model, valid, config,
+                                device, tensorboard, progress.iteration)
             progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
         if t.exit_interval and progress.iteration % t.exit_interval == 0:
             print_rank_last(f"exiting program at iteration {progress.iteration}")
@@ -228,10 +231,9 @@ def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr
                                              "tokens-per-second": tokens_per_s})
 
 
-def _evaluate_and_print(prefix: str, model, dataset, first_sample: int, config: Config,
-                        device: torch.device, tensorboard: TensorBoardLogger,
-                        iteration: int | None):
-    loss = evaluate(model, dataset, first_sample, config, device)
+def _evaluate_and_print(prefix: str, model, batches, config: Config, device: torch.device,
+                        tensorboard: TensorBoardLogger, iteration: int | None):
+    loss = evaluate(model, batches, config, device)
     for line in validation_lines(prefix, loss):
         print_rank_last(line)
     if iteration is not None:

@@ -93,7 +93,8 @@ def test_iteration_schedule_is_counted_in_samples():
     (["--position-embedding-type", "rope", "--kv-channels", "15"],
      ["--kv-channels=15", "even"]),
     (["--rotary-percent", "0"], ["--rotary-percent", "0"]),
-    (["--vocab-size", "1"], ["--vocab-size", "1"]),
+    (["--vocab-size", "2"], ["--vocab-size", "2"]),
+    (["--num-workers", "-1"], ["--num-workers", "-1"]),
     (["--exit-interval", "0"], ["--exit-interval", "0"]),
     (["--eval-iters", "-1"], ["--eval-iters", "-1"]),
 ])
@@ -111,10 +112,22 @@ def test_missing_required_flags_are_named():
                                   "--micro-batch-size", "1", "--train-iters", "1"]))
 
 
-def test_no_data_source_is_an_error():
+def test_exactly_one_data_source():
     flags = [f for f in BASE_FLAGS if f != "--mock-data"]
-    with pytest.raises(ConfigError, match="--mock-data"):
+    with pytest.raises(ConfigError, match="--data-path.*--mock-data"):
         validate_args(parse_args(flags))
+    with pytest.raises(ConfigError, match="--data-path.*--mock-data"):
+        config_of("--data-path", "x")
+    with pytest.raises(ConfigError, match="--data-path needs --tokenizer-type"):
+        validate_args(parse_args(flags + ["--data-path", "x"]))
+
+
+def test_tokenizer_vocabulary_sets_the_padded_vocab():
+    flags = [f for f in BASE_FLAGS if f != "--mock-data"]
+    c = validate_args(parse_args(flags + ["--data-path", "x", "--tokenizer-type",
+                                          "NullTokenizer"]), 1, tokenizer_vocab_size=65)
+    assert (c.data.vocab_size, c.model.padded_vocab_size) == (65, 128)
+    assert c.data.data_path == ("x",)
 
 
 def test_world_size_must_fit_the_grid():
@@ -126,8 +139,7 @@ def test_world_size_must_fit_the_grid():
     ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
     ["--num-layers-per-virtual-pipeline-stage", "1"], ["--sequence-parallel"],
     ["--use-distributed-optimizer"], ["--use-flash-attn"], ["--attention-backend", "flash"],
-    ["--save", "/tmp/x"], ["--load", "/tmp/x"], ["--data-path", "a"],
-    ["--tokenizer-type", "GPT2BPETokenizer"], ["--finetune"],
+    ["--save", "/tmp/x"], ["--load", "/tmp/x"], ["--finetune"],
 ])
 def test_later_capabilities_refuse_instead_of_ignoring(extra):
     world = 2 if "2" in extra else 1

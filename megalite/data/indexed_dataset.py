@@ -204,8 +204,9 @@ class IndexedDataset:
         _check_documents(self.idx_path, self.document_indices, num_seqs)
         bin_bytes = _check_pointers(self.idx_path, self.sequence_lengths,
                                     self.sequence_pointers, self.dtype.itemsize)
-        self._tokens = np.frombuffer(_map(self.bin_path, "data", bin_bytes, self.idx_path),
-                                     self.dtype)
+        # Every token of the file, back to back (a read-only view of the mmap).
+        self.tokens = np.frombuffer(_map(self.bin_path, "data", bin_bytes, self.idx_path),
+                                    self.dtype)
 
     def __len__(self):
         return len(self.sequence_lengths)
@@ -220,7 +221,7 @@ class IndexedDataset:
             raise IndexError(f"{self.path_prefix}: tokens [{offset}, {offset + length}) "
                              f"outside sequence {idx} of length {size}")
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
-        return self._tokens[start:start + length]
+        return self.tokens[start:start + length]
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
