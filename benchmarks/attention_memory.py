@@ -6,12 +6,12 @@ the fp32 score matrix, seq x seq x heads x 4 bytes: what `unfused` materialises 
 times over: scores, probabilities, their gradients) and what a flash-style kernel never
 stores, keeping memory linear in seq.
 
-CPU (fp32, sdpa vs unfused): each case runs in a fresh subprocess. The child allocates
-the inputs and runs the backend once at seq 16 (loading its kernels' code pages and
-thread pool), reads resource.getrusage(RUSAGE_SELF).ru_maxrss as the baseline, runs the
-case once and reads ru_maxrss again: the difference is the peak the attention itself
-added. Large tensors come from mmap and go back to the OS when freed, so the high-water
-mark tracks live tensors; a fresh process keeps one case's peak out of the next's.
+CPU (fp32, sdpa vs unfused): each case runs in a fresh subprocess, so one case's peak
+cannot hide the next's. The child runs the backend once at seq 16 (loading its kernels'
+code pages and thread pool), allocates the inputs, reads the high-water mark
+resource.getrusage(RUSAGE_SELF).ru_maxrss (at that point equal to the current RSS), runs
+the case once and reads it again: the difference is the peak the attention added. Large
+tensors come from mmap and go back to the OS when freed, so the mark tracks live tensors.
 Time is the mean of the further runs.
 
 GPU (bf16, flash when the flash-attn package is installed, sdpa, unfused): in process,
