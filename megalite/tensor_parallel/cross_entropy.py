@@ -1,0 +1,64 @@
+"""Cross-entropy over a vocabulary split across the tensor-parallel group (Megatron-LM §3).
+
+Each rank holds logits for its block of the vocabulary, [..., V / tp]. The loss
+    loss = log(sum_v exp(z_v - m)) - (z_target - m),   m = max_v z_v
+needs three reductions over the vocabulary, each an all-reduce of one number per token
+(max, target logit, sum of exponentials), never an all-gather of the [..., V] logits.
+The gradient on each shard is (softmax - onehot(target)) restricted to the shard.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megalite.tensor_parallel.mappings import group_rank, group_size
+
+
+def _all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        shard_size = logits.shape[-1]
+        vocab_start = group_rank(group) * shard_size
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
+
+        logits_max = _all_reduce_(logits.max(dim=-1).values.contiguous(), group,
+                                  dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        # The target logit lives on exactly one rank; the others contribute 0.
+        elsewhere = (target < vocab_start) | (target >= vocab_start + shard_size)
+        local_target = (target - vocab_start).masked_fill(elsewhere, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = _all_reduce_(target_logit.masked_fill(elsewhere, 0.0), group)
+
+        exp = shifted.exp()
+        sum_exp = _all_reduce_(exp.sum(dim=-1), group)
+        loss = sum_exp.log() - target_logit
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, elsewhere, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, elsewhere, local_target = ctx.saved_tensors
+        grad = softmax.clone()
+        # d loss / d z = softmax - onehot(target), the onehot only on the target's rank.
+        grad.scatter_add_(-1, local_target.unsqueeze(-1),
+                          -(~elsewhere).to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 group) -> torch.Tensor:
+    """Per-token loss [...] from this rank's vocabulary shard of the logits [..., V / tp]
+    (computed in fp32) and global target ids [...] in [0, V). Equals
+    F.cross_entropy(full_logits, target, reduction='none'); masking is the caller's job."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group)

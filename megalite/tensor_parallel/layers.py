@@ -1,0 +1,168 @@
+"""Tensor-parallel layers (Megatron-LM §3; sequence parallelism: Korthikanti et al. 2022).
+
+Activations are sequence-first, [seq, batch, hidden]; under sequence parallelism the
+activations between layers are sharded along seq, [seq / tp, batch, hidden].
+
+Sharded parameters carry `tensor_model_parallel = True` and `partition_dim`, so the model
+initialises every layout from the same full tensor:
+    param.copy_(full.chunk(tp, dim=param.partition_dim)[tp_rank])
+Replicated parameters carry `tensor_model_parallel = False`. A replicated parameter whose
+gradient differs across the TP group (it sees only this rank's sequence shard: row-parallel
+biases and norms under sequence parallelism) carries `sequence_parallel = True`; sum those
+grads with `allreduce_sequence_parallel_grads` before the optimizer step.
+The default values are zeros: the model overwrites every parameter.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.errors import ConfigError
+from megalite.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region, group_rank, group_size,
+    reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region)
+
+
+def _divide(size: int, tp: int, what: str) -> int:
+    if size % tp:
+        raise ConfigError(f"{what} = {size} is not divisible by the tensor-parallel size "
+                          f"{tp} (--tensor-model-parallel-size)")
+    return size // tp
+
+
+def _parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool = False):
+    param = nn.Parameter(torch.zeros(*shape))
+    param.tensor_model_parallel = partition_dim is not None
+    if partition_dim is not None:
+        param.partition_dim = partition_dim
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by rows (the output dim): rank r holds rows block r.
+
+    Input [s, b, in] replicated across the TP group, or [s / tp, b, in] under sequence
+    parallelism; output [s, b, out / tp], or [s, b, out] with gather_output.
+
+    Under sequence parallelism the weight gradient needs the all-gathered input. This layer
+    keeps the gathered [s, b, in] input from the forward for the backward (memory: one
+    gathered activation per layer); Megatron instead frees it and all-gathers it again in
+    backward, which costs 2 more all-gathers per transformer layer per step.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = _divide(
+            output_size, group_size(group), "ColumnParallelLinear output size")
+        self.weight = _parameter(self.output_size_per_partition, input_size, partition_dim=0)
+        self.bias = (_parameter(self.output_size_per_partition, partition_dim=0)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, "
+                f"out_per_partition={self.output_size_per_partition}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by columns (the input dim): rank r holds columns block r.
+
+    Input [s, b, in / tp] (input_is_parallel) or [s, b, in] replicated; the partial products
+    are summed across the group (all-reduce, or reduce-scatter along seq under sequence
+    parallelism: output [s / tp, b, out]); the full bias is added once, after the sum.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = _divide(
+            input_size, group_size(group), "RowParallelLinear input size")
+        self.weight = _parameter(output_size, self.input_size_per_partition, partition_dim=1)
+        # Under sequence parallelism each rank adds the bias to its own sequence shard, so
+        # its gradient is a partial sum across the group.
+        self.bias = (_parameter(output_size, partition_dim=None,
+                                sequence_parallel=sequence_parallel) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, "
+                f"in_per_partition={self.input_size_per_partition}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by rows (the vocabulary): rank r holds ids
+    [r * V / tp, (r + 1) * V / tp). Each rank looks up the ids it holds, writes zeros for
+    the others, and the all-reduce assembles every row. The vocabulary must be divisible by
+    tp (the model pads it). Ids outside [0, V) embed to zeros instead of raising: the data
+    pipeline checks ids against the vocabulary before training.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group):
+        super().__init__()
+        self.group = group
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per_partition = _divide(num_embeddings, group_size(group),
+                                "VocabParallelEmbedding vocabulary size (padded)")
+        self.vocab_start_index = group_rank(group) * per_partition
+        self.vocab_end_index = self.vocab_start_index + per_partition
+        self.weight = _parameter(per_partition, embedding_dim, partition_dim=0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens of any shape [...] (global ids) -> [..., embedding_dim]."""
+        if group_size(self.group) == 1:
+            return F.embedding(tokens, self.weight)
+        elsewhere = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
+        local = (tokens - self.vocab_start_index).masked_fill(elsewhere, 0)
+        out = F.embedding(local, self.weight).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"rows=[{self.vocab_start_index}, {self.vocab_end_index})")
+
+
+def allreduce_sequence_parallel_grads(params, group):
+    """Sum across the TP group the grads of replicated parameters marked
+    `sequence_parallel = True`: one flat buffer and one all-reduce per dtype."""
+    if group_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(summed.view_as(g))

@@ -1,0 +1,206 @@
+"""The tensor-parallel communication operators, as autograd functions.
+
+Megatron-LM (Shoeybi et al. 2019, §3) splits a layer with two conjugate operators:
+`f` (identity forward, all-reduce backward) before a column-parallel layer and `g`
+(all-reduce forward, identity backward) after a row-parallel one. Sequence parallelism
+(Korthikanti et al. 2022, §4.2.2) replaces them by an all-gather along the sequence dim
+before the column-parallel layer and a reduce-scatter after the row-parallel one, and their
+backwards swap: all-gather <-> reduce-scatter.
+
+Every operator takes the tensor-parallel process group as an argument; `group=None` (or a
+group of one rank) means no tensor parallelism and the operator is the identity. The
+collectives are called as `dist.<name>(...)` so a benchmark can wrap them to count bytes.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megalite.errors import ConfigError
+
+
+def group_size(group) -> int:
+    """Size of a tensor-parallel group; None stands for no tensor parallelism."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _check_divisible(x: torch.Tensor, dim: int, parts: int, op: str):
+    if x.shape[dim] % parts:
+        raise ConfigError(f"{op}: dim {dim} of a tensor of shape {tuple(x.shape)} has size "
+                          f"{x.shape[dim]}, not divisible by the tensor-parallel size {parts}")
+
+
+# The collectives. Each returns a new tensor and never writes into its input, which autograd
+# may have saved for backward.
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _split(x: torch.Tensor, dim: int, group, op: str) -> torch.Tensor:
+    """This rank's contiguous chunk of `dim`."""
+    tp = group_size(group)
+    if tp == 1:
+        return x
+    _check_divisible(x, dim, tp, op)
+    return x.chunk(tp, dim=dim)[group_rank(group)].contiguous()
+
+
+def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """[n, ...] on each rank -> [tp * n, ...], rank 0's block first."""
+    tp = group_size(group)
+    if tp == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """[..., n] on each rank -> [..., tp * n]: gather along dim 0, then move the rank blocks."""
+    tp = group_size(group)
+    if tp == 1:
+        return x
+    stacked = _all_gather_first_dim(x, group).view(tp, *x.shape)     # [tp, ..., n]
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], tp * x.shape[-1])
+
+
+def _reduce_scatter_first_dim(x: torch.Tensor, group, op: str) -> torch.Tensor:
+    """[n, ...] on each rank -> this rank's [n / tp, ...] block of the sum over ranks."""
+    tp = group_size(group)
+    if tp == 1:
+        return x
+    _check_divisible(x, 0, tp, op)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+# Tensor-parallel region (Megatron-LM §3): f, g and the last-dim scatter/gather.
+
+class _CopyToTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group, "scatter_to_tensor_model_parallel_region")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group, "gather_from_tensor_model_parallel_region"), None
+
+
+def copy_to_tensor_model_parallel_region(x, group):
+    """f: identity forward, all-reduce backward (before a column-parallel layer)."""
+    return _CopyToTensorModelParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x, group):
+    """g: all-reduce forward, identity backward (after a row-parallel layer)."""
+    return _ReduceFromTensorModelParallelRegion.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x, group):
+    """Keep this rank's chunk of the last dim; backward all-gathers the last dim."""
+    return _ScatterToTensorModelParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x, group):
+    """All-gather the last dim; backward keeps this rank's chunk."""
+    return _GatherFromTensorModelParallelRegion.apply(x, group)
+
+
+# Sequence-parallel region (Korthikanti et al. 2022): the same along dim 0 (sequence).
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group, "scatter_to_sequence_parallel_region")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_first_dim(grad, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _all_gather_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "gather_from_sequence_parallel_region"
+        if ctx.tensor_parallel_output_grad:
+            # The consumer is tensor-parallel: each rank holds a partial gradient.
+            return _reduce_scatter_first_dim(grad, ctx.group, op), None, None
+        return _split(grad, 0, ctx.group, op), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first_dim(x, group, "reduce_scatter_to_sequence_parallel_region")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_first_dim(grad, ctx.group), None
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """Keep this rank's chunk of dim 0 (sequence); backward all-gathers dim 0."""
+    return _ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
+    """All-gather dim 0 (sequence); backward reduce-scatters dim 0 when the gathered tensor
+    feeds a tensor-parallel layer (partial grads per rank), else keeps this rank's chunk."""
+    return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """Reduce-scatter dim 0 (sequence); backward all-gathers dim 0."""
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)

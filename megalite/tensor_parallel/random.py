@@ -1,0 +1,80 @@
+"""RNG states for dropout under tensor parallelism (Megatron-LM §3, "random number generation").
+
+Dropout on replicated activations (outside tensor-parallel regions, e.g. after a
+row-parallel layer) must draw the same mask on every rank of the TP group, so those ranks
+keep identical copies: the default generator is seeded identically across the group.
+Dropout on sharded activations (attention probabilities of this rank's heads) must draw
+independent masks per shard: it runs inside `tracker.fork()`, which swaps in a generator
+state seeded differently per TP rank and swaps the default state back afterwards.
+
+Device-agnostic: the tracked state is the default generator of `device` (the CPU
+generator, or the accelerator's through torch.get_device_module).
+"""
+
+import contextlib
+
+import torch
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def model_parallel_seed(seed: int, tp_rank: int) -> int:
+    """Megatron's offset: distinct per TP rank, and distinct from the default seed."""
+    return seed + 2718 + tp_rank
+
+
+class RNGStatesTracker:
+    """Named generator states that `fork(name)` swaps in for the device's default one."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.states: dict[str, torch.Tensor] = {}
+        self.seeds: set[int] = set()
+
+    def _get_rng_state(self) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.get_rng_state()
+        return torch.get_device_module(self.device.type).get_rng_state(self.device)
+
+    def _set_rng_state(self, state: torch.Tensor):
+        if self.device.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.get_device_module(self.device.type).set_rng_state(state, self.device)
+
+    def add(self, name: str, seed: int):
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} is already tracked")
+        if seed in self.seeds:
+            raise ValueError(f"seed {seed} is already used by another tracked RNG state")
+        self.seeds.add(seed)
+        # A fresh generator gives the seeded state without touching the default one.
+        self.states[name] = torch.Generator(device=self.device).manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        if name not in self.states:
+            raise KeyError(f"RNG state {name!r} is not tracked (have {sorted(self.states)})")
+        default_state = self._get_rng_state()
+        self._set_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get_rng_state()
+            self._set_rng_state(default_state)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """Copies of the tracked states, for a checkpoint."""
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]):
+        """Restore states from `get_states()` (e.g. on resume)."""
+        self.states = {name: state.clone() for name, state in states.items()}
+
+
+def build_rng_tracker(seed: int, tp_rank: int, device) -> RNGStatesTracker:
+    """A tracker holding the per-TP-rank "model-parallel-rng" state. The caller seeds the
+    default generator with the same seed on every rank of the TP group."""
+    tracker = RNGStatesTracker(device)
+    tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank))
+    return tracker
