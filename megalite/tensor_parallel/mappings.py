@@ -9,7 +9,8 @@ backwards swap: all-gather <-> reduce-scatter.
 
 Every operator takes the tensor-parallel process group as an argument; `group=None` (or a
 group of one rank) means no tensor parallelism and the operator is the identity. The
-collectives are called as `dist.<name>(...)` so a benchmark can wrap them to count bytes.
+collectives are looked up on `torch.distributed` at each call, so a benchmark can wrap
+them to count bytes.
 """
 
 import torch
@@ -31,6 +32,16 @@ def _check_divisible(x: torch.Tensor, dim: int, parts: int, op: str):
     if x.shape[dim] % parts:
         raise ConfigError(f"{op}: dim {dim} of a tensor of shape {tuple(x.shape)} has size "
                           f"{x.shape[dim]}, not divisible by the tensor-parallel size {parts}")
+
+
+def _all_gather_single():
+    # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and
+    # deprecated the old names (a FutureWarning per call site); setup.py allows torch >= 2.6.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # The collectives. Each returns a new tensor and never writes into its input, which autograd
@@ -60,7 +71,7 @@ def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single()(out, x, group=group)
     return out
 
 
@@ -81,7 +92,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group, op: str) -> torch.Tensor:
     _check_divisible(x, 0, tp, op)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_single()(out, x, group=group)
     return out
 
 
