@@ -61,8 +61,10 @@ def _model(parser):
                    help="Std of the normal init; output projections get std/sqrt(2L).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this (times TP size).")
-    g.add_argument("--attention-backend", default="sdpa", choices=["auto", "flash", "sdpa", "unfused"],
-                   help="Attention kernel (only sdpa lands with the foundation).")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "flash", "sdpa", "unfused"],
+                   help="Attention kernel: flash-attn, torch SDPA, or the explicit reference; "
+                        "auto picks the fastest available.")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="Alias of --attention-backend flash.")
 

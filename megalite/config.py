@@ -151,12 +151,9 @@ def validate_args(args, world_size: int = 1,
 # Flags parsed now whose capability lands in a later issue: refusing a non-default value
 # is better than silently training something else than the user asked for.
 _NOT_YET = {
-    "tensor_model_parallel_size": 1,
     "pipeline_model_parallel_size": 1,
     "num_layers_per_virtual_pipeline_stage": None,
-    "sequence_parallel": False,
     "use_distributed_optimizer": False,
-    "use_flash_attn": False,
     "save": None,
     "load": None,
     "save_interval": None,
@@ -177,9 +174,6 @@ def _check_not_yet_supported(args):
         if value != default:
             raise NotYetSupportedError(
                 f"{_flag(name)}={value} is not yet supported by megalite (only {default!r})")
-    if args.attention_backend != "sdpa":
-        raise NotYetSupportedError(
-            f"--attention-backend={args.attention_backend} is not yet supported (only sdpa)")
 
 
 def _require(args, *names):
@@ -202,7 +196,12 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
         raise NotYetSupportedError(
             f"data parallelism (world size {world_size} = TP {tp} x PP {pp} x DP {dp}) "
             "is not yet supported by megalite")
-    return ParallelConfig(tp, pp, None, dp, args.sequence_parallel,
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ConfigError(f"--sequence-parallel splits the sequence across TP ranks: "
+                          f"--seq-length={args.seq_length} is not divisible by "
+                          f"--tensor-model-parallel-size={tp}")
+    # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
+    return ParallelConfig(tp, pp, None, dp, args.sequence_parallel and tp > 1,
                           args.use_distributed_optimizer)
 
 
@@ -218,11 +217,16 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
     if groups <= 0 or heads % groups:
         raise ConfigError(f"--num-attention-heads={heads} is not divisible by "
                           f"--num-query-groups={groups}")
+    _check_tensor_parallel_split(args, heads, groups, parallel.tensor_model_parallel_size)
     ffn = args.ffn_hidden_size
     if ffn is None:
         # Megatron's rule: SwiGLU has two input projections, so shrink to keep the
         # parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
         ffn = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
+        if ffn % parallel.tensor_model_parallel_size:
+            raise ConfigError(f"the default MLP width {ffn} is not divisible by "
+                              f"--tensor-model-parallel-size="
+                              f"{parallel.tensor_model_parallel_size}: set --ffn-hidden-size")
     max_pos = args.max_position_embeddings or args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
         raise ConfigError(f"--seq-length={args.seq_length} exceeds "
@@ -248,8 +252,30 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
         norm_epsilon=args.norm_epsilon, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        init_method_std=args.init_method_std, attention_backend=args.attention_backend,
+        init_method_std=args.init_method_std, attention_backend=_attention_backend(args),
+        sequence_parallel=parallel.sequence_parallel, vocab_size=vocab_size,
     )
+
+
+def _check_tensor_parallel_split(args, heads: int, groups: int, tp: int):
+    """Attention splits whole query groups (and heads) across TP ranks; the MLP splits
+    its hidden units."""
+    if heads % tp or groups % tp:
+        raise ConfigError(f"--tensor-model-parallel-size={tp} must divide "
+                          f"--num-attention-heads={heads} and the query groups ({groups}, "
+                          "--num-query-groups under --group-query-attention)")
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size={args.ffn_hidden_size} is not divisible by "
+                          f"--tensor-model-parallel-size={tp}")
+
+
+def _attention_backend(args) -> str:
+    if args.use_flash_attn:
+        if args.attention_backend not in ("auto", "flash"):
+            raise ConfigError(f"--use-flash-attn conflicts with "
+                              f"--attention-backend {args.attention_backend}")
+        return "flash"
+    return args.attention_backend
 
 
 def _vocab_size(args, tokenizer_vocab_size: int | None) -> int:

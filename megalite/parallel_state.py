@@ -73,6 +73,15 @@ class RankGrid:
         return [sorted({ranks[0], ranks[-1]}) for ranks in self.pipeline_groups()]
 
 
+def group_size(group) -> int:
+    """Size of a process group; None stands for "no group" (a single process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
 def _product(values) -> int:
     out = 1
     for v in values:

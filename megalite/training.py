@@ -8,6 +8,7 @@ into micro-batches cannot change the loss or the gradient.
 """
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -23,11 +24,14 @@ from megalite.data.sampler import MicroBatchSampler, collate_samples
 from megalite.data.tokenizer import build_tokenizer
 from megalite.errors import MegaliteError
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
+from megalite.model.attention_backends import resolve_backend
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
+from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
                                    num_floating_point_operations, validation_lines)
 
@@ -84,6 +88,8 @@ def train_step(model, optimizer: Optimizer, microbatches: list[dict],
         loss = (token_losses * mb["loss_mask"]).sum() / num_tokens
         optimizer.scale_loss(loss).backward()
         total += loss.detach()
+    # Under SP, norms and row-parallel biases saw only this rank's sequence shard.
+    allreduce_sequence_parallel_grads(optimizer.params, model.tp_group)
     updated, grad_norm = optimizer.step()
     return total.item(), not updated, grad_norm
 
@@ -132,17 +138,32 @@ def pretrain(argv=None) -> int:
         dist.destroy_process_group()
 
 
+def build_model(config: Config, state: ParallelState, device: torch.device) -> GPTModel:
+    """This rank's shard of the model, on `device`, with the attention kernel resolved."""
+    p = config.precision
+    dtype = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
+    model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
+        config.model.attention_backend, device, dtype))
+    seed = config.training.seed
+    rng_tracker = build_rng_tracker(seed, state.tp_rank, device)
+    return GPTModel(model_config, seed, state.tp_group, rng_tracker).to(device)
+
+
 def run_training(config: Config, state: ParallelState, device: torch.device,
                  eod: int | None) -> TrainState:
     set_seed(config.training.seed)
-    model = GPTModel(config.model, config.training.seed).to(device)
-    optimizer = Optimizer(model, config.optimizer, build_grad_scaler(config.precision))
+    model = build_model(config, state, device)
+    optimizer = Optimizer(model, config.optimizer, build_grad_scaler(config.precision),
+                          state.tp_group, state.mp_group)
     scheduler = LRScheduler(optimizer, config.scheduler)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
     tensorboard = TensorBoardLogger(config.logging.tensorboard_dir if is_last else None)
-    print_rank_last(f"> number of parameters: {sum(p.numel() for p in model.parameters())}")
+    if state.dp_rank == 0:
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+              f"({state.tp_rank}, {state.pp_rank}): {sum(p.numel() for p in model.parameters())}",
+              flush=True)
     evaluating = config.training.eval_iters > 0
     valid = (microbatches(valid_ds, 0, config, state, device)
              if evaluating and valid_ds is not None else None)

@@ -136,15 +136,42 @@ def test_world_size_must_fit_the_grid():
 
 
 @pytest.mark.parametrize("extra", [
-    ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
-    ["--num-layers-per-virtual-pipeline-stage", "1"], ["--sequence-parallel"],
-    ["--use-distributed-optimizer"], ["--use-flash-attn"], ["--attention-backend", "flash"],
-    ["--save", "/tmp/x"], ["--load", "/tmp/x"], ["--finetune"],
+    ["--pipeline-model-parallel-size", "2"], ["--num-layers-per-virtual-pipeline-stage", "1"],
+    ["--use-distributed-optimizer"], ["--save", "/tmp/x"], ["--load", "/tmp/x"],
+    ["--finetune"],
 ])
 def test_later_capabilities_refuse_instead_of_ignoring(extra):
     world = 2 if "2" in extra else 1
     with pytest.raises(NotYetSupportedError, match="not yet supported"):
         config_of(*extra, world_size=world)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--num-attention-heads", "2", "--tensor-model-parallel-size", "4"],
+     ["--tensor-model-parallel-size=4", "--num-attention-heads=2"]),
+    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
+     ["--tensor-model-parallel-size=4", "query groups (2"]),
+    (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],
+     ["--ffn-hidden-size=30", "--tensor-model-parallel-size=4"]),
+    (["--sequence-parallel", "--seq-length", "30", "--tensor-model-parallel-size", "4"],
+     ["--seq-length=30", "--tensor-model-parallel-size=4"]),
+    (["--use-flash-attn", "--attention-backend", "unfused"],
+     ["--use-flash-attn", "--attention-backend unfused"]),
+])
+def test_tensor_parallel_splits_must_divide(extra, words):
+    with pytest.raises(ConfigError) as err:
+        config_of(*extra, world_size=4 if "--tensor-model-parallel-size" in extra else 1)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_tensor_parallel_config():
+    c = config_of("--tensor-model-parallel-size", "4", "--sequence-parallel", world_size=4)
+    assert c.parallel.tensor_model_parallel_size == 4 and c.model.sequence_parallel
+    assert c.model.padded_vocab_size == 256 and c.model.vocab_size == 64
+    # At TP 1 sequence parallelism is the identity and is switched off.
+    assert not config_of("--sequence-parallel").model.sequence_parallel
+    assert config_of("--use-flash-attn").model.attention_backend == "flash"
 
 
 def test_data_parallel_not_yet_supported():

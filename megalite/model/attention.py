@@ -1,46 +1,65 @@
-"""Causal self-attention with multi-head or grouped-query heads.
+"""Causal self-attention with multi-head or grouped-query heads, tensor-parallel.
 
 The fused QKV projection's output rows are laid out per query group:
 [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...] (Megatron's layout).
-Splitting those rows into contiguous blocks therefore hands whole query groups to each
-tensor-parallel rank, so the same weight tensor serves every TP size.
+A column-parallel split of those rows into contiguous blocks therefore hands whole query
+groups to each tensor-parallel rank (Shoeybi et al. 2019, §3: heads split across ranks,
+QKV column-parallel, output projection row-parallel), so the same full weight serves
+every TP size.
 """
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megalite.model.attention_backends import core_attention
 from megalite.model.config import GPTConfig
 from megalite.model.rotary import apply_rotary
+from megalite.parallel_state import group_size
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None):
         super().__init__()
-        self.config = config
         c = config
+        tp = group_size(tp_group)
+        self.config = c
+        self.rng_tracker = rng_tracker
+        self.num_groups = c.num_query_groups // tp
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         qkv_size = c.query_projection_size + 2 * c.kv_projection_size
-        self.linear_qkv = nn.Linear(c.hidden_size, qkv_size, bias=c.add_bias_linear)
-        self.linear_proj = nn.Linear(c.query_projection_size, c.hidden_size,
-                                     bias=c.add_bias_linear)
+        self.linear_qkv = ColumnParallelLinear(c.hidden_size, qkv_size, group=tp_group,
+                                               bias=c.add_bias_linear,
+                                               sequence_parallel=c.sequence_parallel)
+        self.linear_proj = RowParallelLinear(c.query_projection_size, c.hidden_size,
+                                             group=tp_group, bias=c.add_bias_linear,
+                                             sequence_parallel=c.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
-        """x: [seq, batch, hidden] -> [seq, batch, hidden]."""
-        s, b, _ = x.shape
+        """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape."""
         c = self.config
-        qkv = self.linear_qkv(x).view(s, b, c.num_query_groups, self.heads_per_group + 2,
+        qkv = self.linear_qkv(x)
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, c.kv_channels)
+        q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group,
                                       c.kv_channels)
-        q = qkv[:, :, :, :-2].reshape(s, b, c.num_attention_heads, c.kv_channels)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if rotary_angles is not None:
             q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
-        # SDPA wants [batch, heads, seq, dim]; enable_gqa shares each K/V head across its
-        # group inside the kernel instead of materialising repeated K/V.
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True,
-            dropout_p=c.attention_dropout if self.training else 0.0,
-            enable_gqa=c.num_query_groups != c.num_attention_heads)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, c.query_projection_size)
+        # Backends take [batch, seq, heads, dim]; grouped K/V heads stay grouped.
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        dropout = c.attention_dropout if self.training else 0.0
+        # Attention dropout acts on this rank's heads only: its mask must differ per
+        # TP rank, so it draws from the model-parallel RNG stream.
+        with self._model_parallel_rng():
+            out = core_attention(q, k, v, backend=c.attention_backend, dropout_p=dropout)
+        out = out.transpose(0, 1).reshape(s, b, -1)
         return self.linear_proj(out)
+
+    def _model_parallel_rng(self):
+        if self.rng_tracker is None:
+            return contextlib.nullcontext()
+        return self.rng_tracker.fork(MODEL_PARALLEL_RNG)

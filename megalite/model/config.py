@@ -17,6 +17,9 @@ class GPTConfig:
     max_position_embeddings: int
     padded_vocab_size: int
     """Vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP."""
+    vocab_size: int | None = None
+    """The tokenizer's vocabulary; logits of the padding beyond it are masked out.
+    None: no padding (vocab_size = padded_vocab_size)."""
     position_embedding_type: str = "learned_absolute"
     rotary_base: int = 10000
     rotary_percent: float = 1.0
@@ -29,6 +32,7 @@ class GPTConfig:
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
     attention_backend: str = "sdpa"
+    sequence_parallel: bool = False
 
     @property
     def query_projection_size(self) -> int:

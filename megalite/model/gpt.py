@@ -1,9 +1,12 @@
 """The GPT decoder: embedding -> transformer layers -> final norm -> output layer -> loss.
 
 Activations are sequence-first, [seq, batch, hidden], as in Megatron: sequence
-parallelism then splits dim 0, which is contiguous.
+parallelism then splits dim 0, which is contiguous. Under tensor parallelism the
+embedding and output layer split the (padded) vocabulary and the loss is the
+vocab-parallel cross-entropy, so the full logits are never gathered (DESIGN.md §4).
 """
 
+import contextlib
 import hashlib
 import math
 
@@ -15,31 +18,52 @@ from megalite.model.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.model.rotary import rotary_frequencies
 from megalite.model.transformer import TransformerLayer
+from megalite.parallel_state import group_rank, group_size
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                               gather_from_sequence_parallel_region,
+                                               gather_from_tensor_model_parallel_region,
+                                               scatter_to_sequence_parallel_region)
+from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.config = config
+        self.tp_group = tp_group
+        self.rng_tracker = rng_tracker
+        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size,
+                                                      config.hidden_size, group=tp_group)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings,
                                                     config.hidden_size)
-        self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] -> [seq, batch, hidden]."""
+        """tokens [batch, seq] -> [seq, batch, hidden] (this rank's sequence shard under SP)."""
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = x + self.position_embeddings(positions)
-        return self.dropout(x.transpose(0, 1))
+        x = x.transpose(0, 1)
+        p = self.config.hidden_dropout if self.training else 0.0
+        if not self.config.sequence_parallel:
+            return F.dropout(x, p)
+        x = scatter_to_sequence_parallel_region(x.contiguous(), self.tp_group)
+        # Each rank now holds a different shard: draw its own dropout mask.
+        fork = (self.rng_tracker.fork(MODEL_PARALLEL_RNG) if self.rng_tracker is not None
+                else contextlib.nullcontext())
+        with fork:
+            return F.dropout(x, p)
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(config, tp_group, rng_tracker)
+                                    for _ in range(config.num_layers))
         self.final_layernorm = build_norm(config)
 
     def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
@@ -49,21 +73,41 @@ class Decoder(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: GPTConfig, seed: int):
+    """The whole model, or this tensor-parallel rank's shard of it (`tp_group`)."""
+
+    def __init__(self, config: GPTConfig, seed: int, tp_group=None, rng_tracker=None):
         super().__init__()
         self.config = config
-        self.embedding = Embedding(config)
-        self.decoder = Decoder(config)
+        self.tp_group = tp_group
+        self.embedding = Embedding(config, tp_group, rng_tracker)
+        self.decoder = Decoder(config, tp_group, rng_tracker)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+            self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size,
+                                                     group=tp_group, bias=False)
         if config.position_embedding_type == "rope":
             rotary_dim = int(config.kv_channels * config.rotary_percent)
             self.register_buffer("rotary_angles", rotary_frequencies(
                 config.seq_length, rotary_dim, config.rotary_base), persistent=False)
         else:
             self.rotary_angles = None
-        initialize_parameters(self, config, seed)
+        self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
+        for name, param in self.named_parameters():
+            if "layernorm" in name:
+                # Under SP each rank's norm sees a different shard: its grads are partial
+                # sums that must be all-reduced across the TP group.
+                param.sequence_parallel = config.sequence_parallel
+        initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
+
+    def _padded_vocab_mask(self) -> torch.Tensor | None:
+        """True for this rank's output columns that are vocabulary padding. They are masked
+        out of the softmax so the padding (which depends on the TP size) cannot change the
+        loss: any layout then computes exactly what one process computes."""
+        c = self.config
+        shard = c.padded_vocab_size // group_size(self.tp_group)
+        first = group_rank(self.tp_group) * shard
+        mask = torch.arange(first, first + shard) >= (c.vocab_size or c.padded_vocab_size)
+        return mask if mask.any() else None
 
     def output_weight(self) -> torch.Tensor:
         if self.output_layer is None:
@@ -72,20 +116,30 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq]. Returns per-token losses [batch, seq] (fp32) when labels
-        are given, else logits [batch, seq, padded vocab]."""
+        are given, else the full logits [batch, seq, padded vocab]."""
         angles = None
         if self.rotary_angles is not None:
             angles = self.rotary_angles[: tokens.shape[1]]
         x = self.decoder(self.embedding(tokens), angles)
-        logits = F.linear(x, self.output_weight())
+        logits = self._vocab_parallel_logits(x)
         if labels is None:
-            return logits.transpose(0, 1)
+            return gather_from_tensor_model_parallel_region(logits, self.tp_group).transpose(0, 1)
         # Softmax in fp32: in bf16 the log-sum-exp over a large vocabulary loses digits
         # the loss is measured in.
-        s, b, v = logits.shape
-        losses = F.cross_entropy(logits.float().view(s * b, v), labels.t().reshape(s * b),
-                                 reduction="none")
-        return losses.view(s, b).t()
+        losses = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous(),
+                                              self.tp_group)
+        return losses.t()
+
+    def _vocab_parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[seq, batch, padded vocab / TP]: this rank's vocabulary shard of the logits."""
+        if self.config.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        logits = F.linear(x, self.output_weight())
+        if self.padded_vocab_mask is not None:
+            logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
+        return logits
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -101,7 +155,8 @@ def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int) ->
     Megatron's init: biases 0, norm weights 1, everything else normal(0, std), except the
     projections that write into the residual stream (attention output, MLP down), whose
     std is divided by sqrt(2 x num_layers) (GPT-2 §2.3) so the residual variance does
-    not grow with depth.
+    not grow with depth. Vocabulary rows are drawn for the real vocabulary only and the
+    padding rows are zero, so the values do not depend on how much padding TP needs.
     """
     if name.endswith(".bias"):
         return torch.zeros(shape)
@@ -110,11 +165,25 @@ def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int) ->
     std = config.init_method_std
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std /= math.sqrt(2.0 * config.num_layers)
+    rows = shape[0]
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")) and config.vocab_size:
+        rows = config.vocab_size
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    values = torch.empty((rows, *shape[1:])).normal_(0.0, std, generator=generator)
+    return torch.cat([values, torch.zeros((shape[0] - rows, *shape[1:]))])
 
 
 @torch.no_grad()
-def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int):
+def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_rank: int = 0,
+                          tp_size: int = 1):
+    """Every parameter from its full single-process value: a tensor-parallel shard takes
+    its block of the full tensor, so any TP size starts from the same weights."""
     for name, param in model.named_parameters():
-        param.copy_(initial_value(name, param.shape, config, seed))
+        if getattr(param, "tensor_model_parallel", False):
+            dim = param.partition_dim
+            shape = list(param.shape)
+            shape[dim] *= tp_size
+            full = initial_value(name, torch.Size(shape), config, seed)
+            param.copy_(full.chunk(tp_size, dim=dim)[tp_rank])
+        else:
+            param.copy_(initial_value(name, param.shape, config, seed))

@@ -1,4 +1,11 @@
-"""The pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""The pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)).
+
+Under sequence parallelism (Korthikanti et al. 2022) the norms and dropouts here see only
+this rank's shard of the sequence; the column-parallel layers all-gather it and the
+row-parallel layers reduce-scatter back to it.
+"""
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -7,19 +14,24 @@ from torch import nn
 from megalite.model.attention import SelfAttention
 from megalite.model.config import GPTConfig
 from megalite.model.norms import build_norm
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG
 
 
 class MLP(nn.Module):
     """GeLU MLP, or SwiGLU (Shazeer 2020) with a separate gate projection so the up and
-    gate weights are each split by rows under tensor parallelism."""
+    gate weights are each split by rows under tensor parallelism. Up (and gate) are
+    column-parallel, down is row-parallel: one all-reduce per MLP (Shoeybi et al. §3)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
-        h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        h, f, bias, sp = (config.hidden_size, config.ffn_hidden_size, config.add_bias_linear,
+                          config.sequence_parallel)
         self.swiglu = config.swiglu
-        self.linear_fc1 = nn.Linear(h, f, bias=bias)
-        self.linear_fc1_gate = nn.Linear(h, f, bias=bias) if config.swiglu else None
-        self.linear_fc2 = nn.Linear(f, h, bias=bias)
+        column = dict(group=tp_group, bias=bias, sequence_parallel=sp)
+        self.linear_fc1 = ColumnParallelLinear(h, f, **column)
+        self.linear_fc1_gate = ColumnParallelLinear(h, f, **column) if config.swiglu else None
+        self.linear_fc2 = RowParallelLinear(f, h, group=tp_group, bias=bias, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -28,14 +40,34 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None):
         super().__init__()
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.mlp = MLP(config, tp_group)
+        self.dropout = SequenceParallelDropout(config, rng_tracker)
 
     def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
         x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary_angles))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class SequenceParallelDropout(nn.Module):
+    """Dropout on the residual stream. Without SP every TP rank holds the same activations
+    and must drop the same elements (default RNG, seeded alike on all TP ranks); under SP
+    each rank holds a different sequence shard, so it draws from its own TP-rank stream."""
+
+    def __init__(self, config: GPTConfig, rng_tracker=None):
+        super().__init__()
+        self.p = config.hidden_dropout
+        self.fork = config.sequence_parallel and rng_tracker is not None
+        self.rng_tracker = rng_tracker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        context = (self.rng_tracker.fork(MODEL_PARALLEL_RNG) if self.fork
+                   else contextlib.nullcontext())
+        with context:
+            return F.dropout(x, self.p, training=True)

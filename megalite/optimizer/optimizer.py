@@ -2,9 +2,11 @@
 unscaling with a skip on overflow, and global grad-norm clipping."""
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megalite.config import OptimizerConfig
+from megalite.parallel_state import group_rank
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -19,14 +21,25 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def params_for_norm(params: list[torch.Tensor], tp_group) -> list[torch.Tensor]:
+    """Each distinct parameter once across the TP group: shards count on every rank,
+    replicated parameters (norms, row-parallel biases) only on TP rank 0."""
+    first = group_rank(tp_group) == 0
+    return [p for p in params if getattr(p, "tensor_model_parallel", False) or first]
+
+
 @torch.no_grad()
-def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all gradients together, accumulated in fp32."""
+def global_grad_norm(params: list[torch.Tensor], group=None) -> torch.Tensor:
+    """L2 norm of all gradients together, accumulated in fp32; with `group`, of the
+    parameters of every rank in it (each rank passes its own, counted once)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), device=device, dtype=torch.float32)
+    for g in grads:
+        squares += torch.linalg.vector_norm(g.float()) ** 2
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt()
 
 
 @torch.no_grad()
@@ -40,12 +53,20 @@ def clip_grads(params: list[torch.Tensor], max_norm: float, total_norm: torch.Te
 
 
 class Optimizer:
-    """One optimizer step: unscale (fp16), check for overflow, clip, AdamW."""
+    """One optimizer step: unscale (fp16), check for overflow, clip, AdamW.
 
-    def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None):
+    `model_parallel_group` holds every rank with a different piece of the same model
+    replica: the grad norm and the overflow decision are agreed across it, so all its
+    ranks clip by the same factor and skip the same steps.
+    """
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
+                 tp_group=None, model_parallel_group=None):
         self.config = config
         self.grad_scaler = grad_scaler
+        self.model_parallel_group = model_parallel_group
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.norm_params = params_for_norm(self.params, tp_group)
         self.adam = torch.optim.AdamW(
             parameter_groups(model, config.weight_decay), lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
@@ -73,17 +94,27 @@ class Optimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(inv_scale)
-            found_inf = not all(torch.isfinite(p.grad).all() for p in self.params
-                                if p.grad is not None)
+            found_inf = self._found_inf()
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.zero_grad()
                 return False, None
-        grad_norm = global_grad_norm(self.params)
+        grad_norm = global_grad_norm(self.norm_params, self.model_parallel_group)
         if self.config.clip_grad > 0:
             clip_grads(self.params, self.config.clip_grad, grad_norm)
         self.adam.step()
         return True, grad_norm.item()
+
+    def _found_inf(self) -> bool:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = torch.zeros((), device=device)
+        for g in grads:
+            flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
+        if self.model_parallel_group is not None and dist.get_world_size(
+                self.model_parallel_group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+        return bool(flag.item())
 
     def state_dict(self) -> dict:
         state = {"adam": self.adam.state_dict()}

@@ -10,7 +10,7 @@ The gradient on each shard is (softmax - onehot(target)) restricted to the shard
 import torch
 import torch.distributed as dist
 
-from megalite.tensor_parallel.mappings import group_rank, group_size
+from megalite.parallel_state import group_rank, group_size
 
 
 def _all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:

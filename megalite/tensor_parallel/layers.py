@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.errors import ConfigError
+from megalite.parallel_state import group_rank, group_size
 from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region, group_rank, group_size,
-    reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region)
+    gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 
 
 def _divide(size: int, tp: int, what: str) -> int:

@@ -17,15 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.errors import ConfigError
-
-
-def group_size(group) -> int:
-    """Size of a tensor-parallel group; None stands for no tensor parallelism."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+from megalite.parallel_state import group_rank, group_size
 
 
 def _check_divisible(x: torch.Tensor, dim: int, parts: int, op: str):

@@ -1,0 +1,46 @@
+"""pretrain_gpt.py under torchrun with --tensor-model-parallel-size: the same log as one
+process, iteration for iteration."""
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.test_training import LOG_LINE
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
+         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+         "--ffn-hidden-size", "96", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--train-iters", "6", "--lr", "3e-3",
+         "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
+         "--eval-interval", "3", "--eval-iters", "1", "--num-workers", "0",
+         "--distributed-backend", "gloo"]
+
+
+def run(prefix, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([*prefix, "pretrain_gpt.py", *FLAGS, *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = [LOG_LINE.match(line) for line in proc.stdout.splitlines()]
+    losses = [float(m["loss"]) for m in logs if m]
+    norms = [float(m["gnorm"]) for m in logs if m]
+    valid = [float(v) for v in re.findall(r"lm loss value: (\S+)", proc.stdout)]
+    return losses, norms, valid
+
+
+def test_torchrun_tensor_parallel_matches_one_process():
+    single = run([sys.executable])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"]
+    # TP 2 with sequence parallelism; 61 is odd, so TP pads the vocabulary differently.
+    parallel = run(torchrun, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    assert len(single[0]) == 6 and len(single[2]) == 4
+    for a, b in zip(single, parallel):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            # The log prints 7 significant digits (and grad norm 3 decimals).
+            assert abs(x - y) <= max(2e-6 * abs(x), 1.5e-3 if a is single[1] else 0), (a, b)
