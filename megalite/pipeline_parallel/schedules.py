@@ -1,0 +1,158 @@
+"""Pipeline schedules as pure functions (DESIGN.md §5; Narayanan et al. 2021, §2.2).
+
+A schedule is this rank's ordered list of `Action`s: forward or backward of one microbatch
+through one model chunk. Nothing here communicates; the executor walks the list and does
+the p2p send/recv each action implies, and tests/test_schedules.py simulates all ranks'
+lists together to check they cannot deadlock and reach the paper's bubble.
+
+Placement the schedules assume: with p pipeline ranks and v chunks per rank, chunk c on
+rank r is global stage `c*p + r`. Stage s's forward of a microbatch needs stage s-1's
+forward of it; stage s's backward needs stage s+1's backward.
+"""
+
+from dataclasses import dataclass
+
+from megalite.errors import ConfigError
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str        # FORWARD or BACKWARD
+    microbatch: int  # 0..m-1
+    chunk: int       # model chunk (virtual stage) 0..v-1 on this rank
+
+
+def validate_schedule_args(pp_size: int, num_microbatches: int, num_chunks: int = 1) -> None:
+    """Raise ConfigError, naming the flags, for (p, m, v) no schedule here can run."""
+    if pp_size < 1:
+        raise ConfigError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
+    if num_microbatches < 1:
+        raise ConfigError(
+            f"--global-batch-size / (--micro-batch-size x DP) = m must be >= 1 microbatch, "
+            f"got m={num_microbatches}")
+    if num_chunks < 1:
+        raise ConfigError(f"the number of model chunks per pipeline rank (set by "
+                          f"--num-layers-per-virtual-pipeline-stage) must be >= 1, "
+                          f"got {num_chunks}")
+    if num_chunks == 1:
+        return
+    if pp_size == 1:
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage gives {num_chunks} model chunks per "
+            f"rank, which interleaves a pipeline; it needs --pipeline-model-parallel-size "
+            f"> 1, got 1")
+    # The interleaved schedule cycles through the chunks in groups of p microbatches, so a
+    # partial last group would leave chunks without a full round of microbatches.
+    if num_microbatches % pp_size != 0:
+        raise ConfigError(
+            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) runs "
+            f"microbatches in groups of --pipeline-model-parallel-size: "
+            f"--global-batch-size / (--micro-batch-size x DP) = m must be a multiple of "
+            f"--pipeline-model-parallel-size; got m={num_microbatches}, "
+            f"--pipeline-model-parallel-size={pp_size}")
+
+
+def _check_rank(pp_size: int, pp_rank: int) -> None:
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pipeline rank {pp_rank} is outside 0..{pp_size - 1}")
+
+
+def no_pipelining(num_microbatches: int) -> list[Action]:
+    """Gradient accumulation on one stage: F0 B0 F1 B1 ... (one activation set alive)."""
+    validate_schedule_args(1, num_microbatches, 1)
+    actions = []
+    for i in range(num_microbatches):
+        actions += [Action(FORWARD, i, 0), Action(BACKWARD, i, 0)]
+    return actions
+
+
+def warmup_microbatches(pp_size: int, pp_rank: int, num_microbatches: int,
+                        num_chunks: int = 1) -> int:
+    """Forwards this rank runs before its first 1F1B pair.
+
+    1F1B: rank r must fill the p-r-1 stages after it before the first backward can come
+    back, so it runs min(p-r-1, m) forwards (paper §2.2, Fig. 4 top).
+    Interleaved: the first backward reaches rank r only after microbatches 0..p-1 have
+    gone through all v chunks ((v-1)*p extra forwards) and back from the last rank
+    (2*(p-r-1)), capped at m*v. With m == p there is no steady state worth having, so all
+    forwards run first, as in Megatron.
+    """
+    validate_schedule_args(pp_size, num_microbatches, num_chunks)
+    _check_rank(pp_size, pp_rank)
+    if num_chunks == 1:
+        return min(pp_size - pp_rank - 1, num_microbatches)
+    total = num_microbatches * num_chunks
+    if num_microbatches == pp_size:
+        return total
+    return min(2 * (pp_size - pp_rank - 1) + (num_chunks - 1) * pp_size, total)
+
+
+def one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
+    """PipeDream-Flush 1F1B (paper §2.2): at most p-r microbatches in flight on rank r.
+
+        warmup    F0 F1 .. F(w-1)                  w = min(p-r-1, m)
+        steady    F(w) B0  F(w+1) B1 ..  F(m-1) B(m-1-w)
+        cooldown  B(m-w) .. B(m-1)
+    """
+    return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, 1)
+
+
+def interleaved_one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int,
+                            num_chunks: int) -> list[Action]:
+    """Interleaved 1F1B (paper §2.2, Fig. 4 bottom) over n = m*v virtual microbatches.
+
+    Virtual microbatch k runs microbatch `_microbatch(k)` on chunk `_forward_chunk(k)`:
+    chunks in increasing order for forwards, decreasing for backwards, p microbatches at a
+    time. With v = 1 this is exactly 1F1B.
+
+        warmup    F(0) .. F(w-1)                   w = warmup_microbatches(...)
+        steady    F(w) B(0)  F(w+1) B(1) ..  F(n-1) B(n-1-w)
+        cooldown  B(n-w) .. B(n-1)
+    """
+    p, v = pp_size, num_chunks
+    warmup = warmup_microbatches(p, pp_rank, num_microbatches, v)
+    total = num_microbatches * v
+
+    def forward(k):
+        return Action(FORWARD, _microbatch(k, p, v), _forward_chunk(k, p, v))
+
+    def backward(k):
+        return Action(BACKWARD, _microbatch(k, p, v), v - 1 - _forward_chunk(k, p, v))
+
+    actions = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [forward(warmup + k), backward(k)]
+    actions += [backward(k) for k in range(total - warmup, total)]
+    return actions
+
+
+def forward_only(pp_size: int, pp_rank: int, num_microbatches: int,
+                 num_chunks: int = 1) -> list[Action]:
+    """Evaluation: every forward, in the order training runs them (no activations kept)."""
+    schedule = build_schedule(pp_size, pp_rank, num_microbatches, num_chunks)
+    return [a for a in schedule if a.kind == FORWARD]
+
+
+def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int,
+                   num_chunks: int = 1) -> list[Action]:
+    """The training schedule for this (p, m, v): accumulation, 1F1B or interleaved 1F1B."""
+    validate_schedule_args(pp_size, num_microbatches, num_chunks)
+    _check_rank(pp_size, pp_rank)
+    if pp_size == 1:
+        return no_pipelining(num_microbatches)
+    if num_chunks == 1:
+        return one_f_one_b(pp_size, pp_rank, num_microbatches)
+    return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, num_chunks)
+
+
+def _forward_chunk(k: int, p: int, v: int) -> int:
+    # Virtual microbatches come in groups of p*v: p microbatches on chunk 0, then the same
+    # p on chunk 1, ... so each chunk's output is ready when the next chunk asks for it.
+    return (k // p) % v
+
+
+def _microbatch(k: int, p: int, v: int) -> int:
+    return (k // (p * v)) * p + k % p
