@@ -1,0 +1,78 @@
+"""Run every rank's schedule together on a clock, without communication (DESIGN.md §5).
+
+Each rank executes its action list in order; an action starts when the rank's previous
+action has finished and the action it depends on, on whichever rank, has finished. Sends
+are free and asynchronous, so the only waiting is for data. Dependencies, with chunk c on
+rank r being global stage s = c*p + r of S = p*v stages:
+- forward of (microbatch, s) needs forward of (microbatch, s-1);
+- backward of (microbatch, s) needs its own forward and backward of (microbatch, s+1).
+If every rank is waiting on an action no rank can run next, the schedules deadlock.
+
+Bubble (Narayanan et al. 2021, §2.2): every rank does the same work, m*v chunk forwards and
+m*v chunk backwards, `ideal` time units. A rank is idle for `makespan - ideal`, and the
+bubble fraction is idle / ideal = t_pb / t_id. With chunk costs F and B a whole
+microbatch costs t_f + t_b = v*(F+B) per rank, so the paper's t_pb = (p-1)(t_f+t_b)/v and
+t_id = m(t_f+t_b) give (p-1)/(v*m), and (p-1)/m for v = 1.
+"""
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, Action
+
+
+class DeadlockError(RuntimeError):
+    """No rank can run its next action: the schedules wait on each other."""
+
+
+@dataclass(frozen=True)
+class Simulation:
+    finish: dict      # (kind, microbatch, stage) -> finish time
+    busy: int         # time each rank spends computing
+    makespan: int     # when the last rank finishes
+
+    @property
+    def bubble_fraction(self) -> Fraction:
+        # exact, so tests can compare with the closed form by equality
+        return Fraction(self.makespan - self.busy, self.busy)
+
+
+def _stage(rank: int, action: Action, pp_size: int) -> int:
+    return action.chunk * pp_size + rank
+
+
+def _dependencies(rank: int, action: Action, pp_size: int, num_stages: int) -> list[tuple]:
+    s, mb = _stage(rank, action, pp_size), action.microbatch
+    if action.kind == FORWARD:
+        return [(FORWARD, mb, s - 1)] if s > 0 else []
+    deps = [(FORWARD, mb, s)]
+    if s < num_stages - 1:
+        deps.append((BACKWARD, mb, s + 1))
+    return deps
+
+
+def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_cost: int = 1,
+             backward_cost: int = 2) -> Simulation:
+    """Execute `schedules[r]` on rank r for all r; raise DeadlockError if they get stuck."""
+    p = len(schedules)
+    num_stages = p * num_chunks
+    cost = {FORWARD: forward_cost, BACKWARD: backward_cost}
+    finish, clock, nxt = {}, [0] * p, [0] * p
+    while any(nxt[r] < len(schedules[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while nxt[r] < len(schedules[r]):
+                action = schedules[r][nxt[r]]
+                deps = _dependencies(r, action, p, num_stages)
+                if any(d not in finish for d in deps):
+                    break
+                start = max([clock[r]] + [finish[d] for d in deps])
+                clock[r] = start + cost[action.kind]
+                finish[(action.kind, action.microbatch, _stage(r, action, p))] = clock[r]
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            blocked = {r: schedules[r][nxt[r]] for r in range(p) if nxt[r] < len(schedules[r])}
+            raise DeadlockError(f"pipeline schedules deadlock; rank -> blocked action: {blocked}")
+    busy = max(sum(cost[a.kind] for a in schedule) for schedule in schedules)
+    return Simulation(finish=finish, busy=busy, makespan=max(clock))
