@@ -162,6 +162,13 @@ def test_bubble_equals_paper_formula(p, m, v):
     assert sim.bubble_fraction == Fraction(p - 1, v * m)
 
 
+@pytest.mark.parametrize("forward_cost, backward_cost", [(1, 1), (1, 3), (3, 2)])
+def test_bubble_formula_holds_for_other_cost_ratios(forward_cost, backward_cost):
+    for p, m, v in GRID[::7]:
+        sim = simulate(all_ranks(p, m, v), v, forward_cost, backward_cost)
+        assert sim.bubble_fraction == Fraction(p - 1, v * m), (p, m, v)
+
+
 def test_bubble_measure_sees_a_pipeline_drained_per_microbatch():
     # The measure is not trivially the formula: running each microbatch through the whole
     # pipeline and back before the next (F B on every rank) pays fill and drain m times.
