@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from megalite.errors import ConfigError, NotYetSupportedError
 from megalite.model.config import GPTConfig
 from megalite.parallel_state import RankGrid
+from megalite.pipeline_parallel.schedules import validate_schedule_args
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,6 @@ def validate_args(args, world_size: int = 1,
 # Flags parsed now whose capability lands in a later issue: refusing a non-default value
 # is better than silently training something else than the user asked for.
 _NOT_YET = {
-    "pipeline_model_parallel_size": 1,
-    "num_layers_per_virtual_pipeline_stage": None,
     "use_distributed_optimizer": False,
     "save": None,
     "load": None,
@@ -201,8 +200,24 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
                           f"--seq-length={args.seq_length} is not divisible by "
                           f"--tensor-model-parallel-size={tp}")
     # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
-    return ParallelConfig(tp, pp, None, dp, args.sequence_parallel and tp > 1,
-                          args.use_distributed_optimizer)
+    return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp,
+                          args.sequence_parallel and tp > 1, args.use_distributed_optimizer)
+
+
+def _virtual_stages(args, pp: int) -> int | None:
+    """Layers split evenly over p stages, and with --num-layers-per-virtual-pipeline-stage
+    k each rank holds v = L / (p k) chunks of k layers."""
+    layers, per_virtual = args.num_layers, args.num_layers_per_virtual_pipeline_stage
+    if layers % pp:
+        raise ConfigError(f"--num-layers={layers} is not divisible by "
+                          f"--pipeline-model-parallel-size={pp}")
+    if per_virtual is None:
+        return None
+    if per_virtual <= 0 or layers % (pp * per_virtual):
+        raise ConfigError(f"--num-layers={layers} is not divisible by "
+                          f"--pipeline-model-parallel-size={pp} x "
+                          f"--num-layers-per-virtual-pipeline-stage={per_virtual}")
+    return layers // (pp * per_virtual)
 
 
 def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
@@ -325,7 +340,10 @@ def _training_config(args, parallel: ParallelConfig) -> TrainingConfig:
         raise ConfigError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.exit_interval is not None and args.exit_interval <= 0:
         raise ConfigError(f"--exit-interval must be positive, got {args.exit_interval}")
-    return TrainingConfig(micro, global_batch, train_iters, global_batch // (micro * dp),
+    num_microbatches = global_batch // (micro * dp)
+    validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
+                           parallel.virtual_pipeline_model_parallel_size or 1)
+    return TrainingConfig(micro, global_batch, train_iters, num_microbatches,
                           args.exit_interval, args.eval_interval, args.eval_iters, args.seed)
 
 

@@ -1,13 +1,10 @@
 """pretrain(): build everything from the flags, run the training loop, evaluate, log.
 
-One step (`train_step`) runs the global batch's micro-batches forward and backward with
-gradient accumulation, then one optimizer update. The step's loss is the token-weighted
-mean over the whole global batch (DESIGN.md §3): each micro-batch's summed token losses
-are divided by the number of loss tokens in the global batch, so how the batch is cut
-into micro-batches cannot change the loss or the gradient.
+The mechanics of one step (pipeline schedule, gradient finalisation, optimizer) live in
+megalite/train_step.py; this file owns the run: model chunks, data, schedule of
+evaluations, exit conditions, the log line and TensorBoard.
 """
 
-import contextlib
 import dataclasses
 import math
 import sys
@@ -16,22 +13,23 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from megalite.arguments import parse_args
-from megalite.config import Config, PrecisionConfig, validate_args
+from megalite.config import Config, validate_args
 from megalite.data.datasets import build_datasets
 from megalite.data.sampler import MicroBatchSampler, collate_samples
 from megalite.data.tokenizer import build_tokenizer
 from megalite.errors import MegaliteError
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.attention_backends import resolve_backend
-from megalite.model.gpt import GPTModel
+from megalite.model.gpt import build_model_chunks
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.random import build_rng_tracker
+from megalite.train_step import StepRunner
 from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
                                    num_floating_point_operations, validation_lines)
 
@@ -53,14 +51,6 @@ def print_rank_last(message: str):
         print(message, flush=True)
 
 
-def autocast(precision: PrecisionConfig, device: torch.device):
-    """bf16/fp16 autocast on whichever device we run; a no-op in fp32."""
-    if not (precision.bf16 or precision.fp16):
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision.bf16 else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def microbatches(dataset, consumed_samples: int, config: Config, state: ParallelState,
                  device: torch.device):
     """This DP rank's micro-batches from `consumed_samples` on, as tensors on `device`.
@@ -74,40 +64,6 @@ def microbatches(dataset, consumed_samples: int, config: Config, state: Parallel
         persistent_workers=config.data.num_workers > 0)
     for batch in loader:
         yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-
-
-def train_step(model, optimizer: Optimizer, microbatches: list[dict],
-               precision: PrecisionConfig, device: torch.device) -> tuple[float, bool, float | None]:
-    """Forward and backward every micro-batch, then step. Returns (loss, skipped, grad norm)."""
-    num_tokens = sum(mb["loss_mask"].sum() for mb in microbatches)
-    optimizer.zero_grad()
-    total = torch.zeros((), device=device)
-    for mb in microbatches:
-        with autocast(precision, device):
-            token_losses = model(mb["tokens"], mb["labels"])
-        loss = (token_losses * mb["loss_mask"]).sum() / num_tokens
-        optimizer.scale_loss(loss).backward()
-        total += loss.detach()
-    # Under SP, norms and row-parallel biases saw only this rank's sequence shard.
-    allreduce_sequence_parallel_grads(optimizer.params, model.tp_group)
-    updated, grad_norm = optimizer.step()
-    return total.item(), not updated, grad_norm
-
-
-@torch.no_grad()
-def evaluate(model, batches, config: Config, device: torch.device) -> float:
-    """Token-weighted mean loss over --eval-iters global batches drawn from `batches`."""
-    model.eval()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = torch.zeros((), device=device, dtype=torch.float64)
-    for _ in range(config.training.eval_iters * config.training.num_microbatches):
-        batch = next(batches)
-        with autocast(config.precision, device):
-            losses = model(batch["tokens"], batch["labels"])
-        loss_sum += (losses * batch["loss_mask"]).sum()
-        tokens += batch["loss_mask"].sum()
-    model.train()
-    return (loss_sum / tokens.clamp(min=1.0)).item()
 
 
 def pretrain(argv=None) -> int:
@@ -138,15 +94,18 @@ def pretrain(argv=None) -> int:
         dist.destroy_process_group()
 
 
-def build_model(config: Config, state: ParallelState, device: torch.device) -> GPTModel:
-    """This rank's shard of the model, on `device`, with the attention kernel resolved."""
+def build_model(config: Config, state: ParallelState, device: torch.device) -> nn.ModuleList:
+    """This rank's model chunks (one per virtual pipeline stage), each its TP shard, on
+    `device`, with the attention kernel resolved."""
     p = config.precision
     dtype = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
     model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
         config.model.attention_backend, device, dtype))
     seed = config.training.seed
-    rng_tracker = build_rng_tracker(seed, state.tp_rank, device)
-    return GPTModel(model_config, seed, state.tp_group, rng_tracker).to(device)
+    return build_model_chunks(
+        model_config, seed, state.pp_rank, state.pp_size,
+        config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
+        build_rng_tracker(seed, state.tp_rank, device)).to(device)
 
 
 def run_training(config: Config, state: ParallelState, device: torch.device,
@@ -155,6 +114,10 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     model = build_model(config, state, device)
     optimizer = Optimizer(model, config.optimizer, build_grad_scaler(config.precision),
                           state.tp_group, state.mp_group)
+    t, m = config.training, config.model
+    seq = m.seq_length // state.tp_size if m.sequence_parallel else m.seq_length
+    runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
+                        (seq, t.micro_batch_size, m.hidden_size), device, state)
     scheduler = LRScheduler(optimizer, config.scheduler)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
@@ -168,46 +131,47 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     valid = (microbatches(valid_ds, 0, config, state, device)
              if evaluating and valid_ds is not None else None)
     try:
-        progress = train(config, state, model, optimizer, scheduler, train_ds, valid,
-                         tensorboard, device)
+        progress = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device)
         if valid is not None:
             # The loop may have just written this iteration's validation scalars.
             evaluated = progress.iteration % config.training.eval_interval == 0
-            _evaluate_and_print(f"iteration {progress.iteration} on validation set", model,
-                                valid, config, device, tensorboard,
+            _evaluate_and_print(f"iteration {progress.iteration} on validation set", runner,
+                                valid, config, tensorboard,
                                 None if evaluated else progress.iteration)
         if evaluating and test_ds is not None:
-            _evaluate_and_print(f"iteration {progress.iteration} on test set", model,
+            _evaluate_and_print(f"iteration {progress.iteration} on test set", runner,
                                 microbatches(test_ds, 0, config, state, device), config,
-                                device, tensorboard, None)
+                                tensorboard, None)
     finally:
         tensorboard.close()
     return progress
 
 
-def train(config: Config, state: ParallelState, model, optimizer, scheduler, train_ds,
+def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, train_ds,
           valid, tensorboard: TensorBoardLogger, device: torch.device) -> TrainState:
     t, log = config.training, config.logging
     progress = TrainState()
     stats = IntervalStats()
     flops_per_step = num_floating_point_operations(config.model, t.global_batch_size)
     batches = microbatches(train_ds, progress.consumed_train_samples, config, state, device)
-    model.train()
     while progress.iteration < t.train_iters:
         start = time.perf_counter()
         step_batches = [next(batches) for _ in range(t.num_microbatches)]
         lr = scheduler.lr
-        loss_scale = optimizer.loss_scale
-        loss, skipped, grad_norm = train_step(model, optimizer, step_batches, config.precision,
-                                              device)
+        loss_scale = runner.optimizer.loss_scale
+        result = runner.train_step(step_batches)
+        loss, skipped, grad_norm = result.loss, result.skipped, result.grad_norm
         if not skipped:
             scheduler.step(t.global_batch_size)
         _synchronize(device)
         elapsed = time.perf_counter() - start
         progress.iteration += 1
         progress.consumed_train_samples += t.global_batch_size
-        if not math.isfinite(loss) and not config.precision.fp16:
-            raise NumericalError(f"iteration {progress.iteration}: lm loss is {loss}")
+        if not config.precision.fp16 and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # The grad norm is agreed across the model-parallel group, so every rank
+            # (not only the last stage, which holds the loss) stops here together.
+            raise NumericalError(f"iteration {progress.iteration}: lm loss is {loss}, "
+                                 f"grad norm is {grad_norm}")
         stats.add(loss, skipped, elapsed)
         if progress.iteration % log.tensorboard_log_interval == 0:
             tensorboard.scalars(progress.iteration, {
@@ -218,8 +182,8 @@ def train(config: Config, state: ParallelState, model, optimizer, scheduler, tra
                           tensorboard)
             stats = IntervalStats()
         if valid is not None and progress.iteration % t.eval_interval == 0:
-            _evaluate_and_print(f"iteration {progress.iteration}", model, valid, config,
-                                device, tensorboard, progress.iteration)
+            _evaluate_and_print(f"iteration {progress.iteration}", runner, valid, config,
+                                tensorboard, progress.iteration)
             progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
         if t.exit_interval and progress.iteration % t.exit_interval == 0:
             print_rank_last(f"exiting program at iteration {progress.iteration}")
@@ -252,9 +216,15 @@ def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr
                                              "tokens-per-second": tokens_per_s})
 
 
-def _evaluate_and_print(prefix: str, model, batches, config: Config, device: torch.device,
+def _evaluate_and_print(prefix: str, runner: StepRunner, batches, config: Config,
                         tensorboard: TensorBoardLogger, iteration: int | None):
-    loss = evaluate(model, batches, config, device)
+    """Token-weighted mean loss over --eval-iters global batches drawn from `batches`."""
+    t = config.training
+    loss_sum, tokens = 0.0, 0.0
+    for _ in range(t.eval_iters):
+        s, n = runner.evaluate([next(batches) for _ in range(t.num_microbatches)])
+        loss_sum, tokens = loss_sum + s, tokens + n
+    loss = loss_sum / max(tokens, 1.0)
     for line in validation_lines(prefix, loss):
         print_rank_last(line)
     if iteration is not None:

@@ -136,14 +136,41 @@ def test_world_size_must_fit_the_grid():
 
 
 @pytest.mark.parametrize("extra", [
-    ["--pipeline-model-parallel-size", "2"], ["--num-layers-per-virtual-pipeline-stage", "1"],
     ["--use-distributed-optimizer"], ["--save", "/tmp/x"], ["--load", "/tmp/x"],
     ["--finetune"],
 ])
 def test_later_capabilities_refuse_instead_of_ignoring(extra):
-    world = 2 if "2" in extra else 1
     with pytest.raises(NotYetSupportedError, match="not yet supported"):
+        config_of(*extra)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--pipeline-model-parallel-size", "4", "--num-layers", "6"],
+     ["--num-layers=6", "--pipeline-model-parallel-size=4"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+      "--num-layers-per-virtual-pipeline-stage", "3"],
+     ["--num-layers=4", "--num-layers-per-virtual-pipeline-stage=3"]),
+    (["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
+      "--micro-batch-size", "4"],
+     ["--global-batch-size / (--micro-batch-size x DP)", "--pipeline-model-parallel-size"]),
+    (["--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--num-layers-per-virtual-pipeline-stage", "--pipeline-model-parallel-size"]),
+])
+def test_pipeline_layout_errors(extra, words):
+    world = 4 if "4" in extra[:2] else 2 if "2" in extra[:2] else 1
+    with pytest.raises(ConfigError) as err:
         config_of(*extra, world_size=world)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_virtual_pipeline_chunks():
+    c = config_of("--pipeline-model-parallel-size", "2", "--num-layers", "8",
+                  "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "1",
+                  world_size=2)
+    assert c.parallel.virtual_pipeline_model_parallel_size == 2
+    assert c.training.num_microbatches == 8
 
 
 @pytest.mark.parametrize("extra, words", [

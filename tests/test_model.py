@@ -65,7 +65,7 @@ def reference_attention(layer, x, config):
 @pytest.mark.parametrize("groups", [4, 2, 1])
 def test_attention_matches_explicit_reference(groups):
     c = make_config(num_query_groups=groups)
-    layer = GPTModel(c, seed=3).decoder.layers[0].self_attention
+    layer = GPTModel(c, seed=3).decoder.layers["0"].self_attention
     torch.nn.init.normal_(layer.linear_qkv.bias)  # biases start at 0; exercise them
     x = torch.randn(16, 3, 64)
     torch.testing.assert_close(layer(x, None), reference_attention(layer, x, c),
@@ -104,8 +104,8 @@ def test_initialisation_by_name_not_construction_order():
     assert not torch.equal(GPTModel(c, seed=8).embedding.word_embeddings.weight,
                            a.embedding.word_embeddings.weight)
     # Two layers of the same shape get different values.
-    assert not torch.equal(a.decoder.layers[0].mlp.linear_fc1.weight,
-                           a.decoder.layers[1].mlp.linear_fc1.weight)
+    assert not torch.equal(a.decoder.layers["0"].mlp.linear_fc1.weight,
+                           a.decoder.layers["1"].mlp.linear_fc1.weight)
 
 
 def test_initial_statistics():

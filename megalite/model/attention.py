@@ -47,8 +47,8 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group,
                                       c.kv_channels)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
-        if rotary_angles is not None:
-            q, k = apply_rotary(q, rotary_angles), apply_rotary(k, rotary_angles)
+        if rotary_angles is not None:  # angles for every position up to --seq-length
+            q, k = apply_rotary(q, rotary_angles[:s]), apply_rotary(k, rotary_angles[:s])
         # Backends take [batch, seq, heads, dim]; grouped K/V heads stay grouped.
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         dropout = c.attention_dropout if self.training else 0.0

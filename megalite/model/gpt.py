@@ -60,31 +60,46 @@ class Embedding(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None):
+    """Transformer layers `layers` (global indices, so parameter names match the
+    single-process model whatever the pipeline stage), and the final norm on the last."""
+
+    def __init__(self, config: GPTConfig, layers: range, final_norm: bool, tp_group=None,
+                 rng_tracker=None):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(config, tp_group, rng_tracker)
-                                    for _ in range(config.num_layers))
-        self.final_layernorm = build_norm(config)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, rng_tracker)
+                                     for i in layers})
+        self.final_layernorm = build_norm(config) if final_norm else None
 
     def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, rotary_angles)
-        return self.final_layernorm(x)
+        return x if self.final_layernorm is None else self.final_layernorm(x)
 
 
 class GPTModel(nn.Module):
-    """The whole model, or this tensor-parallel rank's shard of it (`tp_group`)."""
+    """The whole model, or one pipeline stage's chunk of it (`layers`, with the embedding
+    when `pre_process` and the final norm, output layer and loss when `post_process`),
+    and of that this tensor-parallel rank's shard (`tp_group`)."""
 
-    def __init__(self, config: GPTConfig, seed: int, tp_group=None, rng_tracker=None):
+    def __init__(self, config: GPTConfig, seed: int, tp_group=None, rng_tracker=None,
+                 layers: range | None = None, pre_process: bool = True,
+                 post_process: bool = True):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
-        self.embedding = Embedding(config, tp_group, rng_tracker)
-        self.decoder = Decoder(config, tp_group, rng_tracker)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embedding = Embedding(config, tp_group, rng_tracker) if pre_process else None
+        self.decoder = Decoder(config, range(config.num_layers) if layers is None else layers,
+                               post_process, tp_group, rng_tracker)
         self.output_layer = None
-        if config.untie_embeddings_and_output_weights:
+        tied = not config.untie_embeddings_and_output_weights
+        if post_process and not (tied and pre_process):
             self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size,
                                                      group=tp_group, bias=False)
+            # A tied output layer on a later pipeline stage than the embedding is a copy of
+            # the word embeddings: same initial values, grads summed over the embedding group.
+            self.output_layer.weight.shared_embedding = tied
+            self.output_layer.weight.embedding_copy = tied  # not counted in the grad norm
         if config.position_embedding_type == "rope":
             rotary_dim = int(config.kv_channels * config.rotary_percent)
             self.register_buffer("rotary_angles", rotary_frequencies(
@@ -97,6 +112,8 @@ class GPTModel(nn.Module):
                 # Under SP each rank's norm sees a different shard: its grads are partial
                 # sums that must be all-reduced across the TP group.
                 param.sequence_parallel = config.sequence_parallel
+        if tied and pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
         initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
 
     def _padded_vocab_mask(self) -> torch.Tensor | None:
@@ -114,13 +131,15 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [batch, seq]. Returns per-token losses [batch, seq] (fp32) when labels
-        are given, else the full logits [batch, seq, padded vocab]."""
-        angles = None
-        if self.rotary_angles is not None:
-            angles = self.rotary_angles[: tokens.shape[1]]
-        x = self.decoder(self.embedding(tokens), angles)
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: tokens [batch, seq] on the first stage, else the previous stage's hidden
+        states [seq, batch, hidden]. Returns the hidden states unless this is the last
+        stage; there, per-token losses [batch, seq] (fp32) when labels are given, else the
+        full logits [batch, seq, padded vocab]."""
+        x = self.embedding(inputs) if self.pre_process else inputs
+        x = self.decoder(x, self.rotary_angles)
+        if not self.post_process:
+            return x
         logits = self._vocab_parallel_logits(x)
         if labels is None:
             return gather_from_tensor_model_parallel_region(logits, self.tp_group).transpose(0, 1)
@@ -140,6 +159,23 @@ class GPTModel(nn.Module):
         if self.padded_vocab_mask is not None:
             logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
         return logits
+
+
+def build_model_chunks(config: GPTConfig, seed: int, pp_rank: int = 0, pp_size: int = 1,
+                       num_chunks: int = 1, tp_group=None, rng_tracker=None) -> nn.ModuleList:
+    """This pipeline rank's model chunks, one per virtual stage. Chunk c on rank r is
+    global stage c*p + r and holds L/(p*v) layers from c*L/v + r*L/(p*v) (DESIGN.md §5);
+    the first stage has the embedding, the last the output layer and loss."""
+    per_chunk = config.num_layers // (pp_size * num_chunks)
+    chunks = nn.ModuleList()
+    for chunk in range(num_chunks):
+        first_layer = chunk * config.num_layers // num_chunks + pp_rank * per_chunk
+        stage = chunk * pp_size + pp_rank
+        chunks.append(GPTModel(config, seed, tp_group, rng_tracker,
+                               layers=range(first_layer, first_layer + per_chunk),
+                               pre_process=stage == 0,
+                               post_process=stage == pp_size * num_chunks - 1))
+    return chunks
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -179,6 +215,8 @@ def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_ran
     """Every parameter from its full single-process value: a tensor-parallel shard takes
     its block of the full tensor, so any TP size starts from the same weights."""
     for name, param in model.named_parameters():
+        if getattr(param, "shared_embedding", False):
+            name = "embedding.word_embeddings.weight"  # a tied output layer starts equal
         if getattr(param, "tensor_model_parallel", False):
             dim = param.partition_dim
             shape = list(param.shape)

@@ -22,10 +22,12 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def params_for_norm(params: list[torch.Tensor], tp_group) -> list[torch.Tensor]:
-    """Each distinct parameter once across the TP group: shards count on every rank,
-    replicated parameters (norms, row-parallel biases) only on TP rank 0."""
+    """Each distinct parameter once across the model-parallel group: shards count on every
+    rank, replicated parameters (norms, row-parallel biases) only on TP rank 0, and the
+    last pipeline stage's copy of a tied embedding not at all."""
     first = group_rank(tp_group) == 0
-    return [p for p in params if getattr(p, "tensor_model_parallel", False) or first]
+    return [p for p in params if not getattr(p, "embedding_copy", False)
+            and (getattr(p, "tensor_model_parallel", False) or first)]
 
 
 @torch.no_grad()

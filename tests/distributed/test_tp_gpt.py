@@ -16,8 +16,9 @@ from megalite.config import OptimizerConfig, PrecisionConfig, pad_vocab_size
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
-from megalite.training import train_step
+from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
 
@@ -47,8 +48,9 @@ def gathered_grad(param, tp: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def compare_case(case: dict, tp: int, group) -> list[str]:
+def compare_case(case: dict, state: ParallelState) -> list[str]:
     """Differences between the TP model and the reference, as readable strings."""
+    tp, group = state.tp_size, state.tp_group
     reference_config = dataclasses.replace(BASE, **{**case, "sequence_parallel": False})
     tp_config = dataclasses.replace(BASE, **case, padded_vocab_size=pad_vocab_size(VOCAB, 8, tp))
     reference = GPTModel(reference_config, seed=11)
@@ -73,25 +75,27 @@ def compare_case(case: dict, tp: int, group) -> list[str]:
         grad, ref_grad = gathered_grad(param, tp, group), ref_params[name].grad
         rows = min(grad.shape[0], ref_grad.shape[0])  # the vocabulary paddings differ
         check(f"grad of {name}", grad[:rows], ref_grad[:rows])
-    return problems + compare_training(reference_config, tp_config, tp, group)
+    return problems + compare_training(reference_config, tp_config, state)
 
 
-def compare_training(reference_config, tp_config, tp: int, group) -> list[str]:
-    """10 AdamW steps of 2 micro-batches each: the same per-step losses."""
+def compare_training(reference_config, tp_config, state: ParallelState) -> list[str]:
+    """10 AdamW steps of 2 micro-batches each: the same per-step losses and grad norms."""
     opt_config = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.5)
     runs = []
-    for config, tp_group in ((reference_config, None), (tp_config, group)):
+    for config, run_state in ((reference_config, None), (tp_config, state)):
+        tp_group = run_state.tp_group if run_state else None
         model = GPTModel(config, seed=5, tp_group=tp_group)
         optimizer = Optimizer(model, opt_config, tp_group=tp_group, model_parallel_group=tp_group)
+        runner = StepRunner(torch.nn.ModuleList([model]), optimizer, PrecisionConfig(), 2,
+                            (16, 2, 64), torch.device("cpu"), run_state)
         generator = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(10):
             batches = [{"tokens": torch.randint(0, VOCAB, (2, 16), generator=generator),
                         "labels": torch.randint(0, VOCAB, (2, 16), generator=generator),
                         "loss_mask": torch.ones(2, 16)} for _ in range(2)]
-            loss, skipped, norm = train_step(model, optimizer, batches, PrecisionConfig(),
-                                             torch.device("cpu"))
-            losses.append((loss, norm))
+            result = runner.train_step(batches)
+            losses.append((result.loss, result.grad_norm))
         runs.append(losses)
     problems = []
     for step, ((ref_loss, ref_norm), (loss, norm)) in enumerate(zip(*runs), start=1):
@@ -103,8 +107,8 @@ def compare_training(reference_config, tp_config, tp: int, group) -> list[str]:
 
 def tp_equivalence(rank, world_size):
     torch.set_num_threads(1)
-    return {name: compare_case(case, world_size, dist.group.WORLD)
-            for name, case in CASES.items()}
+    state = ParallelState(RankGrid(world_size, world_size, 1), rank)
+    return {name: compare_case(case, state) for name, case in CASES.items()}
 
 
 @pytest.mark.parametrize("tp", [2, 4])

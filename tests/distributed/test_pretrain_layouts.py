@@ -1,4 +1,4 @@
-"""pretrain_gpt.py under torchrun with --tensor-model-parallel-size: the same log as one
+"""pretrain_gpt.py under torchrun with tensor and pipeline parallelism: the same log as one
 process, iteration for iteration."""
 
 import os
@@ -6,11 +6,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_training import LOG_LINE
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
-         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--group-query-attention", "--num-query-groups", "2", "--swiglu",
          "--ffn-hidden-size", "96", "--normalization", "RMSNorm",
          "--position-embedding-type", "rope", "--seq-length", "32", "--micro-batch-size", "2",
@@ -32,12 +34,23 @@ def run(prefix, *extra):
     return losses, norms, valid
 
 
-def test_torchrun_tensor_parallel_matches_one_process():
-    single = run([sys.executable])
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2"]
+@pytest.fixture(scope="module")
+def single():
+    return run([sys.executable])
+
+
+@pytest.mark.parametrize("nproc, layout", [
     # TP 2 with sequence parallelism; 61 is odd, so TP pads the vocabulary differently.
-    parallel = run(torchrun, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # Interleaved 1F1B: 2 stages x 2 virtual chunks of one layer each.
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--pipeline-model-parallel-size", "2"]),
+])
+def test_torchrun_layout_matches_one_process(single, nproc, layout):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc)]
+    parallel = run(torchrun, *layout)
     assert len(single[0]) == 6 and len(single[2]) == 4
     for a, b in zip(single, parallel):
         assert len(a) == len(b)

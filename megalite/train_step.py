@@ -1,0 +1,103 @@
+"""One training step and one evaluation pass over a global batch, for any layout.
+
+A step runs this rank's pipeline schedule over its micro-batches (plain gradient
+accumulation without pipelining), finalises the gradients (the all-reduces that make
+every parameter's gradient the sum over all the places it was used), and takes one
+optimizer step. The loss is the token-weighted mean over the global batch (DESIGN.md §3):
+each micro-batch's summed token losses are divided by the global batch's loss-token
+count, so the split into micro-batches and stages cannot change it.
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.config import PrecisionConfig
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, group_size
+from megalite.pipeline_parallel.executor import run_schedule
+from megalite.pipeline_parallel.p2p import PipelineCommunicator
+from megalite.pipeline_parallel.schedules import build_schedule, forward_only
+from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
+
+
+def autocast(precision: PrecisionConfig, device: torch.device):
+    """bf16/fp16 autocast on whichever device we run; a no-op in fp32."""
+    if not (precision.bf16 or precision.fp16):
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision.bf16 else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """The global batch's loss (on the last pipeline stage; 0.0 on the others)."""
+    skipped: bool
+    grad_norm: float | None
+
+
+class StepRunner:
+    """Runs steps of `chunks` (this rank's model chunks) with `optimizer`.
+
+    `state` is None for a single process; otherwise its tensor group reduces sequence-
+    parallel grads, its pipeline group carries activations and its embedding group sums
+    the grads of tied embeddings split across the first and last stage.
+    """
+
+    def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
+                 num_microbatches: int, activation_shape: tuple[int, ...],
+                 device: torch.device, state: ParallelState | None = None):
+        self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
+        self.device = device
+        self.state = state
+        pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
+        v = len(chunks)
+        self.schedule = build_schedule(pp, pp_rank, num_microbatches, v)
+        self.eval_schedule = forward_only(pp, pp_rank, num_microbatches, v)
+        self.comm = None
+        if pp > 1:
+            # The residual stream stays fp32 under autocast: activations travel in fp32.
+            self.comm = PipelineCommunicator(state, v, activation_shape, torch.float32, device)
+
+    def _autocast(self):
+        return autocast(self.precision, self.device)
+
+    def train_step(self, microbatches: list[dict]) -> StepResult:
+        num_tokens = sum(mb["loss_mask"].sum() for mb in microbatches)
+        self.optimizer.zero_grad()
+        loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
+                            lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
+                            self.optimizer.scale_loss, self._autocast)
+        self.finalize_grads()
+        updated, grad_norm = self.optimizer.step()
+        return StepResult(loss.item(), not updated, grad_norm)
+
+    def finalize_grads(self):
+        params = self.optimizer.params
+        if self.state is None:
+            return
+        # Under SP, norms and row-parallel biases saw only this rank's sequence shard.
+        allreduce_sequence_parallel_grads(params, self.state.tp_group)
+        group = self.state.embedding_group
+        if self.state.pp_size > 1 and group is not None and group_size(group) > 1:
+            # A tied embedding is used on the first stage (input) and the last (output):
+            # its gradient is the sum of both uses.
+            for p in params:
+                if getattr(p, "shared_embedding", False) and p.grad is not None:
+                    dist.all_reduce(p.grad, group=group)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:
+        """(sum of token losses, number of loss tokens) over the micro-batches."""
+        for chunk in self.chunks:
+            chunk.eval()
+        loss_sum = run_schedule(self.eval_schedule, self.chunks, microbatches, self.comm,
+                                lambda losses, mb: (losses * mb["loss_mask"]).sum(),
+                                lambda loss: loss, self._autocast, forward_only=True)
+        for chunk in self.chunks:
+            chunk.train()
+        return loss_sum.item(), sum(mb["loss_mask"].sum().item() for mb in microbatches)
