@@ -1,0 +1,72 @@
+"""Pipeline p2p bytes per training step, counted at the send calls, against the closed form.
+
+Every micro-batch crosses every boundary between consecutive stages twice: its activation
+[s, b, h] forward and that activation's gradient backward. With p ranks, v chunks each
+(p*v stages), m micro-batches and e bytes per element:
+
+    bytes sent per step (all ranks) = 2 * m * (p*v - 1) * s * b * h * e
+
+(under sequence parallelism s is the shard s/TP). Interleaving (v > 1) shrinks the bubble
+by v at the price of v times the boundaries (Narayanan et al. 2021, §2.2).
+
+    python benchmarks/pp_communication.py
+"""
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megalite.config import OptimizerConfig, PrecisionConfig  # noqa: E402
+from megalite.model.config import GPTConfig  # noqa: E402
+from megalite.model.gpt import build_model_chunks  # noqa: E402
+from megalite.optimizer.optimizer import Optimizer  # noqa: E402
+from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
+from megalite.train_step import StepRunner  # noqa: E402
+
+SEQ, MICRO, HIDDEN, NUM_MICRO = 64, 2, 64, 8
+
+
+def worker(rank, world, pp, v, store, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    state = ParallelState(RankGrid(world, 1, pp), rank)
+    config = GPTConfig(num_layers=8, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
+                       num_attention_heads=4, num_query_groups=4, kv_channels=16,
+                       seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=128,
+                       attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa")
+    chunks = build_model_chunks(config, 1, state.pp_rank, pp, v, state.tp_group)
+    optimizer = Optimizer(chunks, OptimizerConfig(lr=1e-3), model_parallel_group=state.mp_group)
+    runner = StepRunner(chunks, optimizer, PrecisionConfig(), NUM_MICRO, (SEQ, MICRO, HIDDEN),
+                        torch.device("cpu"), state)
+    batch = {"tokens": torch.randint(0, 128, (MICRO, SEQ)),
+             "labels": torch.randint(0, 128, (MICRO, SEQ)), "loss_mask": torch.ones(MICRO, SEQ)}
+    runner.train_step([batch] * NUM_MICRO)
+    sent = torch.tensor([runner.comm.bytes_sent], dtype=torch.float64)
+    dist.all_reduce(sent)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(str(int(sent.item())))
+    dist.destroy_process_group()
+
+
+def main():
+    print(f"micro-batch [s={SEQ}, b={MICRO}, h={HIDDEN}] fp32, m={NUM_MICRO} micro-batches, "
+          "8 layers")
+    print(f"{'p':>2} {'v':>2} {'stages':>6} {'measured bytes':>15} {'closed form':>15} {'ratio':>6}")
+    for pp, v in ((2, 1), (2, 2), (4, 1), (4, 2)):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "bytes")
+            mp.spawn(worker, args=(pp, pp, v, os.path.join(tmp, "store"), out), nprocs=pp)
+            measured = int(open(out).read())
+        closed = 2 * NUM_MICRO * (pp * v - 1) * SEQ * MICRO * HIDDEN * 4
+        print(f"{pp:>2} {v:>2} {pp * v:>6} {measured:>15,} {closed:>15,} {measured / closed:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
