@@ -77,6 +77,8 @@ def _parallelism(parser):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="ZeRO-1: shard optimizer state across data-parallel ranks.")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="Elements per data-parallel gradient all-reduce (default 40M).")
 
 
 def _training(parser):

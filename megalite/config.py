@@ -9,6 +9,7 @@ its own dataclass so a part receives only what it uses.
 import math
 from dataclasses import dataclass
 
+from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
 from megalite.errors import ConfigError, NotYetSupportedError
 from megalite.model.config import GPTConfig
 from megalite.parallel_state import RankGrid
@@ -24,6 +25,8 @@ class ParallelConfig:
     """Inferred: world size / (TP x PP)."""
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    ddp_bucket_size: int = DEFAULT_BUCKET_SIZE
+    """Elements per data-parallel gradient all-reduce."""
 
 
 @dataclass(frozen=True)
@@ -191,17 +194,16 @@ def _check_positive(args, *names):
 def _parallel_config(args, world_size: int) -> ParallelConfig:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     dp = RankGrid(world_size, tp, pp).data_parallel_size
-    if dp > 1:
-        raise NotYetSupportedError(
-            f"data parallelism (world size {world_size} = TP {tp} x PP {pp} x DP {dp}) "
-            "is not yet supported by megalite")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        raise ConfigError(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")
     if args.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"--sequence-parallel splits the sequence across TP ranks: "
                           f"--seq-length={args.seq_length} is not divisible by "
                           f"--tensor-model-parallel-size={tp}")
     # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
     return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp,
-                          args.sequence_parallel and tp > 1, args.use_distributed_optimizer)
+                          args.sequence_parallel and tp > 1, args.use_distributed_optimizer,
+                          args.ddp_bucket_size or DEFAULT_BUCKET_SIZE)
 
 
 def _virtual_stages(args, pp: int) -> int | None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import PrecisionConfig
+from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE, allreduce_gradients
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, group_size
 from megalite.pipeline_parallel.executor import run_schedule
@@ -44,15 +45,18 @@ class StepRunner:
     """Runs steps of `chunks` (this rank's model chunks) with `optimizer`.
 
     `state` is None for a single process; otherwise its tensor group reduces sequence-
-    parallel grads, its pipeline group carries activations and its embedding group sums
-    the grads of tied embeddings split across the first and last stage.
+    parallel grads, its pipeline group carries activations, its embedding group sums
+    the grads of tied embeddings split across the first and last stage, and its data
+    group sums the gradients and losses of the ranks' slices of the global batch.
     """
 
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
                  num_microbatches: int, activation_shape: tuple[int, ...],
-                 device: torch.device, state: ParallelState | None = None):
+                 device: torch.device, state: ParallelState | None = None,
+                 bucket_size: int = DEFAULT_BUCKET_SIZE):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
         self.device = device
+        self.bucket_size = bucket_size
         self.state = state
         pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
         v = len(chunks)
@@ -67,14 +71,23 @@ class StepRunner:
         return autocast(self.precision, self.device)
 
     def train_step(self, microbatches: list[dict]) -> StepResult:
-        num_tokens = sum(mb["loss_mask"].sum() for mb in microbatches)
+        # Loss tokens of the whole global batch: every DP rank divides by the same count.
+        num_tokens = self._sum_over_data_parallel(
+            sum(mb["loss_mask"].sum() for mb in microbatches))
         self.optimizer.zero_grad()
         loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                             lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
                             self.optimizer.scale_loss, self._autocast)
         self.finalize_grads()
         updated, grad_norm = self.optimizer.step()
-        return StepResult(loss.item(), not updated, grad_norm)
+        return StepResult(self._sum_over_data_parallel(loss).item(), not updated, grad_norm)
+
+    def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
+        if self.state is None or self.state.dp_size == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, group=self.state.dp_group)
+        return value
 
     def finalize_grads(self):
         params = self.optimizer.params
@@ -89,6 +102,7 @@ class StepRunner:
             for p in params:
                 if getattr(p, "shared_embedding", False) and p.grad is not None:
                     dist.all_reduce(p.grad, group=group)
+        allreduce_gradients(params, self.state.dp_group, self.bucket_size)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:
@@ -100,4 +114,6 @@ class StepRunner:
                                 lambda loss: loss, self._autocast, forward_only=True)
         for chunk in self.chunks:
             chunk.train()
-        return loss_sum.item(), sum(mb["loss_mask"].sum().item() for mb in microbatches)
+        tokens = sum(mb["loss_mask"].sum() for mb in microbatches)
+        return (self._sum_over_data_parallel(loss_sum).item(),
+                self._sum_over_data_parallel(tokens).item())

@@ -201,9 +201,12 @@ def test_tensor_parallel_config():
     assert config_of("--use-flash-attn").model.attention_backend == "flash"
 
 
-def test_data_parallel_not_yet_supported():
-    with pytest.raises(NotYetSupportedError, match="DP 2"):
-        config_of(world_size=2)
+def test_data_parallel_size_is_inferred():
+    c = config_of("--tensor-model-parallel-size", "2", world_size=4)
+    assert c.parallel.data_parallel_size == 2
+    assert c.training.num_microbatches == 1  # global batch 8 = micro-batch 4 x DP 2
+    with pytest.raises(ConfigError, match="--global-batch-size=8.*data-parallel size 4"):
+        config_of(world_size=4)
 
 
 def test_config_is_frozen():

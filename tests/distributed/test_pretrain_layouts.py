@@ -1,5 +1,5 @@
-"""pretrain_gpt.py under torchrun with tensor and pipeline parallelism: the same log as one
-process, iteration for iteration."""
+"""pretrain_gpt.py under torchrun with tensor, pipeline and data parallelism: the same log
+as one process, iteration for iteration."""
 
 import os
 import re
@@ -46,6 +46,9 @@ def single():
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--pipeline-model-parallel-size", "2"]),
+    # Data parallelism: each rank reads its slice of every global batch.
+    (2, []),
+    (4, ["--pipeline-model-parallel-size", "2"]),
 ])
 def test_torchrun_layout_matches_one_process(single, nproc, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",

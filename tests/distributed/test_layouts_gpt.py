@@ -1,7 +1,7 @@
-"""The pipeline-parallel GPT (1F1B and interleaved, alone and with TP) against the
-single-process model: 10 steps of the same per-step losses and grad norms, the same
-gradients after the first step, the same parameters after the last, and the same
-evaluation loss (DESIGN.md §3, §5)."""
+"""The GPT at pipeline- and data-parallel layouts (1F1B and interleaved, alone and with TP
+and DP) against the single-process model: 10 steps of the same per-step losses and grad
+norms, the same gradients after the first step, the same parameters after the last, and
+the same evaluation loss (DESIGN.md §3, §5)."""
 
 import dataclasses
 
@@ -24,15 +24,22 @@ BASE = GPTConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention
                  padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
                  attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa",
                  position_embedding_type="rope", swiglu=True, normalization="RMSNorm")
-# (TP, PP, virtual stages); the world size is TP x PP.
-LAYOUTS = {2: [(1, 2, 1), (1, 2, 2)], 4: [(1, 4, 1), (1, 4, 2), (2, 2, 1)]}
+# (TP, PP, virtual stages, DP); the world size is TP x PP x DP.
+LAYOUTS = {2: [(1, 2, 1, 1), (1, 2, 2, 1), (1, 1, 1, 2)],
+           4: [(1, 4, 1, 1), (1, 4, 2, 1), (2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 1, 2),
+               (1, 2, 2, 2)]}
 
 
-def batches(generator):
-    return [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-             "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-             "loss_mask": (torch.rand(MICRO, SEQ, generator=generator) > 0.2).float()}
-            for _ in range(NUM_MICRO)]
+def batches(generator, state):
+    """The global batch's micro-batches; a DP rank takes its contiguous slice of them."""
+    all_batches = [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
+                    "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
+                    "loss_mask": (torch.rand(MICRO, SEQ, generator=generator) > 0.2).float()}
+                   for _ in range(NUM_MICRO)]
+    if state is None:
+        return all_batches
+    per_rank = NUM_MICRO // state.dp_size
+    return all_batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
 
 
 def run(config, chunks, state, shape):
@@ -41,16 +48,17 @@ def run(config, chunks, state, shape):
     mp_group = state.mp_group if state else None
     optimizer = Optimizer(chunks, OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.5),
                           tp_group=tp_group, model_parallel_group=mp_group)
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(), NUM_MICRO, shape,
-                        torch.device("cpu"), state)
+    num_micro = NUM_MICRO // (state.dp_size if state else 1)
+    runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
+                        torch.device("cpu"), state, bucket_size=5000)
     generator = torch.Generator().manual_seed(3)
     steps, first_grads = [], None
     for step in range(10):
-        result = runner.train_step(batches(generator))
+        result = runner.train_step(batches(generator, state))
         steps.append((result.loss, result.grad_norm))
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in chunks.named_parameters()}
-    return steps, first_grads, runner.evaluate(batches(generator))
+    return steps, first_grads, runner.evaluate(batches(generator, state))
 
 
 def gather_tp(tensor, param, state):
@@ -68,8 +76,8 @@ def reference_name(name: str, param) -> str:
     return "embedding.word_embeddings.weight" if getattr(param, "embedding_copy", False) else name
 
 
-def compare_layout(rank, tp, pp, v, tied) -> list[str]:
-    state = ParallelState(RankGrid(tp * pp, tp, pp), rank)
+def compare_layout(rank, tp, pp, v, dp, tied) -> list[str]:
+    state = ParallelState(RankGrid(tp * pp * dp, tp, pp), rank)
     ref_config = dataclasses.replace(BASE, untie_embeddings_and_output_weights=not tied)
     config = dataclasses.replace(ref_config, padded_vocab_size=pad_vocab_size(VOCAB, 8, tp),
                                  sequence_parallel=tp > 1)
@@ -104,8 +112,9 @@ def compare_layout(rank, tp, pp, v, tied) -> list[str]:
 
 
 def pipeline_equivalence(rank, world_size):
-    return {f"TP={tp} PP={pp} v={v} {'tied' if tied else 'untied'}": compare_layout(
-        rank, tp, pp, v, tied) for tp, pp, v in LAYOUTS[world_size] for tied in (True, False)}
+    return {f"TP={tp} PP={pp} v={v} DP={dp} {'tied' if tied else 'untied'}": compare_layout(
+        rank, tp, pp, v, dp, tied)
+        for tp, pp, v, dp in LAYOUTS[world_size] for tied in (True, False)}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
