@@ -155,7 +155,6 @@ def validate_args(args, world_size: int = 1,
 # Flags parsed now whose capability lands in a later issue: refusing a non-default value
 # is better than silently training something else than the user asked for.
 _NOT_YET = {
-    "use_distributed_optimizer": False,
     "save": None,
     "load": None,
     "save_interval": None,

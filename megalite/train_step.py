@@ -102,7 +102,8 @@ class StepRunner:
             for p in params:
                 if getattr(p, "shared_embedding", False) and p.grad is not None:
                     dist.all_reduce(p.grad, group=group)
-        allreduce_gradients(params, self.state.dp_group, self.bucket_size)
+        if not self.optimizer.handles_data_parallel:
+            allreduce_gradients(params, self.state.dp_group, self.bucket_size)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:

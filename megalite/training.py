@@ -24,6 +24,7 @@ from megalite.errors import MegaliteError
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.attention_backends import resolve_backend
 from megalite.model.gpt import build_model_chunks
+from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.optimizer import Optimizer
@@ -108,12 +109,20 @@ def build_model(config: Config, state: ParallelState, device: torch.device) -> n
         build_rng_tracker(seed, state.tp_rank, device)).to(device)
 
 
+def build_optimizer(model: nn.Module, config: Config, state: ParallelState) -> Optimizer:
+    scaler = build_grad_scaler(config.precision)
+    if config.parallel.use_distributed_optimizer:
+        return DistributedOptimizer(model, config.optimizer, scaler, state.tp_group,
+                                    state.mp_group, state.dp_group,
+                                    config.parallel.ddp_bucket_size)
+    return Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group)
+
+
 def run_training(config: Config, state: ParallelState, device: torch.device,
                  eod: int | None) -> TrainState:
     set_seed(config.training.seed)
     model = build_model(config, state, device)
-    optimizer = Optimizer(model, config.optimizer, build_grad_scaler(config.precision),
-                          state.tp_group, state.mp_group)
+    optimizer = build_optimizer(model, config, state)
     t, m = config.training, config.model
     seq = m.seq_length // state.tp_size if m.sequence_parallel else m.seq_length
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,

@@ -136,8 +136,7 @@ def test_world_size_must_fit_the_grid():
 
 
 @pytest.mark.parametrize("extra", [
-    ["--use-distributed-optimizer"], ["--save", "/tmp/x"], ["--load", "/tmp/x"],
-    ["--finetune"],
+    ["--save", "/tmp/x"], ["--load", "/tmp/x"], ["--finetune"],
 ])
 def test_later_capabilities_refuse_instead_of_ignoring(extra):
     with pytest.raises(NotYetSupportedError, match="not yet supported"):

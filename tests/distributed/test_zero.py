@@ -1,0 +1,90 @@
+"""ZeRO-1 bookkeeping: optimizer memory per rank against the closed form, and an fp16
+overflow on one rank making every rank skip."""
+
+import pytest
+import torch
+
+from megalite.config import OptimizerConfig
+from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
+from megalite.optimizer.distributed_optimizer import DistributedOptimizer
+from megalite.optimizer.grad_scaler import DynamicGradScaler
+from megalite.parallel_state import ParallelState, RankGrid
+
+from tests.distributed.launcher import run_distributed
+
+CONFIG = GPTConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                   num_query_groups=4, kv_channels=8, seq_length=8, max_position_embeddings=8,
+                   padded_vocab_size=61, attention_dropout=0.0, hidden_dropout=0.0)
+
+
+def model_and_optimizer(state, scaler=None):
+    model = GPTModel(CONFIG, seed=1)
+    dp_group = state.dp_group if state else None
+    # One bucket for the whole model, so the closed form of the shard is simple.
+    optimizer = DistributedOptimizer(model, OptimizerConfig(lr=1e-3), scaler,
+                                     dp_group=dp_group, bucket_size=10 ** 9)
+    return model, optimizer
+
+
+def one_step(model, optimizer):
+    tokens = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(0))
+    optimizer.zero_grad()
+    optimizer.scale_loss(model(tokens, tokens).mean()).backward()
+    return optimizer.step()
+
+
+def optimizer_bytes(rank, world_size):
+    state = ParallelState(RankGrid(world_size), rank)
+    model, optimizer = model_and_optimizer(state)
+    one_step(model, optimizer)
+    return optimizer.optimizer_state_bytes(), sum(p.numel() for p in model.parameters())
+
+
+def expected_share(num_params: int, dp: int, rank: int) -> int:
+    """The flat parameters padded to a multiple of DP and cut in DP equal shards: rank r
+    owns the real (unpadded) elements of shard r."""
+    shard = -(-num_params // dp)
+    return max(0, min(shard, num_params - rank * shard))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_optimizer_state_is_12_bytes_per_owned_parameter(dp):
+    """fp32 main copy (4 B) + Adam's two moments (8 B) for this rank's share, nothing more."""
+    if dp == 1:
+        results = [optimizer_bytes_single()]
+    else:
+        results = run_distributed(dp, optimizer_bytes)
+    num_params = results[0][1]
+    for rank, (nbytes, _) in enumerate(results):
+        assert nbytes == 12 * expected_share(num_params, dp, rank)
+    # Every element is owned by exactly one rank: the shares add up to the model.
+    assert sum(nbytes for nbytes, _ in results) == 12 * num_params
+    assert max(nbytes for nbytes, _ in results) <= 12 * (num_params // dp + 1)
+
+
+def optimizer_bytes_single():
+    model, optimizer = model_and_optimizer(None)
+    one_step(model, optimizer)
+    return optimizer.optimizer_state_bytes(), sum(p.numel() for p in model.parameters())
+
+
+def overflow_on_rank_zero(rank, world_size):
+    state = ParallelState(RankGrid(world_size), rank)
+    scaler = DynamicGradScaler(2.0 ** 10, 1.0, window=1000, hysteresis=1)
+    model, optimizer = model_and_optimizer(state, scaler)
+    before = [p.detach().clone() for p in model.parameters()]
+    tokens = torch.randint(0, 61, (2, 8))
+    optimizer.zero_grad()
+    optimizer.scale_loss(model(tokens, tokens).mean()).backward()
+    if rank == 0:
+        # An inf in a gradient element that rank 1's shard holds after the reduce-scatter.
+        list(model.parameters())[-1].grad.view(-1)[-1] = float("inf")
+    updated, norm = optimizer.step()
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    return updated, norm, scaler.scale, unchanged
+
+
+def test_fp16_overflow_on_one_rank_skips_everywhere():
+    results = run_distributed(2, overflow_on_rank_zero)
+    assert results == [(False, None, 2.0 ** 9, True)] * 2
