@@ -26,7 +26,9 @@ from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
 def autocast(precision: PrecisionConfig, device: torch.device):
-    """bf16/fp16 autocast on whichever device we run; a no-op in fp32."""
+    """bf16/fp16 autocast on whichever device we run; a no-op in fp32. The parameters are
+    already half precision then; autocast keeps the numerically delicate ops (norms,
+    softmax) in fp32."""
     if not (precision.bf16 or precision.fp16):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision.bf16 else torch.float16
@@ -64,8 +66,9 @@ class StepRunner:
         self.eval_schedule = forward_only(pp, pp_rank, num_microbatches, v)
         self.comm = None
         if pp > 1:
-            # The residual stream stays fp32 under autocast: activations travel in fp32.
-            self.comm = PipelineCommunicator(state, v, activation_shape, torch.float32, device)
+            # Activations travel in the parameters' dtype (bf16/fp16 or fp32).
+            dtype = next(chunks.parameters()).dtype
+            self.comm = PipelineCommunicator(state, v, activation_shape, dtype, device)
 
     def _autocast(self):
         return autocast(self.precision, self.device)

@@ -103,18 +103,24 @@ def build_model(config: Config, state: ParallelState, device: torch.device) -> n
     model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
         config.model.attention_backend, device, dtype))
     seed = config.training.seed
+    # Megatron's --bf16/--fp16: the model's parameters (and so its activations) in half
+    # precision, initialised in fp32 and rounded; the optimizer keeps fp32 main copies.
     return build_model_chunks(
         model_config, seed, state.pp_rank, state.pp_size,
         config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
-        build_rng_tracker(seed, state.tp_rank, device)).to(device)
+        build_rng_tracker(seed, state.tp_rank, device)).to(device=device, dtype=dtype)
 
 
 def build_optimizer(model: nn.Module, config: Config, state: ParallelState) -> Optimizer:
+    """ZeRO-1 with --use-distributed-optimizer; fp32 main parameters (unsharded) for
+    bf16/fp16 model parameters; plain AdamW on fp32 parameters otherwise."""
     scaler = build_grad_scaler(config.precision)
-    if config.parallel.use_distributed_optimizer:
+    p = config.parallel
+    if p.use_distributed_optimizer or config.precision.bf16 or config.precision.fp16:
         return DistributedOptimizer(model, config.optimizer, scaler, state.tp_group,
-                                    state.mp_group, state.dp_group,
-                                    config.parallel.ddp_bucket_size)
+                                    state.mp_group,
+                                    state.dp_group if p.use_distributed_optimizer else None,
+                                    p.ddp_bucket_size)
     return Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group)
 
 

@@ -1,4 +1,5 @@
-"""ZeRO-1 (Rajbhandari et al. 2020, "P_os"): optimizer state sharded over data parallelism.
+"""ZeRO-1 (Rajbhandari et al. 2020, "P_os"): optimizer state sharded over data parallelism,
+with fp32 main parameters for bf16/fp16 model parameters (Micikevicius et al. 2018).
 
 The parameters are laid out, in order, in flat buckets of at most `bucket_size` elements,
 each padded to a multiple of the DP size and cut into DP equal shards. DP rank r owns
@@ -49,7 +50,9 @@ class Bucket:
 
 
 class DistributedOptimizer(Optimizer):
-    handles_data_parallel = True
+    """ZeRO-1 over `dp_group`. With dp_group None it shards nothing: the same fp32 main
+    parameters and moments for the whole model, which is how bf16/fp16 model parameters
+    are trained under plain data parallelism (gradients then arrive already summed)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None, dp_group=None,
@@ -58,6 +61,7 @@ class DistributedOptimizer(Optimizer):
         self.grad_scaler = grad_scaler
         self.model_parallel_group = model_parallel_group
         self.dp_group = dp_group
+        self.handles_data_parallel = dp_group is not None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.norm_params = {id(p) for p in params_for_norm(self.params, tp_group)}
         dp, rank = group_size(dp_group), group_rank(dp_group)
