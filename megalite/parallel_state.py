@@ -9,6 +9,7 @@ are far apart. The arithmetic is pure (`RankGrid`), so it is tested without proc
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from megalite.errors import ConfigError
@@ -80,6 +81,19 @@ def group_size(group) -> int:
 
 def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group):
+    """All-gather x from every rank into out (concatenated along dim 0)."""
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single and deprecated the old
+    # name (a FutureWarning per call); setup.py allows torch >= 2.6, which has only the old.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group):
+    """Sum x over the ranks and keep this rank's block of dim 0 in out."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        out, x, group=group)
 
 
 def _product(values) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from megalite.config import OptimizerConfig
 from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE, buckets
 from megalite.optimizer.optimizer import Optimizer, clip_grads, params_for_norm
-from megalite.parallel_state import group_rank, group_size
+from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
 
 
 @dataclass
@@ -109,28 +109,31 @@ class DistributedOptimizer(Optimizer):
         return True, grad_norm.item()
 
     def _reduce_scatter_grads(self, bucket: Bucket):
-        flat = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.params[0].device)
+        # In the gradients' own dtype, as Megatron does: bf16 gradients move half the bytes.
+        flat = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype,
+                           device=bucket.params[0].device)
         offset = 0
         for p in bucket.params:
             if p.grad is not None:
                 flat[offset:offset + p.numel()] = p.grad.reshape(-1)
             offset += p.numel()
-        shard = torch.empty(bucket.shard_size, dtype=torch.float32, device=flat.device)
+        shard = torch.empty(bucket.shard_size, dtype=flat.dtype, device=flat.device)
         if group_size(self.dp_group) > 1:
-            dist.reduce_scatter_tensor(shard, flat, group=self.dp_group)
+            reduce_scatter_into(shard, flat, self.dp_group)
         else:
             shard.copy_(flat)
         for s in bucket.segments:
-            s.main.grad = shard[s.shard_offset:s.shard_offset + s.end - s.start].clone()
+            s.main.grad = shard[s.shard_offset:s.shard_offset + s.end - s.start].float()
 
     def _all_gather_params(self, bucket: Bucket):
-        device = bucket.params[0].device
-        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
+        """Every rank's updated shard, rounded to the parameters' dtype, to every rank."""
+        device, dtype = bucket.params[0].device, bucket.params[0].dtype
+        shard = torch.zeros(bucket.shard_size, dtype=dtype, device=device)
         for s in bucket.segments:
             shard[s.shard_offset:s.shard_offset + s.end - s.start] = s.main
-        flat = torch.empty(bucket.numel, dtype=torch.float32, device=device)
+        flat = torch.empty(bucket.numel, dtype=dtype, device=device)
         if group_size(self.dp_group) > 1:
-            dist.all_gather_into_tensor(flat, shard, group=self.dp_group)
+            all_gather_into(flat, shard, self.dp_group)
         else:
             flat.copy_(shard)
         offset = 0

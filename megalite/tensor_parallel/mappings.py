@@ -17,23 +17,13 @@ import torch
 import torch.distributed as dist
 
 from megalite.errors import ConfigError
-from megalite.parallel_state import group_rank, group_size
+from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
 
 
 def _check_divisible(x: torch.Tensor, dim: int, parts: int, op: str):
     if x.shape[dim] % parts:
         raise ConfigError(f"{op}: dim {dim} of a tensor of shape {tuple(x.shape)} has size "
                           f"{x.shape[dim]}, not divisible by the tensor-parallel size {parts}")
-
-
-def _all_gather_single():
-    # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and
-    # deprecated the old names (a FutureWarning per call site); setup.py allows torch >= 2.6.
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_single():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # The collectives. Each returns a new tensor and never writes into its input, which autograd
@@ -63,7 +53,7 @@ def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    _all_gather_single()(out, x, group=group)
+    all_gather_into(out, x, group=group)
     return out
 
 
@@ -84,7 +74,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group, op: str) -> torch.Tensor:
     _check_divisible(x, 0, tp, op)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
-    _reduce_scatter_single()(out, x, group=group)
+    reduce_scatter_into(out, x, group=group)
     return out
 
 
