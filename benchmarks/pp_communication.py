@@ -58,7 +58,8 @@ def worker(rank, world, pp, v, store, out):
 def main():
     print(f"micro-batch [s={SEQ}, b={MICRO}, h={HIDDEN}] fp32, m={NUM_MICRO} micro-batches, "
           "8 layers")
-    print(f"{'p':>2} {'v':>2} {'stages':>6} {'measured bytes':>15} {'closed form':>15} {'ratio':>6}")
+    print(f"{'p':>2} {'v':>2} {'stages':>6} {'measured bytes':>15} {'closed form':>15} "
+          f"{'ratio':>6}")
     for pp, v in ((2, 1), (2, 2), (4, 1), (4, 2)):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "bytes")

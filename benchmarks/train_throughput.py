@@ -50,7 +50,8 @@ def train_flops(config: GPTConfig, batch: int, steps: int, bf16: bool) -> tuple[
     for _ in range(steps):
         step()
     elapsed = (time.perf_counter() - start) / steps
-    return batch * config.seq_length / elapsed, num_floating_point_operations(config, batch) / elapsed
+    flops = num_floating_point_operations(config, batch)
+    return batch * config.seq_length / elapsed, flops / elapsed
 
 
 def main():

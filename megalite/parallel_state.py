@@ -30,7 +30,8 @@ class RankGrid:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        return self.world_size // model_parallel
 
     def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         tp, dp = self.tensor_model_parallel_size, self.data_parallel_size

@@ -53,7 +53,7 @@ def test_loss_falls_clearly_below_unigram_entropy(stdlib_dataset, capsys):
                                 "--eval-iters", "4"))
     out = capsys.readouterr().out
     assert code == 0
-    line = next(l for l in out.splitlines() if "on validation set" in l)
+    line = next(text for text in out.splitlines() if "on validation set" in text)
     loss = float(line.split("lm loss value:")[1].split("|")[0])
     assert 4.0 < entropy < 6.5
     assert loss < entropy - 0.5
