@@ -79,6 +79,8 @@ def _parallelism(parser):
                    help="ZeRO-1: shard optimizer state across data-parallel ranks.")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Elements per data-parallel gradient all-reduce (default 40M).")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="All-reduce each gradient bucket as soon as backward completes it.")
 
 
 def _training(parser):

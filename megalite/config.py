@@ -27,6 +27,7 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int = DEFAULT_BUCKET_SIZE
     """Elements per data-parallel gradient all-reduce."""
+    overlap_grad_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -200,9 +201,12 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
                           f"--seq-length={args.seq_length} is not divisible by "
                           f"--tensor-model-parallel-size={tp}")
     # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
+    if args.overlap_grad_reduce and args.use_distributed_optimizer:
+        raise NotYetSupportedError("--overlap-grad-reduce with --use-distributed-optimizer is "
+                                   "not yet supported (overlap works with plain DP)")
     return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp,
                           args.sequence_parallel and tp > 1, args.use_distributed_optimizer,
-                          args.ddp_bucket_size or DEFAULT_BUCKET_SIZE)
+                          args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce)
 
 
 def _virtual_stages(args, pp: int) -> int | None:

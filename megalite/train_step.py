@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import PrecisionConfig
-from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE, allreduce_gradients
+from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, group_size
 from megalite.pipeline_parallel.executor import run_schedule
@@ -55,10 +56,13 @@ class StepRunner:
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
                  num_microbatches: int, activation_shape: tuple[int, ...],
                  device: torch.device, state: ParallelState | None = None,
-                 bucket_size: int = DEFAULT_BUCKET_SIZE):
+                 bucket_size: int = DEFAULT_BUCKET_SIZE, overlap_grad_reduce: bool = False):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
         self.device = device
-        self.bucket_size = bucket_size
+        self.grad_buffer = None
+        if state is not None and not optimizer.handles_data_parallel:
+            self.grad_buffer = GradBuffer(optimizer.params, state.dp_group, bucket_size,
+                                          num_microbatches, overlap_grad_reduce)
         self.state = state
         pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
         v = len(chunks)
@@ -77,7 +81,10 @@ class StepRunner:
         # Loss tokens of the whole global batch: every DP rank divides by the same count.
         num_tokens = self._sum_over_data_parallel(
             sum(mb["loss_mask"].sum() for mb in microbatches))
-        self.optimizer.zero_grad()
+        if self.grad_buffer is not None:
+            self.grad_buffer.start_step()
+        else:
+            self.optimizer.zero_grad()
         loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                             lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
                             self.optimizer.scale_loss, self._autocast)
@@ -93,9 +100,13 @@ class StepRunner:
         return value
 
     def finalize_grads(self):
+        """Make every gradient the sum over all the places its parameter was used. The
+        three reductions are sums over different groups, so their order does not matter."""
         params = self.optimizer.params
         if self.state is None:
             return
+        if self.grad_buffer is not None:
+            self.grad_buffer.finish()
         # Under SP, norms and row-parallel biases saw only this rank's sequence shard.
         allreduce_sequence_parallel_grads(params, self.state.tp_group)
         group = self.state.embedding_group
@@ -105,8 +116,6 @@ class StepRunner:
             for p in params:
                 if getattr(p, "shared_embedding", False) and p.grad is not None:
                     dist.all_reduce(p.grad, group=group)
-        if not self.optimizer.handles_data_parallel:
-            allreduce_gradients(params, self.state.dp_group, self.bucket_size)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:

@@ -133,7 +133,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     seq = m.seq_length // state.tp_size if m.sequence_parallel else m.seq_length
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
                         (seq, t.micro_batch_size, m.hidden_size), device, state,
-                        config.parallel.ddp_bucket_size)
+                        config.parallel.ddp_bucket_size, config.parallel.overlap_grad_reduce)
     scheduler = LRScheduler(optimizer, config.scheduler)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)

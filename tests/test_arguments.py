@@ -137,6 +137,7 @@ def test_world_size_must_fit_the_grid():
 
 @pytest.mark.parametrize("extra", [
     ["--save", "/tmp/x"], ["--load", "/tmp/x"], ["--finetune"],
+    ["--overlap-grad-reduce", "--use-distributed-optimizer"],
 ])
 def test_later_capabilities_refuse_instead_of_ignoring(extra):
     with pytest.raises(NotYetSupportedError, match="not yet supported"):

@@ -25,13 +25,15 @@ BASE = GPTConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention
                  padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
                  attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa",
                  position_embedding_type="rope", swiglu=True, normalization="RMSNorm")
-# (TP, PP, virtual stages, DP, ZeRO-1); the world size is TP x PP x DP.
-LAYOUTS = {2: [(1, 2, 1, 1, False), (1, 2, 2, 1, False), (1, 1, 1, 2, False),
-               (1, 1, 1, 2, True)],
-           4: [(1, 4, 1, 1, False), (1, 4, 2, 1, False), (2, 2, 1, 1, False),
-               (1, 1, 1, 4, False), (2, 1, 1, 2, False), (1, 2, 2, 2, False),
-               (1, 1, 1, 4, True), (2, 1, 1, 2, True), (1, 2, 2, 2, True)],
-           8: [(2, 2, 2, 2, True)]}
+# (TP, PP, virtual stages, DP, mode): mode "plain" DP, "zero" (ZeRO-1) or "overlap"
+# (--overlap-grad-reduce); the world size is TP x PP x DP.
+LAYOUTS = {2: [(1, 2, 1, 1, "plain"), (1, 2, 2, 1, "plain"), (1, 1, 1, 2, "plain"),
+               (1, 1, 1, 2, "zero"), (1, 1, 1, 2, "overlap")],
+           4: [(1, 4, 1, 1, "plain"), (1, 4, 2, 1, "plain"), (2, 2, 1, 1, "plain"),
+               (1, 1, 1, 4, "plain"), (2, 1, 1, 2, "plain"), (1, 2, 2, 2, "plain"),
+               (1, 1, 1, 4, "zero"), (2, 1, 1, 2, "zero"), (1, 2, 2, 2, "zero"),
+               (2, 1, 1, 2, "overlap"), (1, 2, 2, 2, "overlap")],
+           8: [(2, 2, 2, 2, "zero")]}
 
 
 def batches(generator, state):
@@ -46,12 +48,12 @@ def batches(generator, state):
     return all_batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
 
 
-def run(config, chunks, state, shape, zero=False):
+def run(config, chunks, state, shape, mode="plain"):
     """10 steps; returns per-step (loss, grad norm), first-step grads, eval (sum, tokens)."""
     tp_group = state.tp_group if state else None
     mp_group = state.mp_group if state else None
     opt_config = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.5)
-    if zero:
+    if mode == "zero":
         # Small buckets: several per model, params split across bucket and shard edges.
         optimizer = DistributedOptimizer(chunks, opt_config, None, tp_group, mp_group,
                                          state.dp_group, bucket_size=3000)
@@ -59,12 +61,19 @@ def run(config, chunks, state, shape, zero=False):
         optimizer = Optimizer(chunks, opt_config, tp_group=tp_group, model_parallel_group=mp_group)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
     runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
-                        torch.device("cpu"), state, bucket_size=5000)
+                        torch.device("cpu"), state, bucket_size=5000,
+                        overlap_grad_reduce=mode == "overlap")
     generator = torch.Generator().manual_seed(3)
     steps, first_grads = [], None
     for step in range(10):
         result = runner.train_step(batches(generator, state))
         steps.append((result.loss, result.grad_norm))
+        if mode == "overlap":
+            # Every bucket's all-reduce was started by the backward itself, not at the end.
+            buffer = runner.grad_buffer
+            if buffer.launched_during_backward != len(buffer.buckets):
+                raise AssertionError(f"{buffer.launched_during_backward} of "
+                                     f"{len(buffer.buckets)} buckets launched during backward")
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in chunks.named_parameters()}
     return steps, first_grads, runner.evaluate(batches(generator, state))
@@ -85,7 +94,7 @@ def reference_name(name: str, param) -> str:
     return "embedding.word_embeddings.weight" if getattr(param, "embedding_copy", False) else name
 
 
-def compare_layout(rank, tp, pp, v, dp, zero, tied) -> list[str]:
+def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
     state = ParallelState(RankGrid(tp * pp * dp, tp, pp), rank)
     ref_config = dataclasses.replace(BASE, untie_embeddings_and_output_weights=not tied)
     config = dataclasses.replace(ref_config, padded_vocab_size=pad_vocab_size(VOCAB, 8, tp),
@@ -93,7 +102,7 @@ def compare_layout(rank, tp, pp, v, dp, zero, tied) -> list[str]:
     reference = torch.nn.ModuleList([GPTModel(ref_config, seed=9)])
     chunks = build_model_chunks(config, 9, state.pp_rank, pp, v, state.tp_group)
     ref_steps, ref_grads, ref_eval = run(ref_config, reference, None, (SEQ, MICRO, 32))
-    steps, grads, evaluation = run(config, chunks, state, (SEQ // tp, MICRO, 32), zero)
+    steps, grads, evaluation = run(config, chunks, state, (SEQ // tp, MICRO, 32), mode)
     problems = []
     last_stage = state.pp_rank == pp - 1
     for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps), start=1):
@@ -110,7 +119,7 @@ def compare_layout(rank, tp, pp, v, dp, zero, tied) -> list[str]:
         # round-off noise turned into steps of up to lr = 3e-3. Final values therefore
         # agree to 2e-5 (a layout bug moves them by ~lr); gradients to 1e-6.
         checks = [("final value", param.detach(), ref_params[ref_name].detach(), 2e-5)]
-        if not zero:
+        if mode != "zero":
             # (ZeRO-1 leaves each rank's own, unreduced gradients in .grad; its reduced
             # shards are checked through the grad norm and the parameters.)
             checks.append(("first-step grad", grads[name], ref_grads["0." + ref_name], 1e-6))
@@ -124,9 +133,9 @@ def compare_layout(rank, tp, pp, v, dp, zero, tied) -> list[str]:
 
 
 def pipeline_equivalence(rank, world_size):
-    return {f"TP={tp} PP={pp} v={v} DP={dp}{' ZeRO-1' if zero else ''} "
-            f"{'tied' if tied else 'untied'}": compare_layout(rank, tp, pp, v, dp, zero, tied)
-            for tp, pp, v, dp, zero in LAYOUTS[world_size] for tied in (True, False)}
+    return {f"TP={tp} PP={pp} v={v} DP={dp} {mode} {'tied' if tied else 'untied'}":
+            compare_layout(rank, tp, pp, v, dp, mode, tied)
+            for tp, pp, v, dp, mode in LAYOUTS[world_size] for tied in (True, False)}
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
