@@ -25,7 +25,9 @@ from torch import nn
 
 from megalite.config import OptimizerConfig
 from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE, buckets
-from megalite.optimizer.optimizer import Optimizer, clip_grads, params_for_norm
+from megalite.optimizer.optimizer import (Optimizer, clip_grads, found_nonfinite,
+                                          global_grad_norm, no_weight_decay,
+                                          params_for_norm)
 from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
 
 
@@ -66,8 +68,7 @@ class DistributedOptimizer(Optimizer):
         self.norm_params = {id(p) for p in params_for_norm(self.params, tp_group)}
         dp, rank = group_size(dp_group), group_rank(dp_group)
         self.buckets = [_layout(b, dp, rank) for b in buckets(self.params, bucket_size)]
-        no_decay = {id(p) for n, p in model.named_parameters()
-                    if n.endswith(".bias") or p.ndim == 1}
+        no_decay = {id(p) for n, p in model.named_parameters() if no_weight_decay(n, p)}
         segments = [s for b in self.buckets for s in b.segments]
         self.adam = torch.optim.AdamW(
             [{"params": [s.main for s in segments if id(s.param) not in no_decay],
@@ -95,12 +96,16 @@ class DistributedOptimizer(Optimizer):
             inv_scale = 1.0 / self.grad_scaler.scale
             for s in segments:
                 s.main.grad.mul_(inv_scale)
-            found_inf = self._overflow(segments)
+            # Agreed by all ranks: the DP shards and the model-parallel pieces differ.
+            found_inf = found_nonfinite([s.main.grad for s in segments], dist.group.WORLD)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.zero_grad()
                 return False, None
-        grad_norm = self._grad_norm(segments)
+        # DP shards are disjoint; TP/PP duplicates are left out as in the plain optimizer.
+        grad_norm = global_grad_norm(
+            [s.main.grad for s in segments if id(s.param) in self.norm_params],
+            [self.dp_group, self.model_parallel_group])
         if self.config.clip_grad > 0:
             clip_grads([s.main for s in segments], self.config.clip_grad, grad_norm)
         self.adam.step()
@@ -140,26 +145,6 @@ class DistributedOptimizer(Optimizer):
         for p in bucket.params:
             p.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-
-    def _overflow(self, segments: list[Segment]) -> bool:
-        """Any non-finite gradient on any rank: every rank skips the step together."""
-        flag = torch.zeros((), device=self.params[0].device)
-        for s in segments:
-            flag = torch.maximum(flag, (~torch.isfinite(s.main.grad)).any().float())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _grad_norm(self, segments: list[Segment]) -> torch.Tensor:
-        """Each parameter counted once: DP shards are disjoint, and TP/PP duplicates are
-        left out as in the plain optimizer."""
-        squares = torch.zeros((), device=self.params[0].device)
-        for s in segments:
-            if id(s.param) in self.norm_params:
-                squares += s.main.grad.pow(2).sum()
-        for group in (self.dp_group, self.model_parallel_group):
-            if group is not None and group_size(group) > 1:
-                dist.all_reduce(squares, group=group)
-        return squares.sqrt()
 
     def state_dict(self) -> dict:
         state = {"adam": self.adam.state_dict(),

@@ -6,17 +6,20 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import OptimizerConfig
-from megalite.parallel_state import group_rank
+from megalite.parallel_state import group_rank, group_size
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """No weight decay on biases and norm weights (1-D parameters): decaying a gain or an
+    offset towards zero only fights the normalisation (Loshchilov & Hutter 2019)."""
+    return name.endswith(".bias") or param.ndim == 1
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and norm weights (1-D parameters): decaying a gain or an
-    offset towards zero only fights the normalisation (Loshchilov & Hutter 2019)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if name.endswith(".bias") or param.ndim == 1 else decay).append(param)
+        if param.requires_grad:
+            (no_decay if no_weight_decay(name, param) else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
@@ -31,17 +34,30 @@ def params_for_norm(params: list[torch.Tensor], tp_group) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def global_grad_norm(params: list[torch.Tensor], group=None) -> torch.Tensor:
-    """L2 norm of all gradients together, accumulated in fp32; with `group`, of the
-    parameters of every rank in it (each rank passes its own, counted once)."""
-    grads = [p.grad for p in params if p.grad is not None]
+def global_grad_norm(grads: list[torch.Tensor], groups=()) -> torch.Tensor:
+    """L2 norm of all gradients together, accumulated in fp32, summed over every rank of
+    `groups` (each rank passes its own gradients, each counted once)."""
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), device=device, dtype=torch.float32)
     for g in grads:
         squares += torch.linalg.vector_norm(g.float()) ** 2
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(squares, group=group)
+    for group in groups:
+        if group_size(group) > 1:
+            dist.all_reduce(squares, group=group)
     return squares.sqrt()
+
+
+@torch.no_grad()
+def found_nonfinite(grads: list[torch.Tensor], group=None) -> bool:
+    """Whether any gradient on any rank of `group` (None: this rank alone) holds an inf or
+    NaN, so that every rank of the group skips the same fp16 overflow step."""
+    device = grads[0].device if grads else torch.device("cpu")
+    flag = torch.zeros((), device=device)
+    for g in grads:
+        flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
+    if group_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 @torch.no_grad()
@@ -100,27 +116,18 @@ class Optimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(inv_scale)
-            found_inf = self._found_inf()
+            found_inf = found_nonfinite([p.grad for p in self.params if p.grad is not None],
+                                        self.model_parallel_group)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.zero_grad()
                 return False, None
-        grad_norm = global_grad_norm(self.norm_params, self.model_parallel_group)
+        grad_norm = global_grad_norm([p.grad for p in self.norm_params if p.grad is not None],
+                                     [self.model_parallel_group])
         if self.config.clip_grad > 0:
             clip_grads(self.params, self.config.clip_grad, grad_norm)
         self.adam.step()
         return True, grad_norm.item()
-
-    def _found_inf(self) -> bool:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        flag = torch.zeros((), device=device)
-        for g in grads:
-            flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
-        if self.model_parallel_group is not None and dist.get_world_size(
-                self.model_parallel_group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
-        return bool(flag.item())
 
     def state_dict(self) -> dict:
         state = {"adam": self.adam.state_dict()}
