@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megalite.config import OptimizerConfig, PrecisionConfig, pad_vocab_size
 from megalite.model.config import GPTConfig
@@ -18,6 +17,7 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
+from tests.distributed.test_tp_gpt import gather_tensor_parallel
 
 VOCAB, SEQ, MICRO, NUM_MICRO = 101, 16, 2, 4
 BASE = GPTConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -79,14 +79,6 @@ def run(config, chunks, state, shape, mode="plain"):
     return steps, first_grads, runner.evaluate(batches(generator, state))
 
 
-def gather_tp(tensor, param, state):
-    if not getattr(param, "tensor_model_parallel", False) or state.tp_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(state.tp_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=state.tp_group)
-    return torch.cat(parts, dim=param.partition_dim)
-
-
 def reference_name(name: str, param) -> str:
     """Chunk parameter names are "<chunk>.<name in the single-process model>"; a tied
     output layer on the last stage is a copy of the word embeddings."""
@@ -124,7 +116,7 @@ def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
             # shards are checked through the grad norm and the parameters.)
             checks.append(("first-step grad", grads[name], ref_grads["0." + ref_name], 1e-6))
         for what, mine, ref, atol in checks:
-            full = gather_tp(mine, param, state)
+            full = gather_tensor_parallel(mine, param, state.tp_group)
             rows = min(full.shape[0], ref.shape[0])  # vocabulary paddings differ with TP
             if not torch.allclose(full[:rows], ref[:rows], rtol=1e-4, atol=atol):
                 problems.append(f"{what} of {name}: max diff "

@@ -39,12 +39,13 @@ CASES = {
 }
 
 
-def gathered_grad(param, tp: int, group) -> torch.Tensor:
-    grad = param.grad.contiguous()
-    if not getattr(param, "tensor_model_parallel", False):
-        return grad
-    parts = [torch.empty_like(grad) for _ in range(tp)]
-    dist.all_gather(parts, grad, group=group)
+def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
+    """The full tensor of a TP-sharded parameter's `tensor` (its value or grad), gathered
+    with plain dist.all_gather; replicated parameters are returned as they are."""
+    if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=param.partition_dim)
 
 
@@ -72,7 +73,7 @@ def compare_case(case: dict, state: ParallelState) -> list[str]:
     allreduce_sequence_parallel_grads(list(model.parameters()), group)
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        grad, ref_grad = gathered_grad(param, tp, group), ref_params[name].grad
+        grad, ref_grad = gather_tensor_parallel(param.grad, param, group), ref_params[name].grad
         rows = min(grad.shape[0], ref_grad.shape[0])  # the vocabulary paddings differ
         check(f"grad of {name}", grad[:rows], ref_grad[:rows])
     return problems + compare_training(reference_config, tp_config, state)
