@@ -1,0 +1,299 @@
+"""Where checkpoint files live and how they become visible (DESIGN.md §8).
+
+Layout: `<save>/iter_0000100/` holds one file per shard plus `metadata.json`;
+`<save>/latest_checkpointed_iteration.txt` names the checkpoint to resume from. This module
+knows nothing of models or optimizers: the caller decides what goes into each file.
+
+A save is made visible in three steps, each of which survives a crash at any point:
+  1. rank 0 `prepare_staging`; barrier;
+  2. every rank `save_tensor_file` into `staging_dir(save, iteration)`; barrier;
+  3. rank 0 `commit` (metadata, rename staging -> `iter_*`, then the tracker), then
+     `apply_retention`; barrier, so no rank returns before the checkpoint is durable.
+A crash before the tracker is replaced leaves the previous checkpoint as the one loaded.
+Loading (`find_checkpoint_to_load`, `read_metadata`, `load_tensor_file`) only reads, so any
+rank may call it. No function here communicates; the caller owns the barriers.
+"""
+
+import json
+import os
+import pickle
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from megalite.errors import MegaliteError
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+METADATA_FILENAME = "metadata.json"
+RELEASE = "release"  # Megatron's tracker text for a converted checkpoint in <load>/release
+
+MODEL_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
+    "rotary_base", "rotary_percent", "normalization", "swiglu", "add_bias_linear",
+    "untie_embeddings_and_output_weights")
+"""What makes weights mean the same model. Not padded_vocab_size: it depends on TP and is
+resharded on load. Not norm_epsilon: it shapes no weight, and checkpoints converted from other
+codebases legitimately run with another epsilon (1e-5 vs 1e-6)."""
+
+_ITER_DIR = re.compile(r"iter_(\d{7,})")
+_LEFTOVER_DIR = re.compile(r"iter_(\d{7,})\.(tmp|old)")
+
+
+class CheckpointError(MegaliteError):
+    """A missing, corrupt, incomplete or incompatible checkpoint."""
+
+
+def checkpoint_dir(save: str | Path, iteration: int) -> Path:
+    return Path(save) / f"iter_{iteration:07d}"
+
+
+def staging_dir(save: str | Path, iteration: int) -> Path:
+    """Deterministic, so every rank writes its shard there without being told the name."""
+    return Path(save) / f"iter_{iteration:07d}.tmp"
+
+
+@contextmanager
+def _io_errors(what: str, path: Path) -> Iterator[None]:
+    """A full disk or a read-only --save is the user's to fix, not a traceback."""
+    try:
+        yield
+    except OSError as error:
+        raise CheckpointError(f"cannot {what} {path}: {error}") from error
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes renames and new entries in `path` durable, not just the files' bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Nothing written half: `path.tmp`, fsync, rename over `path`, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with _io_errors("write", path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+
+
+def prepare_staging(save: str | Path, iteration: int) -> Path:
+    """Rank 0, before the barrier that precedes every rank's writes: an empty staging dir.
+
+    A staging dir left by a crashed save of the same iteration may hold shards of another
+    layout; it is removed so `commit` never mixes them into this checkpoint.
+    """
+    staging = staging_dir(save, iteration)
+    with _io_errors("create staging directory", staging):
+        Path(save).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    return staging
+
+
+def save_tensor_file(obj: Any, path: str | Path) -> None:
+    """Any rank: `torch.save` atomically, so a file under its final name is always whole."""
+    _atomic_write(Path(path), lambda f: torch.save(obj, f))
+
+
+def load_tensor_file(path: str | Path, map_location: Any = "cpu") -> Any:
+    """`torch.load(weights_only=True)`: a file holding anything but tensors and plain
+    containers is refused without running its pickle, so a checkpoint cannot run code."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
+        reason = reason.splitlines()[0].split(". Please", 1)[0] if reason else repr(error)
+        raise CheckpointError(f"checkpoint file {path} refused by weights_only loading, nothing "
+                              f"in it was run: it is corrupt or holds objects other than tensors "
+                              f"and plain containers ({reason})") from error
+    except Exception as error:
+        raise CheckpointError(f"checkpoint file {path} is unreadable (corrupt or not written "
+                              f"by torch.save): {error!r}") from error
+
+
+def _check_file_names(files: Any, where: str) -> list[str]:
+    """Listed names stay inside the checkpoint dir, so `dir / name` never escapes it."""
+    if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+        raise CheckpointError(f"{where}: 'files' must be a list of file names, got {files!r}")
+    escaping = [f for f in files if Path(f).is_absolute() or ".." in Path(f).parts]
+    if escaping:
+        raise CheckpointError(f"{where}: file names must be relative to the checkpoint "
+                              f"directory, got {escaping}")
+    return files
+
+
+def commit(save: str | Path, iteration: int, metadata: dict,
+           expected_files: list[str]) -> Path:
+    """Rank 0, after the barrier that follows every rank's writes: publish the checkpoint.
+
+    Order matters: metadata last inside staging (a dir with metadata is complete), then the
+    rename, then the tracker. A checkpoint of the same iteration from an earlier run (resumed
+    from an older one) is moved aside and deleted only once the new one is in place.
+    """
+    save, staging, final = Path(save), staging_dir(save, iteration), checkpoint_dir(save, iteration)
+    aside = final.with_name(final.name + ".old")
+    if not staging.is_dir():
+        raise CheckpointError(f"staging directory {staging} does not exist (no prepare_staging)")
+    _check_file_names(expected_files, f"checkpoint {final}")
+    missing = [f for f in expected_files if not (staging / f).is_file()]
+    if missing:
+        raise CheckpointError(f"cannot commit checkpoint {final}: {len(missing)} of "
+                              f"{len(expected_files)} files missing from {staging}: {missing}")
+    record = {**metadata, "iteration": iteration, "files": list(expected_files)}
+    text = json.dumps(record, indent=2, sort_keys=True).encode()  # a non-JSON value fails here
+    _atomic_write(staging / METADATA_FILENAME, lambda f: f.write(text))
+    with _io_errors("publish checkpoint", final):
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+        os.rename(staging, final)
+        _fsync_dir(save)
+    _atomic_write(save / TRACKER_FILENAME, lambda f: f.write(str(iteration).encode()))
+    shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+def read_metadata(directory: str | Path) -> dict:
+    """The metadata of a complete checkpoint; anything less is an error naming the path."""
+    directory = Path(directory)
+    path = directory / METADATA_FILENAME
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"incomplete checkpoint {directory}: no {METADATA_FILENAME} "
+                              f"(the save did not finish); it is never loaded")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"checkpoint metadata {path} is unreadable or not valid JSON: "
+                              f"{error}") from error
+    if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
+        raise CheckpointError(f"checkpoint metadata {path} is garbled: expected a JSON object "
+                              f"with an integer 'iteration' and a 'files' list")
+    files = _check_file_names(record.get("files"), f"checkpoint metadata {path}")
+    missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        raise CheckpointError(f"incomplete checkpoint {directory}: {len(missing)} of "
+                              f"{len(files)} listed files missing: {missing}")
+    return record
+
+
+def _read_tracker(save: Path) -> int | str:
+    """The tracker's iteration, or RELEASE; an error naming the tracker if garbled."""
+    tracker = save / TRACKER_FILENAME
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"checkpoint tracker {tracker} is unreadable: {error}") from error
+    if not text:
+        raise CheckpointError(f"checkpoint tracker {tracker} is empty; expected an iteration")
+    if text == RELEASE:
+        return RELEASE
+    if not re.fullmatch(r"\d+", text):
+        raise CheckpointError(f"checkpoint tracker {tracker} is garbled: expected an iteration "
+                              f"number or '{RELEASE}', found {text[:50]!r}")
+    return int(text)
+
+
+def _is_complete(directory: Path) -> bool:
+    try:
+        return bool(read_metadata(directory))
+    except CheckpointError:
+        return False
+
+
+def _iteration_dirs(save: Path) -> dict[int, Path]:
+    return {int(m.group(1)): d for d in save.iterdir()
+            if (m := _ITER_DIR.fullmatch(d.name)) and d.is_dir()}
+
+
+def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
+    """The (iteration, directory) the tracker names, checked complete; None on a fresh start.
+
+    Fresh start: `load` does not exist, or holds neither a tracker nor a checkpoint dir (a
+    leftover staging dir from a crash during the very first save does not count).
+    """
+    load = Path(load)
+    if not load.exists():
+        return None
+    if not load.is_dir():
+        raise CheckpointError(f"checkpoint path {load} is not a directory")
+    if not (load / TRACKER_FILENAME).exists():
+        found = sorted(d.name for d in _iteration_dirs(load).values()) + (
+            [RELEASE] if (load / RELEASE).is_dir() else [])
+        if not found:
+            return None
+        raise CheckpointError(
+            f"checkpoint tracker {load / TRACKER_FILENAME} is missing but {load} holds "
+            f"checkpoint directories {found}; write the iteration to resume from into it, "
+            f"or point --load elsewhere")
+    iteration = _read_tracker(load)
+    if iteration == RELEASE:
+        read_metadata(load / RELEASE)  # metadata has no iteration to check: Megatron's is 0
+        return 0, load / RELEASE
+    directory = checkpoint_dir(load, iteration)
+    record = read_metadata(directory)
+    if record["iteration"] != iteration:
+        raise CheckpointError(f"checkpoint {directory} records iteration {record['iteration']}, "
+                              f"but its name and the tracker say {iteration}")
+    return iteration, directory
+
+
+def apply_retention(save: str | Path, keep: int) -> list[Path]:
+    """Rank 0, after `commit`: delete all but the newest `keep` complete checkpoints.
+
+    The one the tracker names is never deleted, even if older (a run resumed from it).
+    Incomplete `iter_*` dirs are not ours to judge and are left alone. Staging (`.tmp`) and
+    moved-aside (`.old`) dirs up to the tracker's iteration are leftovers of crashed saves.
+    keep <= 0 keeps every checkpoint. Returns the deleted paths, for the log.
+    """
+    save = Path(save)
+    tracked = _read_tracker(save)
+    deleted = []
+    if keep > 0:
+        complete = [(i, d) for i, d in sorted(_iteration_dirs(save).items()) if _is_complete(d)]
+        kept = {iteration for iteration, _ in complete[-keep:]} | {tracked}
+        deleted += [d for iteration, d in complete if iteration not in kept]
+    if tracked != RELEASE:
+        deleted += [d for d in save.iterdir() if d.is_dir() and
+                    (m := _LEFTOVER_DIR.fullmatch(d.name)) and int(m.group(1)) <= tracked]
+    for d in deleted:
+        shutil.rmtree(d, ignore_errors=True)
+    return deleted
+
+
+def check_model_compatible(saved: dict, current: dict, fields: tuple[str, ...] = MODEL_FIELDS,
+                           *, checkpoint: str | Path | None = None) -> None:
+    """Refuses a checkpoint of another model before any weight is loaded.
+
+    `saved` comes from the checkpoint's metadata, `current` from this run's model config. A
+    field absent from both is skipped; absent from one side counts as a difference.
+    """
+    absent = "<not recorded>"
+    differing = [(f, saved.get(f, absent), current.get(f, absent)) for f in fields
+                 if saved.get(f, absent) != current.get(f, absent)]
+    if differing:
+        name = f"checkpoint {checkpoint}" if checkpoint is not None else "the checkpoint"
+        lines = "".join(f"\n  {f}: checkpoint: {a!r}, this run: {b!r}" for f, a, b in differing)
+        raise CheckpointError(f"{name} holds a different model; differing fields:{lines}")
