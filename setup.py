@@ -12,7 +12,7 @@ setup(
     install_requires=["torch>=2.6", "numpy", "sentencepiece", "tensorboard"],
     extras_require={
         "flash": ["flash-attn>=2.5"],
-        "hf": ["tokenizers>=0.15"],
-        "dev": ["pytest>=7", "tokenizers>=0.15"],
+        "hf": ["tokenizers>=0.15", "transformers>=4.45"],
+        "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45"],
     },
 )

@@ -1,0 +1,316 @@
+"""Conversion between megalite's single-process weights and HuggingFace `transformers` models.
+
+    hf_config_and_state_dict(model_config, state_dict, **hf_config_kwargs)
+        -> (GPT2Config | LlamaConfig, HF state dict)
+    export_to_hf(model_config, state_dict, output_dir, dtype=None, overwrite=False,
+                 **hf_config_kwargs) -> output_dir, which AutoModelForCausalLM loads
+    import_from_hf(hf_dir_or_model, allow_gelu_approximation=False)
+        -> (GPTConfig fields, megalite state dict with vocab_size vocabulary rows)
+    pad_vocab(state_dict, padded_vocab_size) -> state dict with padded vocabulary rows
+
+`state_dict` is the single-process `GPTModel(config, seed).state_dict()` (no TP or PP).
+Two styles have a one-to-one HF counterpart; anything else is refused with a ConfigError
+rather than exported as a model that computes something different:
+
+- GPT-2 (GPT2LMHeadModel): LayerNorm, exact GeLU, learned_absolute positions, biases,
+  tied embeddings, num_query_groups == num_attention_heads.
+- Llama (LlamaForCausalLM): RMSNorm, SwiGLU, rope with rotary_percent 1.0, no biases,
+  tied or untied embeddings, grouped-query attention as num_key_value_heads.
+
+Layouts (why this is more than a renaming table):
+
+- megalite's fused QKV rows are per query group, [q heads of group 0, k_0, v_0, q heads
+  of group 1, ...] (megalite/model/attention.py). HF GPT-2's c_attn is [Q; K; V], HF
+  Llama has q/k/v_proj, each head-major; query head i reads K/V head i // (heads /
+  groups) in both (HF `repeat_kv`), so regrouping the rows is all it takes.
+- HF GPT-2's `Conv1D` (transformers/pytorch_utils.py, y = x @ W + b) stores weights
+  [in, out], the transpose of nn.Linear's [out, in] that megalite and HF Llama use.
+- RoPE is the non-interleaved rotate-half form in both (megalite/model/rotary.py, HF
+  `rotate_half`), so q/k rows need no permutation.
+- Vocabulary: megalite has padded_vocab_size rows, the first vocab_size real and the rest
+  masked out of the softmax. HF gets and gives the real rows; `pad_vocab` appends zero
+  rows (megalite's initial padding).
+- GeLU: megalite's is exact (HF "gelu"). The original GPT-2 checkpoints use "gelu_new",
+  the tanh approximation, which differs by up to ~1e-3 per activation.
+
+The tokenizer is not part of the weights: save it beside the export, and pass its
+special-token ids as hf_config_kwargs (e.g. eos_token_id=50256); they default to None.
+"""
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from megalite.errors import ConfigError
+from megalite.model.config import GPTConfig
+
+STYLES = {
+    "GPT-2": dict(normalization="LayerNorm", swiglu=False,
+                  position_embedding_type="learned_absolute", add_bias_linear=True,
+                  untie_embeddings_and_output_weights=False),
+    "Llama": dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                  add_bias_linear=False),
+}
+
+# megalite module -> HF module(s), per layer. GPT-2's linear layers are Conv1D (transposed).
+_GPT2_LAYER = {"input_layernorm": "ln_1", "self_attention.linear_qkv": "attn.c_attn",
+               "self_attention.linear_proj": "attn.c_proj", "pre_mlp_layernorm": "ln_2",
+               "mlp.linear_fc1": "mlp.c_fc", "mlp.linear_fc2": "mlp.c_proj"}
+_LLAMA_LAYER = {"input_layernorm": "input_layernorm",
+                "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj",
+                                              "self_attn.v_proj"),
+                "self_attention.linear_proj": "self_attn.o_proj",
+                "pre_mlp_layernorm": "post_attention_layernorm", "mlp.linear_fc1": "mlp.up_proj",
+                "mlp.linear_fc1_gate": "mlp.gate_proj", "mlp.linear_fc2": "mlp.down_proj"}
+_EMBEDDING = "embedding.word_embeddings.weight"
+_OUTPUT = "output_layer.weight"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("HuggingFace conversion needs the transformers package: "
+                          "pip install transformers (or pip install -e .[hf])") from error
+    return transformers
+
+
+def model_style(c: GPTConfig) -> str:
+    """"GPT-2" or "Llama"; otherwise a ConfigError naming the fields of the closest style
+    that differ."""
+    misses = {style: [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in want.items()
+                      if getattr(c, k) != v] for style, want in STYLES.items()}
+    style = min(misses, key=lambda s: len(misses[s]))
+    if misses[style]:
+        raise ConfigError(f"no HuggingFace model matches this model; closest is {style} "
+                          f"style, which differs in {', '.join(misses[style])}")
+    if style == "GPT-2" and (c.num_query_groups != c.num_attention_heads
+                             or c.kv_channels * c.num_attention_heads != c.hidden_size):
+        raise ConfigError(f"GPT-2 style needs num_query_groups={c.num_attention_heads} and "
+                          f"kv_channels={c.hidden_size // c.num_attention_heads} (hidden / "
+                          f"heads), got {c.num_query_groups} and {c.kv_channels}")
+    if style == "Llama" and c.rotary_percent != 1.0:
+        raise ConfigError(f"Llama style needs rotary_percent=1.0, got {c.rotary_percent}: "
+                          "HF Llama rotates every channel of each head")
+    return style
+
+
+def _name_pairs(style: str, c: GPTConfig) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(megalite name, its HF names, transposed) for every megalite tensor. QKV is the one
+    with three HF tensors (Llama) or one in another row order (GPT-2)."""
+    gpt2 = style == "GPT-2"
+    top = "transformer." if gpt2 else "model."
+    pairs = [(_EMBEDDING, top + ("wte.weight" if gpt2 else "embed_tokens.weight"))]
+    if c.untie_embeddings_and_output_weights:
+        pairs.append((_OUTPUT, "lm_head.weight"))
+    if gpt2:
+        pairs.append(("embedding.position_embeddings.weight", "transformer.wpe.weight"))
+    pairs = [(ours, (theirs,), False) for ours, theirs in pairs]
+    modules = {"decoder.final_layernorm": (top + ("ln_f" if gpt2 else "norm"),)}
+    for i in range(c.num_layers):
+        prefix = f"{top}{'h' if gpt2 else 'layers'}.{i}."
+        for ours, theirs in (_GPT2_LAYER if gpt2 else _LLAMA_LAYER).items():
+            theirs = (theirs,) if isinstance(theirs, str) else theirs
+            modules[f"decoder.layers.{i}.{ours}"] = tuple(prefix + t for t in theirs)
+    for ours, theirs in modules.items():
+        for kind in ("weight", "bias") if gpt2 else ("weight",):
+            pairs.append((f"{ours}.{kind}", tuple(f"{t}.{kind}" for t in theirs),
+                          gpt2 and kind == "weight" and "linear" in ours))
+    return pairs
+
+
+def _split_qkv(c: GPTConfig, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """megalite's per-group QKV rows (weight or bias) -> head-major Q, K, V rows."""
+    g, d, rest = c.num_query_groups, c.kv_channels, t.shape[1:]
+    t = t.reshape(g, -1, d, *rest)  # [groups, heads per group + 2 (k, v), d, ...]
+    return tuple(part.reshape(-1, *rest) for part in t.split([t.shape[1] - 2, 1, 1], dim=1))
+
+
+def _fuse_qkv(c: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The inverse of _split_qkv."""
+    g, d, rest = c.num_query_groups, c.kv_channels, q.shape[1:]
+    q, k, v = (t.reshape(g, -1, d, *rest) for t in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _hf_config(style: str, c: GPTConfig, vocab: int, **kwargs):
+    tf = _transformers()
+    common = dict(vocab_size=vocab, initializer_range=c.init_method_std, bos_token_id=None,
+                  eos_token_id=None)
+    if style == "GPT-2":
+        return tf.GPT2Config(**{**common, **dict(
+            n_positions=c.max_position_embeddings, n_embd=c.hidden_size, n_layer=c.num_layers,
+            n_head=c.num_attention_heads, n_inner=c.ffn_hidden_size,
+            activation_function="gelu", layer_norm_epsilon=c.norm_epsilon,
+            resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout,
+            attn_pdrop=c.attention_dropout, tie_word_embeddings=True), **kwargs})
+    return tf.LlamaConfig(**{**common, **dict(
+        hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_query_groups, head_dim=c.kv_channels, hidden_act="silu",
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_epsilon,
+        rope_theta=float(c.rotary_base), attention_bias=False, mlp_bias=False,
+        attention_dropout=c.attention_dropout,
+        tie_word_embeddings=not c.untie_embeddings_and_output_weights), **kwargs})
+
+
+def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
+                             **hf_config_kwargs):
+    """The HF config (GPT2Config or LlamaConfig) and the state dict of its *ForCausalLM
+    model, lm_head included (the same tensor as the embedding when tied). Tensors may share
+    memory with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
+    c = model_config
+    style = model_style(c)
+    pairs = _name_pairs(style, c)
+    expected = {ours for ours, _, _ in pairs}
+    if set(state_dict) != expected:
+        raise ConfigError(f"state dict does not match the config: missing "
+                          f"{sorted(expected - set(state_dict))}, unexpected "
+                          f"{sorted(set(state_dict) - expected)}")
+    vocab = c.vocab_size or c.padded_vocab_size
+    hf = {}
+    for ours, theirs, transposed in pairs:
+        t = state_dict[ours][:vocab] if ours in (_EMBEDDING, _OUTPUT) else state_dict[ours]
+        parts = _split_qkv(c, t) if "linear_qkv" in ours else (t,)
+        if len(parts) > len(theirs):
+            parts = (torch.cat(parts),)  # GPT-2's c_attn is [Q; K; V]
+        for name, part in zip(theirs, parts):
+            hf[name] = (part.t() if transposed else part).contiguous()
+    if not c.untie_embeddings_and_output_weights:
+        hf["lm_head.weight"] = hf[pairs[0][1][0]]
+    return _hf_config(style, c, vocab, **hf_config_kwargs), hf
+
+
+def export_to_hf(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
+                 output_dir: str | Path, dtype: torch.dtype | None = None,
+                 overwrite: bool = False, **hf_config_kwargs) -> Path:
+    """Write `output_dir` with the HF model's save_pretrained (config.json, safetensors).
+    It is written to a sibling staging directory and renamed into place once complete,
+    so an interrupted export never leaves a directory that looks loadable."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not overwrite:
+        raise ConfigError(f"{output_dir} already exists; pass overwrite=True to replace it")
+    tf = _transformers()
+    config, hf = hf_config_and_state_dict(model_config, state_dict, **hf_config_kwargs)
+    if dtype is not None:
+        hf = {name: t.to(dtype) for name, t in hf.items()}
+    cls = tf.GPT2LMHeadModel if config.model_type == "gpt2" else tf.LlamaForCausalLM
+    with torch.device("meta"):  # no random init of weights that are overwritten anyway
+        model = cls(config)
+    model.load_state_dict(hf, strict=True, assign=True)
+    model.tie_weights()
+    staging = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    aside = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        if output_dir.exists():
+            os.rename(output_dir, aside)
+        os.rename(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+    return output_dir
+
+
+def _refuse(name: str, value, want) -> None:
+    if value != want:
+        raise ConfigError(f"HF config {name}={value!r} is not supported (megalite needs "
+                          f"{want!r})")
+
+
+def _gpt2_fields(hf, allow_gelu_approximation: bool) -> dict:
+    act = hf.activation_function
+    if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast") and allow_gelu_approximation:
+        warnings.warn(f"HF config activation_function={act!r} is the tanh approximation of "
+                      "GeLU; megalite computes exact GeLU, so logits will differ slightly")
+    else:
+        _refuse("activation_function", act, "gelu")
+    for name, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                       ("add_cross_attention", False), ("tie_word_embeddings", True)):
+        _refuse(name, getattr(hf, name, want), want)
+    h, heads = hf.n_embd, hf.n_head
+    return dict(num_layers=hf.n_layer, hidden_size=h, ffn_hidden_size=hf.n_inner or 4 * h,
+                num_attention_heads=heads, num_query_groups=heads, kv_channels=h // heads,
+                seq_length=hf.n_positions, max_position_embeddings=hf.n_positions,
+                vocab_size=hf.vocab_size, position_embedding_type="learned_absolute",
+                normalization="LayerNorm", norm_epsilon=hf.layer_norm_epsilon, swiglu=False,
+                add_bias_linear=True, untie_embeddings_and_output_weights=False,
+                rotary_base=10000)
+
+
+def _llama_fields(hf) -> dict:
+    # transformers 5 keeps rope_theta in rope_parameters; 4.x in rope_theta / rope_scaling.
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    _refuse("rope_type", rope.get("rope_type", rope.get("type", "default")), "default")
+    _refuse("partial_rotary_factor", rope.get(
+        "partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)), 1.0)
+    for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        _refuse(name, getattr(hf, name, want), want)
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000))
+    return dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+                ffn_hidden_size=hf.intermediate_size,
+                num_attention_heads=hf.num_attention_heads,
+                num_query_groups=hf.num_key_value_heads or hf.num_attention_heads,
+                kv_channels=getattr(hf, "head_dim", None)
+                or hf.hidden_size // hf.num_attention_heads,
+                seq_length=hf.max_position_embeddings,
+                max_position_embeddings=hf.max_position_embeddings, vocab_size=hf.vocab_size,
+                position_embedding_type="rope", normalization="RMSNorm",
+                norm_epsilon=hf.rms_norm_eps, swiglu=True, add_bias_linear=False,
+                untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
+                rotary_base=int(theta) if float(theta).is_integer() else theta)
+
+
+def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
+                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(GPTConfig fields, megalite single-process state dict) of a GPT2LMHeadModel or
+    LlamaForCausalLM, given as a directory/hub name or a loaded model.
+
+    The fields lack padded_vocab_size and the training-only ones; seq_length is set to
+    max_position_embeddings (lower it freely). The vocabulary tensors have vocab_size rows:
+    pad them with `pad_vocab`. HF configs whose model would compute something else than
+    megalite (rope scaling, biases in Llama, approximate GeLU unless
+    allow_gelu_approximation) are refused with a ConfigError naming the field.
+    """
+    tf = _transformers()
+    if isinstance(hf_dir_or_model, (str, os.PathLike)):
+        hf = tf.AutoConfig.from_pretrained(hf_dir_or_model)  # refuse before loading weights
+    else:
+        hf = hf_dir_or_model.config
+    if hf.model_type not in ("gpt2", "llama"):
+        raise ConfigError(f"HF config model_type={hf.model_type!r} is not supported "
+                          "(megalite converts gpt2 and llama)")
+    style = "GPT-2" if hf.model_type == "gpt2" else "Llama"
+    fields = (_gpt2_fields(hf, allow_gelu_approximation) if style == "GPT-2"
+              else _llama_fields(hf))
+    if isinstance(hf_dir_or_model, (str, os.PathLike)):
+        hf_dir_or_model = tf.AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
+    sd = {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
+    c = GPTConfig(**fields, padded_vocab_size=fields["vocab_size"])
+    ours = {}
+    for name, theirs, transposed in _name_pairs(style, c):
+        parts = [sd[t].t() if transposed else sd[t] for t in theirs]
+        if "linear_qkv" in name:
+            parts = [_fuse_qkv(c, *(parts if len(parts) == 3 else parts[0].chunk(3)))]
+        ours[name] = parts[0].contiguous()
+    return fields, ours
+
+
+def pad_vocab(state_dict: dict[str, torch.Tensor],
+              padded_vocab_size: int) -> dict[str, torch.Tensor]:
+    """A copy of `state_dict` whose vocabulary tensors have padded_vocab_size rows, the new
+    ones zero as in megalite's init (see megalite.config.pad_vocab_size for the size)."""
+    padded = dict(state_dict)
+    for name in (_EMBEDDING, _OUTPUT):
+        if name not in padded:
+            continue
+        t = padded[name]
+        if t.shape[0] > padded_vocab_size:
+            raise ConfigError(f"{name} has {t.shape[0]} rows, more than padded_vocab_size "
+                              f"{padded_vocab_size}")
+        padded[name] = torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])])
+    return padded
