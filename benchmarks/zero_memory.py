@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.config import OptimizerConfig, PrecisionConfig  # noqa: E402
+from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import build_model_chunks  # noqa: E402
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer  # noqa: E402
@@ -64,19 +65,20 @@ def worker(rank, world, zero, store, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     state = ParallelState(RankGrid(world), rank)
     chunks = build_model_chunks(CONFIG, 1).to(torch.bfloat16)
-    optimizer = DistributedOptimizer(chunks, OptimizerConfig(lr=1e-3),
-                                     dp_group=state.dp_group if zero else None)
+    grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, 10 ** 9, shard=zero)
+    optimizer = DistributedOptimizer(chunks, OptimizerConfig(lr=1e-3), None, None, None,
+                                     grad_buffer)
     precision = PrecisionConfig(bf16=True)
-    runner = StepRunner(chunks, optimizer, precision, 1, (64, 2, 128), torch.device("cpu"), state)
+    runner = StepRunner(chunks, optimizer, precision, 1, (64, 2, 128), torch.device("cpu"), state,
+                        grad_buffer)
     counter = {"bytes": 0.0}
     count_collectives(counter, world)
     batch = {"tokens": torch.randint(0, 1024, (2, 64)), "labels": torch.randint(0, 1024, (2, 64)),
              "loss_mask": torch.ones(2, 64)}
-    runner.optimizer.zero_grad()
     runner.train_step([batch])
     params = list(chunks.parameters())
     row = [sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
-           sum(p.grad.numel() * p.grad.element_size() for p in params),
+           sum(b.flat.numel() * b.flat.element_size() for b in grad_buffer.buckets),
            optimizer.optimizer_state_bytes(), counter["bytes"]]
     torch.save(row, f"{out}.{rank}")
     dist.destroy_process_group()

@@ -80,7 +80,11 @@ def _parallelism(parser):
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Elements per data-parallel gradient all-reduce (default 40M).")
     g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="All-reduce each gradient bucket as soon as backward completes it.")
+                   help="Reduce each gradient bucket as soon as backward completes it.")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="ZeRO-1: all-gather updated parameters during the next forward.")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Accumulate and reduce bf16/fp16 gradients in an fp32 buffer.")
 
 
 def _training(parser):

@@ -28,6 +28,9 @@ class ParallelConfig:
     ddp_bucket_size: int = DEFAULT_BUCKET_SIZE
     """Elements per data-parallel gradient all-reduce."""
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Gradient buffer in fp32 whatever the parameters' dtype."""
 
 
 @dataclass(frozen=True)
@@ -201,12 +204,18 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
                           f"--seq-length={args.seq_length} is not divisible by "
                           f"--tensor-model-parallel-size={tp}")
     # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
-    if args.overlap_grad_reduce and args.use_distributed_optimizer:
-        raise NotYetSupportedError("--overlap-grad-reduce with --use-distributed-optimizer is "
-                                   "not yet supported (overlap works with plain DP)")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer
+                                          and args.overlap_grad_reduce):
+        # As in Megatron: only ZeRO-1 gathers parameters, and the overlap of the gather
+        # is only worth having together with the overlap of the reduction.
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and "
+                          f"--overlap-grad-reduce (got --use-distributed-optimizer="
+                          f"{args.use_distributed_optimizer}, --overlap-grad-reduce="
+                          f"{args.overlap_grad_reduce})")
     return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp,
                           args.sequence_parallel and tp > 1, args.use_distributed_optimizer,
-                          args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce)
+                          args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce,
+                          args.overlap_param_gather, args.accumulate_allreduce_grads_in_fp32)
 
 
 def _virtual_stages(args, pp: int) -> int | None:

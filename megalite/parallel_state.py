@@ -84,17 +84,20 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_gather_into(out: torch.Tensor, x: torch.Tensor, group):
-    """All-gather x from every rank into out (concatenated along dim 0)."""
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """All-gather x from every rank into out (concatenated along dim 0). x may be this
+    rank's own block of out (in place). Returns the work handle when async_op."""
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single and deprecated the old
     # name (a FutureWarning per call); setup.py allows torch >= 2.6, which has only the old.
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        out, x, group=group, async_op=async_op)
 
 
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group):
-    """Sum x over the ranks and keep this rank's block of dim 0 in out."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-        out, x, group=group)
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """Sum x over the ranks and keep this rank's block of dim 0 in out. out may be that
+    block of x itself (in place). Returns the work handle when async_op."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        out, x, group=group, async_op=async_op)
 
 
 def _product(values) -> int:

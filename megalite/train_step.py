@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import PrecisionConfig
-from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
-from megalite.distributed.grad_buffer import GradBuffer
+from megalite.distributed.grad_buffer import GradBuffer, main_grad
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, group_size
 from megalite.pipeline_parallel.executor import run_schedule
@@ -50,19 +49,19 @@ class StepRunner:
     `state` is None for a single process; otherwise its tensor group reduces sequence-
     parallel grads, its pipeline group carries activations, its embedding group sums
     the grads of tied embeddings split across the first and last stage, and its data
-    group sums the gradients and losses of the ranks' slices of the global batch.
+    group sums the losses of the ranks' slices of the global batch. `grad_buffer` holds
+    the gradients and sums them over the data group (needed when DP > 1).
     """
 
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
                  num_microbatches: int, activation_shape: tuple[int, ...],
                  device: torch.device, state: ParallelState | None = None,
-                 bucket_size: int = DEFAULT_BUCKET_SIZE, overlap_grad_reduce: bool = False):
+                 grad_buffer: GradBuffer | None = None):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
-        self.device = device
-        self.grad_buffer = None
-        if state is not None and not optimizer.handles_data_parallel:
-            self.grad_buffer = GradBuffer(optimizer.params, state.dp_group, bucket_size,
-                                          num_microbatches, overlap_grad_reduce)
+        self.num_microbatches, self.device = num_microbatches, device
+        if grad_buffer is None and state is not None and state.dp_size > 1:
+            raise ValueError("data parallelism needs a GradBuffer to reduce the gradients")
+        self.grad_buffer = grad_buffer
         self.state = state
         pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
         v = len(chunks)
@@ -82,7 +81,7 @@ class StepRunner:
         num_tokens = self._sum_over_data_parallel(
             sum(mb["loss_mask"].sum() for mb in microbatches))
         if self.grad_buffer is not None:
-            self.grad_buffer.start_step()
+            self.grad_buffer.start_step(self.num_microbatches)
         else:
             self.optimizer.zero_grad()
         loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
@@ -101,12 +100,15 @@ class StepRunner:
 
     def finalize_grads(self):
         """Make every gradient the sum over all the places its parameter was used. The
-        three reductions are sums over different groups, so their order does not matter."""
-        params = self.optimizer.params
-        if self.state is None:
-            return
+        three reductions are sums over different groups, so their order does not matter;
+        under ZeRO-1 the last two act on whole gradients of which only this rank's shard
+        is summed over DP, which is all its optimizer reads (the shards of TP peers, and
+        of a tied embedding's two copies, sit at the same buffer offsets)."""
         if self.grad_buffer is not None:
             self.grad_buffer.finish()
+        if self.state is None:
+            return
+        params = self.optimizer.params
         # Under SP, norms and row-parallel biases saw only this rank's sequence shard.
         allreduce_sequence_parallel_grads(params, self.state.tp_group)
         group = self.state.embedding_group
@@ -114,8 +116,9 @@ class StepRunner:
             # A tied embedding is used on the first stage (input) and the last (output):
             # its gradient is the sum of both uses.
             for p in params:
-                if getattr(p, "shared_embedding", False) and p.grad is not None:
-                    dist.all_reduce(p.grad, group=group)
+                grad = main_grad(p)
+                if getattr(p, "shared_embedding", False) and grad is not None:
+                    dist.all_reduce(grad, group=group)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:

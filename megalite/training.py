@@ -20,6 +20,7 @@ from megalite.config import Config, validate_args
 from megalite.data.datasets import build_datasets
 from megalite.data.sampler import MicroBatchSampler, collate_samples
 from megalite.data.tokenizer import build_tokenizer
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import MegaliteError
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.attention_backends import resolve_backend
@@ -111,29 +112,35 @@ def build_model(config: Config, state: ParallelState, device: torch.device) -> n
         build_rng_tracker(seed, state.tp_rank, device)).to(device=device, dtype=dtype)
 
 
-def build_optimizer(model: nn.Module, config: Config, state: ParallelState) -> Optimizer:
-    """ZeRO-1 with --use-distributed-optimizer; fp32 main parameters (unsharded) for
-    bf16/fp16 model parameters; plain AdamW on fp32 parameters otherwise."""
+def build_optimizer(model: nn.Module, config: Config,
+                    state: ParallelState) -> tuple[Optimizer, GradBuffer]:
+    """The gradient buffer (reduced over DP: all-reduce, or reduce-scatter for ZeRO-1) and
+    the optimizer reading it: ZeRO-1 with --use-distributed-optimizer; fp32 main
+    parameters (unsharded) for bf16/fp16 model parameters; plain AdamW otherwise."""
     scaler = build_grad_scaler(config.precision)
     p = config.parallel
+    params = [q for q in model.parameters() if q.requires_grad]
+    grad_buffer = GradBuffer(params, state.dp_group, p.ddp_bucket_size,
+                             shard=p.use_distributed_optimizer, overlap=p.overlap_grad_reduce,
+                             grad_dtype=torch.float32 if p.accumulate_allreduce_grads_in_fp32
+                             else None)
     if p.use_distributed_optimizer or config.precision.bf16 or config.precision.fp16:
-        return DistributedOptimizer(model, config.optimizer, scaler, state.tp_group,
-                                    state.mp_group,
-                                    state.dp_group if p.use_distributed_optimizer else None,
-                                    p.ddp_bucket_size)
-    return Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group)
+        optimizer = DistributedOptimizer(model, config.optimizer, scaler, state.tp_group,
+                                         state.mp_group, grad_buffer, p.overlap_param_gather)
+    else:
+        optimizer = Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group)
+    return optimizer, grad_buffer
 
 
 def run_training(config: Config, state: ParallelState, device: torch.device,
                  eod: int | None) -> TrainState:
     set_seed(config.training.seed)
     model = build_model(config, state, device)
-    optimizer = build_optimizer(model, config, state)
+    optimizer, grad_buffer = build_optimizer(model, config, state)
     t, m = config.training, config.model
     seq = m.seq_length // state.tp_size if m.sequence_parallel else m.seq_length
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        (seq, t.micro_batch_size, m.hidden_size), device, state,
-                        config.parallel.ddp_bucket_size, config.parallel.overlap_grad_reduce)
+                        (seq, t.micro_batch_size, m.hidden_size), device, state, grad_buffer)
     scheduler = LRScheduler(optimizer, config.scheduler)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)

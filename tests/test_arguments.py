@@ -137,11 +137,30 @@ def test_world_size_must_fit_the_grid():
 
 @pytest.mark.parametrize("extra", [
     ["--save", "/tmp/x"], ["--load", "/tmp/x"], ["--finetune"],
-    ["--overlap-grad-reduce", "--use-distributed-optimizer"],
 ])
 def test_later_capabilities_refuse_instead_of_ignoring(extra):
     with pytest.raises(NotYetSupportedError, match="not yet supported"):
         config_of(*extra)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--overlap-param-gather"],
+    ["--overlap-param-gather", "--use-distributed-optimizer"],
+    ["--overlap-param-gather", "--overlap-grad-reduce"],
+])
+def test_overlap_param_gather_needs_zero_and_overlapped_reduction(extra):
+    with pytest.raises(ConfigError, match="--overlap-param-gather needs "
+                                          "--use-distributed-optimizer and --overlap-grad-reduce"):
+        config_of(*extra)
+
+
+def test_data_parallel_flags_reach_the_config():
+    p = config_of("--use-distributed-optimizer", "--overlap-grad-reduce",
+                  "--overlap-param-gather", "--accumulate-allreduce-grads-in-fp32",
+                  "--ddp-bucket-size", "1000").parallel
+    assert (p.use_distributed_optimizer, p.overlap_grad_reduce, p.overlap_param_gather,
+            p.accumulate_allreduce_grads_in_fp32, p.ddp_bucket_size) == (True, True, True,
+                                                                         True, 1000)
 
 
 @pytest.mark.parametrize("extra, words", [

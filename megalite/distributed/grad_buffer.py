@@ -1,12 +1,27 @@
 """Contiguous gradient buffers, bucketed, reduced over data parallelism once per step.
 
-Each parameter's .grad is a view into a flat bucket buffer (one dtype per bucket, buckets
-of at most --ddp-bucket-size elements). Autograd accumulates every micro-batch's gradient
-into that view in place, so no communication happens until the step's backward passes
-are done; then each bucket is summed over the DP group with one all-reduce of its buffer,
-without copies. Under --overlap-grad-reduce a bucket's all-reduce is launched
-asynchronously as soon as its last gradient of the step has been accumulated, while the
-backward of earlier layers is still running (Li et al. 2020, PyTorch DDP §3.2.3).
+Every parameter's gradient lives in `param.main_grad`, a view into a flat bucket buffer
+(buckets of at most --ddp-bucket-size elements of one dtype, each padded to a multiple of
+the DP size). Across micro-batches the gradients accumulate there and nothing is
+communicated; after the step's last backward each bucket is reduced over the DP group
+with one collective on the buffer itself, no copies:
+
+- plain data parallelism: an all-reduce, so every rank holds the summed gradient;
+- ZeRO-1 (`shard=True`): a reduce-scatter, after which DP rank r holds the sum of shard r
+  of every bucket, the part its optimizer owns (optimizer/distributed_optimizer.py).
+
+When the buffer has the parameters' dtype, `param.grad` is the same view and autograd
+accumulates into it in place. With --accumulate-allreduce-grads-in-fp32 and bf16/fp16
+parameters it cannot be (a .grad must have its parameter's dtype), so a hook adds each
+micro-batch's gradient into the fp32 buffer and drops it, as Megatron's main_grad does.
+
+Under --overlap-grad-reduce a bucket's collective is launched asynchronously as soon as
+its last gradient of the step has been accumulated, while the backward of earlier layers
+is still running (Li et al. 2020, PyTorch DDP §3.2.3).
+
+A tied embedding used on two pipeline stages gets a bucket of its own: its copies on the
+first and last stage then sit at the same offsets of identically laid-out buckets, so the
+embedding group can sum the reduced shards element for element.
 """
 
 import torch
@@ -14,52 +29,83 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.distributed.data_parallel import buckets
-from megalite.parallel_state import group_size
+from megalite.parallel_state import group_rank, group_size, reduce_scatter_into
 
 
-class _Bucket:
-    def __init__(self, params: list[nn.Parameter]):
+def main_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient the optimizer and the model-parallel reductions read: the buffer view
+    when the parameter has one, else .grad (a single process without a buffer)."""
+    return getattr(param, "main_grad", param.grad)
+
+
+class Bucket:
+    """Consecutive parameters and their gradients, flat, padded to a multiple of `dp`."""
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, dp: int):
         self.params = params
         self.offsets, offset = [], 0
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
-        self.flat = torch.zeros(offset, dtype=params[0].dtype, device=params[0].device)
+        self.numel = -(-offset // dp) * dp
+        self.shard_size = self.numel // dp
+        self.flat = torch.zeros(self.numel, dtype=dtype, device=params[0].device)
         self.work = None
 
-    def view(self, i: int) -> torch.Tensor:
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's slice of a flat buffer laid out like this bucket."""
         p = self.params[i]
-        return self.flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        return flat[rank * self.shard_size:(rank + 1) * self.shard_size]
+
+
+def _bucket_params(params: list[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:
+    shared = [p for p in params if getattr(p, "shared_embedding", False)]
+    rest = [p for p in params if not getattr(p, "shared_embedding", False)]
+    return buckets(rest, bucket_size) + [[p] for p in shared]
 
 
 class GradBuffer:
-    def __init__(self, params: list[nn.Parameter], group, bucket_size: int,
-                 num_microbatches: int, overlap: bool = False):
-        self.group = group
-        self.num_microbatches = num_microbatches
+    def __init__(self, params: list[nn.Parameter], group, bucket_size: int, *,
+                 shard: bool = False, overlap: bool = False,
+                 grad_dtype: torch.dtype | None = None):
+        self.group, self.shard = group, shard
+        self.dp, self.dp_rank = group_size(group), group_rank(group)
+        self.overlap = overlap
         self.launched_during_backward = 0
-        self.buckets = [_Bucket(b) for b in buckets(params, bucket_size)]
-        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._ready: dict[int, int] = {}
-        if overlap:
+        self.buckets = [Bucket(b, grad_dtype or b[0].dtype, self.dp)
+                        for b in _bucket_params(params, bucket_size)]
+        self._where = {}
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                p.main_grad = bucket.view(bucket.flat, i)
+                self._where[id(p)] = (bucket, i)
+        self._in_place = all(b.flat.dtype == b.params[0].dtype for b in self.buckets)
+        if overlap or not self._in_place:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+        self.start_step(1)
 
-    def start_step(self):
+    def start_step(self, num_microbatches: int):
         """Zero the buffers and point every .grad at its view (an optimizer may have set
         .grad to None, e.g. after skipping an fp16 overflow step)."""
+        self.num_microbatches = num_microbatches
         for bucket in self.buckets:
             bucket.flat.zero_()
             bucket.work = None
-            for i, p in enumerate(bucket.params):
-                p.grad = bucket.view(i)
+            for p in bucket.params:
+                p.grad = p.main_grad if self._in_place else None
         self._ready = {id(b): 0 for b in self.buckets}
         self._counts = {id(p): 0 for b in self.buckets for p in b.params}
         self.launched_during_backward = 0
 
     def _on_grad_accumulated(self, param: nn.Parameter):
-        bucket, i = self._where[id(param)]
-        self._keep_in_buffer(bucket, i)
+        bucket, _ = self._where[id(param)]
+        self._move_into_buffer(param)
+        if not self.overlap:
+            return
         self._counts[id(param)] += 1
         # One accumulation per micro-batch: the last one makes this gradient final.
         if self._counts[id(param)] == self.num_microbatches:
@@ -68,25 +114,32 @@ class GradBuffer:
                 self._launch(bucket)
                 self.launched_during_backward += 1
 
-    def _keep_in_buffer(self, bucket: _Bucket, i: int):
-        """Autograd accumulates in place into .grad; should it ever have replaced the
-        tensor instead, copy the values back into the buffer."""
-        p = bucket.params[i]
-        view = bucket.view(i)
-        if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
+    def _move_into_buffer(self, param: nn.Parameter):
+        """Autograd accumulates in place into a .grad of the buffer's dtype; should it have
+        replaced the tensor, or if the buffer has another dtype, add the values in."""
+        if param.grad is None or param.grad.data_ptr() == param.main_grad.data_ptr():
+            return
+        if self._in_place:
+            param.main_grad.copy_(param.grad)
+            param.grad = param.main_grad
+        else:
+            param.main_grad.add_(param.grad)
+            param.grad = None
 
-    def _launch(self, bucket: _Bucket):
-        if group_size(self.group) > 1:
+    def _launch(self, bucket: Bucket):
+        if self.dp == 1:
+            return
+        if self.shard:
+            bucket.work = reduce_scatter_into(bucket.shard(bucket.flat, self.dp_rank),
+                                              bucket.flat, self.group, async_op=True)
+        else:
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self):
         """Every bucket summed over DP: launch what the hooks did not, wait for all."""
         for bucket in self.buckets:
-            for i in range(len(bucket.params)):
-                if bucket.params[i].grad is not None:
-                    self._keep_in_buffer(bucket, i)
+            for p in bucket.params:
+                self._move_into_buffer(p)
             if bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:

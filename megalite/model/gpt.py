@@ -95,7 +95,8 @@ class GPTModel(nn.Module):
         tied = not config.untie_embeddings_and_output_weights
         if post_process and not (tied and pre_process):
             self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size,
-                                                     group=tp_group, bias=False)
+                                                     group=tp_group, bias=False,
+                                                     sequence_parallel=config.sequence_parallel)
             # A tied output layer on a later pipeline stage than the embedding is a copy of
             # the word embeddings: same initial values, grads summed over the embedding group.
             self.output_layer.weight.shared_embedding = tied
@@ -151,11 +152,15 @@ class GPTModel(nn.Module):
 
     def _vocab_parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[seq, batch, padded vocab / TP]: this rank's vocabulary shard of the logits."""
-        if self.config.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        logits = F.linear(x, self.output_weight())
+        if self.output_layer is not None:
+            # Called as a module, so its forward hooks run (ZeRO-1's deferred gather).
+            logits = self.output_layer(x)
+        else:  # tied, on the embedding's own stage
+            if self.config.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, self.tp_group)
+            else:
+                x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+            logits = F.linear(x, self.embedding.word_embeddings.weight)
         if self.padded_vocab_mask is not None:
             logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
         return logits

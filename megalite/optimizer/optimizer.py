@@ -76,11 +76,8 @@ class Optimizer:
     `model_parallel_group` holds every rank with a different piece of the same model
     replica: the grad norm and the overflow decision are agreed across it, so all its
     ranks clip by the same factor and skip the same steps. Data-parallel gradients arrive
-    already summed (megalite.distributed.data_parallel).
+    already summed in .grad (megalite/distributed/grad_buffer.py).
     """
-
-    handles_data_parallel = False
-    """Whether step() itself reduces gradients over data parallelism (ZeRO-1 does)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None):

@@ -159,8 +159,11 @@ def allreduce_sequence_parallel_grads(params, group):
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        # Under data parallelism the gradient lives in the buffer view p.main_grad
+        # (megalite/distributed/grad_buffer.py), which may be fp32 while p is bf16.
+        grad = getattr(p, "main_grad", p.grad)
+        if getattr(p, "sequence_parallel", False) and grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megalite.config import OptimizerConfig, PrecisionConfig, pad_vocab_size
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
@@ -25,15 +26,18 @@ BASE = GPTConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention
                  padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
                  attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa",
                  position_embedding_type="rope", swiglu=True, normalization="RMSNorm")
-# (TP, PP, virtual stages, DP, mode): mode "plain" DP, "zero" (ZeRO-1) or "overlap"
-# (--overlap-grad-reduce); the world size is TP x PP x DP.
+# (TP, PP, virtual stages, DP, mode): mode "plain" DP, "zero" (ZeRO-1), "overlap"
+# (--overlap-grad-reduce) or "zero-overlap" (ZeRO-1 with --overlap-grad-reduce and
+# --overlap-param-gather); the world size is TP x PP x DP.
 LAYOUTS = {2: [(1, 2, 1, 1, "plain"), (1, 2, 2, 1, "plain"), (1, 1, 1, 2, "plain"),
-               (1, 1, 1, 2, "zero"), (1, 1, 1, 2, "overlap")],
+               (1, 1, 1, 2, "zero"), (1, 1, 1, 2, "overlap"), (1, 1, 1, 2, "zero-overlap")],
            4: [(1, 4, 1, 1, "plain"), (1, 4, 2, 1, "plain"), (2, 2, 1, 1, "plain"),
                (1, 1, 1, 4, "plain"), (2, 1, 1, 2, "plain"), (1, 2, 2, 2, "plain"),
                (1, 1, 1, 4, "zero"), (2, 1, 1, 2, "zero"), (1, 2, 2, 2, "zero"),
-               (2, 1, 1, 2, "overlap"), (1, 2, 2, 2, "overlap")],
-           8: [(2, 2, 2, 2, "zero")]}
+               (1, 1, 1, 4, "overlap"), (2, 1, 1, 2, "overlap"), (1, 2, 2, 2, "overlap"),
+               (1, 1, 1, 4, "zero-overlap"), (2, 1, 1, 2, "zero-overlap"),
+               (1, 2, 2, 2, "zero-overlap")],
+           8: [(2, 2, 2, 2, "zero"), (2, 2, 2, 2, "zero-overlap")]}
 
 
 def batches(generator, state):
@@ -53,30 +57,38 @@ def run(config, chunks, state, shape, mode="plain"):
     tp_group = state.tp_group if state else None
     mp_group = state.mp_group if state else None
     opt_config = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.5)
-    if mode == "zero":
+    zero, overlap = mode.startswith("zero"), mode.endswith("overlap")
+    grad_buffer = None
+    if state is not None:
         # Small buckets: several per model, params split across bucket and shard edges.
+        grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group,
+                                 3000 if zero else 5000, shard=zero, overlap=overlap)
+    if zero:
         optimizer = DistributedOptimizer(chunks, opt_config, None, tp_group, mp_group,
-                                         state.dp_group, bucket_size=3000)
+                                         grad_buffer, overlap_param_gather=overlap)
     else:
         optimizer = Optimizer(chunks, opt_config, tp_group=tp_group, model_parallel_group=mp_group)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
     runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
-                        torch.device("cpu"), state, bucket_size=5000,
-                        overlap_grad_reduce=mode == "overlap")
+                        torch.device("cpu"), state, grad_buffer)
     generator = torch.Generator().manual_seed(3)
     steps, first_grads = [], None
     for step in range(10):
         result = runner.train_step(batches(generator, state))
         steps.append((result.loss, result.grad_norm))
-        if mode == "overlap":
-            # Every bucket's all-reduce was started by the backward itself, not at the end.
-            buffer = runner.grad_buffer
-            if buffer.launched_during_backward != len(buffer.buckets):
-                raise AssertionError(f"{buffer.launched_during_backward} of "
-                                     f"{len(buffer.buckets)} buckets launched during backward")
+        if overlap:
+            # Every bucket's reduction was started by the backward itself, not at the end.
+            if grad_buffer.launched_during_backward != len(grad_buffer.buckets):
+                raise AssertionError(f"{grad_buffer.launched_during_backward} of "
+                                     f"{len(grad_buffer.buckets)} buckets launched during "
+                                     "backward")
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in chunks.named_parameters()}
-    return steps, first_grads, runner.evaluate(batches(generator, state))
+    evaluation = runner.evaluate(batches(generator, state))
+    if zero and overlap and any(work is not None for work in optimizer._gathers):
+        # The evaluation's forward must itself have waited for every deferred gather.
+        raise AssertionError("a parameter all-gather was not waited for by the forward")
+    return steps, first_grads, evaluation
 
 
 def reference_name(name: str, param) -> str:
@@ -111,8 +123,8 @@ def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
         # round-off noise turned into steps of up to lr = 3e-3. Final values therefore
         # agree to 2e-5 (a layout bug moves them by ~lr); gradients to 1e-6.
         checks = [("final value", param.detach(), ref_params[ref_name].detach(), 2e-5)]
-        if mode != "zero":
-            # (ZeRO-1 leaves each rank's own, unreduced gradients in .grad; its reduced
+        if not mode.startswith("zero"):
+            # (Under ZeRO-1 only this rank's shard of .grad is reduced; the reduced
             # shards are checked through the grad norm and the parameters.)
             checks.append(("first-step grad", grads[name], ref_grads["0." + ref_name], 1e-6))
         for what, mine, ref, atol in checks:

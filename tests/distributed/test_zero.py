@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megalite.config import OptimizerConfig
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
@@ -21,16 +22,23 @@ CONFIG = GPTConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attenti
 def model_and_optimizer(state, scaler=None):
     model = GPTModel(CONFIG, seed=1)
     dp_group = state.dp_group if state else None
-    # One bucket for the whole model, so the closed form of the shard is simple.
-    optimizer = DistributedOptimizer(model, OptimizerConfig(lr=1e-3), scaler,
-                                     dp_group=dp_group, bucket_size=10 ** 9)
+    # One bucket for the model, and one of its own for the (tied) word embeddings, so
+    # the closed form of the shards is simple.
+    grad_buffer = GradBuffer(list(model.parameters()), dp_group, 10 ** 9, shard=True)
+    optimizer = DistributedOptimizer(model, OptimizerConfig(lr=1e-3), scaler, None, None,
+                                     grad_buffer)
     return model, optimizer
+
+
+def backward(model, optimizer, tokens):
+    optimizer.grad_buffer.start_step(1)
+    optimizer.scale_loss(model(tokens, tokens).mean()).backward()
 
 
 def one_step(model, optimizer):
     tokens = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(0))
-    optimizer.zero_grad()
-    optimizer.scale_loss(model(tokens, tokens).mean()).backward()
+    backward(model, optimizer, tokens)
+    optimizer.grad_buffer.finish()
     return optimizer.step()
 
 
@@ -38,14 +46,19 @@ def optimizer_bytes(rank, world_size):
     state = ParallelState(RankGrid(world_size), rank)
     model, optimizer = model_and_optimizer(state)
     one_step(model, optimizer)
-    return optimizer.optimizer_state_bytes(), sum(p.numel() for p in model.parameters())
+    return optimizer.optimizer_state_bytes(), bucket_sizes(model)
 
 
-def expected_share(num_params: int, dp: int, rank: int) -> int:
-    """The flat parameters padded to a multiple of DP and cut in DP equal shards: rank r
-    owns the real (unpadded) elements of shard r."""
-    shard = -(-num_params // dp)
-    return max(0, min(shard, num_params - rank * shard))
+def bucket_sizes(model) -> list[int]:
+    embedding = model.embedding.word_embeddings.weight.numel()
+    return [sum(p.numel() for p in model.parameters()) - embedding, embedding]
+
+
+def expected_share(bucket_numel: int, dp: int, rank: int) -> int:
+    """A bucket padded to a multiple of DP and cut in DP equal shards: rank r owns the
+    real (unpadded) elements of shard r."""
+    shard = -(-bucket_numel // dp)
+    return max(0, min(shard, bucket_numel - rank * shard))
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
@@ -55,18 +68,18 @@ def test_optimizer_state_is_12_bytes_per_owned_parameter(dp):
         results = [optimizer_bytes_single()]
     else:
         results = run_distributed(dp, optimizer_bytes)
-    num_params = results[0][1]
+    sizes = results[0][1]
     for rank, (nbytes, _) in enumerate(results):
-        assert nbytes == 12 * expected_share(num_params, dp, rank)
+        assert nbytes == 12 * sum(expected_share(n, dp, rank) for n in sizes)
     # Every element is owned by exactly one rank: the shares add up to the model.
-    assert sum(nbytes for nbytes, _ in results) == 12 * num_params
-    assert max(nbytes for nbytes, _ in results) <= 12 * (num_params // dp + 1)
+    assert sum(nbytes for nbytes, _ in results) == 12 * sum(sizes)
+    assert max(nbytes for nbytes, _ in results) <= 12 * sum(n // dp + 1 for n in sizes)
 
 
 def optimizer_bytes_single():
     model, optimizer = model_and_optimizer(None)
     one_step(model, optimizer)
-    return optimizer.optimizer_state_bytes(), sum(p.numel() for p in model.parameters())
+    return optimizer.optimizer_state_bytes(), bucket_sizes(model)
 
 
 def overflow_on_rank_zero(rank, world_size):
@@ -75,11 +88,11 @@ def overflow_on_rank_zero(rank, world_size):
     model, optimizer = model_and_optimizer(state, scaler)
     before = [p.detach().clone() for p in model.parameters()]
     tokens = torch.randint(0, 61, (2, 8))
-    optimizer.zero_grad()
-    optimizer.scale_loss(model(tokens, tokens).mean()).backward()
+    backward(model, optimizer, tokens)
     if rank == 0:
         # An inf in a gradient element that rank 1's shard holds after the reduce-scatter.
         list(model.parameters())[-1].grad.view(-1)[-1] = float("inf")
+    optimizer.grad_buffer.finish()
     updated, norm = optimizer.step()
     unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     return updated, norm, scaler.scale, unchanged
