@@ -49,6 +49,9 @@ def single():
     # Data parallelism: each rank reads its slice of every global batch.
     (2, []),
     (4, ["--pipeline-model-parallel-size", "2"]),
+    # ZeRO-1, its reduce-scatter launched during backward, its all-gather waited for by
+    # the next forward.
+    (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
 ])
 def test_torchrun_layout_matches_one_process(single, nproc, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -1,0 +1,79 @@
+"""Gradient accumulation in the data-parallel buffer against micro-batch gradients taken
+one by one: with --accumulate-allreduce-grads-in-fp32 the buffer holds their fp32 sum
+exactly; without it, their bf16 sum, rounded after every addition as autograd does."""
+
+import torch
+
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
+
+CONFIG = GPTConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                   num_query_groups=4, kv_channels=8, seq_length=8, max_position_embeddings=8,
+                   padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0,
+                   attention_backend="unfused")
+NUM_MICRO = 4
+
+
+def bf16_model():
+    return GPTModel(CONFIG, seed=3).to(torch.bfloat16)
+
+
+def microbatches():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 64, (2, 8), generator=generator) for _ in range(NUM_MICRO)]
+
+
+def backward(model, tokens):
+    model(tokens, tokens).float().mean().backward()
+
+
+def separate_grads(model):
+    """Each micro-batch's bf16 gradient on its own, name -> list."""
+    grads = {}
+    for tokens in microbatches():
+        model.zero_grad(set_to_none=True)
+        backward(model, tokens)
+        for name, p in model.named_parameters():
+            grads.setdefault(name, []).append(p.grad.clone())
+    return grads
+
+
+def buffered_grads(model, grad_dtype):
+    buffer = GradBuffer(list(model.parameters()), None, 5000, grad_dtype=grad_dtype)
+    buffer.start_step(NUM_MICRO)
+    for tokens in microbatches():
+        backward(model, tokens)
+    buffer.finish()
+    return {name: p.main_grad for name, p in model.named_parameters()}
+
+
+def sequential_sum(tensors, dtype):
+    total = torch.zeros_like(tensors[0], dtype=dtype)
+    for t in tensors:
+        total += t.to(dtype)
+    return total
+
+
+def test_fp32_accumulation_is_the_exact_fp32_sum_of_microbatch_grads():
+    reference = separate_grads(bf16_model())
+    model = bf16_model()
+    buffered = buffered_grads(model, torch.float32)
+    for name, grad in buffered.items():
+        assert grad.dtype == torch.float32
+        assert torch.equal(grad, sequential_sum(reference[name], torch.float32)), name
+    # The bf16 per-micro-batch gradients were folded in and dropped, not kept around.
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bf16_accumulation_rounds_after_every_microbatch():
+    reference = separate_grads(bf16_model())
+    buffered = buffered_grads(bf16_model(), None)
+    rounded = 0
+    for name, grad in buffered.items():
+        assert grad.dtype == torch.bfloat16
+        assert torch.equal(grad, sequential_sum(reference[name], torch.bfloat16)), name
+        exact = sequential_sum(reference[name], torch.float32)
+        rounded += int(not torch.equal(grad.float(), exact))
+    # So the fp32 buffer is not a no-op: most gradients lose digits in bf16.
+    assert rounded > len(buffered) // 2
