@@ -163,13 +163,28 @@ def _data(parser):
 
 def _checkpointing(parser):
     g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save", default=None, help="Directory to write checkpoints to.")
+    g.add_argument("--load", default=None,
+                   help="Directory to resume from (its newest complete checkpoint); "
+                        "point it at --save so a restarted job resumes by itself.")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="Save every this many iterations (and always at exit).")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=0,
+                   help="Delete all but the newest N checkpoints (0: keep all); the one "
+                        "the tracker names is never deleted.")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load the model only and start at iteration 0.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM or SIGUSR1 (any rank) save at the next iteration and "
+                        "exit 0.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Save and exit once training has run this long.")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="Do not stop when the loss or a gradient is NaN or infinite.")
 
 
 def _logging(parser):

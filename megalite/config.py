@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
-from megalite.errors import ConfigError, NotYetSupportedError
+from megalite.errors import ConfigError
 from megalite.model.config import GPTConfig
 from megalite.parallel_state import RankGrid
 from megalite.pipeline_parallel.schedules import validate_schedule_args
@@ -112,6 +112,22 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    keep_last: int = 0
+    """Checkpoints to keep (0: all)."""
+    save_optim: bool = True
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False
+    exit_signal_handler: bool = False
+    exit_duration_in_mins: float | None = None
+    check_for_nan: bool = True
+
+
+@dataclass(frozen=True)
 class Config:
     model: GPTConfig
     parallel: ParallelConfig
@@ -122,6 +138,7 @@ class Config:
     data: DataConfig
     logging: LoggingConfig
     distributed: DistributedConfig
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 def validate_args(args, world_size: int = 1,
@@ -138,7 +155,6 @@ def validate_args(args, world_size: int = 1,
                     "make_vocab_size_divisible_by", "tensor_model_parallel_size",
                     "pipeline_model_parallel_size", "distributed_timeout_minutes")
     parallel = _parallel_config(args, world_size)
-    _check_not_yet_supported(args)
     vocab_size = _vocab_size(args, tokenizer_vocab_size)
     return Config(
         model=_model_config(args, parallel, vocab_size),
@@ -153,32 +169,28 @@ def validate_args(args, world_size: int = 1,
         logging=LoggingConfig(args.log_interval, args.log_throughput, args.tensorboard_dir,
                               args.tensorboard_log_interval),
         distributed=DistributedConfig(args.distributed_backend, args.distributed_timeout_minutes),
+        checkpoint=_checkpoint_config(args),
     )
 
 
-# Flags parsed now whose capability lands in a later issue: refusing a non-default value
-# is better than silently training something else than the user asked for.
-_NOT_YET = {
-    "save": None,
-    "load": None,
-    "save_interval": None,
-    "no_save_optim": False,
-    "no_load_optim": False,
-    "no_load_rng": False,
-    "finetune": False,
-}
+def _checkpoint_config(args) -> CheckpointConfig:
+    _check_positive(args, "save_interval", "exit_duration_in_mins")
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError(f"--save-interval={args.save_interval} needs --save (where to write)")
+    if args.keep_last_n_checkpoints < 0:
+        raise ConfigError("--keep-last-n-checkpoints must be >= 0 (0 keeps all), got "
+                          f"{args.keep_last_n_checkpoints}")
+    if args.finetune and args.load is None:
+        raise ConfigError("--finetune needs --load (the checkpoint to start from)")
+    return CheckpointConfig(args.save, args.load, args.save_interval,
+                            args.keep_last_n_checkpoints, not args.no_save_optim,
+                            not args.no_load_optim, not args.no_load_rng, args.finetune,
+                            args.exit_signal_handler, args.exit_duration_in_mins,
+                            args.check_for_nan_in_loss_and_grad)
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _check_not_yet_supported(args):
-    for name, default in _NOT_YET.items():
-        value = getattr(args, name)
-        if value != default:
-            raise NotYetSupportedError(
-                f"{_flag(name)}={value} is not yet supported by megalite (only {default!r})")
 
 
 def _require(args, *names):

@@ -18,5 +18,5 @@ class DataError(MegaliteError):
     """A missing, corrupt or inconsistent data file, or input text that cannot be used."""
 
 
-class NotYetSupportedError(ConfigError):
-    """A flag whose capability has not landed yet was set to a non-default value."""
+class NumericalError(MegaliteError):
+    """The loss or a gradient became NaN or infinite (outside fp16 loss scaling)."""

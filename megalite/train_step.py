@@ -17,8 +17,9 @@ from torch import nn
 
 from megalite.config import PrecisionConfig
 from megalite.distributed.grad_buffer import GradBuffer, main_grad
-from megalite.optimizer.optimizer import Optimizer
-from megalite.parallel_state import ParallelState, group_size
+from megalite.errors import NumericalError
+from megalite.optimizer.optimizer import Optimizer, found_nonfinite
+from megalite.parallel_state import ParallelState, all_gather_into, group_size
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
@@ -56,8 +57,9 @@ class StepRunner:
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
                  num_microbatches: int, activation_shape: tuple[int, ...],
                  device: torch.device, state: ParallelState | None = None,
-                 grad_buffer: GradBuffer | None = None):
+                 grad_buffer: GradBuffer | None = None, check_for_nan: bool = False):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
+        self.check_for_nan = check_for_nan
         self.num_microbatches, self.device = num_microbatches, device
         if grad_buffer is None and state is not None and state.dp_size > 1:
             raise ValueError("data parallelism needs a GradBuffer to reduce the gradients")
@@ -88,8 +90,28 @@ class StepRunner:
                             lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
                             self.optimizer.scale_loss, self._autocast)
         self.finalize_grads()
+        if self.check_for_nan:
+            self._stop_on_nonfinite(loss)
         updated, grad_norm = self.optimizer.step()
         return StepResult(self._sum_over_data_parallel(loss).item(), not updated, grad_norm)
+
+    def _stop_on_nonfinite(self, loss: torch.Tensor):
+        """Before the optimizer step, so a NaN never reaches the weights: every rank learns
+        which ranks saw a non-finite loss (where a NaN starts) or gradient, and all raise."""
+        grads = [g for g in map(main_grad, self.optimizer.params) if g is not None]
+        local = torch.tensor([float(not torch.isfinite(loss).all()),
+                              float(found_nonfinite(grads))], device=loss.device)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        flags = torch.empty(world, 2, device=loss.device)
+        if world > 1:
+            all_gather_into(flags.view(-1), local, dist.group.WORLD)
+        else:
+            flags[0] = local
+        for column, what in ((0, "lm loss"), (1, "a gradient")):
+            ranks = flags[:, column].nonzero().view(-1).tolist()
+            if ranks:
+                raise NumericalError(f"{what} is NaN or infinite on rank(s) {ranks}; stopped "
+                                     "before the optimizer step")
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         if self.state is None or self.state.dp_size == 1:

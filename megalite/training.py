@@ -21,7 +21,9 @@ from megalite.data.datasets import build_datasets
 from megalite.data.sampler import MicroBatchSampler, collate_samples
 from megalite.data.tokenizer import build_tokenizer
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.errors import MegaliteError
+from megalite.errors import MegaliteError, NumericalError
+from megalite.exit_conditions import ExitConditions
+from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.attention_backends import resolve_backend
 from megalite.model.gpt import build_model_chunks
@@ -34,10 +36,6 @@ from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
                                    num_floating_point_operations, validation_lines)
-
-
-class NumericalError(MegaliteError):
-    """The loss became NaN or infinite outside fp16 loss scaling."""
 
 
 @dataclass
@@ -53,6 +51,11 @@ def print_rank_last(message: str):
         print(message, flush=True)
 
 
+def print_rank_0(message: str):
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
 def microbatches(dataset, consumed_samples: int, config: Config, state: ParallelState,
                  device: torch.device):
     """This DP rank's micro-batches from `consumed_samples` on, as tensors on `device`.
@@ -63,7 +66,10 @@ def microbatches(dataset, consumed_samples: int, config: Config, state: Parallel
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_samples,
         num_workers=config.data.num_workers, pin_memory=device.type != "cpu",
-        persistent_workers=config.data.num_workers > 0)
+        persistent_workers=config.data.num_workers > 0,
+        # Its own generator: creating an iterator draws a seed, which from the global one
+        # would shift every later dropout mask and break exact resume.
+        generator=torch.Generator().manual_seed(config.training.seed))
     for batch in loader:
         yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
@@ -96,7 +102,8 @@ def pretrain(argv=None) -> int:
         dist.destroy_process_group()
 
 
-def build_model(config: Config, state: ParallelState, device: torch.device) -> nn.ModuleList:
+def build_model(config: Config, state: ParallelState, device: torch.device,
+                rng_tracker) -> nn.ModuleList:
     """This rank's model chunks (one per virtual pipeline stage), each its TP shard, on
     `device`, with the attention kernel resolved."""
     p = config.precision
@@ -109,7 +116,7 @@ def build_model(config: Config, state: ParallelState, device: torch.device) -> n
     return build_model_chunks(
         model_config, seed, state.pp_rank, state.pp_size,
         config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
-        build_rng_tracker(seed, state.tp_rank, device)).to(device=device, dtype=dtype)
+        rng_tracker).to(device=device, dtype=dtype)
 
 
 def build_optimizer(model: nn.Module, config: Config,
@@ -135,13 +142,30 @@ def build_optimizer(model: nn.Module, config: Config,
 def run_training(config: Config, state: ParallelState, device: torch.device,
                  eod: int | None) -> TrainState:
     set_seed(config.training.seed)
-    model = build_model(config, state, device)
+    rng_tracker = build_rng_tracker(config.training.seed, state.tp_rank, device)
+    model = build_model(config, state, device, rng_tracker)
     optimizer, grad_buffer = build_optimizer(model, config, state)
     t, m = config.training, config.model
     seq = m.seq_length // state.tp_size if m.sequence_parallel else m.seq_length
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        (seq, t.micro_batch_size, m.hidden_size), device, state, grad_buffer)
+                        (seq, t.micro_batch_size, m.hidden_size), device, state, grad_buffer,
+                        check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16)
     scheduler = LRScheduler(optimizer, config.scheduler)
+    progress = TrainState()
+    if config.checkpoint.load is not None:
+        loaded = load_checkpoint(config.checkpoint.load, model, optimizer, scheduler, state,
+                                 config, rng_tracker)
+        if loaded is not None:
+            progress = TrainState(**loaded)
+        print_rank_0(f" > resuming from {config.checkpoint.load} at iteration "
+                     f"{progress.iteration}" if loaded else
+                     f" > no checkpoint in {config.checkpoint.load}: starting from scratch")
+
+    def save(iteration: int):
+        save_checkpoint(config.checkpoint.save, iteration, model, optimizer, scheduler, state,
+                        config, progress, rng_tracker)
+        print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
+                     f"{config.checkpoint.save}")
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
@@ -151,10 +175,11 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
               f"({state.tp_rank}, {state.pp_rank}): {sum(p.numel() for p in model.parameters())}",
               flush=True)
     evaluating = config.training.eval_iters > 0
-    valid = (microbatches(valid_ds, 0, config, state, device)
+    valid = (microbatches(valid_ds, progress.consumed_valid_samples, config, state, device)
              if evaluating and valid_ds is not None else None)
     try:
-        progress = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device)
+        train(config, state, runner, scheduler, train_ds, valid, tensorboard, device, progress,
+              save if config.checkpoint.save else None)
         if valid is not None:
             # The loop may have just written this iteration's validation scalars.
             evaluated = progress.iteration % config.training.eval_interval == 0
@@ -171,9 +196,12 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
 
 
 def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, train_ds,
-          valid, tensorboard: TensorBoardLogger, device: torch.device) -> TrainState:
+          valid, tensorboard: TensorBoardLogger, device: torch.device, progress: TrainState,
+          save=None) -> TrainState:
+    """Train from `progress` on; `save(iteration)` writes a checkpoint (None: no --save)."""
     t, log = config.training, config.logging
-    progress = TrainState()
+    exits = ExitConditions(config.checkpoint, device)
+    saved_at = progress.iteration
     stats = IntervalStats()
     flops_per_step = num_floating_point_operations(config.model, t.global_batch_size)
     batches = microbatches(train_ds, progress.consumed_train_samples, config, state, device)
@@ -182,7 +210,10 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         step_batches = [next(batches) for _ in range(t.num_microbatches)]
         lr = scheduler.lr
         loss_scale = runner.optimizer.loss_scale
-        result = runner.train_step(step_batches)
+        try:
+            result = runner.train_step(step_batches)
+        except NumericalError as error:
+            raise NumericalError(f"iteration {progress.iteration + 1}: {error}") from None
         loss, skipped, grad_norm = result.loss, result.skipped, result.grad_norm
         if not skipped:
             scheduler.step(t.global_batch_size)
@@ -190,11 +221,6 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         elapsed = time.perf_counter() - start
         progress.iteration += 1
         progress.consumed_train_samples += t.global_batch_size
-        if not config.precision.fp16 and not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            # The grad norm is agreed across the model-parallel group, so every rank
-            # (not only the last stage, which holds the loss) stops here together.
-            raise NumericalError(f"iteration {progress.iteration}: lm loss is {loss}, "
-                                 f"grad norm is {grad_norm}")
         stats.add(loss, skipped, elapsed)
         if progress.iteration % log.tensorboard_log_interval == 0:
             tensorboard.scalars(progress.iteration, {
@@ -208,9 +234,19 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
             _evaluate_and_print(f"iteration {progress.iteration}", runner, valid, config,
                                 tensorboard, progress.iteration)
             progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
+        interval = config.checkpoint.save_interval
+        if save and interval and progress.iteration % interval == 0:
+            save(progress.iteration)
+            saved_at = progress.iteration
+        reason = exits.check()
+        if reason:
+            print_rank_0(f"exiting program after iteration {progress.iteration}: {reason}")
+            break
         if t.exit_interval and progress.iteration % t.exit_interval == 0:
             print_rank_last(f"exiting program at iteration {progress.iteration}")
             break
+    if save and saved_at != progress.iteration:
+        save(progress.iteration)
     return progress
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from megalite.arguments import build_parser, parse_args
 from megalite.config import pad_vocab_size, validate_args
-from megalite.errors import ConfigError, NotYetSupportedError
+from megalite.errors import ConfigError
 
 from conftest import BASE_FLAGS
 
@@ -135,12 +135,25 @@ def test_world_size_must_fit_the_grid():
         config_of("--tensor-model-parallel-size", "2", world_size=3)
 
 
-@pytest.mark.parametrize("extra", [
-    ["--save", "/tmp/x"], ["--load", "/tmp/x"], ["--finetune"],
+@pytest.mark.parametrize("extra, message", [
+    (["--save-interval", "5"], "--save-interval=5 needs --save"),
+    (["--finetune"], "--finetune needs --load"),
+    (["--save", "x", "--keep-last-n-checkpoints", "-1"], "--keep-last-n-checkpoints must be >= 0"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be positive"),
 ])
-def test_later_capabilities_refuse_instead_of_ignoring(extra):
-    with pytest.raises(NotYetSupportedError, match="not yet supported"):
+def test_checkpoint_flag_errors(extra, message):
+    with pytest.raises(ConfigError, match=message):
         config_of(*extra)
+
+
+def test_checkpoint_flags_reach_the_config():
+    c = config_of("--save", "s", "--load", "l", "--save-interval", "10", "--no-save-optim",
+                  "--no-load-rng", "--keep-last-n-checkpoints", "3", "--exit-signal-handler",
+                  "--exit-duration-in-mins", "1.5", "--no-check-for-nan-in-loss-and-grad",
+                  ).checkpoint
+    assert (c.save, c.load, c.save_interval, c.save_optim, c.load_optim, c.load_rng,
+            c.keep_last, c.exit_signal_handler, c.exit_duration_in_mins, c.check_for_nan) == (
+        "s", "l", 10, False, True, False, 3, True, 1.5, False)
 
 
 @pytest.mark.parametrize("extra", [

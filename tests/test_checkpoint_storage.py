@@ -12,8 +12,8 @@ import pathlib
 import pytest
 import torch
 
-from megalite import checkpoint_storage as cs
-from megalite.checkpoint_storage import CheckpointError
+from megalite.checkpointing import storage as cs
+from megalite.checkpointing.storage import CheckpointError
 from megalite.errors import MegaliteError
 
 SHARDS = ["model_tp0_pp0.pt", "optim_dp0.pt"]

@@ -167,6 +167,17 @@ class DistributedOptimizer(Optimizer):
         for i in range(len(self._gathers)):
             self._wait_for_bucket(i)
 
+    def checkpoint_segments(self) -> list[tuple]:
+        """(param, start, end, main, state key) for each owned piece of a parameter."""
+        return [(s.param, s.start, s.end, s.main, s.main) for s in self.segments]
+
+    @torch.no_grad()
+    def reload_main_params(self):
+        """Main parameters from the model's (after loading a checkpoint without optimizer
+        state: bf16 values, widened)."""
+        for s in self.segments:
+            s.main.copy_(s.param.detach().reshape(-1)[s.start:s.end])
+
     def state_dict(self) -> dict:
         state = {"adam": self.adam.state_dict(), "main_params": [s.main for s in self.segments]}
         if self.grad_scaler is not None:

@@ -126,6 +126,14 @@ class Optimizer:
         self.adam.step()
         return True, grad_norm.item()
 
+    def checkpoint_segments(self) -> list[tuple]:
+        """(param, start, end, main, state key) for each piece of a parameter whose state
+        this rank keeps: here every parameter whole, its own fp32 main copy."""
+        return [(p, 0, p.numel(), p.detach().view(-1), p) for p in self.params]
+
+    def finish_param_gather(self):
+        """Nothing in flight: the parameters are updated in place by step()."""
+
     def state_dict(self) -> dict:
         state = {"adam": self.adam.state_dict()}
         if self.grad_scaler is not None:

@@ -113,14 +113,15 @@ def save_tensor_file(obj: Any, path: str | Path) -> None:
     _atomic_write(Path(path), lambda f: torch.save(obj, f))
 
 
-def load_tensor_file(path: str | Path, map_location: Any = "cpu") -> Any:
+def load_tensor_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """`torch.load(weights_only=True)`: a file holding anything but tensors and plain
-    containers is refused without running its pickle, so a checkpoint cannot run code."""
+    containers is refused without running its pickle, so a checkpoint cannot run code.
+    With `mmap` tensors are read from disk only when touched (resharding reads pieces)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
         reason = reason.splitlines()[0].split(". Please", 1)[0] if reason else repr(error)

@@ -1,0 +1,170 @@
+"""Loading a checkpoint into this rank's model chunks and optimizer, at any layout.
+
+Each parameter is rebuilt as the full single-process tensor from the saved shards, then
+cut for this rank (see saving.py for the files). The same goes for each optimizer tensor
+(fp32 main copy, Adam moments): the DP segments of every saved TP shard are placed at
+their ranges, the TP shards concatenated, and this rank's owned range taken out. Files
+are memory-mapped, so a rank reads only the pieces it touches.
+"""
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.checkpointing.saving import (MOMENTS, VOCAB_PARAMS, canonical_name, layout_of,
+                                           model_fields, model_file, optim_file, rng_file)
+from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
+                                            find_checkpoint_to_load, load_tensor_file,
+                                            read_metadata)
+from megalite.parallel_state import ParallelState
+
+
+class SavedCheckpoint:
+    """Full single-process tensors, assembled on demand from a checkpoint's shards."""
+
+    def __init__(self, directory: Path, metadata: dict):
+        self.directory, self.layout = directory, metadata["layout"]
+        self.tp = self.layout["tensor_model_parallel_size"]
+        self.dps = range(self.layout["data_parallel_size"]
+                         if self.layout["use_distributed_optimizer"] else 1)
+        self._files: dict[str, dict] = {}
+        self.stage_of = {name: pp for pp in range(self.layout["pipeline_model_parallel_size"])
+                         for name in self._file(model_file(0, pp))["params"]}
+
+    def _file(self, name: str) -> dict:
+        if name not in self._files:
+            self._files[name] = load_tensor_file(self.directory / name, mmap=True)
+        return self._files[name]
+
+    def _stage(self, name: str) -> int:
+        if name not in self.stage_of:
+            raise CheckpointError(f"checkpoint {self.directory} has no parameter {name}")
+        return self.stage_of[name]
+
+    def _tp_shards(self, name: str) -> tuple[list[dict], int | None]:
+        files = [self._file(model_file(t, self._stage(name))) for t in range(self.tp)]
+        return files, files[0]["partition_dims"].get(name)
+
+    def param(self, name: str) -> torch.Tensor:
+        files, dim = self._tp_shards(name)
+        shards = [f["params"][name] for f in files]
+        return torch.cat(shards, dim) if dim is not None else shards[0]
+
+    def optimizer_tensor(self, name: str, key: str) -> torch.Tensor:
+        """The full fp32 tensor `key` ("main", "exp_avg" or "exp_avg_sq") of `name`."""
+        files, dim = self._tp_shards(name)
+        shards = []
+        for t, f in enumerate(files):
+            shape = f["params"][name].shape
+            flat, covered = torch.zeros(shape.numel()), 0
+            for d in self.dps:
+                filename = optim_file(t, self._stage(name), d)
+                segment = self._file(filename)["segments"].get(name)
+                if segment is None:
+                    continue
+                if key not in segment:
+                    raise CheckpointError(f"{self.directory / filename} has no {key} for "
+                                          f"{name} (saved before the first optimizer step?)")
+                start, end = segment["range"].tolist()
+                flat[start:end] = segment[key]
+                covered += end - start
+            if covered != flat.numel():
+                raise CheckpointError(f"checkpoint {self.directory}: the optimizer state of "
+                                      f"{name} (TP shard {t}) covers {covered} of "
+                                      f"{flat.numel()} elements")
+            shards.append(flat.view(shape))
+        return torch.cat(shards, dim) if dim is not None else shards[0]
+
+    def optimizer_step(self) -> int:
+        return int(self._file(optim_file(0, 0, 0))["step"])
+
+
+def local_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int,
+                tp_size: int) -> torch.Tensor:
+    """This TP rank's block of a full tensor, with the vocabulary padding of this TP size
+    (padding rows are zero in weights and Adam moments alike)."""
+    if name in VOCAB_PARAMS:
+        rows = param.shape[0] * tp_size
+        if full.shape[0] >= rows:
+            full = full[:rows]
+        else:
+            full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+    if getattr(param, "tensor_model_parallel", False):
+        full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+    if full.shape != param.shape:
+        raise CheckpointError(f"parameter {name}: the checkpoint gives shape "
+                              f"{tuple(full.shape)} for this rank, the model has "
+                              f"{tuple(param.shape)}")
+    return full
+
+
+def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
+                    state: ParallelState, config, rng_tracker=None) -> dict | None:
+    """Restore everything a checkpoint holds that the flags ask for. Returns the
+    iteration and consumed samples to continue from, or None when `load` holds no
+    checkpoint at all (a fresh start)."""
+    found = find_checkpoint_to_load(load)
+    if found is None:
+        return None
+    iteration, directory = found
+    meta = read_metadata(directory)
+    check_model_compatible(meta["model"], model_fields(config.model), checkpoint=directory)
+    saved = SavedCheckpoint(directory, meta)
+    with torch.no_grad():
+        for name, param in chunks.named_parameters():
+            name = canonical_name(name, param)
+            param.copy_(local_shard(saved.param(name), param, name, state.tp_rank, state.tp_size))
+    ckpt = config.checkpoint
+    if hasattr(optimizer, "reload_main_params"):
+        optimizer.reload_main_params()
+    load_optim = ckpt.load_optim and not ckpt.finetune and meta["has_optimizer"]
+    if load_optim:
+        _load_optimizer(saved, optimizer, chunks, state)
+        if optimizer.grad_scaler is not None and meta["grad_scaler"] is not None:
+            optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    if ckpt.finetune:
+        return {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
+    scheduler.load_state_dict(meta["scheduler"])
+    zero = getattr(optimizer, "dp_group", None) is not None
+    if ckpt.load_rng and meta.get("has_rng", True):
+        if meta["layout"] == layout_of(state, chunks, zero):
+            _set_rng_state(load_tensor_file(directory / rng_file(dist.get_rank())), rng_tracker)
+        elif dist.get_rank() == 0:
+            print(f" > not restoring RNG states: saved at layout {meta['layout']}, running "
+                  f"at {layout_of(state, chunks, zero)}", flush=True)
+    return {"iteration": iteration,
+            "consumed_train_samples": meta["consumed_train_samples"],
+            "consumed_valid_samples": meta["consumed_valid_samples"]}
+
+
+@torch.no_grad()
+def _load_optimizer(saved: SavedCheckpoint, optimizer, chunks: nn.ModuleList,
+                    state: ParallelState):
+    names = {id(p): canonical_name(n, p) for n, p in chunks.named_parameters()}
+    step = torch.tensor(float(saved.optimizer_step()))
+    for param, start, end, main, key in optimizer.checkpoint_segments():
+        name = names[id(param)]
+        values = {}
+        for k in ("main", *MOMENTS):
+            full = saved.optimizer_tensor(name, k)
+            local = local_shard(full, param, name, state.tp_rank, state.tp_size)
+            values[k] = local.reshape(-1)[start:end]
+        main.copy_(values["main"])
+        optimizer.adam.state[key] = {"step": step.clone(), **{
+            k: values[k].clone().view_as(key).to(key.dtype) for k in MOMENTS}}
+def _set_rng_state(state: dict, rng_tracker):
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if rng_tracker is not None and state["tracker"]:
+        rng_tracker.set_states(state["tracker"])
+
+

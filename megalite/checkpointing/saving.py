@@ -1,0 +1,175 @@
+"""Sharded checkpoints: what each rank writes and reads, at any layout (DESIGN.md §8).
+
+Files of `iter_0000100/` (made visible atomically by storage.py):
+  model_tp{t}_pp{p}.pt      DP rank 0 of each (TP, PP) pair: {"params": name -> this TP
+                            shard, "partition_dims": name -> dim of the TP split}
+  optim_tp{t}_pp{p}_dp{d}.pt  each DP rank whose optimizer owns state (all of them under
+                            ZeRO-1, DP rank 0 otherwise): {"step": Adam's step count,
+                            "segments": name -> {"range": [start, end) of the flattened TP
+                            shard, "main", "exp_avg", "exp_avg_sq"}}
+  rng_rank{r}.pt            every rank: python, numpy, torch, accelerator and TP tracker RNG
+  metadata.json             layout, model config, iteration, consumed samples, LR
+                            scheduler and loss scaler state, versions, the config
+Names are the single-process model's (megalite/model/gpt.py keys layers by global index),
+and the last stage's copy of a tied embedding is not saved: it is the embedding.
+
+Loading at another (TP, PP, v, DP) layout needs no converter: every parameter (and each
+of its optimizer tensors) is reassembled into the full single-process tensor from the
+saved shards (TP pieces concatenated along their partition dim, DP segments placed at
+their ranges) and cut again for this rank. Vocabulary padding, which depends on TP, is
+zero in weights and Adam moments alike, so it is dropped or added as zeros. RNG states
+only mean something at the same layout; at another they are left as seeded.
+"""
+
+import dataclasses
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import megalite
+from megalite.checkpointing.storage import (apply_retention, commit, prepare_staging,
+                                           save_tensor_file, staging_dir)
+from megalite.parallel_state import ParallelState
+
+FORMAT_VERSION = 1
+MOMENTS = ("exp_avg", "exp_avg_sq")
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def model_file(tp: int, pp: int) -> str:
+    return f"model_tp{tp:02d}_pp{pp:03d}.pt"
+
+
+def optim_file(tp: int, pp: int, dp: int) -> str:
+    return f"optim_tp{tp:02d}_pp{pp:03d}_dp{dp:03d}.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank:05d}.pt"
+
+
+def canonical_name(name: str, param: nn.Parameter) -> str:
+    """Chunk parameters are "<chunk>.<single-process name>"; a tied output layer on the
+    last stage is a copy of the word embeddings."""
+    if getattr(param, "embedding_copy", False):
+        return "embedding.word_embeddings.weight"
+    return name.split(".", 1)[1]
+
+
+def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
+    return {canonical_name(n, p): p for n, p in chunks.named_parameters()
+            if not getattr(p, "embedding_copy", False)}
+
+
+def layout_of(state: ParallelState, chunks: nn.ModuleList, zero: bool) -> dict:
+    return {"tensor_model_parallel_size": state.tp_size,
+            "pipeline_model_parallel_size": state.pp_size,
+            "virtual_pipeline_model_parallel_size": len(chunks),
+            "data_parallel_size": state.dp_size, "world_size": state.grid.world_size,
+            "use_distributed_optimizer": zero}
+
+
+def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> list[str]:
+    tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
+    dps = range(layout["data_parallel_size"] if layout["use_distributed_optimizer"] else 1)
+    files = [model_file(t, p) for t in range(tp) for p in range(pp)]
+    if save_optim:
+        files += [optim_file(t, p, d) for t in range(tp) for p in range(pp) for d in dps]
+    if save_rng:
+        files += [rng_file(r) for r in range(layout["world_size"])]
+    return files
+
+
+# --- saving --------------------------------------------------------------------------------
+
+def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer, scheduler,
+                    state: ParallelState, config, train_state, rng_tracker=None) -> Path:
+    """Every rank calls this at the same iteration; returns the published directory."""
+    optimizer.finish_param_gather()
+    zero = getattr(optimizer, "dp_group", None) is not None
+    layout = layout_of(state, chunks, zero)
+    ckpt = config.checkpoint
+    if dist.get_rank() == 0:
+        prepare_staging(save, iteration)
+    dist.barrier()
+    staging = staging_dir(save, iteration)
+    if state.dp_rank == 0:
+        params = saved_params(chunks)
+        save_tensor_file({"params": {n: p.detach().clone() for n, p in params.items()},
+                          "partition_dims": {n: p.partition_dim for n, p in params.items()
+                                             if getattr(p, "tensor_model_parallel", False)}},
+                         staging / model_file(state.tp_rank, state.pp_rank))
+    if ckpt.save_optim and (zero or state.dp_rank == 0):
+        names = {id(p): n for n, p in saved_params(chunks).items()}
+        save_tensor_file(_optimizer_shard(optimizer, names),
+                         staging / optim_file(state.tp_rank, state.pp_rank, state.dp_rank))
+    save_tensor_file(_rng_state(rng_tracker), staging / rng_file(dist.get_rank()))
+    dist.barrier()
+    final = None
+    if dist.get_rank() == 0:
+        scaler = optimizer.grad_scaler
+        metadata = {"format_version": FORMAT_VERSION, "megalite_version": megalite.__version__,
+                    "torch_version": torch.__version__, "layout": layout,
+                    "model": model_fields(config.model), "has_optimizer": ckpt.save_optim,
+                    "has_rng": True,
+                    "consumed_train_samples": train_state.consumed_train_samples,
+                    "consumed_valid_samples": train_state.consumed_valid_samples,
+                    "scheduler": scheduler.state_dict(),
+                    "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                    "config": _jsonable(dataclasses.asdict(config))}
+        final = commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
+        apply_retention(save, ckpt.keep_last)
+    dist.barrier()
+    return final or Path(save) / f"iter_{iteration:07d}"
+
+
+def _optimizer_shard(optimizer, names: dict[int, str]) -> dict:
+    segments, step = {}, 0
+    for param, start, end, main, key in optimizer.checkpoint_segments():
+        if getattr(param, "embedding_copy", False):
+            continue
+        adam = optimizer.adam.state.get(key, {})
+        if "step" in adam:
+            step = int(adam["step"].item())
+        entry = {"range": torch.tensor([start, end]), "main": main.detach().float().clone()}
+        for moment in MOMENTS:
+            if moment in adam:
+                entry[moment] = adam[moment].detach().reshape(-1).clone()
+        segments[names[id(param)]] = entry
+    return {"step": step, "segments": segments}
+
+
+def _rng_state(rng_tracker) -> dict:
+    version, words, gauss = random.getstate()
+    np_state = np.random.get_state()
+    state = {"python": [version, list(words), gauss],
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                       int(np_state[2]), int(np_state[3]), float(np_state[4])],
+             "torch": torch.get_rng_state(),
+             "tracker": rng_tracker.get_states() if rng_tracker is not None else {}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def model_fields(model_config) -> dict:
+    fields = dataclasses.asdict(model_config)
+    # How the model is run, not what it is: free to differ on load.
+    for key in ("attention_backend", "sequence_parallel", "attention_dropout",
+                "hidden_dropout", "padded_vocab_size"):
+        fields.pop(key)
+    return fields
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
