@@ -1,0 +1,282 @@
+r"""Convert between megalite checkpoints and HuggingFace transformers models.
+
+    # A megalite checkpoint, saved at any (TP, PP, DP) layout -> a directory that
+    # transformers.AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama style):
+    python tools/convert_checkpoint.py --load ckpt [--iteration N] --export-hf hf_out \
+        [--dtype bf16|fp16|fp32]
+
+    # A HF GPT-2 / Llama model -> a megalite checkpoint at iteration 0 that pretrain_gpt.py
+    # loads at any layout; the import prints the model flags to load it with:
+    python tools/convert_checkpoint.py --import-hf hf_dir --save ckpt
+    python pretrain_gpt.py --load ckpt --finetune <printed model flags> ...
+
+Export reassembles every parameter's full single-process tensor from the saved shards
+(megalite/checkpointing/loading.py), so the layout it was trained at does not matter.
+Import writes the files a one-process run (TP 1, PP 1, DP 1) writes, without optimizer and
+RNG states, which a load at any layout reshards. The weight mapping and the styles HF has
+a counterpart for are megalite/hf_convert.py's. Outputs appear complete or not at all:
+the export is staged and renamed by export_to_hf, the checkpoint by storage.commit.
+"""
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import megalite  # noqa: E402
+from megalite.checkpointing import saving  # noqa: E402
+from megalite.checkpointing.loading import SavedCheckpoint  # noqa: E402
+from megalite.checkpointing.storage import (TRACKER_FILENAME, CheckpointError,  # noqa: E402
+                                            checkpoint_dir, commit, find_checkpoint_to_load,
+                                            prepare_staging, read_metadata, save_tensor_file)
+from megalite.config import pad_vocab_size  # noqa: E402
+from megalite.errors import ConfigError, MegaliteError  # noqa: E402
+from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
+from megalite.model.config import GPTConfig  # noqa: E402
+from megalite.model.gpt import GPTModel  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EMBEDDING = "embedding.word_embeddings.weight"
+# The flags of one direction only (args attributes); each defaults to None or False.
+EXPORT_FLAGS = ("load", "iteration", "dtype", "overwrite")
+IMPORT_FLAGS = ("save", "make_vocab_size_divisible_by")
+# What a single-process run records as its layout (saving.layout_of for one rank).
+SINGLE_PROCESS_LAYOUT = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                         "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 1,
+                         "world_size": 1, "use_distributed_optimizer": False}
+
+
+# --- export: megalite -> HF ----------------------------------------------------------------
+
+def find_checkpoint(load: str, iteration: int | None) -> tuple[int, Path, dict]:
+    """(iteration, directory, metadata) of the checkpoint the tracker names, or of
+    --iteration."""
+    if iteration is not None:
+        directory = checkpoint_dir(load, iteration)
+        meta = read_metadata(directory)
+        if meta["iteration"] != iteration:
+            raise CheckpointError(f"checkpoint {directory} records iteration "
+                                  f"{meta['iteration']}, not --iteration {iteration}")
+        return iteration, directory, meta
+    if not Path(load).exists():
+        raise CheckpointError(f"--load {load} does not exist")
+    found = find_checkpoint_to_load(load)
+    if found is None:
+        raise CheckpointError(f"--load {load}: no checkpoint there (no {TRACKER_FILENAME} "
+                              f"and no iter_* directory)")
+    iteration, directory = found
+    return iteration, directory, read_metadata(directory)
+
+
+def full_state_dict(directory: Path, meta: dict) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The single-process model's config and state dict, rebuilt from the shards. The
+    vocabulary tensors keep the padded rows of the saved TP size; the config's
+    padded_vocab_size follows them. A tied model has no output_layer.weight, as in the
+    single-process model."""
+    saved = SavedCheckpoint(directory, meta)
+    state = {name: saved.param(name) for name in saved.stage_of}
+    if EMBEDDING not in state:
+        raise CheckpointError(f"checkpoint {directory} has no {EMBEDDING}")
+    try:
+        # Dropouts: an exported model is for inference; HF copies them into its config.
+        config = GPTConfig(**meta["model"], padded_vocab_size=state[EMBEDDING].shape[0],
+                           attention_dropout=0.0, hidden_dropout=0.0)
+    except TypeError as error:
+        raise CheckpointError(f"checkpoint {directory}: its metadata's model fields do not "
+                              f"match this megalite's GPTConfig ({error})") from error
+    return config, state
+
+
+def export(args) -> Path:
+    out = Path(args.export_hf)
+    if out.exists() and not args.overwrite:
+        raise ConfigError(f"--export-hf {out} already exists; pass --overwrite to replace it")
+    iteration, directory, meta = find_checkpoint(args.load, args.iteration)
+    config, state = full_state_dict(directory, meta)
+    export_to_hf(config, state, out, dtype=DTYPES[args.dtype] if args.dtype else None,
+                 overwrite=args.overwrite)
+    print(f"exported iteration {iteration} of {args.load} ({directory}, saved at layout "
+          f"{_layout_text(meta['layout'])}) to {out}")
+    return out
+
+
+def _layout_text(layout: dict) -> str:
+    return (f"TP {layout['tensor_model_parallel_size']} PP "
+            f"{layout['pipeline_model_parallel_size']} DP {layout['data_parallel_size']}")
+
+
+# --- import: HF -> megalite ----------------------------------------------------------------
+
+def saved_partition_dims(config: GPTConfig) -> dict[str, int | None]:
+    """Every saved parameter's name -> its tensor-parallel split dim (None: replicated),
+    as the single-process model marks them for saving.py. Which parameters split, and
+    along which dim, depends on the modules and not on their widths, so the model is
+    built 2 wide: a full-size one would allocate and initialise every weight just to be
+    asked this."""
+    narrow = dataclasses.replace(config, hidden_size=2, ffn_hidden_size=2, kv_channels=2,
+                                 padded_vocab_size=2, vocab_size=None, seq_length=2,
+                                 max_position_embeddings=2, rotary_percent=1.0)
+    params = saving.saved_params(nn.ModuleList([GPTModel(narrow, seed=0)]))
+    return {name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            for name, p in params.items()}
+
+
+def save_single_process_checkpoint(save: str, config: GPTConfig,
+                                   state: dict[str, torch.Tensor], source: str) -> Path:
+    """Iteration 0 of a one-process run, model only: the files and metadata
+    saving.save_checkpoint writes, which loading.load_checkpoint reshards to any layout."""
+    dims = saved_partition_dims(config)
+    names = set(dims)
+    if set(state) != names:
+        raise ConfigError(f"the imported weights do not match the megalite model: missing "
+                          f"{sorted(names - set(state))}, unexpected "
+                          f"{sorted(set(state) - names)}")
+    staging = prepare_staging(save, 0)
+    save_tensor_file({"params": state,
+                      "partition_dims": {n: d for n, d in dims.items() if d is not None}},
+                     staging / saving.model_file(0, 0))
+    layout = SINGLE_PROCESS_LAYOUT
+    metadata = {"format_version": saving.FORMAT_VERSION,
+                "megalite_version": megalite.__version__, "torch_version": torch.__version__,
+                "layout": layout, "model": saving.model_fields(config),
+                "has_optimizer": False, "has_rng": False, "consumed_train_samples": 0,
+                "consumed_valid_samples": 0, "scheduler": {"num_steps": 0},
+                "grad_scaler": None,
+                "config": {"converted_from_hf": source}}
+    return commit(save, 0, metadata,
+                  saving.expected_files(layout, save_optim=False, save_rng=False))
+
+
+def _check_empty(save: str):
+    """A new checkpoint at iteration 0 in a directory with others would move its tracker
+    back to 0 under a run that resumes from it."""
+    path = Path(save)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--save {path} is not a directory")
+    if not path.exists():
+        return
+    # Staging dirs are leftovers of an interrupted save; prepare_staging replaces them.
+    entries = sorted(p.name for p in path.iterdir() if not p.name.endswith(".tmp"))
+    if entries:
+        raise ConfigError(f"--save {path} is not empty (holds {entries[:5]}); the imported "
+                          f"checkpoint needs a directory of its own")
+
+
+def load_flags(config: GPTConfig) -> list[str]:
+    """The pretrain_gpt.py model flags whose config loads this checkpoint (the fields
+    storage.MODEL_FIELDS compares, plus norm_epsilon, which it does not)."""
+    c = config
+    flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size,
+             "--ffn-hidden-size", c.ffn_hidden_size, "--num-attention-heads",
+             c.num_attention_heads]
+    if c.num_query_groups != c.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", c.num_query_groups]
+    if c.kv_channels * c.num_attention_heads != c.hidden_size:
+        flags += ["--kv-channels", c.kv_channels]
+    flags += ["--max-position-embeddings", c.max_position_embeddings,
+              "--position-embedding-type", c.position_embedding_type]
+    if c.position_embedding_type == "rope":
+        flags += ["--rotary-base", c.rotary_base, "--rotary-percent", c.rotary_percent]
+    flags += ["--normalization", c.normalization, "--norm-epsilon", c.norm_epsilon]
+    flags += ["--swiglu"] * c.swiglu + ["--disable-bias-linear"] * (not c.add_bias_linear)
+    flags += ["--untie-embeddings-and-output-weights"] * c.untie_embeddings_and_output_weights
+    return [str(f) for f in flags]
+
+
+def import_(args) -> Path:
+    if not Path(args.import_hf).is_dir():
+        raise ConfigError(f"--import-hf {args.import_hf} is not a directory (save a hub "
+                          f"model locally first, e.g. with save_pretrained)")
+    _check_empty(args.save)
+    try:
+        fields, state = import_from_hf(args.import_hf)
+    except (OSError, ValueError) as error:  # no config.json or weights, or unreadable ones
+        raise ConfigError(f"--import-hf {args.import_hf}: cannot load a HF model there: "
+                          f"{error}") from error
+    padded = pad_vocab_size(fields["vocab_size"], args.make_vocab_size_divisible_by, 1)
+    config = GPTConfig(**fields, padded_vocab_size=padded)
+    state = {name: t.contiguous() for name, t in pad_vocab(state, padded).items()}
+    final = save_single_process_checkpoint(args.save, config, state, str(args.import_hf))
+    print(f"imported {args.import_hf} as {final}; train from it with a tokenizer of "
+          f"{config.vocab_size} tokens (or --vocab-size {config.vocab_size}) and\n"
+          f"  python pretrain_gpt.py --load {shlex.quote(args.save)} --finetune "
+          f"{' '.join(load_flags(config))}")
+    return final
+
+
+# --- command line --------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    g = parser.add_argument_group("export a megalite checkpoint to HF")
+    g.add_argument("--load", metavar="DIR",
+                   help="megalite save directory (as pretrain_gpt.py --save)")
+    g.add_argument("--iteration", type=int, default=None, metavar="N",
+                   help="checkpoint iteration to export (default: the one the tracker names)")
+    g.add_argument("--export-hf", metavar="DIR", help="output directory for the HF model")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype of the exported weights (default: as saved)")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --export-hf")
+    g = parser.add_argument_group("import a HF model as a megalite checkpoint")
+    g.add_argument("--import-hf", metavar="DIR", help="HF model directory (GPT-2 or Llama)")
+    g.add_argument("--save", metavar="DIR", help="new megalite save directory (empty or absent)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="pad the vocabulary to a multiple of this (default 128; "
+                        "pretrain_gpt.py repads to its own TP size on load)")
+    args = parser.parse_args(argv)
+    _check_flags(parser, args)
+    if args.make_vocab_size_divisible_by is None:
+        args.make_vocab_size_divisible_by = 128
+    return args
+
+
+def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """Exactly one direction, with its own flags only (parser.error exits with 2)."""
+    exporting = args.export_hf is not None
+    if exporting == (args.import_hf is not None):
+        parser.error("pass exactly one of --export-hf (with --load) and --import-hf "
+                     "(with --save)")
+    if exporting and args.load is None:
+        parser.error("--export-hf needs --load (the megalite save directory)")
+    if not exporting and args.save is None:
+        parser.error("--import-hf needs --save (the megalite save directory to write)")
+    wrong = [_flag(name) for name in (IMPORT_FLAGS if exporting else EXPORT_FLAGS)
+             if getattr(args, name) not in (None, False)]
+    if wrong:
+        parser.error(f"not used with {'--export-hf' if exporting else '--import-hf'}: "
+                     f"{', '.join(wrong)}")
+    if args.iteration is not None and args.iteration < 0:
+        parser.error(f"--iteration must be >= 0, got {args.iteration}")
+    if args.make_vocab_size_divisible_by is not None and args.make_vocab_size_divisible_by <= 0:
+        parser.error(f"--make-vocab-size-divisible-by must be positive, got "
+                     f"{args.make_vocab_size_divisible_by}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.export_hf is not None:
+            export(args)
+        else:
+            import_(args)
+    except (MegaliteError, ImportError) as e:  # ImportError: transformers is not installed
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
