@@ -51,13 +51,30 @@ def initialize_distributed(config: DistributedConfig) -> tuple[int, int, torch.d
         device = torch.device(accelerator_type(), int(os.environ.get("LOCAL_RANK", "0")))
         torch.accelerator.set_device_index(device.index)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=config.timeout_minutes)
         # Without torchrun's environment, a one-rank group on a free loopback port.
-        single = {} if "RANK" in os.environ else dict(
-            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(minutes=config.timeout_minutes),
-            device_id=device if backend == "nccl" else None, **single)
+        where = _restarted_store(timeout) or ({} if "RANK" in os.environ else dict(
+            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1))
+        dist.init_process_group(backend, timeout=timeout,
+                                device_id=device if backend == "nccl" else None, **where)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _restarted_store(timeout: datetime.timedelta) -> dict | None:
+    """After a torchrun --max-restarts restart, the store of the previous round, with
+    this round's keys under their own prefix. The store outlives the round, and without
+    the prefix a new worker reads the address a dead worker published and fails to
+    connect (gloo "connectFullMesh failed ... Connection refused")."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        return None
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=not agent_hosts_store and rank == 0,
+                          timeout=timeout)
+    return dict(store=dist.PrefixStore(f"megalite/restart_{restart}", store), rank=rank,
+                world_size=world_size)
 
 
 def set_seed(seed: int):

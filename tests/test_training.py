@@ -164,4 +164,6 @@ def test_nan_loss_is_a_named_error(capsys):
     code, _, err, _ = run(capsys, *flags_with(train_iters=30), "--lr", "1e9",
                           "--clip-grad", "0", "--eval-iters", "0", "--weight-decay", "0")
     assert code == 1
-    assert re.search(r"iteration \d+: lm loss is (nan|inf)", err)
+    # Stopped before the optimizer step, naming the iteration and the rank.
+    assert re.search(r"iteration \d+: (lm loss|a gradient) is NaN or infinite on rank\(s\) "
+                     r"\[0\]; stopped before the optimizer step", err)

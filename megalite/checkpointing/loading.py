@@ -108,7 +108,10 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     iteration and consumed samples to continue from, or None when `load` holds no
     checkpoint at all (a fresh start)."""
     found = find_checkpoint_to_load(load)
+    ckpt = config.checkpoint
     if found is None:
+        if ckpt.finetune:
+            raise CheckpointError(f"--finetune: no checkpoint in --load {load}")
         return None
     iteration, directory = found
     meta = read_metadata(directory)
@@ -118,10 +121,13 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
         for name, param in chunks.named_parameters():
             name = canonical_name(name, param)
             param.copy_(local_shard(saved.param(name), param, name, state.tp_rank, state.tp_size))
-    ckpt = config.checkpoint
     if hasattr(optimizer, "reload_main_params"):
         optimizer.reload_main_params()
     load_optim = ckpt.load_optim and not ckpt.finetune and meta["has_optimizer"]
+    if ckpt.load_optim and not ckpt.finetune and not meta["has_optimizer"] and \
+            dist.get_rank() == 0:
+        print(f" > {directory} holds no optimizer state (saved with --no-save-optim): "
+              "Adam starts afresh", flush=True)
     if load_optim:
         _load_optimizer(saved, optimizer, chunks, state)
         if optimizer.grad_scaler is not None and meta["grad_scaler"] is not None:
@@ -156,6 +162,8 @@ def _load_optimizer(saved: SavedCheckpoint, optimizer, chunks: nn.ModuleList,
         main.copy_(values["main"])
         optimizer.adam.state[key] = {"step": step.clone(), **{
             k: values[k].clone().view_as(key).to(key.dtype) for k in MOMENTS}}
+
+
 def _set_rng_state(state: dict, rng_tracker):
     version, words, gauss = state["python"]
     random.setstate((version, tuple(words), gauss))

@@ -1,0 +1,200 @@
+"""Checkpoints under torchrun: exact resume at TP 2 x PP 2 (v=2) x DP 2 with ZeRO-1,
+loading at other layouts, a signal on one rank, a killed rank restarted by torchrun, and a
+NaN on one rank named in the error."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_load
+from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.errors import NumericalError
+from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.train_step import StepRunner
+
+from tests.distributed.launcher import run_distributed
+from tests.test_checkpointing import assert_identical, checkpoint_tensors, scalars
+from tests.test_training import LOG_LINE
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "4", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
+         "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1",
+         "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
+         "--distributed-backend", "gloo"]
+LAYOUT_3D = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+             "1", "--use-distributed-optimizer"]
+DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+def torchrun(nproc, *flags, extra=()):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", *extra,
+            "--nproc-per-node", str(nproc), "pretrain_gpt.py", *FLAGS, *flags]
+
+
+def run(nproc, *flags) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(torchrun(nproc, *flags), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def losses(stdout: str) -> dict[int, str]:
+    return {int(m["it"]): m["loss"] for m in map(LOG_LINE.match, stdout.splitlines()) if m}
+
+
+def test_3d_zero_resume_is_bit_exact(tmp_path):
+    """8 processes, dropout on: 4 steps straight against 2 + save + new processes + load
+    + 2; every loss and grad norm, and every tensor of the final checkpoint identical."""
+    common = [*LAYOUT_3D, *DROPOUT, "--train-iters", "4"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(8, *common, "--save", str(straight), "--tensorboard-dir", str(tmp_path / "tb1"))
+    run(8, *common, "--save", str(resumed), "--exit-interval", "2",
+        "--tensorboard-dir", str(tmp_path / "tb2"))
+    run(8, *common, "--save", str(resumed), "--load", str(resumed),
+        "--tensorboard-dir", str(tmp_path / "tb3"))
+    first, second, third = (scalars(tmp_path / d) for d in ("tb1", "tb2", "tb3"))
+    for tag in first:
+        assert first[tag] == {**second[tag], **third[tag]}, tag
+        assert sorted(third[tag]) == [3, 4]
+    assert_identical(checkpoint_tensors(straight), checkpoint_tensors(resumed))
+
+
+@pytest.fixture(scope="module")
+def saved_3d(tmp_path_factory):
+    """A TP 2 x PP 2 (v=2) x DP 2 ZeRO-1 checkpoint at iteration 2, and the loss the same
+    run logged at iteration 3."""
+    save = tmp_path_factory.mktemp("saved_3d") / "ckpt"
+    out = run(8, *LAYOUT_3D, *NO_DROPOUT, "--train-iters", "3", "--save", str(save),
+              "--save-interval", "2")
+    return save, float(losses(out)[3])
+
+
+@pytest.mark.parametrize("nproc, layout", [
+    (4, []),  # TP 1 x PP 1 x DP 4, plain optimizer
+    (8, ["--tensor-model-parallel-size", "4", "--use-distributed-optimizer"]),  # TP 4 x DP 2
+])
+def test_checkpoint_loads_at_another_layout(saved_3d, tmp_path, nproc, layout):
+    save, reference = saved_3d
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    # A copy of iteration 2 alone, so this run's own saves cannot disturb the fixture.
+    subprocess.run(["cp", "-r", str(save / "iter_0000002"), str(target)], check=True)
+    (target / TRACKER_FILENAME).write_text("2")
+    out = run(nproc, *layout, *NO_DROPOUT, "--train-iters", "3", "--load", str(target))
+    assert "not restoring RNG states" in out
+    loss = float(losses(out)[3])
+    assert abs(loss - reference) <= 2e-6 * reference, (loss, reference)
+
+
+def _worker_pids(torchrun_pid: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of torchrun's worker processes."""
+    workers = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent != torchrun_pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError):
+            continue
+        if b"LOCAL_RANK" in env:
+            workers[int(env[b"LOCAL_RANK"])] = int(pid)
+    return workers
+
+
+def _start_and_wait_for_checkpoint(save: Path, *flags, extra=()) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(torchrun(2, *flags, extra=extra), cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (save / TRACKER_FILENAME).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    return proc
+
+
+FAULT_RUN = ["--pipeline-model-parallel-size", "2", *DROPOUT, "--train-iters", "60",
+             "--eval-iters", "0", "--save-interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    save = tmp_path_factory.mktemp("uninterrupted") / "ckpt"
+    return losses(run(2, *FAULT_RUN, "--save", str(save)))[60]
+
+
+def test_signal_on_one_rank_stops_all_ranks_with_a_checkpoint(tmp_path, uninterrupted):
+    save = tmp_path / "ckpt"
+    flags = [*FAULT_RUN, "--save", str(save), "--exit-signal-handler"]
+    proc = _start_and_wait_for_checkpoint(save, *flags)
+    os.kill(_worker_pids(proc.pid)[1], signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "received signal SIGUSR1" in out
+    iteration = find_checkpoint_to_load(save)[0]
+    assert iteration < 60, "the run ended before the signal arrived"
+    resumed = run(2, *flags, "--load", str(save))
+    assert losses(resumed)[60] == uninterrupted
+
+
+def test_killed_rank_restarts_and_ends_where_the_uninterrupted_run_ends(tmp_path,
+                                                                        uninterrupted):
+    save = tmp_path / "ckpt"
+    flags = [*FAULT_RUN, "--save", str(save), "--load", str(save)]
+    proc = _start_and_wait_for_checkpoint(save, *flags, extra=("--max-restarts", "1"))
+    os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resuming from" in out, "the run ended before the kill (or never restarted)"
+    assert losses(out)[60] == uninterrupted
+
+
+CONFIG = GPTConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                   num_query_groups=4, kv_channels=8, seq_length=8, max_position_embeddings=8,
+                   padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0)
+
+
+def nan_on_rank_one(rank, world_size):
+    state = ParallelState(RankGrid(world_size), rank)
+    model = GPTModel(CONFIG, seed=1)
+    buffer = GradBuffer(list(model.parameters()), state.dp_group, 10 ** 9)
+    runner = StepRunner(torch.nn.ModuleList([model]), Optimizer(model, OptimizerConfig(lr=1e-3)),
+                        PrecisionConfig(), 1, (8, 2, 32), torch.device("cpu"), state, buffer,
+                        check_for_nan=True)
+    batch = {"tokens": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8)),
+             "loss_mask": torch.ones(2, 8)}
+    runner.train_step([batch])
+    if rank == 1:
+        with torch.no_grad():
+            model.decoder.final_layernorm.weight[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        runner.train_step([batch])
+    except NumericalError as error:
+        unchanged = all(torch.allclose(p, b, rtol=0, atol=0, equal_nan=True)
+                        for p, b in zip(model.parameters(), before))
+        return str(error), unchanged
+    return None, False
+
+
+def test_nan_on_one_rank_stops_every_rank_naming_it():
+    results = run_distributed(2, nan_on_rank_one)
+    for message, unchanged in results:
+        assert message is not None and "lm loss is NaN or infinite on rank(s) [1]" in message
+        assert unchanged  # no optimizer step was taken

@@ -1,0 +1,219 @@
+"""Checkpoints in one process, end to end through pretrain_gpt.py: exact resume (in a new
+process, with dropout), a crash in the middle of a save, retention, refused trackers,
+models and pickles, signals and the exit duration (DESIGN.md §8)."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megalite.checkpointing import saving
+from megalite.checkpointing.storage import (TRACKER_FILENAME, find_checkpoint_to_load,
+                                            load_tensor_file)
+from megalite.training import pretrain
+
+ROOT = Path(__file__).resolve().parent.parent
+FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--lr", "3e-3", "--log-interval", "1",
+         "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
+         "--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--train-iters", "6"]
+
+
+def launch(*flags, **popen):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "pretrain_gpt.py", *FLAGS, *flags], cwd=ROOT,
+                            env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **popen)
+
+
+def run_process(*flags) -> subprocess.CompletedProcess:
+    proc = launch(*flags)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def scalars(tensorboard_dir) -> dict[str, dict[int, float]]:
+    """Every step's float32 lm loss and grad norm, as TensorBoard recorded them."""
+    events = EventAccumulator(str(tensorboard_dir))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)}
+            for tag in ("lm loss", "grad-norm")}
+
+
+def checkpoint_tensors(save) -> dict[str, object]:
+    """Every value of every file of the newest checkpoint, by file and key path."""
+    _, directory = find_checkpoint_to_load(save)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}/{i}", item)
+        else:
+            flat[prefix] = value
+    for path in sorted(directory.glob("*.pt")):
+        walk(path.name, load_tensor_file(path))
+    return flat
+
+
+def assert_identical(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        if torch.is_tensor(a[key]):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_resume_in_a_new_process_is_bit_exact(tmp_path):
+    """6 steps straight against 3 steps + save + a new process + load + 3 steps, with
+    dropout: every step's loss and grad norm, every parameter, optimizer tensor and RNG
+    state at the end identical."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_process("--save", str(straight), "--tensorboard-dir", str(tmp_path / "tb1"))
+    run_process("--save", str(resumed), "--exit-interval", "3",
+                "--tensorboard-dir", str(tmp_path / "tb2"))
+    out = run_process("--save", str(resumed), "--load", str(resumed),
+                      "--tensorboard-dir", str(tmp_path / "tb3")).stdout
+    assert "resuming from" in out and "at iteration 3" in out
+    first, second, third = (scalars(tmp_path / d) for d in ("tb1", "tb2", "tb3"))
+    for tag in first:
+        assert sorted(second[tag]) == [1, 2, 3] and sorted(third[tag]) == [4, 5, 6]
+        assert first[tag] == {**second[tag], **third[tag]}, tag
+    assert_identical(checkpoint_tensors(straight), checkpoint_tensors(resumed))
+
+
+def test_crash_after_the_first_shard_leaves_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                   capsys):
+    save = tmp_path / "ckpt"
+    writes = []
+    original = saving.save_tensor_file
+
+    def crash_on_second_save(obj, path):
+        writes.append(Path(path))
+        original(obj, path)
+        if "iter_0000004" in str(path):
+            raise RuntimeError("injected crash after the first shard")
+    monkeypatch.setattr(saving, "save_tensor_file", crash_on_second_save)
+    try:
+        pretrain([*FLAGS, "--save", str(save), "--save-interval", "2"])
+    except RuntimeError as error:
+        assert "injected crash" in str(error)
+    else:
+        raise AssertionError("the injected crash did not happen")
+    assert find_checkpoint_to_load(save)[0] == 2
+    assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
+    monkeypatch.setattr(saving, "save_tensor_file", original)
+    capsys.readouterr()
+    assert pretrain([*FLAGS, "--save", str(save), "--load", str(save)]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert find_checkpoint_to_load(save)[0] == 6
+
+
+def test_retention_keeps_the_last_n(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--save", str(save), "--save-interval", "1",
+                     "--keep-last-n-checkpoints", "2", "--eval-iters", "0"]) == 0
+    assert sorted(p.name for p in save.iterdir()) == [
+        "iter_0000005", "iter_0000006", TRACKER_FILENAME]
+
+
+def test_bad_trackers_are_errors_naming_the_path(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "2", "--eval-iters", "0"]) == 0
+    tracker = save / TRACKER_FILENAME
+    for text, message in (("", "empty"), ("two", ""), ("7", "iter_0000007")):
+        tracker.write_text(text)
+        capsys.readouterr()
+        assert pretrain([*FLAGS, "--load", str(save)]) == 1
+        err = capsys.readouterr().err
+        assert str(tracker) in err or str(save) in err, err
+        assert message in err
+    tracker.write_text("2")
+    (save / "iter_0000002" / "metadata.json").unlink()
+    assert pretrain([*FLAGS, "--load", str(save)]) == 1
+    assert "iter_0000002" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "1", "--eval-iters", "0"]) == 0
+    capsys.readouterr()
+    other = [*FLAGS, "--load", str(save), "--hidden-size", "64", "--num-layers", "3"]
+    assert pretrain(other) == 1
+    err = capsys.readouterr().err
+    assert "hidden_size: checkpoint: 32, this run: 64" in err
+    assert "num_layers: checkpoint: 2, this run: 3" in err
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_malicious_pickle_is_refused_and_never_run(tmp_path, capsys):
+    save, marker = tmp_path / "ckpt", tmp_path / "pwned"
+    assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "1", "--eval-iters", "0"]) == 0
+    model_file = save / "iter_0000001" / saving.model_file(0, 0)
+    torch.save({"params": _Payload(str(marker))}, model_file)
+    capsys.readouterr()
+    assert pretrain([*FLAGS, "--load", str(save)]) == 1
+    err = capsys.readouterr().err
+    assert str(model_file) in err and "refused" in err
+    assert not marker.exists()
+
+
+def test_sigterm_saves_exits_zero_and_the_run_resumes_exactly(tmp_path):
+    long = ["--train-iters", "300", "--eval-iters", "0", "--exit-signal-handler"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_process(*long, "--save", str(straight), "--tensorboard-dir", str(tmp_path / "tb1"))
+    proc = launch(*long, "--save", str(stopped), "--tensorboard-dir", str(tmp_path / "tb2"))
+    for line in proc.stdout:
+        if "iteration        5/" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "received signal SIGTERM" in out
+    iteration = find_checkpoint_to_load(stopped)[0]
+    assert 5 <= iteration < 300
+    run_process(*long, "--save", str(stopped), "--load", str(stopped),
+                "--tensorboard-dir", str(tmp_path / "tb3"))
+    first, resumed = scalars(tmp_path / "tb1"), scalars(tmp_path / "tb3")
+    for tag in first:
+        assert resumed[tag] == {k: v for k, v in first[tag].items() if k > iteration}, tag
+    assert_identical(checkpoint_tensors(straight), checkpoint_tensors(stopped))
+
+
+def test_exit_duration_saves_and_exits_zero(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--save", str(save), "--exit-duration-in-mins", "1e-6"]) == 0
+    out = capsys.readouterr().out
+    assert "exit duration of 1e-06 minutes reached" in out
+    assert find_checkpoint_to_load(save)[0] == 1
+
+
+def test_finetune_loads_the_model_only_and_needs_a_checkpoint(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--finetune", "--load", str(save)]) == 1
+    assert f"--finetune: no checkpoint in --load {save}" in capsys.readouterr().err
+    assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "2", "--eval-iters", "0"]) == 0
+    capsys.readouterr()
+    assert pretrain([*FLAGS, "--load", str(save), "--finetune", "--train-iters", "1",
+                     "--eval-iters", "0"]) == 0
+    out = capsys.readouterr().out
+    # Iteration 0, a fresh schedule (the full --lr at step 1), the checkpoint's weights.
+    assert "resuming from" in out and "iteration        1/       1" in out
+    assert "learning rate: 3.000000E-03" in out
