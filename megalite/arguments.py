@@ -67,6 +67,13 @@ def _model(parser):
                         "auto picks the fastest available.")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="Alias of --attention-backend flash.")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="Activation recompute: whole transformer layers (full) or only the "
+                        "core attention (selective).")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="full: checkpoint groups of --recompute-num-layers layers (uniform), "
+                        "or the first --recompute-num-layers layers of each stage (block).")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
 
 
 def _parallelism(parser):

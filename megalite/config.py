@@ -295,7 +295,25 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std, attention_backend=_attention_backend(args),
         sequence_parallel=parallel.sequence_parallel, vocab_size=vocab_size,
+        **_recompute(args),
     )
+
+
+def _recompute(args) -> dict:
+    """Megatron's rules: full recompute names its method; selective takes none."""
+    granularity, method, n = (args.recompute_granularity, args.recompute_method,
+                              args.recompute_num_layers)
+    if granularity == "full" and method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method "
+                          "(uniform or block)")
+    if granularity != "full" and (method is not None or n is not None):
+        raise ConfigError(f"--recompute-method/--recompute-num-layers apply to "
+                          f"--recompute-granularity full only (got --recompute-granularity="
+                          f"{granularity})")
+    if n is not None and n <= 0:
+        raise ConfigError(f"--recompute-num-layers must be positive, got {n}")
+    return dict(recompute_granularity=granularity, recompute_method=method,
+                recompute_num_layers=n or 1)
 
 
 def _check_tensor_parallel_split(args, heads: int, groups: int, tp: int):

@@ -253,3 +253,23 @@ def test_entry_script_exits_nonzero_with_message(tmp_path):
     assert proc.returncode != 0
     assert "--bf16 and --fp16" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    (["--recompute-granularity", "selective", "--recompute-method", "uniform"],
+     "apply to --recompute-granularity full only"),
+    (["--recompute-method", "block"], "apply to --recompute-granularity full only"),
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "0"], "--recompute-num-layers must be positive"),
+])
+def test_recompute_flag_errors(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        config_of(*extra)
+
+
+def test_recompute_flags_reach_the_model_config():
+    m = config_of("--recompute-granularity", "full", "--recompute-method", "block",
+                  "--recompute-num-layers", "2").model
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == (
+        "full", "block", 2)

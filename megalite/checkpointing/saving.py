@@ -160,7 +160,8 @@ def model_fields(model_config) -> dict:
     fields = dataclasses.asdict(model_config)
     # How the model is run, not what it is: free to differ on load.
     for key in ("attention_backend", "sequence_parallel", "attention_dropout",
-                "hidden_dropout", "padded_vocab_size"):
+                "hidden_dropout", "padded_vocab_size", "recompute_granularity",
+                "recompute_method", "recompute_num_layers"):
         fields.pop(key)
     return fields
 

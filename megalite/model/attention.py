@@ -18,7 +18,7 @@ from megalite.model.config import GPTConfig
 from megalite.model.rotary import apply_rotary
 from megalite.parallel_state import group_size
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG
+from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
 
 
 class SelfAttention(nn.Module):
@@ -51,13 +51,23 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, rotary_angles[:s]), apply_rotary(k, rotary_angles[:s])
         # Backends take [batch, seq, heads, dim]; grouped K/V heads stay grouped.
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        dropout = c.attention_dropout if self.training else 0.0
+        if c.recompute_granularity == "selective" and torch.is_grad_enabled():
+            # Selective recompute (Korthikanti et al. 2022 §4.2): the core attention
+            # holds the most activation memory per flop; keep only q, k, v.
+            out = checkpoint(self._core_attention, self.rng_tracker, q, k, v)
+        else:
+            out = self._core_attention(q, k, v)
+        out = out.transpose(0, 1).reshape(s, b, -1)
+        return self.linear_proj(out)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor) -> torch.Tensor:
+        dropout = self.config.attention_dropout if self.training else 0.0
         # Attention dropout acts on this rank's heads only: its mask must differ per
         # TP rank, so it draws from the model-parallel RNG stream.
         with self._model_parallel_rng():
-            out = core_attention(q, k, v, backend=c.attention_backend, dropout_p=dropout)
-        out = out.transpose(0, 1).reshape(s, b, -1)
-        return self.linear_proj(out)
+            return core_attention(q, k, v, backend=self.config.attention_backend,
+                                  dropout_p=dropout)
 
     def _model_parallel_rng(self):
         if self.rng_tracker is None:

@@ -33,6 +33,12 @@ class GPTConfig:
     init_method_std: float = 0.02
     attention_backend: str = "sdpa"
     sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    """None, "full" (transformer layers) or "selective" (core attention only)."""
+    recompute_method: str | None = None
+    """With "full": "uniform" (groups of recompute_num_layers layers) or "block" (the
+    first recompute_num_layers layers of each model chunk)."""
+    recompute_num_layers: int = 1
 
     @property
     def query_projection_size(self) -> int:

@@ -25,7 +25,7 @@ from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_reg
                                                gather_from_sequence_parallel_region,
                                                gather_from_tensor_model_parallel_region,
                                                scatter_to_sequence_parallel_region)
-from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG
+from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
 
 
 class Embedding(nn.Module):
@@ -66,14 +66,38 @@ class Decoder(nn.Module):
     def __init__(self, config: GPTConfig, layers: range, final_norm: bool, tp_group=None,
                  rng_tracker=None):
         super().__init__()
+        self.config, self.rng_tracker = config, rng_tracker
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, rng_tracker)
                                      for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
     def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
-        for layer in self.layers.values():
-            x = layer(x, rotary_angles)
+        for group, recompute in self._layer_groups():
+            if recompute and torch.is_grad_enabled():
+                x = checkpoint(_run_layers(group), self.rng_tracker, x, rotary_angles)
+            else:
+                x = _run_layers(group)(x, rotary_angles)
         return x if self.final_layernorm is None else self.final_layernorm(x)
+
+    def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
+        """Runs of layers, each with whether to recompute it in backward (full recompute):
+        uniform keeps only the input of every group of n layers; block recomputes the
+        first n layers of this chunk whole and keeps everything of the rest."""
+        layers, c = list(self.layers.values()), self.config
+        n = c.recompute_num_layers
+        if c.recompute_granularity != "full":
+            return [(layers, False)]
+        if c.recompute_method == "uniform":
+            return [(layers[i:i + n], True) for i in range(0, len(layers), n)]
+        return [([layer], i < n) for i, layer in enumerate(layers)]
+
+
+def _run_layers(layers: list[nn.Module]):
+    def run(x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
+        for layer in layers:
+            x = layer(x, rotary_angles)
+        return x
+    return run
 
 
 class GPTModel(nn.Module):

@@ -14,6 +14,7 @@ generator, or the accelerator's through torch.get_device_module).
 import contextlib
 
 import torch
+import torch.utils.checkpoint
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -78,3 +79,31 @@ def build_rng_tracker(seed: int, tp_rank: int, device) -> RNGStatesTracker:
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank))
     return tracker
+
+
+def checkpoint(function, rng_tracker: RNGStatesTracker | None, *args):
+    """Activation recompute (Chen et al. 2016; Korthikanti et al. 2022 §4): run `function`
+    keeping only its inputs, and run it again in backward to rebuild what it would have
+    kept. Dropout must draw the same masks the second time: torch restores the default
+    generator (preserve_rng_state), and the tracker's model-parallel states are swapped
+    back to what they were before the forward for the recomputation (as Megatron's
+    CheckpointFunction does), then forward again."""
+    saved = rng_tracker.get_states() if rng_tracker is not None else None
+
+    def contexts():
+        return contextlib.nullcontext(), _tracker_states(rng_tracker, saved)
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             preserve_rng_state=True, context_fn=contexts)
+
+
+@contextlib.contextmanager
+def _tracker_states(rng_tracker: RNGStatesTracker | None, states):
+    if rng_tracker is None:
+        yield
+        return
+    current = rng_tracker.get_states()
+    rng_tracker.set_states(states)
+    try:
+        yield
+    finally:
+        rng_tracker.set_states(current)
