@@ -99,7 +99,9 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
     staging = staging_dir(save, iteration)
     if state.dp_rank == 0:
         params = saved_params(chunks)
-        save_tensor_file({"params": {n: p.detach().clone() for n, p in params.items()},
+        # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
+        # torch.save would write the whole buffer.
+        save_tensor_file({"params": {n: _cpu_copy(p) for n, p in params.items()},
                           "partition_dims": {n: p.partition_dim for n, p in params.items()
                                              if getattr(p, "tensor_model_parallel", False)}},
                          staging / model_file(state.tp_rank, state.pp_rank))
@@ -135,12 +137,16 @@ def _optimizer_shard(optimizer, names: dict[int, str]) -> dict:
         adam = optimizer.adam.state.get(key, {})
         if "step" in adam:
             step = int(adam["step"].item())
-        entry = {"range": torch.tensor([start, end]), "main": main.detach().float().clone()}
+        entry = {"range": torch.tensor([start, end]), "main": _cpu_copy(main, torch.float32)}
         for moment in MOMENTS:
             if moment in adam:
-                entry[moment] = adam[moment].detach().reshape(-1).clone()
+                entry[moment] = _cpu_copy(adam[moment].reshape(-1))
         segments[names[id(param)]] = entry
     return {"step": step, "segments": segments}
+
+
+def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return tensor.detach().to("cpu", dtype=dtype, copy=True)
 
 
 def _rng_state(rng_tracker) -> dict:
