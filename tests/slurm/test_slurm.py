@@ -178,10 +178,10 @@ def test_usr1_saves_requeues_and_resumes(slurm_conf, tmp_path):
     one iteration and saves -> the job requeues itself -> the new run resumes there."""
     overrides = dict(TINY_CPU_RUN, CHECKPOINT_DIR=str(tmp_path / "checkpoints"),
                      TRAINING_ARGS="--micro-batch-size 2 --global-batch-size 8 "
-                                   "--train-iters 100 --lr 1e-3",
+                                   "--train-iters 60 --lr 1e-3",
                      LOGGING_ARGS="--log-interval 1 --eval-interval 1000 --eval-iters 2")
     env = job_environment(slurm_conf, overrides)
     log = tmp_path / "train.out"
     info, text = signal_save_requeue_resume(env, log, signal_at=10)
 
-    assert_saved_and_resumed(info, text, train_iters=100)
+    assert_saved_and_resumed(info, text, train_iters=60)
