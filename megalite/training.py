@@ -18,7 +18,7 @@ from torch import nn
 from megalite.arguments import parse_args
 from megalite.config import Config, validate_args
 from megalite.data.datasets import build_datasets
-from megalite.data.sampler import MicroBatchSampler, collate_samples
+from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import MegaliteError, NumericalError
@@ -54,24 +54,6 @@ def print_rank_last(message: str):
 def print_rank_0(message: str):
     if dist.get_rank() == 0:
         print(message, flush=True)
-
-
-def microbatches(dataset, consumed_samples: int, config: Config, state: ParallelState,
-                 device: torch.device):
-    """This DP rank's micro-batches from `consumed_samples` on, as tensors on `device`.
-    Worker processes (--num-workers) read and collate ahead of the training loop."""
-    t = config.training
-    sampler = MicroBatchSampler(len(dataset), consumed_samples, t.micro_batch_size,
-                                state.dp_rank, state.dp_size, t.global_batch_size)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate_samples,
-        num_workers=config.data.num_workers, pin_memory=device.type != "cpu",
-        persistent_workers=config.data.num_workers > 0,
-        # Its own generator: creating an iterator draws a seed, which from the global one
-        # would shift every later dropout mask and break exact resume.
-        generator=torch.Generator().manual_seed(config.training.seed))
-    for batch in loader:
-        yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def pretrain(argv=None) -> int:
@@ -178,8 +160,12 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     valid = (microbatches(valid_ds, progress.consumed_valid_samples, config, state, device)
              if evaluating and valid_ds is not None else None)
     try:
-        train(config, state, runner, scheduler, train_ds, valid, tensorboard, device, progress,
-              save if config.checkpoint.save else None)
+        stopped = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device,
+                        progress, save if config.checkpoint.save else None)
+        if stopped:
+            # A signal or the time budget: the checkpoint is written; leave at once, within
+            # the grace period a scheduler gives before it kills the job.
+            return progress
         if valid is not None:
             # The loop may have just written this iteration's validation scalars.
             evaluated = progress.iteration % config.training.eval_interval == 0
@@ -197,8 +183,9 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
 
 def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, train_ds,
           valid, tensorboard: TensorBoardLogger, device: torch.device, progress: TrainState,
-          save=None) -> TrainState:
-    """Train from `progress` on; `save(iteration)` writes a checkpoint (None: no --save)."""
+          save=None) -> bool:
+    """Train from `progress` on (updating it); `save(iteration)` writes a checkpoint (None:
+    no --save). Returns whether a signal or --exit-duration-in-mins stopped the run."""
     t, log = config.training, config.logging
     exits = ExitConditions(config.checkpoint, device)
     saved_at = progress.iteration
@@ -240,14 +227,16 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
             saved_at = progress.iteration
         reason = exits.check()
         if reason:
+            if save and saved_at != progress.iteration:
+                save(progress.iteration)
             print_rank_0(f"exiting program after iteration {progress.iteration}: {reason}")
-            break
+            return True
         if t.exit_interval and progress.iteration % t.exit_interval == 0:
             print_rank_last(f"exiting program at iteration {progress.iteration}")
             break
     if save and saved_at != progress.iteration:
         save(progress.iteration)
-    return progress
+    return False
 
 
 def _synchronize(device: torch.device):
