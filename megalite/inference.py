@@ -1,0 +1,260 @@
+"""Autoregressive generation from a GPTModel with a key/value cache.
+
+The prompt runs through the model once (prefill, causal attention within it); each new
+token then runs alone, its query attending to the cached keys and values of every earlier
+position, so a step costs one position's worth of compute instead of the whole sequence.
+The model code is not changed for this: the cached forward here calls the model's own
+submodules (embedding, norms, QKV and output projections, rotary angles, MLP, output
+layer) in the order GPTModel.forward does, so it computes what the full forward computes.
+
+Under tensor parallelism each rank runs its shard: the column- and row-parallel layers do
+their own collectives, each rank caches only its query groups' K/V, the logits of the
+vocabulary shards are all-gathered, and the sampled token is broadcast from TP rank 0 so
+every rank feeds the same token to the next step. Pipeline parallelism is not used here:
+a checkpoint saved at any (TP, PP, DP) layout loads as one stage (`load_model_weights`).
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.checkpointing.loading import SavedCheckpoint, local_shard
+from megalite.checkpointing.saving import model_fields
+from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
+                                            find_checkpoint_to_load, read_metadata)
+from megalite.errors import ConfigError
+from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
+from megalite.model.rotary import apply_rotary
+from megalite.parallel_state import group_rank, group_size
+from megalite.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+
+# --- sampling ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits: temperature, then top-k, then top-p."""
+    greedy: bool = False
+    """Take the most likely token; the other fields are then ignored."""
+    temperature: float = 1.0
+    """Logits are divided by it: < 1 sharpens the distribution, > 1 flattens it."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Nucleus sampling (Holtzman et al. 2020): keep the smallest set of most likely
+    tokens whose probabilities sum to at least top_p (1.0: all)."""
+
+    def __post_init__(self):
+        if self.greedy:
+            return
+        if not self.temperature > 0:
+            raise ConfigError(f"--temperature must be positive, got {self.temperature} "
+                              "(use --greedy for the most likely token)")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"--top-p must be in (0, 1] (1: no nucleus), got {self.top_p}")
+
+
+GREEDY = Sampling(greedy=True)
+
+
+def sample(logits: torch.Tensor, sampling: Sampling,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [batch, vocab] (-inf for tokens that may not be drawn) -> token ids [batch]."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # A token stays if the more likely ones before it have not reached top_p yet: the
+        # most likely token always stays.
+        drop_sorted = probs.cumsum(dim=-1) - probs >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+# --- the cached forward --------------------------------------------------------------------
+
+class KVCache:
+    """Each layer's keys and values of every position run so far, preallocated as
+    [batch, max_length, this rank's K/V heads, head dim]; `length` positions are filled."""
+
+    def __init__(self, model: GPTModel, batch: int, max_length: int):
+        c = model.config
+        heads = c.num_query_groups // group_size(model.tp_group)
+        param = model.embedding.word_embeddings.weight
+        shape = (len(model.decoder.layers), batch, max_length, heads, c.kv_channels)
+        self.keys = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self.values = torch.empty_like(self.keys)
+        self.max_length, self.length = max_length, 0
+
+
+def max_positions(config: GPTConfig) -> int:
+    """Positions the model has embeddings for: its rotary angles cover --seq-length,
+    a learned table --max-position-embeddings."""
+    if config.position_embedding_type == "rope":
+        return config.seq_length
+    return config.max_position_embeddings
+
+
+def check_length(prompt_length: int, max_new_tokens: int, config: GPTConfig):
+    if prompt_length < 1:
+        raise ConfigError("the prompt is empty: generation needs at least one token to start")
+    if max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    limit = max_positions(config)
+    if prompt_length + max_new_tokens > limit:
+        flag = ("--seq-length" if config.position_embedding_type == "rope"
+                else "--max-position-embeddings")
+        raise ConfigError(f"the prompt ({prompt_length} tokens) + --max-new-tokens "
+                          f"({max_new_tokens}) = {prompt_length + max_new_tokens} tokens exceeds "
+                          f"the model's {limit} positions ({flag}); shorten the prompt or "
+                          f"lower --max-new-tokens")
+
+
+def _check_whole_model(model: GPTModel):
+    if not (model.pre_process and model.post_process):
+        raise ValueError("generation needs the whole model (pre_process and post_process), "
+                         "not one pipeline stage")
+    if model.config.sequence_parallel:
+        raise ValueError("build the model for generation with sequence_parallel=False: "
+                         "a one-token step cannot be split along the sequence")
+
+
+def _embed(model: GPTModel, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    """tokens [batch, s] at positions start.. -> [s, batch, hidden]."""
+    embedding = model.embedding
+    x = embedding.word_embeddings(tokens)
+    if embedding.position_embeddings is not None:
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        x = x + embedding.position_embeddings(positions)
+    return x.transpose(0, 1)
+
+
+def _cached_self_attention(attention, x: torch.Tensor, angles: torch.Tensor | None,
+                           keys: torch.Tensor, values: torch.Tensor,
+                           start: int) -> torch.Tensor:
+    """SelfAttention.forward for positions start.., writing their K/V into this layer's
+    cache (keys, values: [batch, max_length, K/V heads, dim]) and attending to it."""
+    qkv = attention.linear_qkv(x)
+    s, b, _ = qkv.shape
+    d = attention.config.kv_channels
+    qkv = qkv.view(s, b, attention.num_groups, attention.heads_per_group + 2, d)
+    q = qkv[:, :, :, :-2].reshape(s, b, attention.num_groups * attention.heads_per_group, d)
+    k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+    if angles is not None:
+        q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+    end = start + s
+    keys[:, start:end], values[:, start:end] = k.transpose(0, 1), v.transpose(0, 1)
+    # SDPA takes [batch, heads, seq, dim]. Query i sits at position start + i and sees
+    # keys 0..start + i: no mask for a single new token, a causal band for a prompt.
+    q = q.permute(1, 2, 0, 3)
+    k, v = keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)
+    mask = None
+    if s > 1:
+        mask = torch.ones(s, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return attention.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+def _full_vocab_logits(model: GPTModel, x: torch.Tensor) -> torch.Tensor:
+    """Final hidden states [s, batch, hidden] -> fp32 logits [batch, s, vocab] over the
+    tokenizer's whole vocabulary. The padding columns are dropped rather than set to -inf:
+    their number depends on the TP size, and so would the sampler's random draws."""
+    local = F.linear(x, model.output_weight())  # this rank's rows of the vocabulary
+    logits = gather_from_tensor_model_parallel_region(local, model.tp_group).float()
+    return logits[..., :model.config.vocab_size or logits.shape[-1]].transpose(0, 1)
+
+
+@torch.no_grad()
+def forward_with_cache(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run tokens [batch, s] at positions cache.length.. (their K/V appended to the cache)
+    and return the logits [batch, vocab] of the next token after the last one."""
+    start, s = cache.length, tokens.shape[1]
+    if start + s > cache.max_length:
+        raise ValueError(f"the KV cache holds {cache.max_length} positions; {start} are "
+                         f"filled and {s} more do not fit")
+    x = _embed(model, tokens, start)
+    angles = None if model.rotary_angles is None else model.rotary_angles[start:start + s]
+    for i, layer in enumerate(model.decoder.layers.values()):
+        x = x + _cached_self_attention(layer.self_attention, layer.input_layernorm(x), angles,
+                                       cache.keys[i], cache.values[i], start)
+        x = x + layer.mlp(layer.pre_mlp_layernorm(x))
+    cache.length = start + s
+    # Only the last position's logits are needed: no [s, vocab] matrix for the prompt.
+    return _full_vocab_logits(model, model.decoder.final_layernorm(x[-1:]))[:, 0]
+
+
+def _broadcast_from_first_tp_rank(tokens: torch.Tensor, tp_group):
+    """Every TP rank draws with the same seed and the same logits up to round-off; the
+    broadcast makes the choice identical even where round-off differs."""
+    if group_size(tp_group) > 1:
+        dist.broadcast(tokens, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+
+
+@torch.no_grad()
+def generate(model: GPTModel, prompt: torch.Tensor, max_new_tokens: int,
+             sampling: Sampling = GREEDY, eod: int | None = None, seed: int = 0) -> torch.Tensor:
+    """prompt [batch, s] token ids -> the new tokens [batch, n], n <= max_new_tokens.
+
+    Stops after max_new_tokens, or once every sequence has produced `eod`; a sequence
+    that has ended continues with `eod`. Every TP rank of the model must call this with
+    the same arguments; all get the same tokens.
+    """
+    _check_whole_model(model)
+    batch, prompt_length = prompt.shape
+    check_length(prompt_length, max_new_tokens, model.config)
+    device = model.embedding.word_embeddings.weight.device
+    prompt = prompt.to(device)
+    if max_new_tokens == 0:
+        return prompt.new_empty(batch, 0)
+    cache = KVCache(model, batch, prompt_length + max_new_tokens - 1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    logits = forward_with_cache(model, prompt, cache)
+    ended = torch.zeros(batch, dtype=torch.bool, device=device)
+    new_tokens = []
+    while True:
+        token = sample(logits, sampling, generator)
+        _broadcast_from_first_tp_rank(token, model.tp_group)
+        if eod is not None:
+            token = token.masked_fill(ended, eod)
+            ended |= token == eod
+        new_tokens.append(token)
+        if len(new_tokens) == max_new_tokens or bool(ended.all()):
+            return torch.stack(new_tokens, dim=1)
+        logits = forward_with_cache(model, token[:, None], cache)
+
+
+# --- loading -------------------------------------------------------------------------------
+
+@torch.no_grad()
+def load_model_weights(load: str | Path, model: GPTModel) -> tuple[int, Path, dict]:
+    """Load the newest checkpoint in `load` (the tracker's) into the whole model `model`,
+    whatever layout it was saved at: each parameter is reassembled from the saved shards
+    and cut for this TP rank. The model only: no optimizer or RNG state. Returns
+    (iteration, directory, metadata)."""
+    found = find_checkpoint_to_load(load)
+    if found is None:
+        raise CheckpointError(f"--load {load}: no checkpoint there")
+    iteration, directory = found
+    meta = read_metadata(directory)
+    check_model_compatible(meta["model"], model_fields(model.config), checkpoint=directory)
+    saved = SavedCheckpoint(directory, meta)
+    tp_rank, tp_size = group_rank(model.tp_group), group_size(model.tp_group)
+    # A whole model's parameter names are the single-process names the checkpoint uses
+    # (no "<chunk>." prefix, and no copy of a tied embedding on a last stage).
+    for name, param in model.named_parameters():
+        param.copy_(local_shard(saved.param(name), param, name, tp_rank, tp_size))
+    return iteration, directory, meta
