@@ -137,3 +137,17 @@ def test_causality():
     changed[0, 10] = (tokens[0, 10] + 1) % 128
     torch.testing.assert_close(model(tokens)[:, :10], model(changed)[:, :10])
     assert not torch.allclose(model(tokens)[:, 10:], model(changed)[:, 10:])
+
+
+def test_rotary_angles_stay_fp32_in_a_bf16_model():
+    """Position p's angle is p x base^(-2i/d): in bf16 (8 significant bits) positions
+    above 256 would share angles. The model keeps them in fp32 whatever its dtype."""
+    config = GPTConfig(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                       num_query_groups=2, kv_channels=8, seq_length=4096,
+                       max_position_embeddings=4096, padded_vocab_size=16,
+                       position_embedding_type="rope")
+    model = GPTModel(config, seed=0).to(torch.bfloat16)
+    angles = model.rotary_angles
+    assert angles.dtype == torch.float32
+    assert torch.equal(angles, rotary_frequencies(4096, 8, config.rotary_base))
+    assert angles[4001, 0] - angles[4000, 0] == 1.0  # distinct positions, distinct angles

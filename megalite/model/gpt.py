@@ -125,12 +125,7 @@ class GPTModel(nn.Module):
             # the word embeddings: same initial values, grads summed over the embedding group.
             self.output_layer.weight.shared_embedding = tied
             self.output_layer.weight.embedding_copy = tied  # not counted in the grad norm
-        if config.position_embedding_type == "rope":
-            rotary_dim = int(config.kv_channels * config.rotary_percent)
-            self.register_buffer("rotary_angles", rotary_frequencies(
-                config.seq_length, rotary_dim, config.rotary_base), persistent=False)
-        else:
-            self.rotary_angles = None
+        self._rotary: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
         for name, param in self.named_parameters():
             if "layernorm" in name:
@@ -140,6 +135,20 @@ class GPTModel(nn.Module):
         if tied and pre_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
         initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
+
+    @property
+    def rotary_angles(self) -> torch.Tensor | None:
+        """RoPE angles [seq_length, rotary dim] in fp32 on the parameters' device. Not a
+        buffer: .to(bfloat16) would round them, and in bf16 neighbouring positions above
+        256 get the same angle."""
+        c = self.config
+        if c.position_embedding_type != "rope":
+            return None
+        device = next(self.parameters()).device
+        if self._rotary is None or self._rotary.device != device:
+            self._rotary = rotary_frequencies(c.seq_length, int(c.kv_channels * c.rotary_percent),
+                                              c.rotary_base, device=device)
+        return self._rotary
 
     def _padded_vocab_mask(self) -> torch.Tensor | None:
         """True for this rank's output columns that are vocabulary padding. They are masked
