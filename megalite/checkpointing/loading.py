@@ -52,7 +52,7 @@ class SavedCheckpoint:
     def param(self, name: str) -> torch.Tensor:
         files, dim = self._tp_shards(name)
         shards = [f["params"][name] for f in files]
-        return torch.cat(shards, dim) if dim is not None else shards[0]
+        return torch.cat(shards, dim) if dim is not None and len(shards) > 1 else shards[0]
 
     def optimizer_tensor(self, name: str, key: str) -> torch.Tensor:
         """The full fp32 tensor `key` ("main", "exp_avg" or "exp_avg_sq") of `name`."""
@@ -60,6 +60,10 @@ class SavedCheckpoint:
         shards = []
         for t, f in enumerate(files):
             shape = f["params"][name].shape
+            whole = self._whole_segment(name, key, t, shape)
+            if whole is not None:  # the same layout: no assembly, no copy
+                shards.append(whole)
+                continue
             flat, covered = torch.zeros(shape.numel()), 0
             for d in self.dps:
                 filename = optim_file(t, self._stage(name), d)
@@ -77,7 +81,17 @@ class SavedCheckpoint:
                                       f"{name} (TP shard {t}) covers {covered} of "
                                       f"{flat.numel()} elements")
             shards.append(flat.view(shape))
-        return torch.cat(shards, dim) if dim is not None else shards[0]
+        return torch.cat(shards, dim) if dim is not None and len(shards) > 1 else shards[0]
+
+    def _whole_segment(self, name: str, key: str, tp: int, shape) -> torch.Tensor | None:
+        """`key` of TP shard `tp` when a single DP segment holds all of it (no ZeRO-1)."""
+        if len(self.dps) != 1:
+            return None
+        segment = self._file(optim_file(tp, self._stage(name), 0))["segments"].get(name)
+        if segment is None or key not in segment or \
+                segment["range"].tolist() != [0, shape.numel()]:
+            return None
+        return segment[key].view(shape)
 
     def optimizer_step(self) -> int:
         return int(self._file(optim_file(0, 0, 0))["step"])
