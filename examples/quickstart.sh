@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The quick start: install, build the embedded corpus (the Python standard library's own
 # source), train a SentencePiece tokenizer on it, preprocess it to Megatron's .bin/.idx
-# format, and pretrain a small GPT on it on this machine (CPU/gloo, or a GPU if present).
+# format, pretrain a small GPT on it on this machine (CPU/gloo, or a GPU if present), save
+# a checkpoint, and print a sample of what it writes.
 #
 #   bash examples/quickstart.sh            # everything lands in data/stdlib and runs/
 #   TRAIN_ITERS=1000 bash examples/quickstart.sh
@@ -33,4 +34,11 @@ mkdir -p "$DATA"
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
     --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 \
     --log-interval 20 --log-throughput --eval-interval 100 --eval-iters 10 \
-    --tensorboard-dir runs/quickstart
+    --tensorboard-dir runs/quickstart --save runs/quickstart/checkpoints
+
+# What the model writes: a sample from the checkpoint just saved (KV-cached decoding).
+"$PYTHON" tools/generate.py --load runs/quickstart/checkpoints \
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model" \
+    --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
+    --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
+    --prompt "def " --max-new-tokens 96 --top-k 40 --temperature 0.8 --seed 1
