@@ -23,15 +23,7 @@ PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
 TRAINING_ARGS=(--micro-batch-size 16 --global-batch-size 512 --train-iters 600000
                --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
                --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16)
-if [ -n "${DATA_PATH:-}" ]; then
-    read -r -a DATA_PREFIXES <<<"$DATA_PATH"
-    DATA_ARGS=(--data-path "${DATA_PREFIXES[@]}" --split 969,30,1
-               --tokenizer-type GPT2BPETokenizer
-               --vocab-file "${VOCAB_FILE:?set VOCAB_FILE to the GPT-2 vocab.json}"
-               --merge-file "${MERGE_FILE:?set MERGE_FILE to the GPT-2 merges.txt}")
-else
-    DATA_ARGS=(--mock-data --vocab-size 50257)
-fi
+gpt2_data_args
 common_args gpt2_350m
 launch "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${COMMON_ARGS[@]}"

@@ -42,3 +42,28 @@ common_args() {
                  --log-interval 10 --log-throughput --eval-interval 1000 --eval-iters 10
                  --tensorboard-dir "${TENSORBOARD_DIR:-runs/$name}")
 }
+
+# DATA_ARGS: the DATA_PATH prefixes split 969/30/1, or mock data with the tokenizer's
+# vocabulary when DATA_PATH is unset.
+gpt2_data_args() {  # GPT-2 BPE: VOCAB_FILE and MERGE_FILE
+    if [ -z "${DATA_PATH:-}" ]; then
+        DATA_ARGS=(--mock-data --vocab-size 50257)
+        return
+    fi
+    read -r -a DATA_PREFIXES <<<"$DATA_PATH"
+    DATA_ARGS=(--data-path "${DATA_PREFIXES[@]}" --split 969,30,1
+               --tokenizer-type GPT2BPETokenizer
+               --vocab-file "${VOCAB_FILE:?set VOCAB_FILE to the GPT-2 vocab.json}"
+               --merge-file "${MERGE_FILE:?set MERGE_FILE to the GPT-2 merges.txt}")
+}
+
+sentencepiece_data_args() {  # a 32000-piece SentencePiece model: TOKENIZER_MODEL
+    if [ -z "${DATA_PATH:-}" ]; then
+        DATA_ARGS=(--mock-data --vocab-size 32000)
+        return
+    fi
+    read -r -a DATA_PREFIXES <<<"$DATA_PATH"
+    DATA_ARGS=(--data-path "${DATA_PREFIXES[@]}" --split 969,30,1
+               --tokenizer-type SentencePieceTokenizer
+               --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL (32000 pieces)}")
+}

@@ -29,14 +29,7 @@ TRAINING_ARGS=(--micro-batch-size 8 --global-batch-size 1024 --train-iters 10500
                --lr 4e-4 --min-lr 4e-5 --lr-decay-style cosine --lr-warmup-iters 2000
                --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5
                --clip-grad 1.0 --bf16)
-if [ -n "${DATA_PATH:-}" ]; then
-    read -r -a DATA_PREFIXES <<<"$DATA_PATH"
-    DATA_ARGS=(--data-path "${DATA_PREFIXES[@]}" --split 969,30,1
-               --tokenizer-type SentencePieceTokenizer
-               --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL (32000 pieces)}")
-else
-    DATA_ARGS=(--mock-data --vocab-size 32000)
-fi
+sentencepiece_data_args
 common_args llama_1b
 launch "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${COMMON_ARGS[@]}"
