@@ -97,8 +97,8 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
         prepare_staging(save, iteration)
     dist.barrier()
     staging = staging_dir(save, iteration)
+    params = saved_params(chunks)
     if state.dp_rank == 0:
-        params = saved_params(chunks)
         # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
         # torch.save would write the whole buffer.
         save_tensor_file({"params": {n: _cpu_copy(p) for n, p in params.items()},
@@ -106,7 +106,7 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                                              if getattr(p, "tensor_model_parallel", False)}},
                          staging / model_file(state.tp_rank, state.pp_rank))
     if ckpt.save_optim and (zero or state.dp_rank == 0):
-        names = {id(p): n for n, p in saved_params(chunks).items()}
+        names = {id(p): n for n, p in params.items()}
         save_tensor_file(_optimizer_shard(optimizer, names),
                          staging / optim_file(state.tp_rank, state.pp_rank, state.dp_rank))
     save_tensor_file(_rng_state(rng_tracker), staging / rng_file(dist.get_rank()))
