@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megalite import memory_estimate as me
-from megalite.arguments import build_parser, parse_args
+from megalite.arguments import parse_args
 from megalite.config import validate_args
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid
@@ -44,9 +44,6 @@ ROPE_GQA = ["--position-embedding-type", "rope", "--group-query-attention",
             "--num-query-groups", "2"]
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", *ROPE_GQA,
          "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "192"]
-HAS_RECOMPUTE = "--recompute-granularity" in build_parser().format_help()
-needs_recompute = pytest.mark.skipif(
-    not HAS_RECOMPUTE, reason="megalite has no --recompute-granularity flag yet")
 
 
 def make_config(flags, world_size=1):
@@ -303,13 +300,11 @@ def test_activations_match_saved_tensors(name):
     check_activations(ACTIVATION_CASES[name])
 
 
-@needs_recompute
 @pytest.mark.parametrize("name", RECOMPUTE_CASES)
 def test_activations_with_recompute_match_saved_tensors(name):
     check_activations(RECOMPUTE_CASES[name])
 
 
-@needs_recompute
 def test_recompute_shrinks_activations():
     """Full recompute keeps one [s, b, h] input per group: far less than every layer's
     tensors; selective keeps a little less than none (flash attention saves little)."""
@@ -508,7 +503,7 @@ def print_comparison():
     from tests.test_memory_estimate import _tensor_parallel, _zero_over_two_ranks
     print("| case | PP rank: chunks | measured bytes | planned bytes | planned / measured |")
     print("|---|---|---:|---:|---:|")
-    cases = dict(ACTIVATION_CASES, **(RECOMPUTE_CASES if HAS_RECOMPUTE else {}))
+    cases = dict(ACTIVATION_CASES, **RECOMPUTE_CASES)
     rows = []
     for name, flags in cases.items():
         config = make_config(flags, 2 if "--pipeline-model-parallel-size" in flags else 1)
