@@ -1,0 +1,76 @@
+"""What a parameter is, for the code that shards, reduces, counts and saves it.
+
+The layers that create a parameter tag it once (`mark_*`); everything else reads the tags
+through the predicates below, never with `getattr(p, "<tag>")` of its own:
+
+- tensor parallel: split over the TP group along `partition_dim` (column- and row-parallel
+  weights, vocabulary-parallel embeddings and output layer);
+- sequence parallel: replicated over TP but fed one sequence shard per rank, so its gradient
+  is a partial sum to all-reduce over TP (norms and row-parallel biases under SP);
+- shared embedding: the word embedding and a tied output layer on a later pipeline stage,
+  whose gradients are summed over the embedding group;
+- embedding copy: that later stage's tied output layer, a copy of the word embedding: it is
+  counted once (grad norm, optimizer, checkpoint) through the embedding itself.
+
+`tp_shard` cuts a full single-process tensor into this rank's block, the one rule that model
+initialisation and checkpoint loading share.
+"""
+
+import torch
+from torch import nn
+
+# Parameters whose first dimension is the vocabulary, padded per TP size (DESIGN.md §4).
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int | None):
+    param.tensor_model_parallel = partition_dim is not None
+    param.partition_dim = partition_dim
+
+
+def mark_sequence_parallel(param: nn.Parameter, value: bool = True):
+    param.sequence_parallel = value
+
+
+def mark_shared_embedding(param: nn.Parameter, copy: bool):
+    param.shared_embedding = True
+    param.embedding_copy = copy
+
+
+def is_tensor_parallel(param: nn.Parameter) -> bool:
+    return getattr(param, "tensor_model_parallel", False)
+
+
+def partition_dim(param: nn.Parameter) -> int | None:
+    """The dimension split over TP, or None for a replicated parameter."""
+    return getattr(param, "partition_dim", None) if is_tensor_parallel(param) else None
+
+
+def is_sequence_parallel(param: nn.Parameter) -> bool:
+    return getattr(param, "sequence_parallel", False)
+
+
+def is_shared_embedding(param: nn.Parameter) -> bool:
+    return getattr(param, "shared_embedding", False)
+
+
+def is_embedding_copy(param: nn.Parameter) -> bool:
+    return getattr(param, "embedding_copy", False)
+
+
+def pad_vocab_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
+    """`full` cut or zero-padded to `rows` along the vocabulary: padding rows are zero in
+    weights and Adam moments alike, whatever padding the TP size needs."""
+    if full.shape[0] >= rows:
+        return full[:rows]
+    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+
+
+def tp_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int,
+             tp_size: int) -> torch.Tensor:
+    """This TP rank's block of `full`, the single-process tensor of parameter `name`
+    (vocabulary rows padded to this layout's padded vocabulary first)."""
+    if name.endswith(VOCAB_PARAMS):
+        full = pad_vocab_rows(full, param.shape[0] * (tp_size if is_tensor_parallel(param) else 1))
+    dim = partition_dim(param)
+    return full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
