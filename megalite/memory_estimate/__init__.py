@@ -9,7 +9,7 @@ gradient buffer, optimizer state and fp32 main grads (weights.py), and activatio
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.memory_estimate.activations import (DEVICES, Device, activation_bytes,  # noqa: F401
+from megalite.memory_estimate.activations import (DEVICES, activation_bytes,  # noqa: F401
                                                   microbatches_in_flight, rank_chunks)
 from megalite.memory_estimate.weights import (num_model_parameters, rank_parameters,  # noqa: F401
                                               shard_numel, weights_and_optimizer)
