@@ -4,7 +4,7 @@ exactly; without it, their bf16 sum, rounded after every addition as autograd do
 
 import torch
 
-from megalite.distributed.grad_buffer import GradBuffer
+from megalite.distributed.grad_buffer import GradBuffer, bucket_layout, padded_size
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 
@@ -77,3 +77,14 @@ def test_bf16_accumulation_rounds_after_every_microbatch():
         rounded += int(not torch.equal(grad.float(), exact))
     # So the fp32 buffer is not a no-op: most gradients lose digits in bf16.
     assert rounded > len(buffered) // 2
+
+
+def test_bucket_layout_cuts_runs_of_one_dtype_and_isolates_shared_embeddings():
+    """Worked by hand, bucket size 8: 3 + 5 fill a bucket, a dtype change or overflow
+    starts the next, a 9-element tensor sits alone, the shared embedding comes last."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    numels = [4, 3, 5, 2, 9, 1, 6]
+    dtypes = [f32, f32, f32, bf16, bf16, bf16, f32]
+    shared = [True] + [False] * 6
+    assert bucket_layout(numels, dtypes, shared, 8) == [[1, 2], [3], [4], [5], [6], [0]]
+    assert [padded_size(n, 4) for n in (7, 8, 9)] == [8, 8, 12]

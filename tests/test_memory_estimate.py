@@ -1,9 +1,9 @@
-"""The memory planner (megalite/memory_estimate.py, tools/estimate_memory.py) against
+"""The memory planner (megalite/memory_estimate/, tools/estimate_memory.py) against
 independent references: the ZeRO paper's worked example, Megatron's count of micro-batches
-in flight, the parameters of the real model, and bytes counted on the tensors of small
-CPU runs: after one real training step for the parameters, gradients and optimizer state
-(issue 8: within 10%), and the tensors autograd saves for one micro-batch's backward for
-the activations (within 25%). The activation model is the planner's CPU one (CPU kernels
+in flight, the parameters and gradient buckets of the real model, and bytes counted on
+the tensors of small CPU runs: after one real training step for the parameters, gradients
+and optimizer state (issue 8: within 10%), and the tensors autograd saves for one
+micro-batch's backward for the activations (within 25%). The activation model is the planner's CPU one (CPU kernels
 save a few things differently from CUDA ones: see `DEVICES` in the planner).
 
 Flash-style SDPA on the CPU falls back to the math kernel (which keeps the s x s
@@ -24,8 +24,11 @@ import torch
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.config import validate_args
+from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.pipeline_parallel.stages import rank_stages
+from megalite.tensor_parallel.params import is_embedding_copy, is_shared_embedding, partition_dim
 from megalite.train_step import StepRunner, autocast
 from megalite.training import build_model, build_optimizer
 
@@ -81,8 +84,9 @@ def test_zero_paper_worked_example():
     keeps 2 bytes of parameters, 2 of gradients and 12 of fp32 main parameters and Adam
     moments per parameter; --use-distributed-optimizer is P_os. The planner's parameters
     + gradients + optimizer state must give the first two figures; megalite has no P_os+g
-    or P_os+g+p, whose figures follow from the same Ψ. The fp32 gradient copies of the
-    optimizer step (4 bytes per owned parameter) are outside the paper's count.
+    or P_os+g+p, whose figures follow from the planner's baseline components sharded as
+    the paper shards them. The fp32 gradient copies of the optimizer step (4 bytes per
+    owned parameter) are outside the paper's count.
     """
     flags = ["--num-layers", "36", "--hidden-size", "4096", "--num-attention-heads", "32",
              "--seq-length", "2048", "--max-position-embeddings", "2048", "--mock-data",
@@ -90,18 +94,18 @@ def test_zero_paper_worked_example():
              "--train-iters", "1", "--lr", "1e-4", "--bf16"]
     h = 4096
     psi = 36 * (12 * h * h + 13 * h) + 2 * h + (59008 + 2048) * h
-    assert psi == 7_499_767_808
     baseline = validate_args(parse_args(flags), 64)
     zero1 = validate_args(parse_args(flags + ["--use-distributed-optimizer"]), 64)
-    assert me.num_model_parameters(baseline) == psi
+    assert me.num_model_parameters(baseline) == psi == 7_499_767_808
 
     def gb(config):
         r = me.estimate_rank_memory(config, 0)
         return (r.parameters + r.gradients + r.optimizer_state) / 1e9
     assert round(gb(baseline), 1) == 120.0
     assert round(gb(zero1), 1) == 31.4
-    assert round((2 + 14 / 64) * psi / 1e9, 1) == 16.6
-    assert round(16 / 64 * psi / 1e9, 1) == 1.9
+    r = me.estimate_rank_memory(baseline, 0)
+    assert round((r.parameters + (r.gradients + r.optimizer_state) / 64) / 1e9, 1) == 16.6
+    assert round((r.parameters + r.gradients + r.optimizer_state) / 64 / 1e9, 1) == 1.9
     assert me.estimate_rank_memory(zero1, 0).main_grads == pytest.approx(4 * psi / 64, rel=1e-6)
 
 
@@ -124,7 +128,7 @@ def test_interleaved_in_flight_on_the_first_stage_matches_megatron(p, v):
     assert me.microbatches_in_flight(p, 0, p, v) == p * v
 
 
-# Parameters: the planner's list is the model's.
+# Parameters: the planner's meta-device build is the model, and its buckets the buffer's.
 
 @pytest.mark.parametrize("flags,pp,v", [
     ([], 1, 1), (LLAMA, 1, 1), (["--untie-embeddings-and-output-weights"], 2, 1),
@@ -135,16 +139,26 @@ def test_rank_parameters_are_the_models(flags, pp, v):
     if v > 1:
         extra += ["--num-layers-per-virtual-pipeline-stage", str(4 // (pp * v))]
     config = make_config(flags + extra, pp)
+
+    def described(params):
+        return [(p.shape, is_shared_embedding(p), is_embedding_copy(p), partition_dim(p))
+                for p in params]
     for rank in range(pp):
         model = build_model_chunks(config.model, 1, rank, pp, v)
         planned = me.rank_parameters(config, rank)
-        assert [q.size for q in planned] == [p.numel() for p in model.parameters()]
-        assert [q.shared_embedding for q in planned] == [
-            getattr(p, "shared_embedding", False) for p in model.parameters()]
-        assert [q.tensor_parallel for q in planned] == [
-            getattr(p, "tensor_model_parallel", False) for p in model.parameters()]
+        assert all(q.is_meta for q in planned)
+        assert described(planned) == described(model.parameters())
     assert me.num_model_parameters(config) == sum(
         p.numel() for p in GPTModel(config.model, 1).parameters())
+
+
+def built_buckets(grad_buffer) -> list[tuple[int, int]]:
+    """(real, padded) elements of each bucket of a real gradient buffer."""
+    return [(sum(p.numel() for p in b.params), b.numel) for b in grad_buffer.buckets]
+
+
+def planned_buckets(config) -> list[tuple[int, int]]:
+    return grad_buckets(config, me.rank_parameters(config, 0))
 
 
 # Parameters, gradients and optimizer state after one real training step.
@@ -206,6 +220,7 @@ def assert_state_close(measured: dict, planned: me.RankMemory):
 def test_weights_and_optimizer_state_match_one_step(flags):
     config = make_config(flags)
     model, optimizer, grad_buffer, _ = train_one_step(config)
+    assert built_buckets(grad_buffer) == planned_buckets(config)
     assert_state_close(measured_state(model, optimizer, grad_buffer),
                        me.estimate_rank_memory(config, 0, "cpu"))
 
@@ -255,9 +270,8 @@ def measured_chunk_bytes(config, pp_rank: int, state=None) -> list[int]:
     chunks = build_model(config, groups, CPU, None)
     t = par.tensor_model_parallel_size
     seq = config.model.seq_length // (t if config.model.sequence_parallel else 1)
-    return [saved_activation_bytes(config, chunk, c * p + pp_rank == 0,
-                                   c * p + pp_rank == p * len(chunks) - 1, seq)
-            for c, chunk in enumerate(chunks)]
+    return [saved_activation_bytes(config, chunk, stage.is_first, stage.is_last, seq)
+            for stage, chunk in zip(rank_stages(pp_rank, p, len(chunks)), chunks)]
 
 
 ACTIVATION_CASES = {
@@ -361,16 +375,18 @@ def _tensor_parallel(rank, world_size) -> dict:
         model = build_model(config, state, CPU, None)
         sizes = [p.numel() for p in model.parameters()]
         out[name] = (measured_chunk_bytes(config, 0, state), planned_chunk_bytes(config, 0),
-                     sizes, [q.size for q in me.rank_parameters(config, 0)])
+                     sizes, [me.shard_numel(config, q) for q in me.rank_parameters(config, 0)])
     return out
 
 
-def _zero_over_two_ranks(rank, world_size) -> tuple[dict, me.RankMemory]:
+def _zero_over_two_ranks(rank, world_size) -> tuple[dict, me.RankMemory, bool]:
+    """Measured state, planned state, and whether the buckets are the planner's."""
     state = ParallelState(RankGrid(world_size, 1, 1), rank)
     config = make_config(["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size",
                           "30000"], world_size)
     model, optimizer, grad_buffer, _ = train_one_step(config, state)
-    return measured_state(model, optimizer, grad_buffer), me.estimate_rank_memory(config, 0)
+    return (measured_state(model, optimizer, grad_buffer), me.estimate_rank_memory(config, 0),
+            built_buckets(grad_buffer) == planned_buckets(config))
 
 
 def _pipeline_send_buffers(rank, world_size) -> tuple[int, int]:
@@ -411,11 +427,12 @@ def test_two_rank_layouts_match_measurements():
                 assert want == pytest.approx(got, rel=ACTIVATION_TOLERANCE), (name, rank)
         held, planned = result["pp"]
         assert held == planned, rank
-    measured, planned = results[0]["zero"]  # the planner reports DP rank 0
+    measured, planned, same_buckets = results[0]["zero"]  # the planner reports DP rank 0
+    assert same_buckets
     assert_state_close(measured, planned)
     # ZeRO-1 over DP 2: half the optimizer state of the same model without it.
-    assert measured["optimizer_state"] < 0.55 * 12 * sum(
-        q.size for q in me.rank_parameters(make_config(["--bf16"]), 0))
+    assert measured["optimizer_state"] < 0.55 * 12 * me.num_model_parameters(
+        make_config(["--bf16"]))
 
 
 # The tool and the example scripts.
@@ -527,7 +544,7 @@ def print_comparison():
         model, optimizer, grad_buffer, _ = train_one_step(config)
         results.append((name, measured_state(model, optimizer, grad_buffer),
                         me.estimate_rank_memory(config, 0, "cpu")))
-    measured, planned = run_distributed(2, _zero_over_two_ranks)[0]
+    measured, planned, _ = run_distributed(2, _zero_over_two_ranks)[0]
     results.append(("bf16, ZeRO-1 over DP 2 (rank 0)", measured, planned))
     for name, measured, planned in results:
         cells = [f"{planned_value:,} / {value:,}"

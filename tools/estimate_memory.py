@@ -11,7 +11,7 @@ refuse is refused here, exit status 2). The table has one row per pipeline rank:
 of parameters, gradient buffer, optimizer state (fp32 main parameters and Adam moments),
 the fp32 gradient copies the optimizer step makes, and the activations at the peak of
 the step (micro-batches in flight in parentheses), in GiB, and the total as a fraction
-of the GPU. See megalite/memory_estimate.py for what each column counts. With
+of the GPU. See docs/memory.md for what each column counts. With
 --data-path and a tokenizer, the tokenizer's files are read for the vocabulary size,
 unless --tokenizer-vocab-size gives it.
 """

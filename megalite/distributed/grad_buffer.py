@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.distributed.data_parallel import buckets
 from megalite.parallel_state import group_rank, group_size, reduce_scatter_into
+from megalite.tensor_parallel.params import is_shared_embedding
 
 
 def main_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -47,7 +47,7 @@ class Bucket:
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
-        self.numel = -(-offset // dp) * dp
+        self.numel = padded_size(offset, dp)
         self.shard_size = self.numel // dp
         self.flat = torch.zeros(self.numel, dtype=dtype, device=params[0].device)
         self.work = None
@@ -61,10 +61,25 @@ class Bucket:
         return flat[rank * self.shard_size:(rank + 1) * self.shard_size]
 
 
-def _bucket_params(params: list[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:
-    shared = [p for p in params if getattr(p, "shared_embedding", False)]
-    rest = [p for p in params if not getattr(p, "shared_embedding", False)]
-    return buckets(rest, bucket_size) + [[p] for p in shared]
+def bucket_layout(numels: list[int], dtypes: list[torch.dtype], shared: list[bool],
+                  bucket_size: int) -> list[list[int]]:
+    """The parameters (indices) of each bucket, from sizes alone, so the memory planner
+    lays buckets out as this buffer does without allocating: consecutive runs of one dtype
+    of at most `bucket_size` elements (a larger parameter alone), then each shared
+    embedding alone."""
+    out, size = [], 0
+    for i in (i for i in range(len(numels)) if not shared[i]):
+        if not out or dtypes[i] != dtypes[out[-1][0]] or size + numels[i] > bucket_size:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += numels[i]
+    return out + [[i] for i in range(len(numels)) if shared[i]]
+
+
+def padded_size(numel: int, dp: int) -> int:
+    """A bucket's length: its elements rounded up to a multiple of the DP size."""
+    return -(-numel // dp) * dp
 
 
 class GradBuffer:
@@ -75,8 +90,10 @@ class GradBuffer:
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.overlap = overlap
         self.launched_during_backward = 0
-        self.buckets = [Bucket(b, grad_dtype or b[0].dtype, self.dp)
-                        for b in _bucket_params(params, bucket_size)]
+        layout = bucket_layout([p.numel() for p in params], [p.dtype for p in params],
+                               [is_shared_embedding(p) for p in params], bucket_size)
+        self.buckets = [Bucket([params[i] for i in b], grad_dtype or params[b[0]].dtype,
+                               self.dp) for b in layout]
         self._where = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):

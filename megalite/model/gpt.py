@@ -80,16 +80,22 @@ class Decoder(nn.Module):
         return x if self.final_layernorm is None else self.final_layernorm(x)
 
     def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
-        """Runs of layers, each with whether to recompute it in backward (full recompute):
-        uniform keeps only the input of every group of n layers; block recomputes the
-        first n layers of this chunk whole and keeps everything of the rest."""
-        layers, c = list(self.layers.values()), self.config
-        n = c.recompute_num_layers
-        if c.recompute_granularity != "full":
-            return [(layers, False)]
-        if c.recompute_method == "uniform":
-            return [(layers[i:i + n], True) for i in range(0, len(layers), n)]
-        return [([layer], i < n) for i, layer in enumerate(layers)]
+        layers = list(self.layers.values())
+        return [(layers[run.start:run.stop], recompute)
+                for run, recompute in recompute_groups(self.config, len(layers))]
+
+
+def recompute_groups(config: GPTConfig, num_layers: int) -> list[tuple[range, bool]]:
+    """A chunk's runs of layers, each with whether to recompute it in backward (full
+    recompute): uniform keeps only the input of every group of n layers; block recomputes
+    the first n layers of this chunk whole and keeps everything of the rest. The memory
+    planner counts the same runs."""
+    n = config.recompute_num_layers
+    if config.recompute_granularity != "full":
+        return [(range(num_layers), False)]
+    if config.recompute_method == "uniform":
+        return [(range(i, min(i + n, num_layers)), True) for i in range(0, num_layers, n)]
+    return [(range(i, i + 1), i < n) for i in range(num_layers)]
 
 
 def _run_layers(layers: list[nn.Module]):
@@ -134,7 +140,8 @@ class GPTModel(nn.Module):
                 param.sequence_parallel = config.sequence_parallel
         if tied and pre_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
-        initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
+        if not next(self.parameters()).is_meta:  # the memory planner's build: shapes only
+            initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
 
     @property
     def rotary_angles(self) -> torch.Tensor | None:
@@ -157,8 +164,8 @@ class GPTModel(nn.Module):
         c = self.config
         shard = c.padded_vocab_size // group_size(self.tp_group)
         first = group_rank(self.tp_group) * shard
-        mask = torch.arange(first, first + shard) >= (c.vocab_size or c.padded_vocab_size)
-        return mask if mask.any() else None
+        real = c.vocab_size or c.padded_vocab_size
+        return torch.arange(first, first + shard) >= real if first + shard > real else None
 
     def output_weight(self) -> torch.Tensor:
         if self.output_layer is None:

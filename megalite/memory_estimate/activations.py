@@ -1,0 +1,278 @@
+"""Activations of one pipeline rank: what megalite's modules save for backward per
+micro-batch, walked through the rank's schedule. docs/memory.md derives each count (s
+sequence, b micro-batch, h hidden, t TP, f MLP width, q/k query/KV projection widths).
+The recompute groups are the model's own (`model.gpt.recompute_groups`), the stages
+`pipeline_parallel.stages`, the schedule the action list the executor runs."""
+
+from dataclasses import dataclass
+
+from megalite.config import Config
+from megalite.memory_estimate.weights import param_bytes_per_element
+from megalite.model.gpt import recompute_groups
+from megalite.pipeline_parallel.schedules import FORWARD, build_schedule
+from megalite.pipeline_parallel.stages import rank_stages
+
+
+@dataclass(frozen=True)
+class Device:
+    """How one device type's kernels store what backward needs."""
+    name: str
+    dropout_mask_is_bool: bool
+    """CUDA's fused dropout keeps a bool mask; the CPU keeps the scaled noise tensor."""
+    autocast_fp32_norm_softmax: bool
+    """CUDA autocast runs layer_norm and softmax in fp32 (CPU autocast does not)."""
+    attention_output_copied: bool
+    """The flash/SDPA output is [b, s, heads, d] contiguous, so turning it into the
+    [s, b, heads*d] input of the output projection copies it."""
+
+
+DEVICES = {"cuda": Device("cuda", True, True, True),
+           "cpu": Device("cpu", False, False, False)}
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    s: int
+    b: int
+    h: int
+    seq: int
+    """Rows of the residual stream on this rank: s / TP under SP, else s."""
+    sp: bool
+    a: int
+    """Bytes per activation element (the parameters' dtype)."""
+    mixed: bool
+    q: int
+    kv: int
+    heads: int
+    f: int
+    vocab: int
+    """Padded vocabulary / TP."""
+    tp: int
+    device: Device
+
+    def mask(self, dropout: float) -> int:
+        """Bytes per element of a dropout mask (0 without dropout)."""
+        if dropout <= 0.0:
+            return 0
+        return 1 if self.device.dropout_mask_is_bool else self.a
+
+
+def _shapes(config: Config, device: Device) -> _Shapes:
+    m, par = config.model, config.parallel
+    t, s, a = par.tensor_model_parallel_size, m.seq_length, param_bytes_per_element(config)
+    return _Shapes(s=s, b=config.training.micro_batch_size, h=m.hidden_size,
+                   seq=s // t if m.sequence_parallel else s, sp=m.sequence_parallel,
+                   a=a, mixed=a == 2, q=m.query_projection_size // t,
+                   kv=m.kv_projection_size // t, heads=m.num_attention_heads // t,
+                   f=m.ffn_hidden_size // t, vocab=m.padded_vocab_size // t, tp=t,
+                   device=device)
+
+
+# One transformer layer, the embedding, the loss (docs/memory.md, "What one layer saves").
+
+def norm_saved_bytes(config: Config, x: _Shapes) -> int:
+    """LayerNorm: its input and mean/rstd; RMSNorm (in fp32): the fp32 input, normalised
+    values and rsqrt, plus an fp32 copy of its weight."""
+    rows = x.seq * x.b
+    if config.model.normalization == "RMSNorm":
+        weight = 4 * x.h if x.a != 4 else 0
+        return 4 * rows * x.h * 2 + 4 * rows + weight
+    e = 4 if (x.mixed and x.device.autocast_fp32_norm_softmax) else x.a
+    return e * rows * x.h + 2 * e * rows
+
+
+def norm_output_bytes(config: Config, x: _Shapes, consumers: int, contiguous: bool) -> int:
+    """The input the column-parallel linears reading one norm's output save: one gathered
+    [s, b, h] each under SP, else one shared tensor or one copy per linear."""
+    full = x.a * x.s * x.b * x.h
+    if x.sp:
+        return consumers * full
+    layer_norm = config.model.normalization == "LayerNorm"
+    cast_per_linear = layer_norm and x.mixed and x.device.autocast_fp32_norm_softmax
+    shared = (layer_norm or contiguous) and not cast_per_linear
+    return full if shared else consumers * full
+
+
+def qkv_saved_bytes(config: Config, x: _Shapes, kernel_keeps_qkv: bool = True) -> int:
+    """Q, K and V as the attention keeps them (the fused QKV output, rotated or GQA
+    copies), and RoPE's cos/sin tables."""
+    m = config.model
+    sb = x.s * x.b
+    rope = m.position_embedding_type == "rope"
+    q_is_copy = rope or m.num_attention_heads != m.num_query_groups
+    fused = x.a * sb * (x.q + 2 * x.kv)
+    # cos and sin of the fp32 angles, for Q and for K: four [s, rotary dim] fp32 tables.
+    tables = 4 * 4 * x.s * int(m.kv_channels * m.rotary_percent) if rope else 0
+    if kernel_keeps_qkv:
+        copies = x.a * sb * (x.q + x.kv if rope else x.q if q_is_copy else 0)
+        return fused + copies + tables
+    if x.mixed:
+        return tables
+    return tables + (x.a * sb * x.q if q_is_copy else fused)
+
+
+def core_attention_bytes(config: Config, x: _Shapes) -> int:
+    """What the attention kernel saves beyond Q, K and V: what selective recompute drops."""
+    if config.model.attention_backend != "unfused":
+        out = x.a * x.s * x.b * x.q if x.device.attention_output_copied else 0
+        return 4 * x.b * x.heads * x.s + out  # + the fp32 log-sum-exp
+    return _unfused_attention_bytes(config, x)
+
+
+def _unfused_attention_bytes(config: Config, x: _Shapes) -> int:
+    """attention_backends._unfused: repeated K and V, Q's cast, the mask, the s x s
+    probabilities, dropout's mask and output, the probabilities cast for the matmul."""
+    p = config.model.attention_dropout
+    bsq, probs = x.b * x.s * x.q, x.b * x.heads * x.s * x.s
+    softmax = 4 if (not x.mixed or x.device.autocast_fp32_norm_softmax) else x.a
+    total = 2 * x.a * bsq + x.s * x.s + softmax * probs  # K and V repeated, mask, softmax
+    if x.mixed:
+        total += x.a * bsq  # Q cast back to bf16/fp16 for the matmul
+    if p > 0:
+        total += (1 if x.device.dropout_mask_is_bool else softmax) * probs
+        total += softmax * probs  # dropout output, read by the second matmul
+    if softmax != x.a:
+        total += x.a * probs  # probs.to(v.dtype)
+    return total
+
+
+def attention_saved_bytes(config: Config, x: _Shapes, selective: bool) -> int:
+    """Self-attention after its norm: QKV, the kernel's state, the output projection's
+    input [s, b, q] and the residual dropout's mask."""
+    kernel_keeps_qkv = selective or config.model.attention_backend != "unfused"
+    total = qkv_saved_bytes(config, x, kernel_keeps_qkv) + x.a * x.s * x.b * x.q
+    if not selective:
+        total += core_attention_bytes(config, x)
+    return total + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h
+
+
+def mlp_saved_bytes(config: Config, x: _Shapes) -> int:
+    """GeLU: fc1's output and the GeLU output; SwiGLU: gate, silu(gate), up and their
+    product; then the residual dropout's mask."""
+    tensors = 4 if config.model.swiglu else 2
+    return (tensors * x.a * x.s * x.b * x.f
+            + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h)
+
+
+def layer_saved_bytes(config: Config, x: _Shapes, contiguous: bool = True) -> int:
+    """One transformer layer, without recompute or with selective recompute.
+    `contiguous`: the residual stream is [s, b, h] in memory (SP, or a stage fed by the
+    previous one) rather than the embedding's transposed [b, s, h]."""
+    selective = config.model.recompute_granularity == "selective"
+    mlp_inputs = 2 if config.model.swiglu else 1
+    return (2 * norm_saved_bytes(config, x)
+            + norm_output_bytes(config, x, 1, contiguous)
+            + attention_saved_bytes(config, x, selective)
+            + norm_output_bytes(config, x, mlp_inputs, contiguous)
+            + mlp_saved_bytes(config, x))
+
+
+def embedding_saved_bytes(config: Config, x: _Shapes) -> int:
+    """Token ids (int64; under TP the shard-local ids and the out-of-shard mask) for the
+    embedding's backward, position ids, and the embedding dropout's mask."""
+    total = 8 * x.b * x.s + (x.b * x.s if x.tp > 1 else 0)
+    if config.model.position_embedding_type == "learned_absolute":
+        total += 8 * x.s
+    return total + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h
+
+
+def loss_saved_bytes(config: Config, x: _Shapes, contiguous: bool = True) -> int:
+    """Final norm, the output layer's input, and the vocab-parallel cross-entropy's fp32
+    softmax [s, b, V/t] with its target ids and out-of-shard mask."""
+    return (norm_saved_bytes(config, x) + norm_output_bytes(config, x, 1, contiguous)
+            + 4 * x.s * x.b * x.vocab + 8 * x.s * x.b + x.s * x.b)
+
+
+# Recompute, chunks, and the pipeline schedule.
+
+@dataclass(frozen=True)
+class ChunkActivations:
+    """One micro-batch through one model chunk."""
+    saved: int
+    """Saved for backward, plus the chunk input and output the executor holds."""
+    send_forward: int
+    """Bytes of the output sent to the next stage (held until the step ends)."""
+    send_backward: int
+    """Bytes of the input gradient sent to the previous stage (held until the step ends)."""
+    working_set: int
+    """Recomputed in backward on top of `saved` (full recompute: one group)."""
+
+
+def chunk_activations(config: Config, x: _Shapes, num_layers: int, pre: bool,
+                      post: bool) -> ChunkActivations:
+    contiguous = x.sp or not pre
+    layer = layer_saved_bytes(config, x, contiguous)
+    residual = x.a * x.seq * x.b * x.h
+    saved, working = 0, 0
+    for run, recomputed in recompute_groups(config.model, num_layers):
+        if recomputed:
+            saved += residual  # the group's input, kept by the checkpoint
+            working = max(working, len(run) * layer)
+        else:
+            saved += len(run) * layer
+    if pre:
+        saved += embedding_saved_bytes(config, x)
+    else:
+        saved += 0 if _first_layer_keeps_input(config, x) else residual  # received input
+    if post:
+        saved += loss_saved_bytes(config, x, contiguous)
+    elif not contiguous:
+        saved += residual  # the output [b, s, h] view; its contiguous copy is sent
+    return ChunkActivations(saved, 0 if post else residual, 0 if pre else residual, working)
+
+
+def _first_layer_keeps_input(config: Config, x: _Shapes) -> bool:
+    """Whether the first layer itself saves the tensor received from the previous stage
+    (a checkpointed group, a LayerNorm in the activation dtype, an fp32 RMSNorm), so that
+    holding it costs nothing more."""
+    if recompute_groups(config.model, 1)[0][1]:
+        return True
+    if config.model.normalization == "RMSNorm":
+        return x.a == 4
+    return not (x.mixed and x.device.autocast_fp32_norm_softmax)
+
+
+def rank_chunks(config: Config, pp_rank: int, device: Device) -> list[ChunkActivations]:
+    par = config.parallel
+    x = _shapes(config, device)
+    return [chunk_activations(config, x, len(stage.layers(config.model.num_layers)),
+                              stage.is_first, stage.is_last)
+            for stage in rank_stages(pp_rank, par.pipeline_model_parallel_size,
+                                     par.virtual_pipeline_model_parallel_size or 1)]
+
+
+def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int, int, int]:
+    """(one micro-batch through every chunk of this rank, the peak over the step, the p2p
+    buffers held at that peak). The peak walks this rank's schedule: a forward adds its
+    chunk's saved tensors and its send buffer, a backward first rebuilds a recomputed
+    group (working set), then frees the saved tensors and sends the input gradient,
+    whose buffer stays until the step ends."""
+    chunks = rank_chunks(config, pp_rank, device)
+    par = config.parallel
+    schedule = build_schedule(par.pipeline_model_parallel_size, pp_rank,
+                              config.training.num_microbatches, len(chunks))
+    piped = par.pipeline_model_parallel_size > 1
+    live = sent = peak = peak_sent = 0
+    for action in schedule:
+        c = chunks[action.chunk]
+        if action.kind == FORWARD:
+            live += c.saved
+            sent += c.send_forward if piped else 0
+            now = live + sent
+        else:
+            now = live + sent + c.working_set
+            live -= c.saved
+            sent += c.send_backward if piped else 0
+        if now > peak:
+            peak, peak_sent = now, sent
+    return sum(c.saved for c in chunks), peak, peak_sent
+
+
+def microbatches_in_flight(pp_size: int, pp_rank: int, num_microbatches: int,
+                           num_chunks: int = 1) -> int:
+    """Most (micro-batch, chunk) forwards whose backward has not run yet on this rank."""
+    live = peak = 0
+    for action in build_schedule(pp_size, pp_rank, num_microbatches, num_chunks):
+        live += 1 if action.kind == FORWARD else -1
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,81 @@
+"""Parameters, gradient buffer and optimizer state of one pipeline rank (docs/memory.md).
+
+Nothing here restates the model or the buffer: the parameter list is the model's own
+(`build_model_chunks` on the meta device: shapes and tags, no memory), the buckets are
+`GradBuffer`'s rule (`bucket_layout`, `padded_size`) applied to those sizes.
+"""
+
+import torch
+from torch import nn
+
+from megalite.config import Config
+from megalite.distributed.grad_buffer import bucket_layout, padded_size
+from megalite.model.gpt import build_model_chunks
+from megalite.tensor_parallel.params import (is_embedding_copy, is_shared_embedding,
+                                             is_tensor_parallel)
+
+
+def param_bytes_per_element(config: Config) -> int:
+    p = config.precision
+    return 2 if (p.bf16 or p.fp16) else 4
+
+
+def optimizer_kind(config: Config) -> tuple[bool, bool]:
+    """(fp32 main parameters, their state sharded over DP): training.build_optimizer's
+    choice, main parameters for bf16/fp16 parameters or ZeRO-1, sharded under ZeRO-1."""
+    p, zero = config.precision, config.parallel.use_distributed_optimizer
+    return zero or p.bf16 or p.fp16, zero
+
+
+def rank_parameters(config: Config, pp_rank: int) -> list[nn.Parameter]:
+    """This pipeline rank's parameters in `model.parameters()` order, built by the model's
+    own code on the meta device. Built without a TP group, so whole: `shard_numel` gives
+    one TP rank's part."""
+    par = config.parallel
+    with torch.device("meta"):
+        chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
+                                    par.virtual_pipeline_model_parallel_size or 1)
+    return list(chunks.parameters())
+
+
+def shard_numel(config: Config, param: nn.Parameter) -> int:
+    """Elements of one TP rank's shard of `param` (a whole parameter): a tensor-parallel
+    layer splits one dimension evenly, the rest (norms, row-parallel biases, learned
+    positions) is whole on every TP rank."""
+    t = config.parallel.tensor_model_parallel_size
+    return param.numel() // t if is_tensor_parallel(param) else param.numel()
+
+
+def num_model_parameters(config: Config) -> int:
+    """Distinct parameters of the whole model (a tied output layer counted once)."""
+    return sum(q.numel() for r in range(config.parallel.pipeline_model_parallel_size)
+               for q in rank_parameters(config, r) if not is_embedding_copy(q))
+
+
+def grad_buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, int]]:
+    """(real elements, padded elements) of each of this rank's gradient buckets."""
+    numels = [shard_numel(config, q) for q in params]
+    layout = bucket_layout(numels, [q.dtype for q in params],
+                           [is_shared_embedding(q) for q in params],
+                           config.parallel.ddp_bucket_size)
+    dp = config.parallel.data_parallel_size
+    return [(n, padded_size(n, dp)) for n in (sum(numels[i] for i in b) for b in layout)]
+
+
+def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
+    """Bytes of parameters, gradients, optimizer state and fp32 main grads on DP rank 0."""
+    params = rank_parameters(config, pp_rank)
+    num = sum(shard_numel(config, q) for q in params)
+    layout = grad_buckets(config, params)
+    padded = sum(n for _, n in layout)
+    pbytes = param_bytes_per_element(config)
+    gbytes = 4 if config.parallel.accumulate_allreduce_grads_in_fp32 else pbytes
+    main_params, sharded = optimizer_kind(config)
+    if not main_params:  # plain AdamW: the parameters are the main copy, two fp32 moments
+        return dict(num_parameters=num, parameters=pbytes * num, gradients=gbytes * padded,
+                    optimizer_state=8 * num, main_grads=0)
+    shards = config.parallel.data_parallel_size if sharded else 1
+    # DP rank 0 owns the first 1/shards of every bucket, all of it real parameters.
+    owned = sum(min(real, n // shards) for real, n in layout)
+    return dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,
+                optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned)
