@@ -102,7 +102,7 @@ class LayerKVCache:
 
 class KVCache:
     """Every layer's cache (`layers[i]`: layer i's) for `batch` sequences of up to
-    `max_length` positions; `length` (the next token's position) are filled."""
+    `max_length` positions; the first `length` (the next token's position) are filled."""
 
     def __init__(self, model: GPTModel, batch: int, max_length: int):
         self.layers = [LayerKVCache((batch, max_length, layer.self_attention.num_groups,
@@ -151,6 +151,8 @@ def _check_whole_model(model: GPTModel):
     if not (model.pre_process and model.post_process):
         raise ValueError("generation needs the whole model (pre_process and post_process), "
                          "not one pipeline stage")
+    if model.training:
+        raise ValueError("call model.eval() before generating: no dropout at inference")
     if model.config.sequence_parallel:
         raise ValueError("build the model for generation with sequence_parallel=False: "
                          "a one-token step cannot be split along the sequence")

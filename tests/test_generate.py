@@ -175,3 +175,10 @@ def test_prompt_too_long_is_refused(model):
 def test_bad_sampling_flags_are_refused(kw, message):
     with pytest.raises(ConfigError, match=message):
         Sampling(**kw)
+
+
+def test_model_in_training_mode_is_refused():
+    """The forward of a model in training mode draws dropout masks: generation refuses it
+    rather than sample from a perturbed model."""
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        generate(make_model("gpt2").train(), torch.tensor(PROMPT), 2, GREEDY)
