@@ -3,13 +3,12 @@
 The prompt runs through the model once (prefill, causal attention within it); each new
 token then runs alone, its query attending to the cached keys and values of every earlier
 position, so a step costs one position's worth of compute instead of the whole sequence.
-The model code is not changed for this: the cached forward here calls the model's own
-submodules (embedding, norms, QKV and output projections, rotary angles, MLP, output
-layer) in the order GPTModel.forward does, so it computes what the full forward computes.
+The model's own forward does it (GPTModel.forward with a `kv_cache`), so generation
+computes what training computes; this module keeps the cache and the sampling.
 
 Under tensor parallelism each rank runs its shard: the column- and row-parallel layers do
-their own collectives, each rank caches only its query groups' K/V, the logits of the
-vocabulary shards are all-gathered, and the sampled token is broadcast from TP rank 0 so
+their own collectives, each rank caches only its query groups' K/V, the model gathers the
+logits of the vocabulary shards, and the sampled token is broadcast from TP rank 0 so
 every rank feeds the same token to the next step. Pipeline parallelism is not used here:
 a checkpoint saved at any (TP, PP, DP) layout loads as one stage (`load_model_weights`).
 """
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megalite.checkpointing.loading import SavedCheckpoint, local_shard
 from megalite.checkpointing.saving import model_fields
@@ -29,9 +27,7 @@ from megalite.checkpointing.storage import (CheckpointError, check_model_compati
 from megalite.errors import ConfigError
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
-from megalite.model.rotary import apply_rotary
 from megalite.parallel_state import group_rank, group_size
-from megalite.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 
 # --- sampling ------------------------------------------------------------------------------
@@ -84,20 +80,48 @@ def sample(logits: torch.Tensor, sampling: Sampling,
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
-# --- the cached forward --------------------------------------------------------------------
+# --- the cache and one step ---------------------------------------------------------------
+
+class LayerKVCache:
+    """One layer's keys and values [batch, max_length, this rank's K/V heads, head dim],
+    of which `length` positions are filled."""
+
+    def __init__(self, shape: tuple[int, ...], like: torch.Tensor):
+        self.keys = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.values, self.length = torch.empty_like(self.keys), 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [batch, s, K/V heads, dim] of the next s positions -> all positions' so far."""
+        end = self.length + k.shape[1]
+        if end > self.keys.shape[1]:
+            raise ValueError(f"the KV cache holds {self.keys.shape[1]} positions, not {end}")
+        self.keys[:, self.length:end], self.values[:, self.length:end] = k, v
+        self.length = end
+        return self.keys[:, :end], self.values[:, :end]
+
 
 class KVCache:
-    """Each layer's keys and values of every position run so far, preallocated as
-    [batch, max_length, this rank's K/V heads, head dim]; `length` positions are filled."""
+    """Every layer's cache (`layers[i]`: layer i's) for `batch` sequences of up to
+    `max_length` positions; the first `length` (the next token's position) are filled."""
 
     def __init__(self, model: GPTModel, batch: int, max_length: int):
-        c = model.config
-        heads = c.num_query_groups // group_size(model.tp_group)
-        param = model.embedding.word_embeddings.weight
-        shape = (len(model.decoder.layers), batch, max_length, heads, c.kv_channels)
-        self.keys = torch.empty(shape, dtype=param.dtype, device=param.device)
-        self.values = torch.empty_like(self.keys)
-        self.max_length, self.length = max_length, 0
+        self.layers = [LayerKVCache((batch, max_length, layer.self_attention.num_groups,
+                                     model.config.kv_channels), model.output_weight())
+                       for layer in model.decoder.layers.values()]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+
+@torch.no_grad()
+def next_token_logits(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run tokens [batch, s] after the cached positions (their K/V appended to the cache)
+    and return the fp32 logits [batch, vocab] of the token after the last one, over the
+    tokenizer's vocabulary. The padding columns are dropped rather than left at -inf:
+    their number depends on the TP size, and so would the sampler's random draws."""
+    logits = model(tokens, kv_cache=cache)[:, -1].float()
+    return logits[:, :model.config.vocab_size or logits.shape[-1]]
 
 
 def max_positions(config: GPTConfig) -> int:
@@ -127,74 +151,11 @@ def _check_whole_model(model: GPTModel):
     if not (model.pre_process and model.post_process):
         raise ValueError("generation needs the whole model (pre_process and post_process), "
                          "not one pipeline stage")
+    if model.training:
+        raise ValueError("call model.eval() before generating: no dropout at inference")
     if model.config.sequence_parallel:
         raise ValueError("build the model for generation with sequence_parallel=False: "
                          "a one-token step cannot be split along the sequence")
-
-
-def _embed(model: GPTModel, tokens: torch.Tensor, start: int) -> torch.Tensor:
-    """tokens [batch, s] at positions start.. -> [s, batch, hidden]."""
-    embedding = model.embedding
-    x = embedding.word_embeddings(tokens)
-    if embedding.position_embeddings is not None:
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        x = x + embedding.position_embeddings(positions)
-    return x.transpose(0, 1)
-
-
-def _cached_self_attention(attention, x: torch.Tensor, angles: torch.Tensor | None,
-                           keys: torch.Tensor, values: torch.Tensor,
-                           start: int) -> torch.Tensor:
-    """SelfAttention.forward for positions start.., writing their K/V into this layer's
-    cache (keys, values: [batch, max_length, K/V heads, dim]) and attending to it."""
-    qkv = attention.linear_qkv(x)
-    s, b, _ = qkv.shape
-    d = attention.config.kv_channels
-    qkv = qkv.view(s, b, attention.num_groups, attention.heads_per_group + 2, d)
-    q = qkv[:, :, :, :-2].reshape(s, b, attention.num_groups * attention.heads_per_group, d)
-    k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
-    if angles is not None:
-        q, k = apply_rotary(q, angles), apply_rotary(k, angles)
-    end = start + s
-    keys[:, start:end], values[:, start:end] = k.transpose(0, 1), v.transpose(0, 1)
-    # SDPA takes [batch, heads, seq, dim]. Query i sits at position start + i and sees
-    # keys 0..start + i: no mask for a single new token, a causal band for a prompt.
-    q = q.permute(1, 2, 0, 3)
-    k, v = keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)
-    mask = None
-    if s > 1:
-        mask = torch.ones(s, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return attention.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
-
-
-def _full_vocab_logits(model: GPTModel, x: torch.Tensor) -> torch.Tensor:
-    """Final hidden states [s, batch, hidden] -> fp32 logits [batch, s, vocab] over the
-    tokenizer's whole vocabulary. The padding columns are dropped rather than set to -inf:
-    their number depends on the TP size, and so would the sampler's random draws."""
-    local = F.linear(x, model.output_weight())  # this rank's rows of the vocabulary
-    logits = gather_from_tensor_model_parallel_region(local, model.tp_group).float()
-    return logits[..., :model.config.vocab_size or logits.shape[-1]].transpose(0, 1)
-
-
-@torch.no_grad()
-def forward_with_cache(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Run tokens [batch, s] at positions cache.length.. (their K/V appended to the cache)
-    and return the logits [batch, vocab] of the next token after the last one."""
-    start, s = cache.length, tokens.shape[1]
-    if start + s > cache.max_length:
-        raise ValueError(f"the KV cache holds {cache.max_length} positions; {start} are "
-                         f"filled and {s} more do not fit")
-    x = _embed(model, tokens, start)
-    angles = None if model.rotary_angles is None else model.rotary_angles[start:start + s]
-    for i, layer in enumerate(model.decoder.layers.values()):
-        x = x + _cached_self_attention(layer.self_attention, layer.input_layernorm(x), angles,
-                                       cache.keys[i], cache.values[i], start)
-        x = x + layer.mlp(layer.pre_mlp_layernorm(x))
-    cache.length = start + s
-    # Only the last position's logits are needed: no [s, vocab] matrix for the prompt.
-    return _full_vocab_logits(model, model.decoder.final_layernorm(x[-1:]))[:, 0]
 
 
 def _broadcast_from_first_tp_rank(tokens: torch.Tensor, tp_group):
@@ -222,7 +183,7 @@ def generate(model: GPTModel, prompt: torch.Tensor, max_new_tokens: int,
         return prompt.new_empty(batch, 0)
     cache = KVCache(model, batch, prompt_length + max_new_tokens - 1)
     generator = torch.Generator(device=device).manual_seed(seed)
-    logits = forward_with_cache(model, prompt, cache)
+    logits = next_token_logits(model, prompt, cache)
     ended = torch.zeros(batch, dtype=torch.bool, device=device)
     new_tokens = []
     while True:
@@ -234,7 +195,7 @@ def generate(model: GPTModel, prompt: torch.Tensor, max_new_tokens: int,
         new_tokens.append(token)
         if len(new_tokens) == max_new_tokens or bool(ended.all()):
             return torch.stack(new_tokens, dim=1)
-        logits = forward_with_cache(model, token[:, None], cache)
+        logits = next_token_logits(model, token[:, None], cache)
 
 
 # --- loading -------------------------------------------------------------------------------

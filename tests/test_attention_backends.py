@@ -51,6 +51,23 @@ def test_backend_matches_unfused(backend, kv_heads, seq):
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "unfused"])
+@pytest.mark.parametrize("q_len", [1, 3, 7])
+def test_query_shorter_than_keys_is_the_last_rows(backend, q_len):
+    """A query of the last q_len positions (generation with a KV cache) sees what those
+    rows of the full causal attention see: causal aligned to the lower right."""
+    if backend == "flash":
+        q, k, v = (t.detach() for t in qkv(9, 4, 2, dtype=torch.bfloat16,
+                                           device=torch.accelerator.current_accelerator()))
+        tol = dict(rtol=2e-2, atol=2e-2)
+    else:
+        q, k, v = (t.detach() for t in qkv(9, 4, 2))
+        tol = dict(rtol=1e-5, atol=1e-5)
+    want = core_attention(q, k, v, backend="unfused")[:, -q_len:]
+    got = core_attention(q[:, -q_len:], k, v, backend=backend)
+    torch.testing.assert_close(got, want, **tol)
+
+
 def test_sdpa_honours_softmax_scale():
     q, k, v = qkv(16, 4, 2)
     for backend in ("sdpa", "unfused"):

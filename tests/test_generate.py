@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megalite.errors import ConfigError
-from megalite.inference import GREEDY, Sampling, generate, sample
+from megalite.inference import GREEDY, KVCache, Sampling, generate, sample
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 
@@ -51,6 +51,26 @@ def test_greedy_matches_argmax_of_full_forward(model):
         sequence.append(int(full_forward_logits(model, sequence).argmax()))
     assert generated == sequence[len(PROMPT[0]):]
     assert len(set(generated)) > 2  # a model that repeats one token would prove little
+
+
+@pytest.mark.parametrize("chunks", [[1] * 19, [3, 4, 1, 1, 6, 1, 1, 2]],
+                         ids=["token_by_token", "chunked"])
+@pytest.mark.parametrize("backend", ["sdpa", "unfused"])
+def test_cached_logits_equal_full_forward(model, backend, chunks):
+    """fp32: each chunk run after the cached earlier ones gives, at its last position, the
+    full (no-cache) forward's logits at that position; token by token, at every position.
+    Chunks longer than one token but shorter than the keys need the lower-right mask."""
+    model = GPTModel(dataclasses.replace(model.config, attention_backend=backend),
+                     seed=3).eval()
+    tokens = torch.randint(0, 61, (2, sum(chunks)), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)
+        cache, end = KVCache(model, batch=2, max_length=tokens.shape[1]), 0
+        for n in chunks:
+            logits = model(tokens[:, end:end + n], kv_cache=cache)
+            end += n
+            assert logits.shape == (2, 1, 64) and cache.length == end
+            torch.testing.assert_close(logits[:, 0], full[:, end - 1], rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_1_is_greedy(model):
@@ -155,3 +175,10 @@ def test_prompt_too_long_is_refused(model):
 def test_bad_sampling_flags_are_refused(kw, message):
     with pytest.raises(ConfigError, match=message):
         Sampling(**kw)
+
+
+def test_model_in_training_mode_is_refused():
+    """The forward of a model in training mode draws dropout masks: generation refuses it
+    rather than sample from a perturbed model."""
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        generate(make_model("gpt2").train(), torch.tensor(PROMPT), 2, GREEDY)

@@ -38,8 +38,12 @@ class SelfAttention(nn.Module):
                                              group=tp_group, bias=c.add_bias_linear,
                                              sequence_parallel=c.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
-        """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape."""
+    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None,
+                kv_cache=None) -> torch.Tensor:
+        """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape. Generation
+        passes this layer's `kv_cache`: `append(k, v)` stores the keys and values of x's
+        positions after the cached ones and returns those of every position so far (the
+        angles then start at x's first position)."""
         c = self.config
         qkv = self.linear_qkv(x)
         s, b, _ = qkv.shape
@@ -51,6 +55,8 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, rotary_angles[:s]), apply_rotary(k, rotary_angles[:s])
         # Backends take [batch, seq, heads, dim]; grouped K/V heads stay grouped.
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
         if c.recompute_granularity == "selective" and torch.is_grad_enabled():
             # Selective recompute (Korthikanti et al. 2022 §4.2): the core attention
             # holds the most activation memory per flop; keep only q, k, v.

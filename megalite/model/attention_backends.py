@@ -11,7 +11,9 @@ Grouped-query attention (GQA, Ainslie et al. 2023): query head i reads K/V head
 i // (num_heads / num_kv_heads). flash and sdpa take the grouped K/V as they are; only
 the reference repeats them.
 
-All tensors are [batch, seq, heads, head_dim], the layout flash-attn takes.
+All tensors are [batch, seq, heads, head_dim], the layout flash-attn takes. A query may
+be shorter than the keys (generation with a KV cache): its s_q positions are then the last
+of the s_k, so query i sees keys 0..i + s_k - s_q (causal, aligned to the lower right).
 """
 
 import functools
@@ -63,6 +65,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
 def _flash(q, k, v, dropout_p, scale):
     from flash_attn import flash_attn_func
 
+    # flash-attn >= 2.1 aligns its causal mask to the lower right, as a shorter query needs.
     return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=scale, causal=True)
 
 
@@ -70,8 +73,13 @@ def _sdpa(q, k, v, dropout_p, scale):
     # SDPA wants [b, h, s, d]; transposes are views, and enable_gqa shares each K/V head
     # across its group inside the kernel instead of materialising repeated K/V.
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    # is_causal aligns to the upper left, right only for s_q == s_k. One new token sees
+    # every key; a longer query shorter than the keys needs its lower-right band.
+    sq, sk = q.shape[2], k.shape[2]
+    mask = None if sq in (1, sk) else _future(sq, sk, q.device).logical_not()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                         is_causal=sq == sk, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 
@@ -83,11 +91,15 @@ def _unfused(q, k, v, dropout_p, scale):
     # exp() of fp16/bf16 scores loses the small probabilities.
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = q.to(acc) @ k.to(acc).transpose(-2, -1) * scale
-    s = q.shape[2]
-    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    future = _future(q.shape[2], k.shape[2], q.device)
     probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
     return (probs.to(v.dtype) @ v).transpose(1, 2)
+
+
+def _future(sq: int, sk: int, device) -> torch.Tensor:
+    """[sq, sk], True where query i may not see key j: the keys after position i + sk - sq."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1 + sk - sq)
 
 
 _KERNELS = {"flash": _flash, "sdpa": _sdpa, "unfused": _unfused}
@@ -95,9 +107,9 @@ _KERNELS = {"flash": _flash, "sdpa": _sdpa, "unfused": _unfused}
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
                    dropout_p: float = 0.0, softmax_scale: float | None = None) -> torch.Tensor:
-    """Causal attention. q: [b, s, heads, d]; k, v: [b, s, kv_heads, d] with heads a
-    multiple of kv_heads; returns [b, s, heads, d]. `backend` is a resolved one (see
-    resolve_backend); softmax_scale defaults to 1/sqrt(d)."""
+    """Causal attention. q: [b, s_q, heads, d]; k, v: [b, s_k, kv_heads, d] with heads a
+    multiple of kv_heads and s_q <= s_k; returns [b, s_q, heads, d]. `backend` is a
+    resolved one (see resolve_backend); softmax_scale defaults to 1/sqrt(d)."""
     if backend not in _KERNELS:
         raise ValueError(f"backend {backend!r} is not one of {tuple(_KERNELS)}; "
                          "pass the result of resolve_backend()")

@@ -41,11 +41,13 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings,
                                                     config.hidden_size)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] -> [seq, batch, hidden] (this rank's sequence shard under SP)."""
+    def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        """tokens [batch, seq] at positions position_offset.. -> [seq, batch, hidden]
+        (this rank's sequence shard under SP)."""
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = torch.arange(position_offset, position_offset + tokens.shape[1],
+                                     device=tokens.device)
             x = x + self.position_embeddings(positions)
         x = x.transpose(0, 1)
         p = self.config.hidden_dropout if self.training else 0.0
@@ -71,12 +73,17 @@ class Decoder(nn.Module):
                                      for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
-    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
-        for group, recompute in self._layer_groups():
-            if recompute and torch.is_grad_enabled():
-                x = checkpoint(_run_layers(group), self.rng_tracker, x, rotary_angles)
-            else:
-                x = _run_layers(group)(x, rotary_angles)
+    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None,
+                kv_cache=None) -> torch.Tensor:
+        if kv_cache is not None:  # generation, without grad: nothing to recompute
+            for index, layer in self.layers.items():
+                x = layer(x, rotary_angles, kv_cache.layers[int(index)])
+        else:
+            for group, recompute in self._layer_groups():
+                if recompute and torch.is_grad_enabled():
+                    x = checkpoint(_run_layers(group), self.rng_tracker, x, rotary_angles)
+                else:
+                    x = _run_layers(group)(x, rotary_angles)
         return x if self.final_layernorm is None else self.final_layernorm(x)
 
     def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
@@ -172,15 +179,24 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None,
+                kv_cache=None) -> torch.Tensor:
         """inputs: tokens [batch, seq] on the first stage, else the previous stage's hidden
         states [seq, batch, hidden]. Returns the hidden states unless this is the last
         stage; there, per-token losses [batch, seq] (fp32) when labels are given, else the
-        full logits [batch, seq, padded vocab]."""
-        x = self.embedding(inputs) if self.pre_process else inputs
-        x = self.decoder(x, self.rotary_angles)
+        full logits [batch, seq, padded vocab].
+
+        Generation passes a `kv_cache` (megalite/inference.py) holding the keys and values
+        of the kv_cache.length positions before inputs; the logits are then those of the
+        last position only, [batch, 1, padded vocab] (no [seq, vocab] matrix for a prompt)."""
+        offset = 0 if kv_cache is None else kv_cache.length
+        x = self.embedding(inputs, offset) if self.pre_process else inputs
+        angles = self.rotary_angles
+        x = self.decoder(x, angles if angles is None else angles[offset:], kv_cache)
         if not self.post_process:
             return x
+        if kv_cache is not None:
+            x = x[-1:]
         logits = self._vocab_parallel_logits(x)
         if labels is None:
             return gather_from_tensor_model_parallel_region(logits, self.tp_group).transpose(0, 1)

@@ -48,8 +48,10 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, tp_group)
         self.dropout = SequenceParallelDropout(config, rng_tracker)
 
-    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary_angles))
+    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None,
+                kv_cache=None) -> torch.Tensor:
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary_angles,
+                                                 kv_cache))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
