@@ -2,7 +2,7 @@
 planner's figure, and optionally a torch.profiler profile of one step.
 
     python benchmarks/gpu/run_pretrain.py [--profile-step N] [--trace FILE.json.gz] \\
-        -- PRETRAIN_GPT_FLAGS...
+        [--deterministic] -- PRETRAIN_GPT_FLAGS...
 
 It runs megalite's own pretrain() (the same code path as pretrain_gpt.py) and wraps
 StepRunner.train_step, so nothing in megalite needs a profiler flag. The profiled step
@@ -113,7 +113,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile-step", type=int, default=None)
     p.add_argument("--trace", default=None, help="Where to write the gzipped chrome trace.")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): no atomics in backward "
+                        "(set CUBLAS_WORKSPACE_CONFIG=:4096:8 as well on a GPU).")
     args = p.parse_args(own)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
     instrument(args.profile_step, args.trace)
     code = pretrain(flags)
     if code == 0:
