@@ -59,6 +59,8 @@ def instrument(profile_step: int | None, trace: str | None):
 
 
 def profiled(runner, original, microbatches, trace):
+    """One step under torch.profiler; a profiler that cannot start or export is reported
+    and the step still runs (the run's numbers matter more than its profile)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     import profile_summary
     activities = [ProfilerActivity.CPU]
@@ -72,23 +74,32 @@ def profiled(runner, original, microbatches, trace):
         with record_function(profile_summary.OPTIMIZER):
             return step(*args, **kwargs)
     sync()
-    with profile(activities=activities) as prof:
-        optimizer.step = optimizer_step
-        try:
-            with record_function(profile_summary.STEP):
-                result = original(runner, microbatches)
-                sync()
-        finally:
-            del optimizer.step
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        print(profile_summary.summarise(path), flush=True)
-        if trace:
-            with open(path, "rb") as src, gzip.open(trace, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            print(f">> chrome trace of the step: {trace} "
-                  f"({os.path.getsize(trace) / 2**20:.1f} MiB)", flush=True)
+    try:
+        prof = profile(activities=activities)
+        prof.__enter__()
+    except Exception as error:  # noqa: BLE001
+        print(f">> profile: the profiler did not start ({type(error).__name__}: {error})")
+        return original(runner, microbatches)
+    optimizer.step = optimizer_step
+    try:
+        with record_function(profile_summary.STEP):
+            result = original(runner, microbatches)
+            sync()
+    finally:
+        del optimizer.step
+        prof.__exit__(None, None, None)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            print(profile_summary.summarise(path), flush=True)
+            if trace:
+                with open(path, "rb") as src, gzip.open(trace, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                print(f">> chrome trace of the step: {trace} "
+                      f"({os.path.getsize(trace) / 2**20:.1f} MiB)", flush=True)
+    except Exception as error:  # noqa: BLE001
+        print(f">> profile: no summary ({type(error).__name__}: {error})", flush=True)
     return result
 
 
