@@ -63,7 +63,7 @@ step() {
     if [ "$rem" -lt "$min" ]; then note SKIP "$name" "${rem}s of the budget left"; return 1; fi
     [ "$limit" -gt "$rem" ] && limit=$rem
     start=$(date +%s)
-    timeout -k 15 "$limit" bash -c "$fn" >"$LOG/$name.log" 2>&1
+    timeout -k 15 "$limit" bash -c "$fn" </dev/null >"$LOG/$name.log" 2>&1
     rc=$?
     grep -a '^>>' "$LOG/$name.log" | sed 's/^>>/   /' | tee -a "$RESULTS/summary.txt"
     if [ $rc -eq 0 ]; then
@@ -144,7 +144,7 @@ EOF
 
 gpu_tests() {  # the tests that skip without a GPU: a skip reason naming a GPU or CUDA
     local files
-    files=$(grep -rlE --include='test_*.py' 'skipif' tests | xargs grep -lE 'GPU|CUDA')
+    files=$(grep -rlE --include='test_*.py' 'skipif' tests | xargs -r grep -lE 'GPU|CUDA')
     [ -n "$files" ] || skip "no test says it needs a GPU"
     # shellcheck disable=SC2086
     "$PY" -m pytest -q -rs -p no:cacheprovider -p gpu_only_tests $files >"$LOG/pytest.txt" 2>&1
