@@ -18,6 +18,7 @@ GPU (bf16, flash when the flash-attn package is installed, sdpa, unfused): in pr
 torch.cuda.max_memory_allocated minus the memory allocated before the call.
 
     python benchmarks/attention_memory.py [--seqs 512 1024 2048 4096] [--repeats 3]
+    python benchmarks/attention_memory.py --device cuda     # the GPU rows only
 """
 
 import argparse
@@ -89,6 +90,8 @@ def main():
     p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--repeats", type=int, default=3,
                    help="timed runs per case (2 at seq >= 4096, where one run takes seconds)")
+    p.add_argument("--device", choices=["all", "cpu", "cuda"], default="all",
+                   help="Which rows: the CPU's, the GPU's (when one is visible), or both.")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -101,8 +104,12 @@ def main():
     print("| device | dtype | backend | seq | peak MiB | s x s x heads x 4 B, MiB "
           "| ms fwd+bwd |")
     print("|---|---|---|---:|---:|---:|---:|")
-    runs = [("cpu", "fp32", b, run_child) for b in ("sdpa", "unfused")]
-    if torch.cuda.is_available():
+    runs = []
+    if args.device in ("all", "cpu"):
+        runs += [("cpu", "fp32", b, run_child) for b in ("sdpa", "unfused")]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU is visible to torch")
+    if args.device in ("all", "cuda") and torch.cuda.is_available():
         gpu_backends = (["flash"] if flash_attn_available() else []) + ["sdpa", "unfused"]
         runs += [("gpu", "bf16", b, gpu_case) for b in gpu_backends]
     for device, dtype, backend, case in runs:

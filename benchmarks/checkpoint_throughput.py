@@ -15,7 +15,12 @@ file's pages with posix_fadvise(DONTNEED) (after the fsync, so the pages are cle
 the raw file and the checkpoint files alike; "page cache" reads re-read what is cached.
 On a virtual disk the host may still cache below the guest, so cold is an upper bound.
 
+On a GPU (--device cuda, the default when one is visible; a one-rank NCCL group) the model
+and optimizer live on the GPU, so save includes the copies to the host and load the
+copies back: what a training job pays.
+
     python benchmarks/checkpoint_throughput.py [--dir DIR --num-layers 8 --hidden-size 768]
+    python benchmarks/checkpoint_throughput.py --device cpu
 """
 
 import argparse
@@ -104,9 +109,9 @@ def fill_fresh_memory(nbytes: int):
 class Run:
     """A model, its optimizer and scheduler, built from the flags as pretrain() builds them."""
 
-    def __init__(self, config, state: ParallelState):
-        self.config, self.state = config, state
-        self.model = build_model(config, state, torch.device("cpu"), None)
+    def __init__(self, config, state: ParallelState, device: torch.device):
+        self.config, self.state, self.device = config, state, device
+        self.model = build_model(config, state, device, None)
         self.optimizer, self.grad_buffer = build_optimizer(self.model, config, state)
         self.scheduler = LRScheduler(self.optimizer, config.scheduler)
 
@@ -114,11 +119,11 @@ class Run:
         m, t = self.config.model, self.config.training
         runner = StepRunner(self.model, self.optimizer, self.config.precision, 1,
                             (m.seq_length, t.micro_batch_size, m.hidden_size),
-                            torch.device("cpu"), self.state, self.grad_buffer)
-        shape = (t.micro_batch_size, m.seq_length)
-        runner.train_step([{"tokens": torch.randint(0, m.vocab_size, shape),
-                            "labels": torch.randint(0, m.vocab_size, shape),
-                            "loss_mask": torch.ones(shape)}])
+                            self.device, self.state, self.grad_buffer)
+        shape, device = (t.micro_batch_size, m.seq_length), self.device
+        runner.train_step([{"tokens": torch.randint(0, m.vocab_size, shape, device=device),
+                            "labels": torch.randint(0, m.vocab_size, shape, device=device),
+                            "loss_mask": torch.ones(shape, device=device)}])
         self.scheduler.step(t.global_batch_size)
 
     def save(self, directory: str, iteration: int) -> Path:
@@ -193,7 +198,7 @@ def measure_once(clock: Clock, saved: Run, tmp: str) -> int:
     raw.unlink(missing_ok=True)
 
     for what in ("load_checkpoint, cold", "load_checkpoint, page cache"):
-        fresh = Run(saved.config, saved.state)
+        fresh = Run(saved.config, saved.state, saved.device)
         if what.endswith("cold"):
             for f in files:  # right before, as for the raw read
                 drop_page_cache(f)
@@ -240,15 +245,23 @@ def main():
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--vocab-size", type=int, default=16384)
     p.add_argument("--repeat", type=int, default=2, help="Rounds; the best of each is shown.")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                   help="Where the model and optimizer live (default cuda:0 when a GPU is "
+                        "visible).")
     args = p.parse_args()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
     clock = Clock()
     try:
         with tempfile.TemporaryDirectory(prefix="ckpt_bench_", dir=args.dir) as tmp:
-            print(f"torch {torch.__version__}, {os.cpu_count()} cores, directory {tmp}")
+            print(f"torch {torch.__version__}, {os.cpu_count()} cores, model on {device}, "
+                  f"directory {tmp}")
             saved = Run(build_config(args, os.path.join(tmp, "ckpt")),
-                        ParallelState(RankGrid(1), 0))
+                        ParallelState(RankGrid(1), 0), device)
             clock.time("one training step (b=1, s=32)", saved.train_step)
             for _ in range(args.repeat):
                 nbytes = measure_once(clock, saved, tmp)

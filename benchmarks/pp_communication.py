@@ -9,8 +9,14 @@ Every micro-batch crosses every boundary between consecutive stages twice: its a
 (under sequence parallelism s is the shard s/TP). Interleaving (v > 1) shrinks the bubble
 by v at the price of v times the boundaries (Narayanan et al. 2021, §2.2).
 
-    python benchmarks/pp_communication.py
+    python benchmarks/pp_communication.py [--device cpu|cuda]
+
+On GPUs (--device cuda, the default when one is visible) each rank drives its own GPU over
+NCCL (NCCL refuses two ranks on one GPU), so a row needs p GPUs; rows needing more than
+the visible GPUs are skipped with a note. On the CPU the ranks run over gloo.
 """
+
+import argparse
 
 import os
 import sys
@@ -32,22 +38,28 @@ from megalite.train_step import StepRunner  # noqa: E402
 SEQ, MICRO, HIDDEN, NUM_MICRO = 64, 2, 64, 8
 
 
-def worker(rank, world, pp, v, store, out):
+def worker(rank, world, pp, v, store, out, device_type):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"file://{store}", rank=rank, world_size=world,
+                            device_id=device if device.type == "cuda" else None)
     state = ParallelState(RankGrid(world, 1, pp), rank)
     config = GPTConfig(num_layers=8, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
                        num_attention_heads=4, num_query_groups=4, kv_channels=16,
                        seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=128,
                        attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa")
-    chunks = build_model_chunks(config, 1, state.pp_rank, pp, v, state.tp_group)
+    chunks = build_model_chunks(config, 1, state.pp_rank, pp, v, state.tp_group).to(device)
     optimizer = Optimizer(chunks, OptimizerConfig(lr=1e-3), model_parallel_group=state.mp_group)
     runner = StepRunner(chunks, optimizer, PrecisionConfig(), NUM_MICRO, (SEQ, MICRO, HIDDEN),
-                        torch.device("cpu"), state)
-    batch = {"tokens": torch.randint(0, 128, (MICRO, SEQ)),
-             "labels": torch.randint(0, 128, (MICRO, SEQ)), "loss_mask": torch.ones(MICRO, SEQ)}
+                        device, state)
+    batch = {"tokens": torch.randint(0, 128, (MICRO, SEQ), device=device),
+             "labels": torch.randint(0, 128, (MICRO, SEQ), device=device),
+             "loss_mask": torch.ones(MICRO, SEQ, device=device)}
     runner.train_step([batch] * NUM_MICRO)
-    sent = torch.tensor([runner.comm.bytes_sent], dtype=torch.float64)
+    sent = torch.tensor([runner.comm.bytes_sent], dtype=torch.float64, device=device)
     dist.all_reduce(sent)
     if rank == 0:
         with open(out, "w") as f:
@@ -56,14 +68,23 @@ def worker(rank, world, pp, v, store, out):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    device = p.parse_args().device
+    gpus = torch.cuda.device_count() if device == "cuda" else None
     print(f"micro-batch [s={SEQ}, b={MICRO}, h={HIDDEN}] fp32, m={NUM_MICRO} micro-batches, "
-          "8 layers")
+          f"8 layers, on {f'{gpus} GPU(s), NCCL' if gpus else 'the CPU, gloo'}")
     print(f"{'p':>2} {'v':>2} {'stages':>6} {'measured bytes':>15} {'closed form':>15} "
           f"{'ratio':>6}")
     for pp, v in ((2, 1), (2, 2), (4, 1), (4, 2)):
+        if gpus is not None and pp > gpus:
+            print(f"{pp:>2} {v:>2} skipped: needs {pp} GPUs (one rank per GPU under NCCL)")
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "bytes")
-            mp.spawn(worker, args=(pp, pp, v, os.path.join(tmp, "store"), out), nprocs=pp)
+            mp.spawn(worker, args=(pp, pp, v, os.path.join(tmp, "store"), out, device),
+                     nprocs=pp)
             measured = int(open(out).read())
         closed = 2 * NUM_MICRO * (pp * v - 1) * SEQ * MICRO * HIDDEN * 4
         print(f"{pp:>2} {v:>2} {pp * v:>6} {measured:>15,} {closed:>15,} {measured / closed:>6.3f}")

@@ -13,8 +13,14 @@ are left out) as ring wire bytes per rank: 2(N-1)/N x the tensor for an all-redu
 (N-1)/N for a reduce-scatter or all-gather. Closed form for both: 2(N-1)/N x the gradient
 bytes (ZeRO-1's reduce-scatter + all-gather move what one all-reduce moves).
 
-    python benchmarks/zero_memory.py
+    python benchmarks/zero_memory.py [--device cpu|cuda]
+
+On GPUs (--device cuda, the default when one is visible) each rank drives its own GPU over
+NCCL (NCCL refuses two ranks on one GPU): rows with more ranks than visible GPUs are
+skipped with a note. On the CPU the ranks run over gloo.
 """
+
+import argparse
 
 import os
 import sys
@@ -60,21 +66,27 @@ def count_collectives(counter: dict, world: int):
         setattr(dist, name, wrapped)
 
 
-def worker(rank, world, zero, store, out):
+def worker(rank, world, zero, store, out, device_type):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"file://{store}", rank=rank, world_size=world,
+                            device_id=device if device.type == "cuda" else None)
     state = ParallelState(RankGrid(world), rank)
-    chunks = build_model_chunks(CONFIG, 1).to(torch.bfloat16)
+    chunks = build_model_chunks(CONFIG, 1).to(device=device, dtype=torch.bfloat16)
     grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, 10 ** 9, shard=zero)
     optimizer = DistributedOptimizer(chunks, OptimizerConfig(lr=1e-3), None, None, None,
                                      grad_buffer)
     precision = PrecisionConfig(bf16=True)
-    runner = StepRunner(chunks, optimizer, precision, 1, (64, 2, 128), torch.device("cpu"), state,
+    runner = StepRunner(chunks, optimizer, precision, 1, (64, 2, 128), device, state,
                         grad_buffer)
     counter = {"bytes": 0.0}
     count_collectives(counter, world)
-    batch = {"tokens": torch.randint(0, 1024, (2, 64)), "labels": torch.randint(0, 1024, (2, 64)),
-             "loss_mask": torch.ones(2, 64)}
+    batch = {"tokens": torch.randint(0, 1024, (2, 64), device=device),
+             "labels": torch.randint(0, 1024, (2, 64), device=device),
+             "loss_mask": torch.ones(2, 64, device=device)}
     runner.train_step([batch])
     params = list(chunks.parameters())
     row = [sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
@@ -85,15 +97,25 @@ def worker(rank, world, zero, store, out):
 
 
 def main():
-    print("bf16 parameters and gradients, fp32 Adam state; MiB per rank (rank 0)")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    device = p.parse_args().device
+    gpus = torch.cuda.device_count() if device == "cuda" else None
+    print(f"bf16 parameters and gradients, fp32 Adam state; MiB per rank (rank 0); on "
+          f"{f'{gpus} GPU(s), NCCL' if gpus else 'the CPU, gloo'}")
     print(f"{'DP':>2} {'ZeRO-1':>6} {'params':>7} {'grads':>7} {'optim':>7} {'total':>7} "
           f"{'paper':>7} | {'DP MiB/step':>11} {'2(N-1)/N x grads':>16} {'ratio':>5}")
     mib = 2.0 ** 20
     for dp in (1, 2, 4):
+        if gpus is not None and dp > gpus:
+            print(f"{dp:>2} skipped: needs {dp} GPUs (one rank per GPU under NCCL)")
+            continue
         for zero in (False, True):
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "row")
-                mp.spawn(worker, args=(dp, zero, os.path.join(tmp, "store"), out), nprocs=dp)
+                mp.spawn(worker, args=(dp, zero, os.path.join(tmp, "store"), out, device),
+                         nprocs=dp)
                 psi, params, grads, optim, traffic = torch.load(f"{out}.0")
             paper = (2 + 2 + 12 / (dp if zero else 1)) * psi
             closed = 2 * (dp - 1) / dp * grads

@@ -1,0 +1,145 @@
+"""pretrain_gpt.py with instruments: the time to the first step, the peak memory next to the
+planner's figure, and optionally a torch.profiler profile of one step.
+
+    python benchmarks/gpu/run_pretrain.py [--profile-step N] [--trace FILE.json.gz] \\
+        [--deterministic] -- PRETRAIN_GPT_FLAGS...
+
+It runs megalite's own pretrain() (the same code path as pretrain_gpt.py) and wraps
+StepRunner.train_step, so nothing in megalite needs a profiler flag. The profiled step
+synchronizes the device before the optimizer step (so kernels after that point are the
+optimizer's); pick a step after the last logged interval so the log's timings are clean.
+Lines starting with ">>" are the results.
+"""
+
+import argparse
+import gzip
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+START = time.perf_counter()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import torch  # noqa: E402
+
+import megalite.train_step as train_step_module  # noqa: E402
+from megalite.training import pretrain  # noqa: E402
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def instrument(profile_step: int | None, trace: str | None):
+    """Replace StepRunner.train_step by a timed (and at profile_step, profiled) one."""
+    runner_class = getattr(train_step_module, "StepRunner", None)
+    original = getattr(runner_class, "train_step", None)
+    if original is None:
+        print(">> note: megalite.train_step.StepRunner.train_step not found: no instruments")
+        return
+    calls = [0]
+
+    def train_step(self, microbatches):
+        calls[0] += 1
+        if calls[0] == profile_step:
+            result = profiled(self, original, microbatches, trace)
+        else:
+            result = original(self, microbatches)
+        if calls[0] == 1:
+            sync()
+            print(f">> time to the first step: {time.perf_counter() - START:.1f} s from "
+                  "the start of the process (imports, device init, model build, step 1)",
+                  flush=True)
+        return result
+    runner_class.train_step = train_step
+
+
+def profiled(runner, original, microbatches, trace):
+    """One step under torch.profiler; a profiler that cannot start or export is reported
+    and the step still runs (the run's numbers matter more than its profile)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    import profile_summary
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    optimizer = runner.optimizer
+    step = optimizer.step
+
+    def optimizer_step(*args, **kwargs):
+        sync()  # every kernel launched from here on is the optimizer's
+        with record_function(profile_summary.OPTIMIZER):
+            return step(*args, **kwargs)
+    sync()
+    try:
+        prof = profile(activities=activities)
+        prof.__enter__()
+    except Exception as error:  # noqa: BLE001
+        print(f">> profile: the profiler did not start ({type(error).__name__}: {error})")
+        return original(runner, microbatches)
+    optimizer.step = optimizer_step
+    try:
+        with record_function(profile_summary.STEP):
+            result = original(runner, microbatches)
+            sync()
+    finally:
+        del optimizer.step
+        prof.__exit__(None, None, None)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            print(profile_summary.summarise(path), flush=True)
+            if trace:
+                with open(path, "rb") as src, gzip.open(trace, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                size = os.path.getsize(trace) / 2**20
+                if size > 15:  # what the GPU machines hand back is capped at 16 MiB a file
+                    os.remove(trace)
+                    print(f">> chrome trace not kept: {size:.0f} MiB compressed", flush=True)
+                else:
+                    print(f">> chrome trace of the step: {trace} ({size:.1f} MiB)", flush=True)
+    except Exception as error:  # noqa: BLE001
+        print(f">> profile: no summary ({type(error).__name__}: {error})", flush=True)
+    return result
+
+
+def report_memory(flags: list[str]):
+    try:
+        import planner
+        plan = f"{planner.planned_bytes(flags) / 2**30:.3g} GiB"
+    except Exception as error:  # noqa: BLE001 (a planner refusal must not fail the run)
+        plan = f"unavailable ({type(error).__name__}: {error})"
+    if torch.cuda.is_available():
+        peak = f"{torch.cuda.max_memory_allocated() / 2**30:.3g} GiB"
+    else:
+        peak = "n/a on the CPU"
+    print(f">> peak memory allocated (torch.cuda.max_memory_allocated): {peak}; "
+          f"planner (most loaded rank): {plan}", flush=True)
+
+
+def main():
+    argv = sys.argv[1:]
+    flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile-step", type=int, default=None)
+    p.add_argument("--trace", default=None, help="Where to write the gzipped chrome trace.")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): no atomics in backward "
+                        "(set CUBLAS_WORKSPACE_CONFIG=:4096:8 as well on a GPU).")
+    args = p.parse_args(own)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    instrument(args.profile_step, args.trace)
+    code = pretrain(flags)
+    if code == 0:
+        report_memory(flags)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

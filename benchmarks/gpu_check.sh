@@ -1,0 +1,285 @@
+#!/usr/bin/env bash
+# megalite on one GPU, in one pass (under 8 minutes on an H100 or H200):
+#
+#   bash benchmarks/gpu_check.sh                 # from anywhere; it runs in its checkout
+#   SMOKE=1 bash benchmarks/gpu_check.sh         # the same steps, tiny, on the CPU (gloo)
+#
+# Steps: the environment; the tests that skip without a GPU; attention kernels and RNG on
+# the GPU (which SDPA kernels take the training shapes); a bf16 matmul peak; GPT-2 350M in
+# bf16 (the log line); MFU, tokens/s, peak memory next to the planner's figure and the time
+# to the first step of a TinyLlama-shaped 1.1B (with a profile of one step by category) and
+# a GPT-style 1.3B, micro-batch chosen by the memory planner; save + resume bit-exact (fp32
+# Adam, bf16 ZeRO-1); torchrun over NCCL with ZeRO-1 and both overlaps.
+#
+# One "PASS|FAIL|SKIP <step>: detail" line per step, the results (">>" lines) under it, and
+# a summary; a failing step never stops the next, and every step is cut to what is left of
+# BUDGET_S. Exit status 0 when no step failed.
+# Output (at most 3 files): $OUT/gpu_check/ (or $TMPDIR/megalite_gpu_check/gpu_check when OUT is
+# unset): summary.txt (the result lines, written as they come), logs.tar.gz (every log),
+# trace_llama_1b.json.gz (chrome trace of the profiled step). Checkpoints and loose logs
+# live in a temporary directory that is removed at the end.
+# Env: BUDGET_S (default 420; 1200 under SMOKE, where each step may take 4x its GPU limit),
+# PYTHON, PEAK_TFLOPS (default 989: H100/H200 SXM dense bf16), EXTRA_PERF_FLAGS (appended
+# to the MFU runs, e.g. an opt-in compile flag), STEPS (run only these step names; the
+# others SKIP), SMOKE=1.
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+export REPO=$PWD
+[ -f "$REPO/pretrain_gpt.py" ] || { echo "FAIL setup: $REPO is not a megalite checkout"; exit 2; }
+export PY=${PYTHON:-python3} SMOKE=${SMOKE:-0} PEAK=${PEAK_TFLOPS:-989}
+export EXTRA_PERF_FLAGS=${EXTRA_PERF_FLAGS:-}
+export HELPERS=$REPO/benchmarks/gpu
+export PYTHONPATH="$REPO:$HELPERS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+BUDGET_S=${BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 1200 || echo 420)}
+STEPS=${STEPS:-}
+T0=$(date +%s)
+export RESULTS=${OUT:-${TMPDIR:-/tmp}/megalite_gpu_check}/gpu_check
+export LOG
+LOG=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+mkdir -p "$RESULTS"
+rm -f "$RESULTS/summary.txt" "$RESULTS/logs.tar.gz" "$RESULTS"/trace_*.json.gz
+SUMMARY=()
+
+finish() {  # one archive of the logs (no checkpoints), then the scratch directory goes
+    tar -czf "$RESULTS/logs.tar.gz" -C "$LOG" --exclude 'ckpt_*' . 2>/dev/null
+    rm -rf "$LOG"
+}
+trap finish EXIT
+trap 'exit 143' TERM INT  # a killed check still leaves its logs
+
+note() { echo "$1 $2: $3"; echo "$1 $2: $3" >>"$RESULTS/summary.txt"; SUMMARY+=("$1 $2: $3"); }
+
+# step NAME LIMIT_S FUNCTION [MIN_S]: run FUNCTION (exported) under timeout, cut to what is
+# left of the budget (SKIP if less than MIN_S, default 25, is left); lines it prints that
+# start with ">>" are shown and kept in summary.txt, and on failure the log's tail.
+step() {
+    local name=$1 limit=$2 fn=$3 min=${4:-25} rem rc start why
+    if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then
+        note SKIP "$name" "not in STEPS"; return 1
+    fi
+    [ "$SMOKE" = 1 ] && limit=$((4 * limit))  # a shared CPU is slow; the GPU limits stand
+    rem=$((BUDGET_S - ($(date +%s) - T0)))
+    if [ "$rem" -lt "$min" ]; then note SKIP "$name" "${rem}s of the budget left"; return 1; fi
+    [ "$limit" -gt "$rem" ] && limit=$rem
+    start=$(date +%s)
+    timeout -k 15 "$limit" bash -c "$fn" </dev/null >"$LOG/$name.log" 2>&1
+    rc=$?
+    grep -a '^>>' "$LOG/$name.log" | sed 's/^>>/   /' | tee -a "$RESULTS/summary.txt"
+    if [ $rc -eq 0 ]; then
+        note PASS "$name" "$(($(date +%s) - start))s"
+    elif [ $rc -eq 99 ]; then
+        note SKIP "$name" "$(grep -a '^SKIP:' "$LOG/$name.log" | tail -n 1 | cut -c7-)"
+    else
+        { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && why="timed out after ${limit}s" || why="exit $rc"
+        note FAIL "$name" "$why (log: $name.log in logs.tar.gz)"
+        grep -a -v '^>>' "$LOG/$name.log" | grep -av USDT | tail -n 20 | sed 's/^/    | /'
+    fi
+}
+skip() { echo "SKIP: $1"; exit 99; }
+
+# ---- models -------------------------------------------------------------------------------
+BACKEND=""
+[ "$SMOKE" = 1 ] && BACKEND="--distributed-backend gloo"
+export BACKEND
+# GPT-2 medium 355M: learned positions, LayerNorm, GeLU, tied, vocab 50257, dropout 0.1.
+export GPT350="--mock-data --vocab-size 50257 --num-layers 24 --hidden-size 1024
+  --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
+  --micro-batch-size 8 --global-batch-size 16"
+# TinyLlama 1.1B: GQA 32/4, SwiGLU 5632, RoPE, RMSNorm, untied, vocab 32000, no dropout.
+export LLAMA1B="--mock-data --vocab-size 32000 --num-layers 22 --hidden-size 2048
+  --num-attention-heads 32 --group-query-attention --num-query-groups 4 --ffn-hidden-size 5632
+  --seq-length 2048 --max-position-embeddings 2048 --position-embedding-type rope
+  --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+  --attention-dropout 0 --hidden-dropout 0"
+# GPT 1.3B: 24 layers, hidden 2048, 16 heads (MHA), LayerNorm, GeLU, tied, no dropout.
+export GPT13B="--mock-data --vocab-size 50257 --num-layers 24 --hidden-size 2048
+  --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
+  --attention-dropout 0 --hidden-dropout 0"
+# A small model with dropout on, so the RNG state matters on resume.
+export SMALL="--mock-data --vocab-size 1000 --num-layers 4 --hidden-size 256
+  --num-attention-heads 8 --seq-length 256 --micro-batch-size 4 --global-batch-size 8
+  --lr 1e-3 --attention-dropout 0.1 --hidden-dropout 0.1 --num-workers 0"
+export ITERS=30 MFU_ITERS=15 RESUME_ITERS=10
+if [ "$SMOKE" = 1 ]; then
+    TINY="--mock-data --vocab-size 256 --num-layers 2 --hidden-size 32 --num-attention-heads 4
+      --seq-length 32 --max-position-embeddings 32 --num-workers 0"
+    GPT350="$TINY --micro-batch-size 2 --global-batch-size 4"
+    LLAMA1B="$TINY --position-embedding-type rope --normalization RMSNorm --swiglu
+      --group-query-attention --num-query-groups 2 --disable-bias-linear
+      --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0"
+    GPT13B="$TINY --attention-dropout 0 --hidden-dropout 0"
+    SMALL="$TINY --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --attention-dropout 0.1
+      --hidden-dropout 0.1"
+    ITERS=6 MFU_ITERS=5 RESUME_ITERS=4
+fi
+export PERF="--bf16 --attention-backend sdpa --lr 1e-4 --eval-iters 0 --log-throughput"
+
+# ---- the steps ----------------------------------------------------------------------------
+env_info() {
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit \
+        --format=csv,noheader | sed 's/^/>> nvidia-smi: /'
+    "$PY" - <<'EOF'
+import importlib.util, os, torch
+gpu = torch.cuda.is_available()
+print(">> torch", torch.__version__, "| cuda", torch.version.cuda, "| GPU visible", gpu)
+try:  # details only: a missing attribute on some build must not stop the check
+    if gpu:
+        p = torch.cuda.get_device_properties(0)
+        nccl = torch.cuda.nccl.version()
+        print(f">> {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
+              f"{p.multi_processor_count} SMs, nccl "
+              f"{'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}, "
+              f"cudnn {torch.backends.cudnn.version()}")
+    print(">> modules:", ", ".join(f"{m} {'yes' if importlib.util.find_spec(m) else 'NO'}"
+                                   for m in ("flash_attn", "triton", "numpy", "sentencepiece",
+                                             "tensorboard", "pytest", "transformers")))
+    import megalite
+    print(">> megalite from", os.path.dirname(megalite.__file__))
+except Exception as e:  # noqa: BLE001
+    print(">> (environment detail failed:", type(e).__name__, e, ")")
+raise SystemExit(0 if gpu or os.environ["SMOKE"] == "1" else 1)
+EOF
+}
+
+gpu_tests() {  # the tests that skip without a GPU: a skip reason naming a GPU or CUDA
+    local files
+    files=$(grep -rlE --include='test_*.py' 'skipif' tests | xargs -r grep -lE 'GPU|CUDA')
+    [ -n "$files" ] || skip "no test says it needs a GPU"
+    # shellcheck disable=SC2086
+    "$PY" -m pytest -q -rs -p no:cacheprovider -p gpu_only_tests $files >"$LOG/pytest.txt" 2>&1
+    local rc=$?
+    cat "$LOG/pytest.txt"
+    grep -aE "^(SKIPPED|FAILED|ERROR)|[0-9]+ (passed|failed|skipped)" "$LOG/pytest.txt" \
+        | cut -c1-160 | sed 's/^/>> /'
+    if [ "$SMOKE" != 1 ] && grep -qE "^SKIPPED.*(CUDA|GPU)" "$LOG/pytest.txt"; then
+        echo ">> (a skip above on a GPU machine: a missing package such as flash-attn)"
+    fi
+    exit $rc
+}
+
+kernels() { "$PY" "$HELPERS/kernels.py"; }
+matmul_peak() { "$PY" "$HELPERS/matmul_peak.py" "$LOG/matmul_tflops.txt"; }
+
+train_350m() {
+    $PY pretrain_gpt.py $GPT350 $BACKEND --bf16 --lr 3e-4 --min-lr 3e-5 \
+        --lr-decay-style cosine --lr-warmup-iters 5 --train-iters "$ITERS" \
+        --log-interval $((ITERS / 3)) --log-throughput --eval-iters 0 >"$LOG/train_350m.out" 2>&1
+    rc=$?
+    cat "$LOG/train_350m.out"
+    [ $rc -eq 0 ] && "$PY" "$HELPERS/parse_log.py" "$LOG/train_350m.out" "$PEAK"
+}
+
+# mfu FLAGS_VAR_NAME NAME [PROFILE]: the planner's micro-batch (2 micro-batches per step),
+# MFU_ITERS logged iterations; with PROFILE one more, profiled, iteration after them.
+mfu() {
+    local flags="${!1} $PERF $EXTRA_PERF_FLAGS" name=$2 mbs try rc extra=() iters=$MFU_ITERS
+    local matmul
+    mbs=$("$PY" "$HELPERS/planner.py" 0.75 $flags --train-iters "$iters") || exit 1
+    if [ "${3:-}" = profile ]; then
+        iters=$((MFU_ITERS + 1))
+        extra=(--profile-step "$iters" --trace "$RESULTS/trace_$name.json.gz")
+    fi
+    for try in 1 2 3; do
+        echo ">> micro-batch $mbs, global batch $((2 * mbs)) (2 micro-batches), $MFU_ITERS" \
+            "timed iterations${EXTRA_PERF_FLAGS:+, extra flags: $EXTRA_PERF_FLAGS}"
+        $PY "$HELPERS/run_pretrain.py" "${extra[@]}" -- $flags $BACKEND --micro-batch-size "$mbs" \
+            --global-batch-size $((2 * mbs)) --train-iters "$iters" \
+            --log-interval $((MFU_ITERS / 3)) >"$LOG/$name.run$try.log" 2>&1
+        rc=$?
+        cat "$LOG/$name.run$try.log"
+        [ $rc -eq 0 ] && break
+        if grep -q "out of memory" "$LOG/$name.run$try.log" && [ "$mbs" -gt 1 ]; then
+            echo ">> out of memory at micro-batch $mbs: the planner underestimates; halving"
+            mbs=$((mbs / 2))
+        else
+            exit $rc
+        fi
+    done
+    [ $rc -eq 0 ] || exit $rc
+    matmul=$(cat "$LOG/matmul_tflops.txt" 2>/dev/null || echo 0)
+    "$PY" "$HELPERS/parse_log.py" "$LOG/$name.run$try.log" "$PEAK" "$matmul" nofall
+}
+mfu_llama_1b() { mfu LLAMA1B llama_1b profile; }
+mfu_gpt_1b3() { mfu GPT13B gpt_1b3; }
+
+# resume_case NAME EXTRA_FLAGS...: straight N vs N/2 + save + load + N/2. Deterministic
+# kernels (torch.use_deterministic_algorithms): embedding and attention backward use atomics
+# on a GPU by default, which would make even two straight runs differ in the last bit.
+resume_case() {
+    local name=$1; shift
+    local d="$LOG/ckpt_$name" half=$((RESUME_ITERS / 2))
+    local common="$SMALL $BACKEND --train-iters $RESUME_ITERS --log-interval 1 --eval-iters 0"
+    local run=("$PY" "$HELPERS/run_pretrain.py" --deterministic --)
+    export CUBLAS_WORKSPACE_CONFIG=:4096:8
+    "${run[@]}" $common "$@" --save "$d/straight" >"$LOG/$name.straight.log" 2>&1 \
+        || { tail -n 20 "$LOG/$name.straight.log"; echo ">> $name: the straight run failed"; return 1; }
+    "${run[@]}" $common "$@" --save "$d/resumed" --exit-interval "$half" \
+        >"$LOG/$name.first.log" 2>&1 \
+        || { tail -n 20 "$LOG/$name.first.log"; echo ">> $name: the run to $half failed"; return 1; }
+    "${run[@]}" $common "$@" --save "$d/resumed" --load "$d/resumed" \
+        >"$LOG/$name.resumed.log" 2>&1 \
+        || { tail -n 20 "$LOG/$name.resumed.log"; echo ">> $name: the resumed run failed"; return 1; }
+    echo ">> $name:"
+    "$PY" "$HELPERS/compare_resume.py" "$LOG/$name.straight.log" "$LOG/$name.resumed.log" \
+        "$d/straight" "$d/resumed"
+}
+checkpoint_resume() {
+    local rc=0
+    resume_case fp32_adam || rc=1
+    resume_case bf16_zero1 --bf16 --use-distributed-optimizer --position-embedding-type rope \
+        --normalization RMSNorm --swiglu --group-query-attention --num-query-groups 2 || rc=1
+    exit $rc
+}
+
+torchrun_nccl() {
+    local backend="--distributed-backend nccl"
+    [ "$SMOKE" = 1 ] && backend="--distributed-backend gloo"
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 pretrain_gpt.py $SMALL \
+        $backend --bf16 --use-distributed-optimizer --overlap-grad-reduce \
+        --overlap-param-gather --accumulate-allreduce-grads-in-fp32 \
+        --recompute-granularity selective --exit-signal-handler --train-iters "$RESUME_ITERS" \
+        --log-interval $((RESUME_ITERS / 2)) --log-throughput --eval-interval $((RESUME_ITERS / 2)) \
+        --eval-iters 2 --save "$LOG/ckpt_torchrun" --save-interval $((RESUME_ITERS / 2)) \
+        >"$LOG/torchrun.out" 2>&1
+    rc=$?
+    cat "$LOG/torchrun.out"
+    [ $rc -eq 0 ] || exit $rc
+    grep -q "validation loss at iteration $RESUME_ITERS" "$LOG/torchrun.out" \
+        || { echo ">> no validation at iteration $RESUME_ITERS"; exit 1; }
+    "$PY" "$HELPERS/parse_log.py" "$LOG/torchrun.out"
+}
+
+implicit_gpu_tests() {
+    [ "$SMOKE" = 1 ] && skip "CPU CI runs these end-to-end tests already"
+    # pretrain() picks nccl and the GPU by itself when one is visible, so these end-to-end
+    # tests run on the GPU here. A numeric (not a crash) failure may be GPU nondeterminism.
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_training.py::test_log_line_fields \
+        tests/test_training.py::test_bf16_learns_and_tracks_fp32 \
+        tests/test_checkpointing.py::test_resume_in_a_new_process_is_bit_exact
+    rc=$?
+    echo ">> $(grep -aE "[0-9]+ (passed|failed)" "$LOG/implicit_gpu_tests.log" | tail -n 1)"
+    exit $rc
+}
+
+export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 \
+    resume_case checkpoint_resume torchrun_nccl implicit_gpu_tests
+
+echo "megalite GPU check in $REPO$([ "$SMOKE" = 1 ] && echo ' (SMOKE: tiny, on the CPU)')," \
+    "budget ${BUDGET_S}s, results in $RESULTS"
+step env_info            30 env_info
+if grep -q "^FAIL env_info" "$RESULTS/summary.txt" && [ "$SMOKE" != 1 ]; then
+    echo "no GPU visible to torch: the other steps would run on the CPU; stopping"; exit 1
+fi
+step gpu_tests           90 gpu_tests              # the tests that skip without a GPU
+step kernels             60 kernels                # SDPA kernels, RNG tracker, recompute
+step matmul_peak         30 matmul_peak            # the measured bf16 matmul ceiling
+step train_350m          90 train_350m             # GPT-2 350M bf16: the log line
+step mfu_llama_1b       150 mfu_llama_1b           # TinyLlama 1.1B: MFU, memory, profile
+step checkpoint_resume  120 checkpoint_resume      # save + resume bit-exact
+step torchrun_nccl       60 torchrun_nccl          # torchrun, NCCL, ZeRO-1, both overlaps
+step mfu_gpt_1b3        120 mfu_gpt_1b3            # GPT 1.3B: MFU, memory
+step implicit_gpu_tests 120 implicit_gpu_tests 90  # only if 90 s are left
+echo "---- summary ($(($(date +%s) - T0))s of ${BUDGET_S}s) ----" | tee -a "$RESULTS/summary.txt"
+printf "%s\n" "${SUMMARY[@]}" | tee -a "$RESULTS/summary.txt"
+! printf '%s\n' "${SUMMARY[@]}" | grep -q '^FAIL'
