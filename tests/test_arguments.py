@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from megalite.arguments import build_parser, parse_args
-from megalite.config import pad_vocab_size, validate_args
+from megalite.validation import pad_vocab_size, validate_args
 from megalite.errors import ConfigError
 
 from conftest import BASE_FLAGS
@@ -126,7 +126,7 @@ def test_tokenizer_vocabulary_sets_the_padded_vocab():
     flags = [f for f in BASE_FLAGS if f != "--mock-data"]
     c = validate_args(parse_args(flags + ["--data-path", "x", "--tokenizer-type",
                                           "NullTokenizer"]), 1, tokenizer_vocab_size=65)
-    assert (c.data.vocab_size, c.model.padded_vocab_size) == (65, 128)
+    assert (c.model.vocab_size, c.model.padded_vocab_size) == (65, 128)
     assert c.data.data_path == ("x",)
 
 

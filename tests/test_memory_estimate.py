@@ -23,7 +23,7 @@ import torch
 
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
-from megalite.config import validate_args
+from megalite.validation import validate_args
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner, autocast
