@@ -7,6 +7,7 @@ and everything counted in samples from it (run length, warm-up, decay). Two entr
 the parallel layout and the batch but no optimizer, schedule or data source.
 """
 
+import dataclasses
 import math
 
 from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedConfig,
@@ -28,16 +29,13 @@ def validate_args(args, world_size: int = 1,
     _require(args, *MODEL_FLAGS, "micro_batch_size", "lr")
     _check_data_source(args)
     config = validate_model_args(args, world_size, tokenizer_vocab_size)
-    t = config.training
-    train_iters, train_samples = _run_length(args, t.global_batch_size)
-    training = TrainingConfig(t.micro_batch_size, t.global_batch_size, t.num_microbatches,
-                              train_iters, train_samples, args.exit_interval,
-                              args.eval_interval, args.eval_iters, args.seed)
-    return Config(
-        model=config.model, parallel=config.parallel, training=training,
-        precision=config.precision, logging=config.logging, distributed=config.distributed,
-        checkpoint=config.checkpoint, optimizer=_optimizer_config(args),
-        scheduler=_scheduler_config(args, t.global_batch_size, train_samples),
+    global_batch = config.training.global_batch_size
+    train_iters, train_samples = _run_length(args, global_batch)
+    return dataclasses.replace(
+        config, optimizer=_optimizer_config(args),
+        training=dataclasses.replace(config.training, train_iters=train_iters,
+                                     train_samples=train_samples),
+        scheduler=_scheduler_config(args, global_batch, train_samples),
         data=DataConfig(args.mock_data, tuple(args.data_path or ()), args.split,
                         args.data_cache_path, args.eod_mask_loss, args.num_workers))
 
@@ -57,7 +55,8 @@ def validate_model_args(args, world_size: int = 1,
     return Config(
         model=_model_config(args, parallel, _vocab_size(args, tokenizer_vocab_size)),
         parallel=parallel,
-        training=TrainingConfig(micro, global_batch, num_micro, seed=args.seed),
+        training=TrainingConfig(micro, global_batch, num_micro, None, None, args.exit_interval,
+                                args.eval_interval, args.eval_iters, args.seed),
         precision=_precision_config(args),
         logging=LoggingConfig(args.log_interval, args.log_throughput, args.tensorboard_dir,
                               args.tensorboard_log_interval),
