@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
-from megalite.config import validate_args  # noqa: E402
+from megalite.validation import validate_args  # noqa: E402
 from megalite.optimizer.lr_scheduler import LRScheduler  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402

@@ -5,8 +5,8 @@
 # Layout: 8 GPUs = TP 1 x PP 1 x DP 8, ZeRO-1 (--use-distributed-optimizer), bf16.
 # Global batch: 512 sequences x 1024 tokens = 0.5M tokens per step (micro-batch 16,
 #   4 micro-batches per GPU per step); 600k steps = 300B tokens (nanoGPT's recipe).
-# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 9.49 GiB total (12%)
-#   params 0.23 | grads 0.23 | optimizer 0.17 | fp32 main grads 0.06 | activations 8.79
+# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 9.66 GiB total (12%)
+#   params 0.23 | grads 0.46 | optimizer 0.17 | fp32 main grads 0.00 | activations 8.79
 #   (the fp32 softmax of the loss, [1024, 16, 50304], is 3.1 GiB of the activations)
 #
 #   DATA_PATH=data/owt_text_document VOCAB_FILE=gpt2-vocab.json MERGE_FILE=gpt2-merges.txt \

@@ -5,8 +5,8 @@
 # Layout: 8 GPUs = TP 1 x PP 1 x DP 8, ZeRO-1 (--use-distributed-optimizer), bf16.
 # Global batch: 512 sequences x 1024 tokens = 0.5M tokens per step (micro-batch 16,
 #   4 micro-batches per GPU per step); 600k steps = 300B tokens (as GPT-3 trained every size).
-# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 20.19 GiB total (25%)
-#   params 0.66 | grads 0.66 | optimizer 0.50 | fp32 main grads 0.17 | activations 18.21
+# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 20.69 GiB total (26%)
+#   params 0.66 | grads 1.32 | optimizer 0.50 | fp32 main grads 0.00 | activations 18.21
 #
 #   DATA_PATH=data/owt_text_document VOCAB_FILE=gpt2-vocab.json MERGE_FILE=gpt2-merges.txt \
 #       bash examples/gpt2_350m.sh

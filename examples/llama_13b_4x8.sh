@@ -3,17 +3,19 @@
 # 13824, RoPE, RMSNorm, no biases, untied output layer, vocabulary 32000; 13.0B
 # parameters), pretrained from scratch on 4 nodes x 8 GPUs (80 GB each).
 #
-# Layout: 32 GPUs = TP 2 (with sequence parallelism) x PP 1 x DP 16, ZeRO-1, bf16.
-#   Why: with DP alone (TP 1, ZeRO-1) a GPU holds 13B x (2 + 2) bytes of bf16 weights and
-#   gradients plus 46 GiB of activations: about 100 GiB, it does not fit. TP 2 + SP halves
-#   the weights, gradients and activations: the least model parallelism that fits without
-#   recomputing layers, TP inside a node, no pipeline bubble. ZeRO-1 over DP 16 brings the
-#   optimizer state from 73 GiB (12 bytes x 6.5B) to 4.6 GiB. (Alternatives, each planned:
+# Layout: 32 GPUs = TP 4 (with sequence parallelism) x PP 1 x DP 8, ZeRO-1, bf16.
+#   Why: with DP alone (TP 1, ZeRO-1) a GPU holds 13B x (2 + 4) bytes of bf16 weights and
+#   fp32 gradients (bf16 accumulates in fp32, as in Megatron) plus 46 GiB of activations:
+#   about 120 GiB, it does not fit; TP 2 + SP plans 66 GiB (83%), too close to the limit
+#   once transients and fragmentation come in. TP 4 + SP quarters the weights, gradients
+#   and activations: the least model parallelism that fits without recomputing layers,
+#   TP inside a node, no pipeline bubble. ZeRO-1 over DP 8 brings the optimizer state
+#   from 36 GiB (12 bytes x 3.3B) to 4.6 GiB. (Alternatives, each planned:
 #   docs/benchmarks.md.)
 # Global batch: 1024 sequences x 4096 tokens = 4.2M tokens per step (micro-batch 1,
-#   64 micro-batches per GPU per step); 65k steps = 273B tokens (20 tokens per parameter).
-# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 55.84 GiB total (70%)
-#   params 12.12 | grads 12.12 | optimizer 4.55 | fp32 main grads 1.52 | activations 25.53
+#   128 micro-batches per GPU per step); 65k steps = 273B tokens (20 tokens per parameter).
+# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 38.02 GiB total (48%)
+#   params 6.06 | grads 12.13 | optimizer 4.55 | fp32 main grads 0.00 | activations 15.29
 #
 #   On each node i of 4 (NODE_RANK=i, MASTER_ADDR=node 0's address):
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=node0 DATA_PATH=data/my_text_document \
@@ -31,7 +33,7 @@ MODEL_ARGS=(--num-layers 40 --hidden-size 5120 --num-attention-heads 40
             --position-embedding-type rope --rotary-base 10000 --normalization RMSNorm
             --norm-epsilon 1e-5 --swiglu --disable-bias-linear
             --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0)
-PARALLEL_ARGS=(--tensor-model-parallel-size 2 --sequence-parallel
+PARALLEL_ARGS=(--tensor-model-parallel-size 4 --sequence-parallel
                --pipeline-model-parallel-size 1
                --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
 TRAINING_ARGS=(--micro-batch-size 1 --global-batch-size 1024 --train-iters 65000

@@ -4,15 +4,15 @@
 # 32000; 7.24B parameters), pretrained from scratch on one node.
 #
 # Layout: 8 GPUs = TP 2 (with sequence parallelism) x PP 1 x DP 4, ZeRO-1, bf16.
-#   Why: DP 8 alone (TP 1, ZeRO-1) plans 71 GiB per GPU (89% of 80 GiB: 27 GiB of bf16
-#   weights and gradients, 31 GiB of activations), too close to the limit once the
-#   transients and the allocator's fragmentation come in. TP 2 + SP halves the weights,
+#   Why: DP 8 alone (TP 1, ZeRO-1) plans 81 GiB per GPU (102% of 80 GiB: 13 GiB of bf16
+#   weights, 27 GiB of fp32 gradients (bf16 accumulates in fp32, as in Megatron), 31 GiB
+#   of activations): it does not fit. TP 2 + SP halves the weights,
 #   gradients and activations, and stays inside the node's NVLink; ZeRO-1 divides the
 #   12 bytes/parameter of optimizer state by DP 4. (Alternatives: docs/benchmarks.md.)
 # Global batch: 1024 sequences x 4096 tokens = 4.2M tokens per step (micro-batch 1,
 #   256 micro-batches per GPU per step); 35k steps = 147B tokens (20 tokens per parameter).
-# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 43.95 GiB total (55%)
-#   params 6.74 | grads 6.74 | optimizer 10.12 | fp32 main grads 3.37 | activations 16.97
+# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 47.32 GiB total (59%)
+#   params 6.74 | grads 13.49 | optimizer 10.12 | fp32 main grads 0.00 | activations 16.97
 #
 #   DATA_PATH=data/my_text_document TOKENIZER_MODEL=llama/tokenizer.model \
 #       bash examples/llama_7b.sh

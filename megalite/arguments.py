@@ -1,7 +1,7 @@
 """Megatron-LM's command-line flags: one parser, grouped as in `--help`.
 
 Flag names and defaults follow Megatron-LM so scripts port unchanged. `parse_args` only
-parses; `megalite.config.validate_args` turns the namespace into frozen dataclasses and
+parses; `megalite.validation.validate_args` turns the namespace into frozen dataclasses and
 rejects combinations that cannot work. Nothing here is read as a global.
 """
 
@@ -66,7 +66,8 @@ def _model(parser):
                    help="Attention kernel: flash-attn, torch SDPA, or the explicit reference; "
                         "auto picks the fastest available.")
     g.add_argument("--use-flash-attn", action="store_true",
-                   help="Alias of --attention-backend flash.")
+                   help="Alias of --attention-backend flash (flash-attn: head size <= 256 "
+                        "and a multiple of 8).")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
                    help="Activation recompute: whole transformer layers (full) or only the "
                         "core attention (selective).")
@@ -91,14 +92,16 @@ def _parallelism(parser):
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="ZeRO-1: all-gather updated parameters during the next forward.")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="Accumulate and reduce bf16/fp16 gradients in an fp32 buffer.")
+                   help="Accumulate and reduce fp16 gradients in an fp32 buffer (always on "
+                        "with --bf16, as in Megatron).")
 
 
 def _training(parser):
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Samples per optimizer step (default micro batch x DP).")
+                   help="Samples per optimizer step (default micro batch x DP); the schedule "
+                        "(--lr-*-iters) is counted in samples of this batch.")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None,
@@ -136,7 +139,9 @@ def _learning_rate(parser):
 
 def _mixed_precision(parser):
     g = parser.add_argument_group("mixed precision")
-    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters, fp32 main parameters; gradients accumulated and "
+                        "reduced in fp32 (--accumulate-allreduce-grads-in-fp32 implied).")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="Static fp16 loss scale (default: dynamic).")

@@ -303,7 +303,7 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
 def pad_vocab(state_dict: dict[str, torch.Tensor],
               padded_vocab_size: int) -> dict[str, torch.Tensor]:
     """A copy of `state_dict` whose vocabulary tensors have padded_vocab_size rows, the new
-    ones zero as in megalite's init (see megalite.config.pad_vocab_size for the size)."""
+    ones zero as in megalite's init (see megalite.validation.pad_vocab_size for the size)."""
     padded = dict(state_dict)
     for name in (_EMBEDDING, _OUTPUT):
         if name not in padded:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.arguments import parse_args
-from megalite.config import Config, validate_args
+from megalite.config import Config
 from megalite.data.datasets import build_datasets
 from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
@@ -36,6 +36,7 @@ from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
                                    num_floating_point_operations, validation_lines)
+from megalite.validation import validate_args
 
 
 @dataclass
@@ -110,10 +111,10 @@ def build_optimizer(model: nn.Module, config: Config,
     p = config.parallel
     params = [q for q in model.parameters() if q.requires_grad]
     grad_buffer = GradBuffer(params, state.dp_group, p.ddp_bucket_size,
-                             shard=p.use_distributed_optimizer, overlap=p.overlap_grad_reduce,
+                             shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
                              grad_dtype=torch.float32 if p.accumulate_allreduce_grads_in_fp32
                              else None)
-    if p.use_distributed_optimizer or config.precision.bf16 or config.precision.fp16:
+    if config.optimizer_kind.has_main_params:
         optimizer = DistributedOptimizer(model, config.optimizer, scaler, state.tp_group,
                                          state.mp_group, grad_buffer, p.overlap_param_gather)
     else:
@@ -195,7 +196,6 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
     while progress.iteration < t.train_iters:
         start = time.perf_counter()
         step_batches = [next(batches) for _ in range(t.num_microbatches)]
-        lr = scheduler.lr
         loss_scale = runner.optimizer.loss_scale
         try:
             result = runner.train_step(step_batches)
@@ -204,6 +204,9 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         loss, skipped, grad_norm = result.loss, result.skipped, result.grad_norm
         if not skipped:
             scheduler.step(t.global_batch_size)
+        # As Megatron logs it: the rate after this iteration's scheduler step, which the
+        # next iteration uses.
+        lr = scheduler.lr
         _synchronize(device)
         elapsed = time.perf_counter() - start
         progress.iteration += 1
@@ -252,7 +255,7 @@ def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr
     seconds_per_iter = stats.elapsed_s / stats.iters
     world_size = dist.get_world_size()
     tflops = flops_per_step / (seconds_per_iter * world_size * 1e12)
-    tokens_per_s = t.global_batch_size * config.data.seq_length / seconds_per_iter
+    tokens_per_s = t.global_batch_size * config.model.seq_length / seconds_per_iter
     print_rank_last(log_line(
         iteration=progress.iteration, train_iters=t.train_iters,
         consumed_samples=progress.consumed_train_samples, elapsed_ms=seconds_per_iter * 1e3,

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from megalite.arguments import build_parser, parse_args
-from megalite.config import pad_vocab_size, validate_args
+from megalite.config import OptimizerKind
+from megalite.validation import pad_vocab_size, validate_args, validate_model_args
 from megalite.errors import ConfigError
 
 from conftest import BASE_FLAGS
@@ -126,7 +127,7 @@ def test_tokenizer_vocabulary_sets_the_padded_vocab():
     flags = [f for f in BASE_FLAGS if f != "--mock-data"]
     c = validate_args(parse_args(flags + ["--data-path", "x", "--tokenizer-type",
                                           "NullTokenizer"]), 1, tokenizer_vocab_size=65)
-    assert (c.data.vocab_size, c.model.padded_vocab_size) == (65, 128)
+    assert (c.model.vocab_size, c.model.padded_vocab_size) == (65, 128)
     assert c.data.data_path == ("x",)
 
 
@@ -273,3 +274,79 @@ def test_recompute_flags_reach_the_model_config():
                   "--recompute-num-layers", "2").model
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == (
         "full", "block", 2)
+
+
+def test_unset_global_batch_is_micro_batch_times_dp_everywhere():
+    """Issue 12: the global batch is derived once; the run length and the schedule,
+    counted in samples, use that one value."""
+    flags = [f for f in BASE_FLAGS if f not in ("--global-batch-size", "8")]
+    c = validate_args(parse_args(flags + ["--lr-warmup-iters", "2"]), 4)
+    assert (c.training.global_batch_size, c.training.num_microbatches) == (16, 1)
+    assert (c.training.train_iters, c.training.train_samples) == (10, 160)
+    assert (c.scheduler.warmup_steps, c.scheduler.decay_steps) == (32, 160)
+    c = validate_args(parse_args([f for f in flags if f not in ("--train-iters", "10")]
+                                 + ["--train-samples", "100"]), 2)
+    assert (c.training.global_batch_size, c.training.train_iters) == (8, 12)
+    assert (c.training.train_samples, c.scheduler.decay_steps) == (100, 100)
+
+
+def test_bf16_accumulates_and_reduces_gradients_in_fp32():
+    """As Megatron: --bf16 forces --accumulate-allreduce-grads-in-fp32."""
+    assert config_of("--bf16").parallel.accumulate_allreduce_grads_in_fp32
+    assert not config_of().parallel.accumulate_allreduce_grads_in_fp32
+    assert not config_of("--fp16").parallel.accumulate_allreduce_grads_in_fp32
+    assert config_of("--fp16", "--accumulate-allreduce-grads-in-fp32"
+                     ).parallel.accumulate_allreduce_grads_in_fp32
+
+
+@pytest.mark.parametrize("extra, kind", [
+    ([], OptimizerKind.FP32),
+    (["--bf16"], OptimizerKind.FP32_MAIN_PARAMS),
+    (["--fp16"], OptimizerKind.FP32_MAIN_PARAMS),
+    (["--use-distributed-optimizer"], OptimizerKind.SHARDED_FP32_MAIN_PARAMS),
+    (["--bf16", "--use-distributed-optimizer"], OptimizerKind.SHARDED_FP32_MAIN_PARAMS),
+])
+def test_optimizer_kind(extra, kind):
+    assert config_of(*extra).optimizer_kind is kind
+
+
+@pytest.mark.parametrize("extra, kv", [
+    (["--kv-channels", "264"], 264),
+    (["--kv-channels", "12"], 12),
+    (["--hidden-size", "72", "--num-attention-heads", "4"], 18),
+])
+def test_flash_attention_head_size(extra, kv):
+    with pytest.raises(ConfigError) as err:
+        config_of("--attention-backend", "flash", *extra)
+    for word in ("--attention-backend flash", "--kv-channels", "<= 256", "multiple of 8",
+                 f"got {kv}"):
+        assert word in str(err.value)
+    assert config_of("--use-flash-attn", "--kv-channels", "256").model.attention_backend == "flash"
+
+
+MODEL_ONLY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "32", "--vocab-size", "64"]
+
+
+def test_model_only_validation_needs_no_training_flags():
+    c = validate_model_args(parse_args(MODEL_ONLY + ["--tensor-model-parallel-size", "2",
+                                                     "--micro-batch-size", "2"]), 4)
+    assert (c.optimizer, c.scheduler, c.data, c.training.train_iters) == (None,) * 4
+    assert (c.parallel.data_parallel_size, c.training.global_batch_size) == (2, 4)
+    assert c.model.padded_vocab_size == 256  # 64 padded to a multiple of 128 x TP 2
+    # Generation: one sequence per micro-batch.
+    assert validate_model_args(parse_args(MODEL_ONLY)).training.micro_batch_size == 1
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--num-attention-heads", "3"], ["--hidden-size=64", "--num-attention-heads=3"]),
+    (["--vocab-size", "1"], ["--vocab-size=1"]),
+    (["--tensor-model-parallel-size", "8"], ["--tensor-model-parallel-size=8"]),
+])
+def test_model_only_validation_refuses_bad_model_flags_by_name(extra, words):
+    with pytest.raises(ConfigError) as err:
+        validate_model_args(parse_args(MODEL_ONLY + extra), 8)
+    for word in words:
+        assert word in str(err.value)
+    with pytest.raises(ConfigError, match="missing required flag.*--num-layers"):
+        validate_model_args(parse_args(MODEL_ONLY[2:]))

@@ -211,9 +211,10 @@ def test_finetune_loads_the_model_only_and_needs_a_checkpoint(tmp_path, capsys):
     assert f"--finetune: no checkpoint in --load {save}" in capsys.readouterr().err
     assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "2", "--eval-iters", "0"]) == 0
     capsys.readouterr()
-    assert pretrain([*FLAGS, "--load", str(save), "--finetune", "--train-iters", "1",
+    assert pretrain([*FLAGS, "--load", str(save), "--finetune", "--train-iters", "2",
                      "--eval-iters", "0"]) == 0
     out = capsys.readouterr().out
-    # Iteration 0, a fresh schedule (the full --lr at step 1), the checkpoint's weights.
-    assert "resuming from" in out and "iteration        1/       1" in out
-    assert "learning rate: 3.000000E-03" in out
+    # Iteration 0, a fresh schedule (logged after step 1 of 2 of the linear decay:
+    # 3e-3 x (1 - 1/2)), the checkpoint's weights.
+    assert "resuming from" in out and "iteration        1/       2" in out
+    assert "learning rate: 1.500000E-03" in out

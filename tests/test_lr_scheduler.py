@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalite.arguments import parse_args
-from megalite.config import validate_args
+from megalite.validation import validate_args
 from megalite.optimizer.lr_scheduler import LRScheduler
 
 from conftest import BASE_FLAGS

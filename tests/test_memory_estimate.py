@@ -23,7 +23,7 @@ import torch
 
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
-from megalite.config import validate_args
+from megalite.validation import validate_args
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid
@@ -80,7 +80,8 @@ def test_zero_paper_worked_example():
         P_os+g+p      (2 + 2 + K)Ψ / N_d   = (16/64) x 7.5e9     = 1.9 GB
 
     A GPT of 36 layers, hidden 4096, 2048 learned positions and a 59008-token vocabulary
-    has Ψ = 36 (12h² + 13h) + 2h + (59008 + 2048) h = 7,499,767,808. With --bf16, megalite
+    has Ψ = 36 (12h² + 13h) + 2h + (59008 + 2048) h = 7,499,767,808. With --fp16 (the
+    paper's mixed precision; --bf16 accumulates gradients in fp32, as Megatron does), megalite
     keeps 2 bytes of parameters, 2 of gradients and 12 of fp32 main parameters and Adam
     moments per parameter; --use-distributed-optimizer is P_os. The planner's parameters
     + gradients + optimizer state must give the first two figures; megalite has no P_os+g
@@ -91,7 +92,7 @@ def test_zero_paper_worked_example():
     flags = ["--num-layers", "36", "--hidden-size", "4096", "--num-attention-heads", "32",
              "--seq-length", "2048", "--max-position-embeddings", "2048", "--mock-data",
              "--vocab-size", "59008", "--micro-batch-size", "1", "--global-batch-size", "64",
-             "--train-iters", "1", "--lr", "1e-4", "--bf16"]
+             "--train-iters", "1", "--lr", "1e-4", "--fp16"]
     h = 4096
     psi = 36 * (12 * h * h + 13 * h) + 2 * h + (59008 + 2048) * h
     baseline = validate_args(parse_args(flags), 64)

@@ -36,7 +36,7 @@ from megalite.checkpointing.loading import SavedCheckpoint  # noqa: E402
 from megalite.checkpointing.storage import (TRACKER_FILENAME, CheckpointError,  # noqa: E402
                                             checkpoint_dir, commit, find_checkpoint_to_load,
                                             prepare_staging, read_metadata, save_tensor_file)
-from megalite.config import pad_vocab_size  # noqa: E402
+from megalite.validation import pad_vocab_size  # noqa: E402
 from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
 from megalite.model.config import GPTConfig  # noqa: E402

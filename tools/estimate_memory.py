@@ -1,13 +1,16 @@
 """Per-GPU memory of a training run, planned from pretrain_gpt.py's flags (issue 8).
 
-Pass the flags you would pass to pretrain_gpt.py, plus the world size:
+Pass the model, parallel-layout, precision and batch flags of pretrain_gpt.py, plus the
+world size (training flags such as --lr, --train-iters or a data source are accepted, so
+a training command line can be reused, and not needed):
 
     python tools/estimate_memory.py --world-size 8 --gpu-memory-gib 80 \\
         --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer \\
-        --bf16 --num-layers 32 --hidden-size 4096 ... --mock-data --vocab-size 32000
+        --bf16 --num-layers 32 --hidden-size 4096 ... --vocab-size 32000 \\
+        --micro-batch-size 1 --global-batch-size 256
 
-The flags go through megalite's own validation (a combination pretrain_gpt.py would
-refuse is refused here, exit status 2). The table has one row per pipeline rank: bytes
+The flags go through megalite's own model validation (a model or layout pretrain_gpt.py
+would refuse is refused here, exit status 2). The table has one row per pipeline rank: bytes
 of parameters, gradient buffer, optimizer state (fp32 main parameters and Adam moments),
 the fp32 gradient copies the optimizer step makes, and the activations at the peak of
 the step (micro-batches in flight in parentheses), in GiB, and the total as a fraction
@@ -23,10 +26,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import Config, validate_args  # noqa: E402
-from megalite.errors import MegaliteError  # noqa: E402
+from megalite.config import Config  # noqa: E402
+from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.memory_estimate import (DEVICES, GiB, RankMemory, estimate_memory,  # noqa: E402
                                       num_model_parameters)
+from megalite.validation import validate_model_args  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_config(tool_args, train_argv: list[str]) -> Config:
-    """Validate the training flags as pretrain_gpt.py does. Raises MegaliteError."""
+    """Validate the model, layout and batch flags as pretrain_gpt.py does. Raises
+    MegaliteError."""
     args = parse_args(train_argv)
+    if args.micro_batch_size is None:
+        raise ConfigError("missing required flag(s): --micro-batch-size (activations are "
+                          "planned per micro-batch)")
     vocab = tool_args.tokenizer_vocab_size
     if vocab is None and args.tokenizer_type is not None:
         from megalite.data.tokenizer import build_tokenizer
@@ -58,7 +66,7 @@ def load_config(tool_args, train_argv: list[str]) -> Config:
             raise type(e)(f"{e} (or pass --tokenizer-vocab-size)") from None
     if tool_args.world_size <= 0:
         raise MegaliteError(f"--world-size must be positive, got {tool_args.world_size}")
-    return validate_args(args, tool_args.world_size, vocab)
+    return validate_model_args(args, tool_args.world_size, vocab)
 
 
 def describe(config: Config) -> list[str]:
@@ -84,7 +92,7 @@ def describe(config: Config) -> list[str]:
         f"attention {m.attention_backend}",
         f"layout: world {world} = TP {p.tensor_model_parallel_size} x "
         f"PP {p.pipeline_model_parallel_size} x DP {p.data_parallel_size}; "
-        f"sequence parallel {'on' if p.sequence_parallel else 'off'}; "
+        f"sequence parallel {'on' if m.sequence_parallel else 'off'}; "
         f"ZeRO-1 {'on' if p.use_distributed_optimizer else 'off'}; schedule {schedule}",
         f"batch: micro-batch {t.micro_batch_size} x seq {m.seq_length}, "
         f"{t.num_microbatches} micro-batches per step per DP rank, global batch "

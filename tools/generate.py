@@ -8,8 +8,9 @@ r"""Sample text from a checkpoint with a KV cache (megalite/inference.py).
     torchrun --nproc-per-node 2 tools/generate.py --tensor-model-parallel-size 2 ...
 
 The checkpoint may have been saved at any (TP, PP, DP) layout: it loads into this run's
-TP size. Training flags (batch sizes, learning rate, data) are accepted so a training
-command line can be reused, and are not used. An empty --prompt starts a new document
+TP size. Only the model, tokenizer and parallel flags are needed; training flags (batch
+sizes, learning rate, data) are accepted so a training command line can be reused, and
+are not used. An empty --prompt starts a new document
 (from the end-of-document token). Rank 0 prints the generated token ids, then the text:
 the prompt followed by its completion.
 """
@@ -25,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.arguments import build_parser  # noqa: E402
-from megalite.config import Config, validate_args  # noqa: E402
+from megalite.config import Config  # noqa: E402
 from megalite.data.tokenizer import build_tokenizer  # noqa: E402
 from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.inference import (Sampling, check_length, generate,  # noqa: E402
@@ -33,6 +34,7 @@ from megalite.inference import (Sampling, check_length, generate,  # noqa: E402
 from megalite.initialize import initialize_distributed, world_size_from_env  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.training import build_model  # noqa: E402
+from megalite.validation import validate_model_args  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,12 +52,7 @@ def parse_args(argv=None):
     g.add_argument("--top-p", type=float, default=1.0,
                    help="Sample from the smallest set of tokens with this much probability "
                         "(1: all).")
-    # Only the model, tokenizer and parallel flags matter: defaults that satisfy the
-    # training checks of validate_args.
-    parser.set_defaults(micro_batch_size=1, train_iters=1, lr=1.0)
-    args = parser.parse_args(argv)
-    args.mock_data = not args.data_path
-    return args
+    return parser.parse_args(argv)
 
 
 def build_config(args) -> tuple[Config, object]:
@@ -72,7 +69,7 @@ def build_config(args) -> tuple[Config, object]:
                           f"--pipeline-model-parallel-size 1, not "
                           f"{args.pipeline_model_parallel_size} (a checkpoint saved at any "
                           f"pipeline size loads)")
-    config = validate_args(args, world_size_from_env(), tokenizer.vocab_size)
+    config = validate_model_args(args, world_size_from_env(), tokenizer.vocab_size)
     p = config.parallel
     if p.data_parallel_size != 1:
         raise ConfigError(f"launch as many processes as --tensor-model-parallel-size="
@@ -80,8 +77,7 @@ def build_config(args) -> tuple[Config, object]:
     # One token at a time cannot be split along the sequence; no dropout at inference.
     model = dataclasses.replace(config.model, sequence_parallel=False, attention_dropout=0.0,
                                 hidden_dropout=0.0)
-    parallel = dataclasses.replace(p, sequence_parallel=False,
-                                   virtual_pipeline_model_parallel_size=None)
+    parallel = dataclasses.replace(p, virtual_pipeline_model_parallel_size=None)
     return dataclasses.replace(config, model=model, parallel=parallel), tokenizer
 
 

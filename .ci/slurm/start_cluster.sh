@@ -23,7 +23,9 @@ DIR=$(cd "$DIR" && pwd)
 CONF=$DIR/slurm.conf
 NODE=$(hostname -s)
 USER_NAME=$(id -un)
-CPUS=$(nproc)
+# --all: plain nproc honours OMP_NUM_THREADS, and a node sized at 1 CPU leaves every
+# 2-CPU test job pending forever.
+CPUS=$(nproc --all)
 # Half the machine's memory: slurmd drains a node whose RealMemory exceeds what it has.
 MEM_MB=$(awk '/^MemTotal:/ {print int($2 / 1024 / 2)}' /proc/meminfo)
 

@@ -1,14 +1,9 @@
-"""The memory planner's per-rank total for pretrain_gpt.py flags, through whichever module
-path megalite has it under (it may move; the lead fixes the import after a move)."""
+"""The memory planner's per-rank total for pretrain_gpt.py flags."""
 import sys
 
-try:
-    from megalite.memory_estimate import most_loaded_rank
-except ImportError:  # moved into a package
-    from megalite.memory.estimate import most_loaded_rank  # type: ignore
-
 from megalite.arguments import parse_args
-from megalite.config import validate_args
+from megalite.memory_estimate import most_loaded_rank
+from megalite.validation import validate_args
 
 
 def planned_bytes(flags: list[str], world_size: int = 1) -> int:

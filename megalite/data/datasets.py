@@ -37,15 +37,16 @@ def build_datasets(config: Config, eod: int | None, is_builder: bool, barrier):
     counts = split_sample_counts(config)
     data, seed = config.data, config.training.seed
     if data.mock_data:
-        return [MockGPTDataset(max(n, 1), data.seq_length, data.vocab_size, seed + i)
+        return [MockGPTDataset(max(n, 1), config.model.seq_length, config.model.vocab_size,
+                               seed + i)
                 for i, n in enumerate(counts)]
     weights, prefixes = parse_data_path(data.data_path)
     indexed = [open_indexed_dataset(p) for p in prefixes]
     if is_builder:
         for prefix, ds in zip(prefixes, indexed):
             check_token_ids(prefix, ds, config.model.padded_vocab_size)
-    return [_build_split(split, n, weights, prefixes, indexed, data, seed, eod, is_builder,
-                         barrier) for split, n in zip(range(3), counts)]
+    return [_build_split(split, n, weights, prefixes, indexed, data, config.model.seq_length,
+                         seed, eod, is_builder, barrier) for split, n in zip(range(3), counts)]
 
 
 def open_indexed_dataset(prefix: str) -> IndexedDataset:
@@ -74,7 +75,7 @@ def check_token_ids(prefix: str, ds: IndexedDataset, padded_vocab_size: int):
 
 
 def _build_split(split: int, num_samples: int, weights, prefixes, indexed, data: DataConfig,
-                 seed: int, eod, is_builder: bool, barrier):
+                 seq_length: int, seed: int, eod, is_builder: bool, barrier):
     if num_samples == 0:
         return None
     per_dataset = (component_num_samples(num_samples, weights) if len(prefixes) > 1
@@ -85,7 +86,7 @@ def _build_split(split: int, num_samples: int, weights, prefixes, indexed, data:
         if start == end:
             return None
         parts.append(GPTDataset(
-            ds, np.arange(start, end), n, data.seq_length, seed,
+            ds, np.arange(start, end), n, seq_length, seed,
             name=f"{prefix}/{SPLITS[split]}", eod_token=eod, eod_mask_loss=data.eod_mask_loss,
             cache_dir=data.data_cache_path or _default_cache_dir(prefix),
             is_builder=is_builder, barrier=barrier))

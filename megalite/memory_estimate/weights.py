@@ -20,13 +20,6 @@ def param_bytes_per_element(config: Config) -> int:
     return 2 if (p.bf16 or p.fp16) else 4
 
 
-def optimizer_kind(config: Config) -> tuple[bool, bool]:
-    """(fp32 main parameters, their state sharded over DP): training.build_optimizer's
-    choice, main parameters for bf16/fp16 parameters or ZeRO-1, sharded under ZeRO-1."""
-    p, zero = config.precision, config.parallel.use_distributed_optimizer
-    return zero or p.bf16 or p.fp16, zero
-
-
 def rank_parameters(config: Config, pp_rank: int) -> list[nn.Parameter]:
     """This pipeline rank's parameters in `model.parameters()` order, built by the model's
     own code on the meta device. Built without a TP group, so whole: `shard_numel` gives
@@ -70,7 +63,8 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     padded = sum(n for _, n in layout)
     pbytes = param_bytes_per_element(config)
     gbytes = 4 if config.parallel.accumulate_allreduce_grads_in_fp32 else pbytes
-    main_params, sharded = optimizer_kind(config)
+    kind = config.optimizer_kind
+    main_params, sharded = kind.has_main_params, kind.sharded
     if not main_params:  # plain AdamW: the parameters are the main copy, two fp32 moments
         return dict(num_parameters=num, parameters=pbytes * num, gradients=gbytes * padded,
                     optimizer_state=8 * num, main_grads=0)

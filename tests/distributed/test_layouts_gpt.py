@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from megalite.config import OptimizerConfig, PrecisionConfig, pad_vocab_size
+from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.validation import pad_vocab_size
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, build_model_chunks

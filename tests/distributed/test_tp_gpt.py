@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.config import OptimizerConfig, PrecisionConfig, pad_vocab_size
+from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.validation import pad_vocab_size
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
