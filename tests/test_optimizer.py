@@ -6,14 +6,14 @@ import torch
 from megalite.config import OptimizerConfig
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.grad_scaler import DynamicGradScaler
-from megalite.optimizer.optimizer import Optimizer, parameter_groups
+from megalite.optimizer.optimizer import Optimizer
 
 from test_model import make_config
 
 
 def test_no_weight_decay_on_biases_and_norms():
     model = GPTModel(make_config(), seed=1)
-    decay, no_decay = parameter_groups(model, 0.1)
+    decay, no_decay = Optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1)).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decay["params"])
     assert {names[id(p)] for p in no_decay["params"]} == {

@@ -30,6 +30,7 @@ from torch import nn
 
 from megalite.distributed.data_parallel import buckets
 from megalite.parallel_state import group_rank, group_size, reduce_scatter_into
+from megalite.tensor_parallel.params import is_shared_embedding
 
 
 def main_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -62,8 +63,8 @@ class Bucket:
 
 
 def _bucket_params(params: list[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:
-    shared = [p for p in params if getattr(p, "shared_embedding", False)]
-    rest = [p for p in params if not getattr(p, "shared_embedding", False)]
+    shared = [p for p in params if is_shared_embedding(p)]
+    rest = [p for p in params if not is_shared_embedding(p)]
     return buckets(rest, bucket_size) + [[p] for p in shared]
 
 
