@@ -3,7 +3,7 @@
 Parameters are cut, in order, into buckets of at most --ddp-bucket-size elements of one
 dtype, so a model of thousands of tensors costs a handful of collectives per step. Both
 the plain data-parallel gradient buffer (grad_buffer.py) and ZeRO-1
-(optimizer/distributed_optimizer.py) lay their flat buffers out this way.
+(optimizer/mixed_precision.py) lay their flat buffers out this way.
 """
 
 import torch
