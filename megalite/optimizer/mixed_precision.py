@@ -127,9 +127,6 @@ class MixedPrecisionOptimizer(Optimizer):
         torch._foreach_copy_([s.main for s in self.segments],
                              [s.param.detach().reshape(-1)[s.start:s.end] for s in self.segments])
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "main_params": [s.main for s in self.segments]}
-
 
 def _adopt_params(bucket: Bucket) -> torch.Tensor:
     """A flat parameter buffer laid out like `bucket`, holding the parameters' values,

@@ -179,9 +179,3 @@ class Optimizer:
                                  device=main.device if fused else "cpu"),
             **{k: v.reshape(main.shape).to(main.device, main.dtype, copy=True)
                for k, v in moments.items()}}
-
-    def state_dict(self) -> dict:
-        state = {"adam": self.adam.state_dict()}
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
