@@ -36,7 +36,7 @@ from megalite.config import OptimizerConfig, PrecisionConfig  # noqa: E402
 from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import build_model_chunks  # noqa: E402
-from megalite.optimizer.distributed_optimizer import DistributedOptimizer  # noqa: E402
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
 
@@ -77,8 +77,8 @@ def worker(rank, world, zero, store, out, device_type):
     state = ParallelState(RankGrid(world), rank)
     chunks = build_model_chunks(CONFIG, 1).to(device=device, dtype=torch.bfloat16)
     grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, 10 ** 9, shard=zero)
-    optimizer = DistributedOptimizer(chunks, OptimizerConfig(lr=1e-3), None, None, None,
-                                     grad_buffer)
+    optimizer = MixedPrecisionOptimizer(chunks, OptimizerConfig(lr=1e-3), None, None, None,
+                                        grad_buffer)
     precision = PrecisionConfig(bf16=True)
     runner = StepRunner(chunks, optimizer, precision, 1, (64, 2, 128), device, state,
                         grad_buffer)

@@ -18,12 +18,13 @@ from torch import nn
 from megalite.config import PrecisionConfig
 from megalite.distributed.grad_buffer import GradBuffer, main_grad
 from megalite.errors import NumericalError
-from megalite.optimizer.optimizer import Optimizer, found_nonfinite
+from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, all_gather_into, group_size
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
+from megalite.tensor_parallel.params import is_shared_embedding
 
 
 def autocast(precision: PrecisionConfig, device: torch.device):
@@ -90,17 +91,19 @@ class StepRunner:
                             lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
                             self.optimizer.scale_loss, self._autocast)
         self.finalize_grads()
-        if self.check_for_nan:
-            self._stop_on_nonfinite(loss)
-        updated, grad_norm = self.optimizer.step()
+        check = (lambda squares: self._stop_on_nonfinite(loss, squares)) \
+            if self.check_for_nan else None
+        updated, grad_norm = self.optimizer.step(before_update=check)
         return StepResult(self._sum_over_data_parallel(loss).item(), not updated, grad_norm)
 
-    def _stop_on_nonfinite(self, loss: torch.Tensor):
-        """Before the optimizer step, so a NaN never reaches the weights: every rank learns
-        which ranks saw a non-finite loss (where a NaN starts) or gradient, and all raise."""
-        grads = [g for g in map(main_grad, self.optimizer.params) if g is not None]
-        local = torch.tensor([float(not torch.isfinite(loss).all()),
-                              float(found_nonfinite(grads))], device=loss.device)
+    def _stop_on_nonfinite(self, loss: torch.Tensor, squares: torch.Tensor):
+        """Inside the optimizer step, before any parameter changes, so a NaN never reaches
+        the weights: every rank learns which ranks saw a non-finite loss (where a NaN
+        starts) or gradient, and all raise. The gradients are judged by this rank's share
+        of the squared grad norm, computed anyway (Megatron checks the norm likewise): an
+        inf or NaN in any gradient it counts makes it non-finite, with no pass of its own."""
+        local = torch.stack([~torch.isfinite(loss).all(),
+                             ~torch.isfinite(squares.to(loss.device))]).float()
         world = dist.get_world_size() if dist.is_initialized() else 1
         flags = torch.empty(world, 2, device=loss.device)
         if world > 1:
@@ -139,7 +142,7 @@ class StepRunner:
             # its gradient is the sum of both uses.
             for p in params:
                 grad = main_grad(p)
-                if getattr(p, "shared_embedding", False) and grad is not None:
+                if is_shared_embedding(p) and grad is not None:
                     dist.all_reduce(grad, group=group)
 
     @torch.no_grad()

@@ -27,9 +27,9 @@ from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.attention_backends import resolve_backend
 from megalite.model.gpt import build_model_chunks
-from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.random import build_rng_tracker
@@ -115,8 +115,8 @@ def build_optimizer(model: nn.Module, config: Config,
                              grad_dtype=torch.float32 if p.accumulate_allreduce_grads_in_fp32
                              else None)
     if config.optimizer_kind.has_main_params:
-        optimizer = DistributedOptimizer(model, config.optimizer, scaler, state.tp_group,
-                                         state.mp_group, grad_buffer, p.overlap_param_gather)
+        optimizer = MixedPrecisionOptimizer(model, config.optimizer, scaler, state.tp_group,
+                                            state.mp_group, grad_buffer, p.overlap_param_gather)
     else:
         optimizer = Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group)
     return optimizer, grad_buffer

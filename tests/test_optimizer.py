@@ -3,17 +3,19 @@
 import pytest
 import torch
 
-from megalite.config import OptimizerConfig
+from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.errors import NumericalError
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.grad_scaler import DynamicGradScaler
-from megalite.optimizer.optimizer import Optimizer, parameter_groups
+from megalite.optimizer.optimizer import Optimizer
+from megalite.train_step import StepRunner
 
 from test_model import make_config
 
 
 def test_no_weight_decay_on_biases_and_norms():
     model = GPTModel(make_config(), seed=1)
-    decay, no_decay = parameter_groups(model, 0.1)
+    decay, no_decay = Optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1)).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decay["params"])
     assert {names[id(p)] for p in no_decay["params"]} == {
@@ -85,3 +87,21 @@ def test_unscaled_grads_equal_fp32_grads():
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_nan_gradient_with_a_finite_loss_stops_before_the_update():
+    """--check-for-nan-in-loss-and-grad reads the gradients through the grad norm: a NaN
+    in one gradient, the loss finite, still stops the step and names the rank."""
+    model = GPTModel(make_config(), seed=1)
+    runner = StepRunner(torch.nn.ModuleList([model]), Optimizer(model, OptimizerConfig(lr=1e-3)),
+                        PrecisionConfig(), 1, (16, 2, 64), torch.device("cpu"),
+                        check_for_nan=True)
+    weight = model.decoder.final_layernorm.weight
+    weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan")))
+    tokens = torch.randint(0, 128, (2, 17))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NumericalError, match=r"a gradient is NaN or infinite on rank\(s\) "
+                                             r"\[0\]; stopped before the optimizer step"):
+        runner.train_step([{"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                            "loss_mask": torch.ones(2, 16)}])
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

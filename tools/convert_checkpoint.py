@@ -41,6 +41,7 @@ from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
+from megalite.tensor_parallel.params import partition_dim  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -124,8 +125,7 @@ def saved_partition_dims(config: GPTConfig) -> dict[str, int | None]:
                                  padded_vocab_size=2, vocab_size=None, seq_length=2,
                                  max_position_embeddings=2, rotary_percent=1.0)
     params = saving.saved_params(nn.ModuleList([GPTModel(narrow, seed=0)]))
-    return {name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-            for name, p in params.items()}
+    return {name: partition_dim(p) for name, p in params.items()}
 
 
 def save_single_process_checkpoint(save: str, config: GPTConfig,

@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpointing.saving import (MOMENTS, VOCAB_PARAMS, canonical_name, layout_of,
-                                           model_fields, model_file, optim_file, rng_file)
+from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, model_fields,
+                                           model_file, optim_file, rng_file)
 from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
                                             find_checkpoint_to_load, load_tensor_file,
                                             read_metadata)
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.params import tp_shard
 
 
 class SavedCheckpoint:
@@ -99,16 +100,8 @@ class SavedCheckpoint:
 
 def local_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int,
                 tp_size: int) -> torch.Tensor:
-    """This TP rank's block of a full tensor, with the vocabulary padding of this TP size
-    (padding rows are zero in weights and Adam moments alike)."""
-    if name in VOCAB_PARAMS:
-        rows = param.shape[0] * tp_size
-        if full.shape[0] >= rows:
-            full = full[:rows]
-        else:
-            full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
-    if getattr(param, "tensor_model_parallel", False):
-        full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+    """This TP rank's block of a full tensor (params.tp_shard), checked against the model."""
+    full = tp_shard(full, param, name, tp_rank, tp_size)
     if full.shape != param.shape:
         raise CheckpointError(f"parameter {name}: the checkpoint gives shape "
                               f"{tuple(full.shape)} for this rank, the model has "
@@ -135,8 +128,7 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
         for name, param in chunks.named_parameters():
             name = canonical_name(name, param)
             param.copy_(local_shard(saved.param(name), param, name, state.tp_rank, state.tp_size))
-    if hasattr(optimizer, "reload_main_params"):
-        optimizer.reload_main_params()
+    optimizer.reload_main_params()
     load_optim = ckpt.load_optim and not ckpt.finetune and meta["has_optimizer"]
     if ckpt.load_optim and not ckpt.finetune and not meta["has_optimizer"] and \
             dist.get_rank() == 0:
@@ -149,7 +141,7 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     if ckpt.finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
     scheduler.load_state_dict(meta["scheduler"])
-    zero = getattr(optimizer, "dp_group", None) is not None
+    zero = optimizer.sharded
     if ckpt.load_rng and meta.get("has_rng", True):
         if meta["layout"] == layout_of(state, chunks, zero):
             _set_rng_state(load_tensor_file(directory / rng_file(dist.get_rank())), rng_tracker)
@@ -165,17 +157,16 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
 def _load_optimizer(saved: SavedCheckpoint, optimizer, chunks: nn.ModuleList,
                     state: ParallelState):
     names = {id(p): canonical_name(n, p) for n, p in chunks.named_parameters()}
-    step = torch.tensor(float(saved.optimizer_step()))
-    for param, start, end, main, key in optimizer.checkpoint_segments():
-        name = names[id(param)]
+    step = saved.optimizer_step()
+    for s in optimizer.segments:
+        name = names[id(s.param)]
         values = {}
         for k in ("main", *MOMENTS):
             full = saved.optimizer_tensor(name, k)
-            local = local_shard(full, param, name, state.tp_rank, state.tp_size)
-            values[k] = local.reshape(-1)[start:end]
-        main.copy_(values["main"])
-        optimizer.adam.state[key] = {"step": step.clone(), **{
-            k: values[k].clone().view_as(key).to(key.dtype) for k in MOMENTS}}
+            local = local_shard(full, s.param, name, state.tp_rank, state.tp_size)
+            values[k] = local.reshape(-1)[s.start:s.end]
+        s.main.copy_(values.pop("main").view_as(s.main))
+        optimizer.restore_state(s, step, values)  # on the main tensor's device
 
 
 def _set_rng_state(state: dict, rng_tracker):

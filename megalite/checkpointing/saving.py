@@ -31,13 +31,14 @@ import torch.distributed as dist
 from torch import nn
 
 import megalite
-from megalite.checkpointing.storage import (apply_retention, commit, prepare_staging,
-                                           save_tensor_file, staging_dir)
+from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, checkpoint_dir,
+                                           commit, prepare_staging, save_tensor_file,
+                                           staging_dir)
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.params import is_embedding_copy, is_tensor_parallel, partition_dim
 
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def model_file(tp: int, pp: int) -> str:
@@ -55,14 +56,14 @@ def rng_file(rank: int) -> str:
 def canonical_name(name: str, param: nn.Parameter) -> str:
     """Chunk parameters are "<chunk>.<single-process name>"; a tied output layer on the
     last stage is a copy of the word embeddings."""
-    if getattr(param, "embedding_copy", False):
+    if is_embedding_copy(param):
         return "embedding.word_embeddings.weight"
     return name.split(".", 1)[1]
 
 
 def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
     return {canonical_name(n, p): p for n, p in chunks.named_parameters()
-            if not getattr(p, "embedding_copy", False)}
+            if not is_embedding_copy(p)}
 
 
 def layout_of(state: ParallelState, chunks: nn.ModuleList, zero: bool) -> dict:
@@ -90,7 +91,7 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                     state: ParallelState, config, train_state, rng_tracker=None) -> Path:
     """Every rank calls this at the same iteration; returns the published directory."""
     optimizer.finish_param_gather()
-    zero = getattr(optimizer, "dp_group", None) is not None
+    zero = optimizer.sharded
     layout = layout_of(state, chunks, zero)
     ckpt = config.checkpoint
     if dist.get_rank() == 0:
@@ -102,8 +103,8 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
         # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
         # torch.save would write the whole buffer.
         save_tensor_file({"params": {n: _cpu_copy(p) for n, p in params.items()},
-                          "partition_dims": {n: p.partition_dim for n, p in params.items()
-                                             if getattr(p, "tensor_model_parallel", False)}},
+                          "partition_dims": {n: partition_dim(p) for n, p in params.items()
+                                             if is_tensor_parallel(p)}},
                          staging / model_file(state.tp_rank, state.pp_rank))
     if ckpt.save_optim and (zero or state.dp_rank == 0):
         names = {id(p): n for n, p in params.items()}
@@ -126,22 +127,23 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
         final = commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
         apply_retention(save, ckpt.keep_last)
     dist.barrier()
-    return final or Path(save) / f"iter_{iteration:07d}"
+    return final or checkpoint_dir(save, iteration)
 
 
 def _optimizer_shard(optimizer, names: dict[int, str]) -> dict:
     segments, step = {}, 0
-    for param, start, end, main, key in optimizer.checkpoint_segments():
-        if getattr(param, "embedding_copy", False):
+    for s in optimizer.segments:
+        if is_embedding_copy(s.param):
             continue
-        adam = optimizer.adam.state.get(key, {})
+        adam = optimizer.adam.state.get(s.main, {})
         if "step" in adam:
             step = int(adam["step"].item())
-        entry = {"range": torch.tensor([start, end]), "main": _cpu_copy(main, torch.float32)}
+        entry = {"range": torch.tensor([s.start, s.end]),
+                 "main": _cpu_copy(s.main.reshape(-1), torch.float32)}
         for moment in MOMENTS:
             if moment in adam:
                 entry[moment] = _cpu_copy(adam[moment].reshape(-1))
-        segments[names[id(param)]] = entry
+        segments[names[id(s.param)]] = entry
     return {"step": step, "segments": segments}
 
 
@@ -163,13 +165,9 @@ def _rng_state(rng_tracker) -> dict:
 
 
 def model_fields(model_config) -> dict:
+    """The fields of storage.RECORDED_FIELDS that `model_config` has."""
     fields = dataclasses.asdict(model_config)
-    # How the model is run, not what it is: free to differ on load.
-    for key in ("attention_backend", "sequence_parallel", "attention_dropout",
-                "hidden_dropout", "padded_vocab_size", "recompute_granularity",
-                "recompute_method", "recompute_num_layers"):
-        fields.pop(key)
-    return fields
+    return {f: fields[f] for f in RECORDED_FIELDS if f in fields}
 
 
 def _jsonable(value):

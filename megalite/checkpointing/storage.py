@@ -39,6 +39,10 @@ MODEL_FIELDS = (
 """What makes weights mean the same model. Not padded_vocab_size: it depends on TP and is
 resharded on load. Not norm_epsilon: it shapes no weight, and checkpoints converted from other
 codebases legitimately run with another epsilon (1e-5 vs 1e-6)."""
+RECORDED_FIELDS = MODEL_FIELDS + ("seq_length", "norm_epsilon", "init_method_std")
+"""The model config a checkpoint records (metadata "model"): the compared fields and the
+rest of what rebuilds the model (tools/convert_checkpoint.py), not how it is run (backend,
+dropout, recompute, sequence parallelism), which is free to differ on load."""
 
 _ITER_DIR = re.compile(r"iter_(\d{7,})")
 _LEFTOVER_DIR = re.compile(r"iter_(\d{7,})\.(tmp|old)")
@@ -54,7 +58,8 @@ def checkpoint_dir(save: str | Path, iteration: int) -> Path:
 
 def staging_dir(save: str | Path, iteration: int) -> Path:
     """Deterministic, so every rank writes its shard there without being told the name."""
-    return Path(save) / f"iter_{iteration:07d}.tmp"
+    final = checkpoint_dir(save, iteration)
+    return final.with_name(final.name + ".tmp")
 
 
 @contextmanager

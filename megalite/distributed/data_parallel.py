@@ -2,7 +2,7 @@
 
 Parameters are cut, in order, into buckets of at most --ddp-bucket-size elements of one
 dtype, so a model of thousands of tensors costs a handful of collectives per step. Both
-the plain data-parallel gradient buffer and ZeRO-1 (optimizer/distributed_optimizer.py)
+the plain data-parallel gradient buffer and ZeRO-1 (optimizer/mixed_precision.py)
 lay their flat buffers out this way (grad_buffer.bucket_layout).
 """
 

@@ -8,7 +8,7 @@ with one collective on the buffer itself, no copies:
 
 - plain data parallelism: an all-reduce, so every rank holds the summed gradient;
 - ZeRO-1 (`shard=True`): a reduce-scatter, after which DP rank r holds the sum of shard r
-  of every bucket, the part its optimizer owns (optimizer/distributed_optimizer.py).
+  of every bucket, the part its optimizer owns (optimizer/mixed_precision.py).
 
 When the buffer has the parameters' dtype, `param.grad` is the same view and autograd
 accumulates into it in place. With --accumulate-allreduce-grads-in-fp32 and bf16/fp16

@@ -1,5 +1,14 @@
 """AdamW with the pieces Megatron wraps around it: weight-decay groups, fp16 loss-scale
-unscaling with a skip on overflow, and global grad-norm clipping."""
+unscaling with a skip on overflow, and global grad-norm clipping.
+
+`Optimizer.step` is the one step skeleton (Megatron's `MixedPrecisionOptimizer.step`):
+gather the fp32 gradients, unscale and check for overflow (fp16), grad norm, clip, AdamW,
+copy the main parameters back into the model. Each stage is one fused or foreach kernel
+over all gradients, never a Python loop of kernels per parameter. The plain optimizer steps
+the model's fp32 parameters themselves; mixed_precision.py's keeps fp32 main copies.
+"""
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -7,6 +16,25 @@ from torch import nn
 
 from megalite.config import OptimizerConfig
 from megalite.parallel_state import group_rank, group_size
+from megalite.tensor_parallel.params import is_embedding_copy, is_tensor_parallel
+
+
+@dataclass
+class Segment:
+    """The part [start, end) of `param` (flattened) whose optimizer state this rank keeps.
+    `main` is the fp32 tensor AdamW steps and keys its state by: the parameter itself in
+    the plain optimizer, an fp32 main copy of the piece otherwise. Under ZeRO-1 the piece
+    is elements [flat_start, flat_start + end - start) of bucket `bucket`'s flat buffers."""
+    param: nn.Parameter
+    start: int
+    end: int
+    main: torch.Tensor
+    bucket: int = 0
+    flat_start: int = 0
+
+    @property
+    def flat(self) -> slice:
+        return slice(self.flat_start, self.flat_start + self.end - self.start)
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -15,69 +43,39 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.ndim == 1
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if no_weight_decay(name, param) else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
-
-
 def params_for_norm(params: list[torch.Tensor], tp_group) -> list[torch.Tensor]:
     """Each distinct parameter once across the model-parallel group: shards count on every
     rank, replicated parameters (norms, row-parallel biases) only on TP rank 0, and the
     last pipeline stage's copy of a tied embedding not at all."""
     first = group_rank(tp_group) == 0
-    return [p for p in params if not getattr(p, "embedding_copy", False)
-            and (getattr(p, "tensor_model_parallel", False) or first)]
+    return [p for p in params if not is_embedding_copy(p) and (is_tensor_parallel(p) or first)]
 
 
-@torch.no_grad()
-def global_grad_norm(grads: list[torch.Tensor], groups=()) -> torch.Tensor:
-    """L2 norm of all gradients together, accumulated in fp32, summed over every rank of
-    `groups` (each rank passes its own gradients, each counted once)."""
-    device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.zeros((), device=device, dtype=torch.float32)
-    for g in grads:
-        squares += torch.linalg.vector_norm(g.float()) ** 2
-    for group in groups:
-        if group_size(group) > 1:
-            dist.all_reduce(squares, group=group)
-    return squares.sqrt()
+def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all `grads`, in fp32: one foreach kernel, no per-tensor loop."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
-@torch.no_grad()
-def found_nonfinite(grads: list[torch.Tensor], group=None) -> bool:
-    """Whether any gradient on any rank of `group` (None: this rank alone) holds an inf or
-    NaN, so that every rank of the group skips the same fp16 overflow step."""
-    device = grads[0].device if grads else torch.device("cpu")
-    flag = torch.zeros((), device=device)
-    for g in grads:
-        flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
-    if group_size(group) > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
-
-
-@torch.no_grad()
-def clip_grads(params: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor):
-    """Megatron's rule: scale by max_norm / (norm + 1e-6) only when that is below 1."""
-    coeff = max_norm / (total_norm.item() + 1.0e-6)
-    if coeff < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coeff)
+def adamw_kernel(params: list[torch.Tensor]) -> dict:
+    """torch's fused AdamW when every tensor is a CUDA float, else the foreach one."""
+    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 class Optimizer:
     """One optimizer step: unscale (fp16), check for overflow, clip, AdamW.
 
     `model_parallel_group` holds every rank with a different piece of the same model
-    replica: the grad norm and the overflow decision are agreed across it, so all its
-    ranks clip by the same factor and skip the same steps. Data-parallel gradients arrive
-    already summed in .grad (megalite/distributed/grad_buffer.py).
+    replica: the grad norm and the overflow decision are agreed across it (and across DP
+    when the state is sharded), so all ranks clip by the same factor and skip the same
+    steps. Data-parallel gradients arrive already summed (megalite/distributed/grad_buffer.py).
     """
+
+    sharded = False
+    """Whether each DP rank keeps only its shard of the optimizer state (ZeRO-1)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None):
@@ -85,10 +83,21 @@ class Optimizer:
         self.grad_scaler = grad_scaler
         self.model_parallel_group = model_parallel_group
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.norm_params = params_for_norm(self.params, tp_group)
+        self.segments = self._owned_segments()
+        counted = {id(p) for p in params_for_norm(self.params, tp_group)}
+        self._norm_segments = [s for s in self.segments if id(s.param) in counted]
+        no_decay = {id(p) for n, p in model.named_parameters() if no_weight_decay(n, p)}
+        mains = [s.main for s in self.segments]
         self.adam = torch.optim.AdamW(
-            parameter_groups(model, config.weight_decay), lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+            [{"params": [s.main for s in self.segments if id(s.param) not in no_decay],
+              "weight_decay": config.weight_decay},
+             {"params": [s.main for s in self.segments if id(s.param) in no_decay],
+              "weight_decay": 0.0}],
+            lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            **adamw_kernel(mains))
+
+    def _owned_segments(self) -> list[Segment]:
+        return [Segment(p, 0, p.numel(), p) for p in self.params]
 
     @property
     def param_groups(self):
@@ -98,44 +107,75 @@ class Optimizer:
     def loss_scale(self) -> float:
         return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
 
+    def _reduce_groups(self) -> list:
+        """The groups whose ranks hold different gradients of one model replica."""
+        return [self.model_parallel_group]
+
     def zero_grad(self):
         for p in self.params:
             p.grad = None
+        for s in self.segments:
+            s.main.grad = None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.loss_scale
 
+    def _load_main_grads(self):
+        """Point each main tensor's .grad at its fp32 gradient: here the parameters' own."""
+
+    def _copy_main_to_params(self):
+        """Nothing to copy: AdamW updated the parameters in place."""
+
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None]:
-        """Returns (update applied, grad norm). An fp16 overflow skips the update."""
+    def step(self, before_update=None) -> tuple[bool, float | None]:
+        """Returns (update applied, grad norm). An fp16 overflow skips the update.
+        `before_update(squares)`, if given, sees this rank's share of the squared grad norm
+        before any parameter changes (a non-finite one means a NaN or inf gradient here)."""
+        self._load_main_grads()
+        grads = [s.main.grad for s in self.segments if s.main.grad is not None]
+        groups = [g for g in self._reduce_groups() if group_size(g) > 1]
         if self.grad_scaler is not None:
-            inv_scale = 1.0 / self.grad_scaler.scale
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(inv_scale)
-            found_inf = found_nonfinite([p.grad for p in self.params if p.grad is not None],
-                                        self.model_parallel_group)
-            self.grad_scaler.update(found_inf)
-            if found_inf:
+            found_inf = torch.zeros((), device=grads[0].device if grads else "cpu")
+            inv_scale = torch.full((), 1.0 / self.grad_scaler.scale, device=found_inf.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            for group in groups:  # max over DP shards and model-parallel pieces
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+            overflow = bool(found_inf.item())
+            self.grad_scaler.update(overflow)
+            if overflow:
                 self.zero_grad()
                 return False, None
-        grad_norm = global_grad_norm([p.grad for p in self.norm_params if p.grad is not None],
-                                     [self.model_parallel_group])
-        if self.config.clip_grad > 0:
-            clip_grads(self.params, self.config.clip_grad, grad_norm)
+        squares = squared_norm([s.main.grad for s in self._norm_segments
+                                if s.main.grad is not None])
+        if before_update is not None:
+            before_update(squares)
+        squares = squares.clone()
+        for group in groups:  # each rank's squares are disjoint: DP shards, TP pieces
+            dist.all_reduce(squares, group=group)
+        grad_norm = squares.sqrt().item()
+        # Megatron's rule: scale by max_norm / (norm + 1e-6) only when that is below 1.
+        coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
+        if self.config.clip_grad > 0 and coeff < 1.0:
+            torch._foreach_mul_(grads, coeff)
         self.adam.step()
-        return True, grad_norm.item()
-
-    def checkpoint_segments(self) -> list[tuple]:
-        """(param, start, end, main, state key) for each piece of a parameter whose state
-        this rank keeps: here every parameter whole, its own fp32 main copy."""
-        return [(p, 0, p.numel(), p.detach().view(-1), p) for p in self.params]
+        self._copy_main_to_params()
+        return True, grad_norm
 
     def finish_param_gather(self):
         """Nothing in flight: the parameters are updated in place by step()."""
 
-    def state_dict(self) -> dict:
-        state = {"adam": self.adam.state_dict()}
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
+    def reload_main_params(self):
+        """Nothing to reload after a model-only load: the parameters are the main copy."""
+
+    @torch.no_grad()
+    def restore_state(self, segment: Segment, step: int, moments: dict[str, torch.Tensor]):
+        """AdamW's state of `segment` from a checkpoint, where torch's AdamW keeps it: the
+        moments with the main tensor (device and dtype), the step count on the host
+        unless the kernel is fused (torch's `_process_value_according_to_param_policy`)."""
+        main = segment.main
+        fused = self.adam.defaults.get("fused")
+        self.adam.state[main] = {
+            "step": torch.tensor(float(step), dtype=torch.float32,
+                                 device=main.device if fused else "cpu"),
+            **{k: v.reshape(main.shape).to(main.device, main.dtype, copy=True)
+               for k, v in moments.items()}}

@@ -13,7 +13,7 @@ from megalite.validation import pad_vocab_size
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, build_model_chunks
-from megalite.optimizer.distributed_optimizer import DistributedOptimizer
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
@@ -65,8 +65,8 @@ def run(config, chunks, state, shape, mode="plain"):
         grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group,
                                  3000 if zero else 5000, shard=zero, overlap=overlap)
     if zero:
-        optimizer = DistributedOptimizer(chunks, opt_config, None, tp_group, mp_group,
-                                         grad_buffer, overlap_param_gather=overlap)
+        optimizer = MixedPrecisionOptimizer(chunks, opt_config, None, tp_group, mp_group,
+                                            grad_buffer, overlap_param_gather=overlap)
     else:
         optimizer = Optimizer(chunks, opt_config, tp_group=tp_group, model_parallel_group=mp_group)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)

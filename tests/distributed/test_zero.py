@@ -8,7 +8,7 @@ from megalite.config import OptimizerConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
-from megalite.optimizer.distributed_optimizer import DistributedOptimizer
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.parallel_state import ParallelState, RankGrid
 
@@ -25,8 +25,8 @@ def model_and_optimizer(state, scaler=None):
     # One bucket for the model, and one of its own for the (tied) word embeddings, so
     # the closed form of the shards is simple.
     grad_buffer = GradBuffer(list(model.parameters()), dp_group, 10 ** 9, shard=True)
-    optimizer = DistributedOptimizer(model, OptimizerConfig(lr=1e-3), scaler, None, None,
-                                     grad_buffer)
+    optimizer = MixedPrecisionOptimizer(model, OptimizerConfig(lr=1e-3), scaler, None, None,
+                                        grad_buffer)
     return model, optimizer
 
 
