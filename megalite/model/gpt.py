@@ -115,6 +115,7 @@ class GPTModel(nn.Module):
         self.config = config
         self.tp_group = tp_group
         self.stage = stage or Stage(chunk=0, pp_rank=0, pp_size=1, num_chunks=1)
+        self.pre_process, self.post_process = self.stage.is_first, self.stage.is_last
         self.embedding = Embedding(config, tp_group, rng_tracker) if self.pre_process else None
         self.decoder = Decoder(config, self.stage.layers(config.num_layers), self.post_process,
                                tp_group, rng_tracker)
@@ -134,16 +135,6 @@ class GPTModel(nn.Module):
         self._rotary: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
         initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
-
-    @property
-    def pre_process(self) -> bool:
-        """Whether this chunk embeds the tokens (the first pipeline stage)."""
-        return self.stage.is_first
-
-    @property
-    def post_process(self) -> bool:
-        """Whether this chunk computes the logits and the loss (the last pipeline stage)."""
-        return self.stage.is_last
 
     @property
     def rotary_angles(self) -> torch.Tensor | None:
