@@ -26,7 +26,7 @@ from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.attention_backends import resolve_backend
-from megalite.model.gpt import build_model_chunks
+from megalite.model.gpt import activation_shape, build_model_chunks
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
@@ -95,11 +95,12 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
         config.model.attention_backend, device, dtype))
     seed = config.training.seed
     # Megatron's --bf16/--fp16: the model's parameters (and so its activations) in half
-    # precision, initialised in fp32 and rounded; the optimizer keeps fp32 main copies.
+    # precision, built on `device` in that dtype (initial values drawn there in fp32 and
+    # rounded); the optimizer keeps fp32 main copies.
     return build_model_chunks(
         model_config, seed, state.pp_rank, state.pp_size,
         config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
-        rng_tracker).to(device=device, dtype=dtype)
+        rng_tracker, device=device, dtype=dtype)
 
 
 def build_optimizer(model: nn.Module, config: Config,
@@ -129,9 +130,9 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     model = build_model(config, state, device, rng_tracker)
     optimizer, grad_buffer = build_optimizer(model, config, state)
     t, m = config.training, config.model
-    seq = m.seq_length // state.tp_size if m.sequence_parallel else m.seq_length
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        (seq, t.micro_batch_size, m.hidden_size), device, state, grad_buffer,
+                        activation_shape(m, t.micro_batch_size, state.tp_size), device, state,
+                        grad_buffer,
                         check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16)
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()

@@ -19,12 +19,16 @@ from megalite.model.norms import build_norm
 from megalite.model.rotary import rotary_frequencies
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel_state import group_rank, group_size
+from megalite.pipeline_parallel.stages import Stage, rank_stages
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                gather_from_sequence_parallel_region,
                                                gather_from_tensor_model_parallel_region,
                                                scatter_to_sequence_parallel_region)
+from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_shared_embedding,
+                                             mark_shared_embedding, pad_vocab_rows,
+                                             partition_dim, tp_shard)
 from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
 
 
@@ -114,41 +118,36 @@ def _run_layers(layers: list[nn.Module]):
 
 
 class GPTModel(nn.Module):
-    """The whole model, or one pipeline stage's chunk of it (`layers`, with the embedding
-    when `pre_process` and the final norm, output layer and loss when `post_process`),
+    """The whole model, or one pipeline stage's chunk of it (`stage`: its layers, with the
+    embedding on the first stage and the final norm, output layer and loss on the last),
     and of that this tensor-parallel rank's shard (`tp_group`)."""
 
     def __init__(self, config: GPTConfig, seed: int, tp_group=None, rng_tracker=None,
-                 layers: range | None = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 stage: Stage | None = None):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
-        self.pre_process, self.post_process = pre_process, post_process
-        self.embedding = Embedding(config, tp_group, rng_tracker) if pre_process else None
-        self.decoder = Decoder(config, range(config.num_layers) if layers is None else layers,
-                               post_process, tp_group, rng_tracker)
+        self.stage = stage or Stage(chunk=0, pp_rank=0, pp_size=1, num_chunks=1)
+        self.pre_process, self.post_process = self.stage.is_first, self.stage.is_last
+        self.embedding = Embedding(config, tp_group, rng_tracker) if self.pre_process else None
+        self.decoder = Decoder(config, self.stage.layers(config.num_layers), self.post_process,
+                               tp_group, rng_tracker)
         self.output_layer = None
         tied = not config.untie_embeddings_and_output_weights
-        if post_process and not (tied and pre_process):
+        if self.post_process and not (tied and self.pre_process):
             self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size,
                                                      group=tp_group, bias=False,
                                                      sequence_parallel=config.sequence_parallel)
-            # A tied output layer on a later pipeline stage than the embedding is a copy of
-            # the word embeddings: same initial values, grads summed over the embedding group.
-            self.output_layer.weight.shared_embedding = tied
-            self.output_layer.weight.embedding_copy = tied  # not counted in the grad norm
+            if tied:
+                # A tied output layer on a later pipeline stage than the embedding is a copy
+                # of the word embeddings: same initial values, grads summed over the
+                # embedding group, counted once.
+                mark_shared_embedding(self.output_layer.weight, copy=True)
+        if tied and self.pre_process:
+            mark_shared_embedding(self.embedding.word_embeddings.weight, copy=False)
         self._rotary: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
-        for name, param in self.named_parameters():
-            if "layernorm" in name:
-                # Under SP each rank's norm sees a different shard: its grads are partial
-                # sums that must be all-reduced across the TP group.
-                param.sequence_parallel = config.sequence_parallel
-        if tied and pre_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
-        if not next(self.parameters()).is_meta:  # the memory planner's build: shapes only
-            initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
+        initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
 
     @property
     def rotary_angles(self) -> torch.Tensor | None:
@@ -171,8 +170,10 @@ class GPTModel(nn.Module):
         c = self.config
         shard = c.padded_vocab_size // group_size(self.tp_group)
         first = group_rank(self.tp_group) * shard
-        real = c.vocab_size or c.padded_vocab_size
-        return torch.arange(first, first + shard) >= real if first + shard > real else None
+        vocab = c.vocab_size or c.padded_vocab_size
+        if first + shard <= vocab:  # decided on the host: the mask may be built on `meta`
+            return None
+        return torch.arange(first, first + shard) >= vocab
 
     def output_weight(self) -> torch.Tensor:
         if self.output_layer is None:
@@ -223,20 +224,36 @@ class GPTModel(nn.Module):
 
 
 def build_model_chunks(config: GPTConfig, seed: int, pp_rank: int = 0, pp_size: int = 1,
-                       num_chunks: int = 1, tp_group=None, rng_tracker=None) -> nn.ModuleList:
-    """This pipeline rank's model chunks, one per virtual stage. Chunk c on rank r is
-    global stage c*p + r and holds L/(p*v) layers from c*L/v + r*L/(p*v) (DESIGN.md §5);
-    the first stage has the embedding, the last the output layer and loss."""
-    per_chunk = config.num_layers // (pp_size * num_chunks)
-    chunks = nn.ModuleList()
-    for chunk in range(num_chunks):
-        first_layer = chunk * config.num_layers // num_chunks + pp_rank * per_chunk
-        stage = chunk * pp_size + pp_rank
-        chunks.append(GPTModel(config, seed, tp_group, rng_tracker,
-                               layers=range(first_layer, first_layer + per_chunk),
-                               pre_process=stage == 0,
-                               post_process=stage == pp_size * num_chunks - 1))
-    return chunks
+                       num_chunks: int = 1, tp_group=None, rng_tracker=None,
+                       device: torch.device | str | None = None,
+                       dtype: torch.dtype | None = None) -> nn.ModuleList:
+    """This pipeline rank's model chunks, one per virtual stage (`chunk.stage`: where it
+    sits, DESIGN.md §5), built directly on `device` in `dtype` (default: the CPU, fp32).
+    On `meta` the parameters get shapes and tags but no values (no initialisation)."""
+    with _creating_parameters(device, dtype):
+        return nn.ModuleList(GPTModel(config, seed, tp_group, rng_tracker, stage)
+                             for stage in rank_stages(pp_rank, pp_size, num_chunks))
+
+
+@contextlib.contextmanager
+def _creating_parameters(device, dtype):
+    """Every tensor the layers create inside is born on `device` in `dtype`, so no copy of
+    the model exists first on the host or in fp32 (Hugging Face's from_pretrained sets the
+    default dtype the same way). The initial values are drawn in fp32 all the same."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or default)
+    try:
+        with contextlib.nullcontext() if device is None else torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
+def activation_shape(config: GPTConfig, micro_batch_size: int, tp_size: int) -> tuple[int, ...]:
+    """The hidden states one pipeline stage sends the next, [seq, micro batch, hidden]:
+    this rank's sequence shard under sequence parallelism."""
+    seq = config.seq_length // tp_size if config.sequence_parallel else config.seq_length
+    return (seq, micro_batch_size, config.hidden_size)
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -246,8 +263,11 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int) -> torch.Tensor:
-    """The full (unsharded) initial tensor of parameter `name`, on the CPU in fp32.
+def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """The full (unsharded) initial tensor of parameter `name`, in fp32 on `device`, drawn
+    by a generator of that device (CPU and CUDA generators differ: the weights are the same
+    at every layout on one kind of device, DESIGN.md §3).
 
     Megatron's init: biases 0, norm weights 1, everything else normal(0, std), except the
     projections that write into the residual stream (attention output, MLP down), whose
@@ -255,34 +275,35 @@ def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int) ->
     not grow with depth. Vocabulary rows are drawn for the real vocabulary only and the
     padding rows are zero, so the values do not depend on how much padding TP needs.
     """
+    fp32 = dict(dtype=torch.float32, device=device)
     if name.endswith(".bias"):
-        return torch.zeros(shape)
+        return torch.zeros(shape, **fp32)
     if "layernorm" in name:
-        return torch.ones(shape)
+        return torch.ones(shape, **fp32)
     std = config.init_method_std
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std /= math.sqrt(2.0 * config.num_layers)
     rows = shape[0]
-    if name.endswith(("word_embeddings.weight", "output_layer.weight")) and config.vocab_size:
+    if name.endswith(VOCAB_PARAMS) and config.vocab_size:
         rows = config.vocab_size
-    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    values = torch.empty((rows, *shape[1:])).normal_(0.0, std, generator=generator)
-    return torch.cat([values, torch.zeros((shape[0] - rows, *shape[1:]))])
+    generator = torch.Generator(device=device).manual_seed(parameter_seed(seed, name))
+    values = torch.empty((rows, *shape[1:]), **fp32).normal_(0.0, std, generator=generator)
+    return pad_vocab_rows(values, shape[0])
 
 
 @torch.no_grad()
 def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_rank: int = 0,
                           tp_size: int = 1):
-    """Every parameter from its full single-process value: a tensor-parallel shard takes
-    its block of the full tensor, so any TP size starts from the same weights."""
+    """Every parameter from its full single-process value, drawn on the parameter's device:
+    a tensor-parallel shard takes its block of the full tensor, so any TP size starts from
+    the same weights. Parameters on `meta` (a model built only to be measured) are left."""
     for name, param in model.named_parameters():
-        if getattr(param, "shared_embedding", False):
+        if param.is_meta:
+            continue
+        if is_shared_embedding(param):
             name = "embedding.word_embeddings.weight"  # a tied output layer starts equal
-        if getattr(param, "tensor_model_parallel", False):
-            dim = param.partition_dim
-            shape = list(param.shape)
-            shape[dim] *= tp_size
-            full = initial_value(name, torch.Size(shape), config, seed)
-            param.copy_(full.chunk(tp_size, dim=dim)[tp_rank])
-        else:
-            param.copy_(initial_value(name, param.shape, config, seed))
+        shape = list(param.shape)
+        if partition_dim(param) is not None:
+            shape[partition_dim(param)] *= tp_size
+        full = initial_value(name, torch.Size(shape), config, seed, param.device)
+        param.copy_(tp_shard(full, param, name, tp_rank, tp_size))

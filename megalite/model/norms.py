@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from megalite.model.config import GPTConfig
+from megalite.tensor_parallel.params import mark_sequence_parallel
 
 
 class RMSNorm(nn.Module):
@@ -24,5 +25,11 @@ class RMSNorm(nn.Module):
 
 def build_norm(config: GPTConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
-        return RMSNorm(config.hidden_size, config.norm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+        norm = RMSNorm(config.hidden_size, config.norm_epsilon)
+    else:
+        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+    for param in norm.parameters():
+        # Under SP each rank's norm sees a different sequence shard: its grads are partial
+        # sums to all-reduce across the TP group.
+        mark_sequence_parallel(param, config.sequence_parallel)
+    return norm

@@ -3,7 +3,7 @@
 Each rank executes its action list in order; an action starts when the rank's previous
 action has finished and the action it depends on, on whichever rank, has finished. Sends
 are free and asynchronous, so the only waiting is for data. Dependencies, with chunk c on
-rank r being global stage s = c*p + r of S = p*v stages:
+rank r being global stage s of S = p*v stages (`stages.Stage`):
 - forward of (microbatch, s) needs forward of (microbatch, s-1);
 - backward of (microbatch, s) needs its own forward and backward of (microbatch, s+1).
 If every rank is waiting on an action no rank can run next, the schedules deadlock.
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, Action
+from megalite.pipeline_parallel.stages import Stage
 
 
 class DeadlockError(RuntimeError):
@@ -37,25 +38,17 @@ class Simulation:
         return Fraction(self.makespan - self.busy, self.busy)
 
 
-def _stage(rank: int, action: Action, pp_size: int) -> int:
-    return action.chunk * pp_size + rank
-
-
-def _dependencies(rank: int, action: Action, pp_size: int, num_stages: int) -> list[tuple]:
-    s, mb = _stage(rank, action, pp_size), action.microbatch
+def _dependencies(action: Action, stage: Stage) -> list[tuple]:
+    s, mb = stage.index, action.microbatch
     if action.kind == FORWARD:
-        return [(FORWARD, mb, s - 1)] if s > 0 else []
-    deps = [(FORWARD, mb, s)]
-    if s < num_stages - 1:
-        deps.append((BACKWARD, mb, s + 1))
-    return deps
+        return [] if stage.is_first else [(FORWARD, mb, s - 1)]
+    return [(FORWARD, mb, s)] + ([] if stage.is_last else [(BACKWARD, mb, s + 1)])
 
 
 def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_cost: int = 1,
              backward_cost: int = 2) -> Simulation:
     """Execute `schedules[r]` on rank r for all r; raise DeadlockError if they get stuck."""
     p = len(schedules)
-    num_stages = p * num_chunks
     cost = {FORWARD: forward_cost, BACKWARD: backward_cost}
     finish, clock, nxt = {}, [0] * p, [0] * p
     while any(nxt[r] < len(schedules[r]) for r in range(p)):
@@ -63,12 +56,13 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_cost: i
         for r in range(p):
             while nxt[r] < len(schedules[r]):
                 action = schedules[r][nxt[r]]
-                deps = _dependencies(r, action, p, num_stages)
+                stage = Stage(action.chunk, r, p, num_chunks)
+                deps = _dependencies(action, stage)
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[r]] + [finish[d] for d in deps])
                 clock[r] = start + cost[action.kind]
-                finish[(action.kind, action.microbatch, _stage(r, action, p))] = clock[r]
+                finish[(action.kind, action.microbatch, stage.index)] = clock[r]
                 nxt[r] += 1
                 progressed = True
         if not progressed:

@@ -3,14 +3,14 @@
 Activations are sequence-first, [seq, batch, hidden]; under sequence parallelism the
 activations between layers are sharded along seq, [seq / tp, batch, hidden].
 
-Sharded parameters carry `tensor_model_parallel = True` and `partition_dim`, so the model
-initialises every layout from the same full tensor:
-    param.copy_(full.chunk(tp, dim=param.partition_dim)[tp_rank])
-Replicated parameters carry `tensor_model_parallel = False`. A replicated parameter whose
-gradient differs across the TP group (it sees only this rank's sequence shard: row-parallel
-biases and norms under sequence parallelism) carries `sequence_parallel = True`; sum those
-grads with `allreduce_sequence_parallel_grads` before the optimizer step.
-The default values are zeros: the model overwrites every parameter.
+Every parameter is tagged where it is created (`megalite/tensor_parallel/params.py`): a
+sharded one as tensor parallel along its `partition_dim`, so the model initialises every
+layout from the same full tensor (`params.tp_shard`); a replicated one whose gradient
+differs across the TP group (it sees only this rank's sequence shard: row-parallel biases
+and norms under sequence parallelism) as sequence parallel: sum those grads with
+`allreduce_sequence_parallel_grads` before the optimizer step.
+Parameters start as zeros, on the current default device and dtype (the model builds them
+where they will live) and overwrites every one.
 """
 
 import torch
@@ -20,6 +20,8 @@ from torch import nn
 
 from megalite.errors import ConfigError
 from megalite.parallel_state import group_rank, group_size
+from megalite.tensor_parallel.params import (is_sequence_parallel, mark_sequence_parallel,
+                                             mark_tensor_parallel)
 from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
@@ -35,10 +37,8 @@ def _divide(size: int, tp: int, what: str) -> int:
 
 def _parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool = False):
     param = nn.Parameter(torch.zeros(*shape))
-    param.tensor_model_parallel = partition_dim is not None
-    if partition_dim is not None:
-        param.partition_dim = partition_dim
-    param.sequence_parallel = sequence_parallel
+    mark_tensor_parallel(param, partition_dim)
+    mark_sequence_parallel(param, sequence_parallel)
     return param
 
 
@@ -153,8 +153,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def allreduce_sequence_parallel_grads(params, group):
-    """Sum across the TP group the grads of replicated parameters marked
-    `sequence_parallel = True`: one flat buffer and one all-reduce per dtype."""
+    """Sum across the TP group the grads of replicated parameters tagged sequence parallel:
+    one flat buffer and one all-reduce per dtype."""
     if group_size(group) == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -162,7 +162,7 @@ def allreduce_sequence_parallel_grads(params, group):
         # Under data parallelism the gradient lives in the buffer view p.main_grad
         # (megalite/distributed/grad_buffer.py), which may be fp32 while p is bf16.
         grad = getattr(p, "main_grad", p.grad)
-        if getattr(p, "sequence_parallel", False) and grad is not None:
+        if is_sequence_parallel(p) and grad is not None:
             by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])

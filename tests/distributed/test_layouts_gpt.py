@@ -12,10 +12,11 @@ from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.validation import pad_vocab_size
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.config import GPTConfig
-from megalite.model.gpt import GPTModel, build_model_chunks
+from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.tensor_parallel.params import is_embedding_copy
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
@@ -53,7 +54,7 @@ def batches(generator, state):
     return all_batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
 
 
-def run(config, chunks, state, shape, mode="plain"):
+def run(config, chunks, state, mode="plain"):
     """10 steps; returns per-step (loss, grad norm), first-step grads, eval (sum, tokens)."""
     tp_group = state.tp_group if state else None
     mp_group = state.mp_group if state else None
@@ -70,6 +71,7 @@ def run(config, chunks, state, shape, mode="plain"):
     else:
         optimizer = Optimizer(chunks, opt_config, tp_group=tp_group, model_parallel_group=mp_group)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
+    shape = activation_shape(config, MICRO, state.tp_size if state else 1)
     runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
                         torch.device("cpu"), state, grad_buffer)
     generator = torch.Generator().manual_seed(3)
@@ -96,7 +98,7 @@ def reference_name(name: str, param) -> str:
     """Chunk parameter names are "<chunk>.<name in the single-process model>"; a tied
     output layer on the last stage is a copy of the word embeddings."""
     name = name.split(".", 1)[1]
-    return "embedding.word_embeddings.weight" if getattr(param, "embedding_copy", False) else name
+    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name
 
 
 def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
@@ -106,8 +108,8 @@ def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
                                  sequence_parallel=tp > 1)
     reference = torch.nn.ModuleList([GPTModel(ref_config, seed=9)])
     chunks = build_model_chunks(config, 9, state.pp_rank, pp, v, state.tp_group)
-    ref_steps, ref_grads, ref_eval = run(ref_config, reference, None, (SEQ, MICRO, 32))
-    steps, grads, evaluation = run(config, chunks, state, (SEQ // tp, MICRO, 32), mode)
+    ref_steps, ref_grads, ref_eval = run(ref_config, reference, None)
+    steps, grads, evaluation = run(config, chunks, state, mode)
     problems = []
     last_stage = state.pp_rank == pp - 1
     for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps), start=1):

@@ -10,7 +10,7 @@ import torch
 
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.model.config import GPTConfig
-from megalite.model.gpt import build_model_chunks
+from megalite.model.gpt import activation_shape, build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.random import build_rng_tracker
@@ -42,8 +42,8 @@ def loss_and_grads(config, state, tp, pp, v):
                                 state.tp_group if state else None, tracker)
     optimizer = Optimizer(chunks, OptimizerConfig(lr=0.0, clip_grad=0.0),
                           model_parallel_group=state.mp_group if state else None)
-    seq = SEQ // tp if config.sequence_parallel else SEQ
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(), 2, (seq, MICRO, 32),
+    runner = StepRunner(chunks, optimizer, PrecisionConfig(), 2,
+                        activation_shape(config, MICRO, tp),
                         torch.device("cpu"), state)
     generator = torch.Generator().manual_seed(5)
     batches = [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),

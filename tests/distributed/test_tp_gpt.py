@@ -15,10 +15,11 @@ import torch.distributed as dist
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.validation import pad_vocab_size
 from megalite.model.config import GPTConfig
-from megalite.model.gpt import GPTModel
+from megalite.model.gpt import GPTModel, activation_shape
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
+from megalite.tensor_parallel.params import partition_dim
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
@@ -43,11 +44,11 @@ CASES = {
 def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
     """The full tensor of a TP-sharded parameter's `tensor` (its value or grad), gathered
     with plain dist.all_gather; replicated parameters are returned as they are."""
-    if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
+    if partition_dim(param) is None or dist.get_world_size(group) == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+    return torch.cat(parts, dim=partition_dim(param))
 
 
 def compare_case(case: dict, state: ParallelState) -> list[str]:
@@ -88,8 +89,9 @@ def compare_training(reference_config, tp_config, state: ParallelState) -> list[
         tp_group = run_state.tp_group if run_state else None
         model = GPTModel(config, seed=5, tp_group=tp_group)
         optimizer = Optimizer(model, opt_config, tp_group=tp_group, model_parallel_group=tp_group)
+        shape = activation_shape(config, 2, run_state.tp_size if run_state else 1)
         runner = StepRunner(torch.nn.ModuleList([model]), optimizer, PrecisionConfig(), 2,
-                            (16, 2, 64), torch.device("cpu"), run_state)
+                            shape, torch.device("cpu"), run_state)
         generator = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(10):
