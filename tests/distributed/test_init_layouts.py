@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.config import pad_vocab_size
+from megalite.validation import pad_vocab_size
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid
