@@ -130,7 +130,7 @@ class PipelineCommunicator:
         self.prev_rank = grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank - 1) % p)
         self.group = state.pp_group
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.pending: list = []  # (works, tensor) of sends, held until wait_all
+        self.pending: list = []  # (works to wait, tensor) per send, held until wait_all
         self.bytes_sent = 0
 
     def exchange(self, batch: list[Transfer], outbox: dict) -> dict:
@@ -147,11 +147,13 @@ class PipelineCommunicator:
                 tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 received[transfer.message] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.group))
-        works = dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(ops)  # NCCL returns one work for the whole batch
         if received:
-            for work in works:  # NCCL returns one work for the whole batch
+            for work in works:
                 work.wait()
-        self.pending += [(works, tensor) for tensor in sends]
+            works = []  # a gloo work waited twice blocks forever
+        # Sent tensors are held until wait_all; the batch's works are waited once.
+        self.pending += [(works if i == 0 else [], t) for i, t in enumerate(sends)]
         return received
 
     def _checked(self, tensor: torch.Tensor) -> torch.Tensor:
