@@ -133,6 +133,16 @@ def test_unpaired_order_deadlocks(p, m, v):
                 for r in range(p)])
 
 
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (3, 9, 4)])
+def test_pairing_from_one_rank_list_deadlocks_interleaved(p, m, v):
+    """Why the plan reads every rank's list: Megatron's 1F1B pairing applied to each
+    interleaved list alone hangs where the last rank's activations wrap to the first."""
+    with pytest.raises(Deadlock):
+        replay([[list(b) for b in megatron_pairing(build_schedule(p, r, m, v),
+                                                   rank_stages(r, p, v)) if b]
+                for r in range(p)])
+
+
 def test_replay_catches_swapped_receives():
     # p=2 interleaved: rank 1 receives activations and gradients from rank 0; two of them
     # in swapped order still match in count and shape, but not in message.

@@ -18,8 +18,9 @@ the action after it:
   after the receive of the sender's next message, so two ranks agree on the order).
 Then the batch before either end of a message is earlier on the clock than the other
 end: the waiting batch earliest on the clock would wait for a peer at an earlier batch,
-so none waits forever. For 1F1B this is exactly Megatron's pairing; interleaved it
-also pairs the last rank's sends to the first rank, which wrap around a chunk.
+so none waits forever. For 1F1B this is exactly Megatron's pairing (each action's list
+alone would do); interleaved, the last rank's activations wrap round to the first rank
+on a clock the first rank's own list does not show, so the plan reads every rank's.
 """
 
 from dataclasses import dataclass
