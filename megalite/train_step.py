@@ -21,7 +21,7 @@ from megalite.errors import NumericalError
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, all_gather_into, group_size
 from megalite.pipeline_parallel.executor import run_schedule
-from megalite.pipeline_parallel.p2p import PipelineCommunicator
+from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.params import is_shared_embedding
@@ -68,13 +68,16 @@ class StepRunner:
         self.state = state
         pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
         v = len(chunks)
-        self.schedule = build_schedule(pp, pp_rank, num_microbatches, v)
-        self.eval_schedule = forward_only(pp, pp_rank, num_microbatches, v)
+        # Each rank's p2p batches are paired with its neighbours', so plan from every rank's list.
+        self.schedule = communication_plan(
+            [build_schedule(pp, r, num_microbatches, v) for r in range(pp)], v)[pp_rank]
+        self.eval_schedule = communication_plan(
+            [forward_only(pp, r, num_microbatches, v) for r in range(pp)], v)[pp_rank]
         self.comm = None
         if pp > 1:
             # Activations travel in the parameters' dtype (bf16/fp16 or fp32).
             dtype = next(chunks.parameters()).dtype
-            self.comm = PipelineCommunicator(state, v, activation_shape, dtype, device)
+            self.comm = PipelineCommunicator(state, activation_shape, dtype, device)
 
     def _autocast(self):
         return autocast(self.precision, self.device)

@@ -1,51 +1,55 @@
-"""One executor for every schedule: run this rank's list of (forward|backward,
-microbatch, chunk) actions, receiving inputs from the previous stage and sending outputs
-to the next, and accumulate the loss on the last stage."""
+"""One executor for every schedule: run this rank's plan (p2p.py), its list of
+(forward|backward, microbatch, chunk) actions with, before each, the batch of sends and
+receives that meets the neighbours' batches, and accumulate the loss on the last stage."""
 
 from typing import Callable
 
 import torch
 
-from megalite.pipeline_parallel.p2p import PipelineCommunicator
-from megalite.pipeline_parallel.schedules import Action
+from megalite.pipeline_parallel.p2p import PipelineCommunicator, RankPlan, action_messages
+from megalite.pipeline_parallel.schedules import FORWARD
 
 
-def run_schedule(actions: list[Action], chunks, microbatches: list[dict],
+def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
                  comm: PipelineCommunicator | None, loss_fn: Callable, backward_scale: Callable,
                  autocast: Callable, forward_only: bool = False) -> torch.Tensor:
     """Returns the sum of loss_fn(per-token losses, microbatch) over the microbatches (on
     the last pipeline stage; zero elsewhere). `backward_scale` maps that loss to what
     backward starts from (the fp16 loss scale). Without pipelining `comm` is None: the
-    one stage is both first and last and nothing is sent."""
-    num_stages = comm.pp_size * comm.num_chunks if comm is not None else 1
+    one stage is both first and last and the plan sends nothing."""
     saved: dict[tuple[int, int], tuple] = {}
+    inbox, outbox = {}, {}  # received and not yet used; computed and not yet sent
     total = torch.zeros((), device=microbatches[0]["tokens"].device)
-    for action in actions:
+    for action, batch in zip(plan.actions, plan.batches):
+        if batch:
+            inbox.update(comm.exchange(batch, outbox))
         key = (action.microbatch, action.chunk)
-        stage = comm.stage(action.chunk) if comm is not None else 0
-        first, last = stage == 0, stage == num_stages - 1
-        batch = microbatches[action.microbatch]
-        if action.kind == "forward":
-            x = batch["tokens"] if first else comm.recv_forward(*key)
-            if not first and not forward_only:
+        stage = plan.stages[action.chunk]
+        wanted, sent = action_messages(action, stage)
+        mb = microbatches[action.microbatch]
+        if action.kind == FORWARD:
+            x = mb["tokens"] if wanted is None else inbox.pop(wanted)
+            if wanted is not None and not forward_only:
                 x.requires_grad_()
             with autocast():
-                out = chunks[action.chunk](x, batch["labels"] if last else None)
-            if last:
-                out = loss_fn(out, batch)
+                out = chunks[action.chunk](x, mb["labels"] if stage.is_last else None)
+            if stage.is_last:
+                out = loss_fn(out, mb)
                 total += out.detach()
             else:
-                comm.send_forward(out, *key)
+                outbox[sent] = out
             if not forward_only:
                 saved[key] = (x, out)
         else:
             x, out = saved.pop(key)
-            if last:
+            if stage.is_last:
                 torch.autograd.backward(backward_scale(out))
             else:
-                torch.autograd.backward(out, comm.recv_backward(*key))
-            if not first:
-                comm.send_backward(x.grad, *key)
+                torch.autograd.backward(out, inbox.pop(wanted))
+            if sent is not None:
+                outbox[sent] = x.grad
+    if plan.batches[-1]:
+        comm.exchange(plan.batches[-1], outbox)
     if comm is not None:
         comm.wait_all()
     return total

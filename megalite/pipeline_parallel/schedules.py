@@ -1,9 +1,10 @@
 """Pipeline schedules as pure functions (DESIGN.md §5; Narayanan et al. 2021, §2.2).
 
 A schedule is this rank's ordered list of `Action`s: forward or backward of one microbatch
-through one model chunk. Nothing here communicates; the executor walks the list and does
-the p2p send/recv each action implies, and tests/test_schedules.py simulates all ranks'
-lists together to check they cannot deadlock and reach the paper's bubble.
+through one model chunk. Nothing here communicates; p2p.py pairs the sends and receives
+the actions imply into batches that meet the neighbours' (from all ranks' lists), the
+executor runs them, and tests/test_schedules.py simulates all ranks' lists together to
+check they cannot deadlock and reach the paper's bubble.
 
 Placement the schedules assume: with p pipeline ranks and v chunks per rank, chunk c on
 rank r is global stage `c*p + r`. Stage s's forward of a microbatch needs stage s-1's
