@@ -12,8 +12,8 @@
 #   docs/benchmarks.md.)
 # Global batch: 1024 sequences x 4096 tokens = 4.2M tokens per step (micro-batch 1,
 #   64 micro-batches per GPU per step); 65k steps = 273B tokens (20 tokens per parameter).
-# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 55.84 GiB total (70%)
-#   params 12.12 | grads 12.12 | optimizer 4.55 | fp32 main grads 1.52 | activations 25.53
+# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 53.96 GiB total (67%)
+#   params 12.12 | grads 12.12 | optimizer 4.55 | fp32 main grads 1.52 | activations 23.66
 #
 #   On each node i of 4 (NODE_RANK=i, MASTER_ADDR=node 0's address):
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=node0 DATA_PATH=data/my_text_document \

@@ -31,19 +31,18 @@ residual stream is [s/t, b, h] under sequence parallelism, else [s, b, h]):
 - each norm: LayerNorm its input and mean/rstd; RMSNorm (computed in fp32) the fp32
   input, fp32 normalised values and the fp32 rsqrt;
 - each column-parallel linear its input: under SP the all-gathered [s, b, h] (megalite
-  keeps it instead of all-gathering again in backward, tensor_parallel/layers.py), one
-  per linear, so SwiGLU's gate and up projections keep two; without SP the norm output,
-  shared by the linears when it is contiguous, else each linear's own contiguous copy;
+  keeps it instead of all-gathering again in backward, tensor_parallel/layers.py; SwiGLU's
+  gate and up are one fused linear); without SP the norm output, or its contiguous copy;
 - attention: the fused QKV output [s, b, q + 2k] (V is a view of it, so all of it stays),
   rotated copies of Q and K under RoPE (a copy of Q under GQA), the attention output and
   the flash/SDPA log-sum-exp [b, heads, s] in fp32; `unfused` adds the s x s softmax
   probabilities (and the dropout mask) per head;
 - MLP: GeLU keeps fc1's output and the GeLU output ([s, b, f/t] each), SwiGLU four
-  such tensors (gate, silu(gate), up, their product);
+  such tensors (fc1's [gate; up] output, silu(gate), their product);
 - each residual dropout its mask.
 Korthikanti et al. 2022 (eq. 2: sbh(34 + 5as/h)) count the same things for an unfused
 fp16 GPT; megalite differs where its kernels do (no s x s scores under flash/SDPA, fp32
-norm internals, two gathered inputs for SwiGLU under SP).
+norm internals).
 
 Recompute (Korthikanti et al. 2022 §4; Megatron's flags): `full` keeps only the input
 [s(/t), b, h] of each recomputed group (uniform: groups of --recompute-num-layers layers;
@@ -222,9 +221,8 @@ def _layer_parameters(config: Config) -> list[_Param]:
     params = _norm_parameters(config)
     params += linear("linear_qkv", qkv, h, qkv) + linear("linear_proj", h, q, h, True)
     params += _norm_parameters(config)
-    params += linear("linear_fc1", f, h, f)
-    if m.swiglu:
-        params += linear("linear_fc1_gate", f, h, f)
+    up = 2 if m.swiglu else 1  # SwiGLU's fc1 is [gate; up]
+    params += linear("linear_fc1", up * f, h, up * f)
     return params + linear("linear_fc2", h, f, h, True)
 
 
@@ -323,19 +321,18 @@ def norm_output_bytes(config: Config, x: _Shapes, consumers: int, contiguous: bo
     Under SP each gathers [s, b, h] itself. Otherwise one shared tensor when the norm
     output can be used as is (LayerNorm returns a contiguous tensor), else one copy per
     linear: RMSNorm keeps the residual stream's layout, which is [b, s, h] in memory on
-    the embedding's stage (a transposed view), and under CUDA autocast the fp32 LayerNorm
-    output is cast to bf16/fp16 by each linear."""
+    the embedding's stage (a transposed view). (LayerNorm casts its fp32 output under CUDA
+    autocast back to bf16/fp16 itself, norms.py.)"""
     full = x.a * x.s * x.b * x.h
     if x.sp:
         return consumers * full
-    layer_norm = config.model.normalization == "LayerNorm"
-    cast_per_linear = layer_norm and x.mixed and x.device.autocast_fp32_norm_softmax
-    shared = (layer_norm or contiguous) and not cast_per_linear
+    shared = config.model.normalization == "LayerNorm" or contiguous
     return full if shared else consumers * full
 
 
 def qkv_saved_bytes(config: Config, x: _Shapes, kernel_keeps_qkv: bool = True) -> int:
-    """Q, K and V as the attention keeps them, and RoPE's cos/sin tables.
+    """Q, K and V as the attention keeps them (RoPE's cos/sin table is the model's, read
+    by every layer: not an activation).
     flash/SDPA (and the selective-recompute checkpoint) keep Q, K, V: views of the fused
     QKV output, which therefore stays whole, plus the rotated Q and K under RoPE, or Q's
     copy under GQA (reshaping Q out of the grouped layout copies it). `unfused` repeats
@@ -346,14 +343,12 @@ def qkv_saved_bytes(config: Config, x: _Shapes, kernel_keeps_qkv: bool = True) -
     rope = m.position_embedding_type == "rope"
     q_is_copy = rope or m.num_attention_heads != m.num_query_groups
     fused = x.a * sb * (x.q + 2 * x.kv)
-    # cos and sin of the fp32 angles, for Q and for K: four [s, rotary dim] fp32 tables.
-    tables = 4 * 4 * x.s * int(m.kv_channels * m.rotary_percent) if rope else 0
     if kernel_keeps_qkv:
         copies = x.a * sb * (x.q + x.kv if rope else x.q if q_is_copy else 0)
-        return fused + copies + tables
+        return fused + copies
     if x.mixed:
-        return tables
-    return tables + (x.a * sb * x.q if q_is_copy else fused)
+        return 0
+    return x.a * sb * x.q if q_is_copy else fused
 
 
 def core_attention_bytes(config: Config, x: _Shapes) -> int:
@@ -410,11 +405,10 @@ def layer_saved_bytes(config: Config, x: _Shapes, contiguous: bool = True) -> in
     `contiguous`: the residual stream is [s, b, h] in memory (SP, or a stage fed by the
     previous one) rather than the embedding's transposed [b, s, h]."""
     selective = getattr(config.model, "recompute_granularity", None) == "selective"
-    mlp_inputs = 2 if config.model.swiglu else 1
     return (2 * norm_saved_bytes(config, x)
             + norm_output_bytes(config, x, 1, contiguous)
             + attention_saved_bytes(config, x, selective)
-            + norm_output_bytes(config, x, mlp_inputs, contiguous)
+            + norm_output_bytes(config, x, 1, contiguous)
             + mlp_saved_bytes(config, x))
 
 
