@@ -295,7 +295,7 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std, attention_backend=_attention_backend(args),
         sequence_parallel=parallel.sequence_parallel, vocab_size=vocab_size,
-        **_recompute(args),
+        compile_layers=args.compile_layers, **_recompute(args),
     )
 
 

@@ -179,7 +179,7 @@ def model_fields(model_config) -> dict:
     # How the model is run, not what it is: free to differ on load.
     for key in ("attention_backend", "sequence_parallel", "attention_dropout",
                 "hidden_dropout", "padded_vocab_size", "recompute_granularity",
-                "recompute_method", "recompute_num_layers"):
+                "recompute_method", "recompute_num_layers", "compile_layers"):
         fields.pop(key)
     return fields
 

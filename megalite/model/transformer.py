@@ -54,6 +54,8 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config, tp_group)
         self.dropout = SequenceParallelDropout(config, rng_tracker)
+        if config.compile_layers:
+            self.compile()  # in place: parameter names and the module tree stay as they are
 
     def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
         x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary_angles))
