@@ -5,6 +5,7 @@ The model is nanoGPT's baby configuration (its shakespeare_char example: 4 layer
 1e-4 after 100 warm-up iterations, beta2 0.99, weight decay 0.1, clip 1.0). megalite runs as
 a user runs it, `pretrain_gpt.py` on --mock-data, one process; the plain loop is nanoGPT's
 model.py and train.py condensed (fp32 on a CPU, as nanoGPT runs there) on random tokens.
+(megalite keeps its LayerNorm biases, 1,152 of 0.8M parameters: it has no flag to drop them.)
 Runs alternate (megalite, plain, megalite, ...) so that a busy machine slows both alike;
 each reports its mean time per iteration after the first log interval (start-up).
 

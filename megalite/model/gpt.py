@@ -25,8 +25,7 @@ from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_reg
                                                gather_from_sequence_parallel_region,
                                                gather_from_tensor_model_parallel_region,
                                                scatter_to_sequence_parallel_region)
-from megalite.tensor_parallel.params import (is_tensor_parallel, partition_dim,
-                                             partition_stride, tp_shard)
+from megalite.tensor_parallel.params import partition_dim, partition_stride, tp_shard
 from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
 
 
@@ -256,15 +255,15 @@ def full_initial_value(name: str, param: nn.Parameter, config: GPTConfig, seed: 
     """The full tensor of `param`. SwiGLU's fused [gate; up] fc1 draws its two blocks as
     the separate gate and up projections did (`linear_fc1_gate.*`, `linear_fc1.*`), so
     the initial weights did not change when the two were fused."""
-    shape = list(param.shape)
-    if is_tensor_parallel(param):
-        shape[partition_dim(param)] *= tp_size
+    shape, dim = list(param.shape), partition_dim(param)
+    if dim is not None:
+        shape[dim] *= tp_size
     if partition_stride(param) == 1:
         return initial_value(name, torch.Size(shape), config, seed)
-    shape[0] //= 2
+    shape[dim] //= 2
     return torch.cat([initial_value(name.replace("linear_fc1", "linear_fc1_gate"),
                                     torch.Size(shape), config, seed),
-                      initial_value(name, torch.Size(shape), config, seed)])
+                      initial_value(name, torch.Size(shape), config, seed)], dim=dim)
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ through the predicates below, never with `getattr(p, "<tag>")` of its own:
   counted once (grad norm, optimizer, checkpoint) through the embedding itself.
 
 `tp_shard` cuts a full single-process tensor into this rank's block, the one rule that model
-initialisation and checkpoint loading share.
+initialisation and checkpoint loading share; `tp_unshard` joins the blocks of all ranks.
 """
 
 import torch
@@ -69,7 +69,8 @@ def pad_vocab_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
 def tp_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int,
              tp_size: int) -> torch.Tensor:
     """This TP rank's block of `full`, the single-process tensor of parameter `name`
-    (vocabulary rows padded to this layout's padded vocabulary first)."""
+    (vocabulary rows padded to this layout's padded vocabulary first; of a stacked
+    parameter, its block of each part)."""
     if name.endswith(VOCAB_PARAMS):
         full = pad_vocab_rows(full, param.shape[0] * (tp_size if is_tensor_parallel(param) else 1))
     dim = partition_dim(param)

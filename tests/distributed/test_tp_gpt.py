@@ -41,12 +41,16 @@ CASES = {
 
 def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
     """The full tensor of a TP-sharded parameter's `tensor` (its value or grad), gathered
-    with plain dist.all_gather; replicated parameters are returned as they are."""
+    with plain dist.all_gather; replicated parameters are returned as they are. A stacked
+    parameter (SwiGLU's fc1, [gate; up]) holds a block of each part on every rank: the
+    full tensor is all ranks' gate blocks, then all ranks' up blocks."""
     if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    blocks = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
 
 
 def compare_case(case: dict, state: ParallelState) -> list[str]:
