@@ -75,6 +75,10 @@ def _model(parser):
                    help="full: checkpoint groups of --recompute-num-layers layers (uniform), "
                         "or the first --recompute-num-layers layers of each stage (block).")
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--compile-layers", action="store_true",
+                   help="torch.compile each transformer layer (megalite's own flag; Megatron "
+                        "has none). Same results within bf16 round-off; the first steps "
+                        "compile, which takes a while.")
 
 
 def _parallelism(parser):

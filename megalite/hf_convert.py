@@ -23,6 +23,7 @@ Layouts (why this is more than a renaming table):
   of group 1, ...] (megalite/model/attention.py). HF GPT-2's c_attn is [Q; K; V], HF
   Llama has q/k/v_proj, each head-major; query head i reads K/V head i // (heads /
   groups) in both (HF `repeat_kv`), so regrouping the rows is all it takes.
+- megalite's SwiGLU fc1 is HF Llama's gate_proj and up_proj stacked, [gate; up].
 - HF GPT-2's `Conv1D` (transformers/pytorch_utils.py, y = x @ W + b) stores weights
   [in, out], the transpose of nn.Linear's [out, in] that megalite and HF Llama use.
 - RoPE is the non-interleaved rotate-half form in both (megalite/model/rotary.py, HF
@@ -63,8 +64,9 @@ _LLAMA_LAYER = {"input_layernorm": "input_layernorm",
                 "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj",
                                               "self_attn.v_proj"),
                 "self_attention.linear_proj": "self_attn.o_proj",
-                "pre_mlp_layernorm": "post_attention_layernorm", "mlp.linear_fc1": "mlp.up_proj",
-                "mlp.linear_fc1_gate": "mlp.gate_proj", "mlp.linear_fc2": "mlp.down_proj"}
+                "pre_mlp_layernorm": "post_attention_layernorm",
+                "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+                "mlp.linear_fc2": "mlp.down_proj"}
 _EMBEDDING = "embedding.word_embeddings.weight"
 _OUTPUT = "output_layer.weight"
 
@@ -99,8 +101,9 @@ def model_style(c: GPTConfig) -> str:
 
 
 def _name_pairs(style: str, c: GPTConfig) -> list[tuple[str, tuple[str, ...], bool]]:
-    """(megalite name, its HF names, transposed) for every megalite tensor. QKV is the one
-    with three HF tensors (Llama) or one in another row order (GPT-2)."""
+    """(megalite name, its HF names, transposed) for every megalite tensor. QKV has three
+    HF tensors (Llama) or one in another row order (GPT-2); Llama's fused fc1 is
+    [gate_proj; up_proj] (megalite/model/transformer.py's MLP)."""
     gpt2 = style == "GPT-2"
     top = "transformer." if gpt2 else "model."
     pairs = [(_EMBEDDING, top + ("wte.weight" if gpt2 else "embed_tokens.weight"))]
@@ -174,7 +177,8 @@ def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torc
     hf = {}
     for ours, theirs, transposed in pairs:
         t = state_dict[ours][:vocab] if ours in (_EMBEDDING, _OUTPUT) else state_dict[ours]
-        parts = _split_qkv(c, t) if "linear_qkv" in ours else (t,)
+        parts = (_split_qkv(c, t) if "linear_qkv" in ours
+                 else t.chunk(len(theirs)) if len(theirs) > 1 else (t,))
         if len(parts) > len(theirs):
             parts = (torch.cat(parts),)  # GPT-2's c_attn is [Q; K; V]
         for name, part in zip(theirs, parts):
@@ -296,7 +300,7 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
         parts = [sd[t].t() if transposed else sd[t] for t in theirs]
         if "linear_qkv" in name:
             parts = [_fuse_qkv(c, *(parts if len(parts) == 3 else parts[0].chunk(3)))]
-        ours[name] = parts[0].contiguous()
+        ours[name] = torch.cat(parts).contiguous()
     return fields, ours
 
 

@@ -181,7 +181,7 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
         attention_backend=_attention_backend(args, kv_channels),
         # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
         sequence_parallel=args.sequence_parallel and tp > 1, vocab_size=vocab_size,
-        **_recompute(args))
+        compile_layers=args.compile_layers, **_recompute(args))
 
 
 def _ffn_size(args, tp: int) -> int:

@@ -66,15 +66,20 @@ def tool():
 
 def full_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """The single-process tensors of a checkpoint: for each pipeline stage, its TP shard
-    files' pieces concatenated along the partition dim they record (saving.py's format)."""
+    files' pieces concatenated along the partition dim they record, part by part for a
+    stacked parameter (saving.py's format: SwiGLU's fc1 is [gate; up], each split)."""
     layout = json.loads((directory / "metadata.json").read_text())["layout"]
     state = {}
     for pp in range(layout["pipeline_model_parallel_size"]):
         shards = [torch.load(directory / f"model_tp{t:02d}_pp{pp:03d}.pt", weights_only=True)
                   for t in range(layout["tensor_model_parallel_size"])]
-        dims = shards[0]["partition_dims"]
-        state.update({name: torch.cat([s["params"][name] for s in shards], dims[name])
-                      if name in dims else t for name, t in shards[0]["params"].items()})
+        dims, strides = shards[0]["partition_dims"], shards[0]["partition_strides"]
+        for name, t in shards[0]["params"].items():
+            if name in dims:
+                parts = [s["params"][name].chunk(strides.get(name, 1), dims[name])
+                         for s in shards]
+                t = torch.cat([p[i] for i in range(len(parts[0])) for p in parts], dims[name])
+            state[name] = t
     return state
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, initial_value
-from megalite.model.rotary import apply_rotary, rotary_frequencies
+from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 
 
 def make_config(**kw):
@@ -76,7 +76,7 @@ def test_rotary_closed_form():
     """Channel pair (i, i + d/2) at position m is rotated by angle m * base^(-2i/d)."""
     s, d, base = 5, 8, 10000
     x = torch.randn(s, 2, 3, d)
-    y = apply_rotary(x, rotary_frequencies(s, d, base))
+    y = apply_rotary(x, rotary_table(rotary_frequencies(s, d, base)))
     for m in range(s):
         for i in range(d // 2):
             theta = m * base ** (-2 * i / d)
@@ -88,7 +88,7 @@ def test_rotary_closed_form():
 
 def test_rotary_partial_leaves_the_rest():
     x = torch.randn(4, 1, 2, 8)
-    y = apply_rotary(x, rotary_frequencies(4, 4, 10000))
+    y = apply_rotary(x, rotary_table(rotary_frequencies(4, 4, 10000)))
     assert torch.equal(y[..., 4:], x[..., 4:])
 
 
@@ -147,7 +147,9 @@ def test_rotary_angles_stay_fp32_in_a_bf16_model():
                        max_position_embeddings=4096, padded_vocab_size=16,
                        position_embedding_type="rope")
     model = GPTModel(config, seed=0).to(torch.bfloat16)
-    angles = model.rotary_angles
-    assert angles.dtype == torch.float32
-    assert torch.equal(angles, rotary_frequencies(4096, 8, config.rotary_base))
+    table = model.rotary_angles
+    angles = rotary_frequencies(4096, 8, config.rotary_base)
+    assert table.dtype == angles.dtype == torch.float32
+    assert torch.equal(table[:, 0], angles.cos()) and torch.equal(table[:, 1], angles.sin())
     assert angles[4001, 0] - angles[4000, 0] == 1.0  # distinct positions, distinct angles
+    assert model.rotary_angles is table  # computed once, read by every layer

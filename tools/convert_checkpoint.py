@@ -41,7 +41,6 @@ from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
-from megalite.tensor_parallel.params import partition_dim  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -82,7 +81,7 @@ def full_state_dict(directory: Path, meta: dict) -> tuple[GPTConfig, dict[str, t
     padded_vocab_size follows them. A tied model has no output_layer.weight, as in the
     single-process model."""
     saved = SavedCheckpoint(directory, meta)
-    state = {name: saved.param(name) for name in saved.stage_of}
+    state = {name: saved.param(name) for name in saved.names}
     if EMBEDDING not in state:
         raise CheckpointError(f"checkpoint {directory} has no {EMBEDDING}")
     try:
@@ -115,32 +114,30 @@ def _layout_text(layout: dict) -> str:
 
 # --- import: HF -> megalite ----------------------------------------------------------------
 
-def saved_partition_dims(config: GPTConfig) -> dict[str, int | None]:
-    """Every saved parameter's name -> its tensor-parallel split dim (None: replicated),
-    as the single-process model marks them for saving.py. Which parameters split, and
-    along which dim, depends on the modules and not on their widths, so the model is
-    built 2 wide: a full-size one would allocate and initialise every weight just to be
-    asked this."""
+def saved_shard_layout(config: GPTConfig) -> tuple[list[str], dict]:
+    """Every saved parameter's name, and saving.shard_layout of the single-process model
+    (which parameters split over TP, along which dim, stacked how). That depends on the
+    modules and not on their widths, so the model is built 2 wide: a full-size one would
+    allocate and initialise every weight just to be asked this."""
     narrow = dataclasses.replace(config, hidden_size=2, ffn_hidden_size=2, kv_channels=2,
                                  padded_vocab_size=2, vocab_size=None, seq_length=2,
                                  max_position_embeddings=2, rotary_percent=1.0)
     params = saving.saved_params(nn.ModuleList([GPTModel(narrow, seed=0)]))
-    return {name: partition_dim(p) for name, p in params.items()}
+    return list(params), saving.shard_layout(params)
 
 
 def save_single_process_checkpoint(save: str, config: GPTConfig,
                                    state: dict[str, torch.Tensor], source: str) -> Path:
     """Iteration 0 of a one-process run, model only: the files and metadata
     saving.save_checkpoint writes, which loading.load_checkpoint reshards to any layout."""
-    dims = saved_partition_dims(config)
-    names = set(dims)
+    names, shard_layout = saved_shard_layout(config)
+    names = set(names)
     if set(state) != names:
         raise ConfigError(f"the imported weights do not match the megalite model: missing "
                           f"{sorted(names - set(state))}, unexpected "
                           f"{sorted(set(state) - names)}")
     staging = prepare_staging(save, 0)
-    save_tensor_file({"params": state,
-                      "partition_dims": {n: d for n, d in dims.items() if d is not None}},
+    save_tensor_file({"params": state, **shard_layout},
                      staging / saving.model_file(0, 0))
     layout = SINGLE_PROCESS_LAYOUT
     metadata = {"format_version": saving.FORMAT_VERSION,

@@ -3,8 +3,8 @@
 Each parameter is rebuilt as the full single-process tensor from the saved shards, then
 cut for this rank (see saving.py for the files). The same goes for each optimizer tensor
 (fp32 main copy, Adam moments): the DP segments of every saved TP shard are placed at
-their ranges, the TP shards concatenated, and this rank's owned range taken out. Files
-are memory-mapped, so a rank reads only the pieces it touches.
+their ranges, the TP shards joined (params.tp_unshard), and this rank's owned range taken
+out. Files are memory-mapped, so a rank reads only the pieces it touches.
 """
 
 import random
@@ -21,7 +21,11 @@ from megalite.checkpointing.storage import (CheckpointError, check_model_compati
                                             find_checkpoint_to_load, load_tensor_file,
                                             read_metadata)
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.params import tp_shard
+from megalite.tensor_parallel.params import tp_shard, tp_unshard
+
+# Before SwiGLU's gate and up were fused into linear_fc1 = [gate; up], the gate was saved
+# as its own parameter; such checkpoints still load (SavedCheckpoint._legacy_gate).
+_LEGACY_GATE = "linear_fc1_gate"
 
 
 class SavedCheckpoint:
@@ -46,18 +50,40 @@ class SavedCheckpoint:
             raise CheckpointError(f"checkpoint {self.directory} has no parameter {name}")
         return self.stage_of[name]
 
-    def _tp_shards(self, name: str) -> tuple[list[dict], int | None]:
+    @property
+    def names(self) -> list[str]:
+        """The single-process parameter names this checkpoint gives values for."""
+        return [n for n in self.stage_of if _LEGACY_GATE not in n]
+
+    def _tp_shards(self, name: str) -> tuple[list[dict], int | None, int]:
         files = [self._file(model_file(t, self._stage(name))) for t in range(self.tp)]
-        return files, files[0]["partition_dims"].get(name)
+        return (files, files[0]["partition_dims"].get(name),
+                files[0].get("partition_strides", {}).get(name, 1))
+
+    def _legacy_gate(self, name: str) -> str | None:
+        """The separate gate projection a SwiGLU checkpoint saved before gate and up were
+        fused into linear_fc1 (transformer.MLP), if `name` is such a checkpoint's up."""
+        gate = name.replace("mlp.linear_fc1.", f"mlp.{_LEGACY_GATE}.")
+        return gate if gate != name and gate in self.stage_of else None
 
     def param(self, name: str) -> torch.Tensor:
-        files, dim = self._tp_shards(name)
-        shards = [f["params"][name] for f in files]
-        return torch.cat(shards, dim) if dim is not None and len(shards) > 1 else shards[0]
+        if (gate := self._legacy_gate(name)) is not None:
+            return torch.cat([self._param(gate), self._param(name)])
+        return self._param(name)
+
+    def _param(self, name: str) -> torch.Tensor:
+        files, dim, stride = self._tp_shards(name)
+        return tp_unshard([f["params"][name] for f in files], dim, stride)
 
     def optimizer_tensor(self, name: str, key: str) -> torch.Tensor:
         """The full fp32 tensor `key` ("main", "exp_avg" or "exp_avg_sq") of `name`."""
-        files, dim = self._tp_shards(name)
+        if (gate := self._legacy_gate(name)) is not None:
+            return torch.cat([self._optimizer_tensor(gate, key),
+                              self._optimizer_tensor(name, key)])
+        return self._optimizer_tensor(name, key)
+
+    def _optimizer_tensor(self, name: str, key: str) -> torch.Tensor:
+        files, dim, stride = self._tp_shards(name)
         shards = []
         for t, f in enumerate(files):
             shape = f["params"][name].shape
@@ -82,7 +108,7 @@ class SavedCheckpoint:
                                       f"{name} (TP shard {t}) covers {covered} of "
                                       f"{flat.numel()} elements")
             shards.append(flat.view(shape))
-        return torch.cat(shards, dim) if dim is not None and len(shards) > 1 else shards[0]
+        return tp_unshard(shards, dim, stride)
 
     def _whole_segment(self, name: str, key: str, tp: int, shape) -> torch.Tensor | None:
         """`key` of TP shard `tp` when a single DP segment holds all of it (no ZeRO-1)."""

@@ -2,7 +2,8 @@
 
 Files of `iter_0000100/` (made visible atomically by storage.py):
   model_tp{t}_pp{p}.pt      DP rank 0 of each (TP, PP) pair: {"params": name -> this TP
-                            shard, "partition_dims": name -> dim of the TP split}
+                            shard, "partition_dims": name -> dim of the TP split,
+                            "partition_strides": name -> blocks of a stacked one}
   optim_tp{t}_pp{p}_dp{d}.pt  each DP rank whose optimizer owns state (all of them under
                             ZeRO-1, DP rank 0 otherwise): {"step": Adam's step count,
                             "segments": name -> {"range": [start, end) of the flattened TP
@@ -15,10 +16,11 @@ and the last stage's copy of a tied embedding is not saved: it is the embedding.
 
 Loading at another (TP, PP, v, DP) layout needs no converter: every parameter (and each
 of its optimizer tensors) is reassembled into the full single-process tensor from the
-saved shards (TP pieces concatenated along their partition dim, DP segments placed at
-their ranges) and cut again for this rank. Vocabulary padding, which depends on TP, is
-zero in weights and Adam moments alike, so it is dropped or added as zeros. RNG states
-only mean something at the same layout; at another they are left as seeded.
+saved shards (TP pieces joined along their partition dim by params.tp_unshard, DP
+segments placed at their ranges) and cut again for this rank. Vocabulary padding, which
+depends on TP, is zero in weights and Adam moments alike, so it is dropped or added as
+zeros. RNG states only mean something at the same layout; at another they are left as
+seeded.
 """
 
 import dataclasses
@@ -35,7 +37,7 @@ from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, ch
                                            commit, prepare_staging, save_tensor_file,
                                            staging_dir)
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.params import is_embedding_copy, is_tensor_parallel, partition_dim
+from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
 
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -64,6 +66,16 @@ def canonical_name(name: str, param: nn.Parameter) -> str:
 def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
     return {canonical_name(n, p): p for n, p in chunks.named_parameters()
             if not is_embedding_copy(p)}
+
+
+def shard_layout(params: dict[str, nn.Parameter]) -> dict:
+    """How the TP shards of a model file join into full tensors: the partition dim of each
+    split parameter, and the stride of each stacked one (params.mark_stacked; files
+    without "partition_strides" predate them and hold none)."""
+    return {"partition_dims": {n: partition_dim(p) for n, p in params.items()
+                               if partition_dim(p) is not None},
+            "partition_strides": {n: partition_stride(p) for n, p in params.items()
+                                  if partition_stride(p) > 1}}
 
 
 def layout_of(state: ParallelState, chunks: nn.ModuleList, zero: bool) -> dict:
@@ -103,8 +115,7 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
         # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
         # torch.save would write the whole buffer.
         save_tensor_file({"params": {n: _cpu_copy(p) for n, p in params.items()},
-                          "partition_dims": {n: partition_dim(p) for n, p in params.items()
-                                             if is_tensor_parallel(p)}},
+                          **shard_layout(params)},
                          staging / model_file(state.tp_rank, state.pp_rank))
     if ckpt.save_optim and (zero or state.dp_rank == 0):
         names = {id(p): n for n, p in params.items()}

@@ -81,34 +81,27 @@ def norm_saved_bytes(config: Config, x: _Shapes) -> int:
     return e * rows * x.h + 2 * e * rows
 
 
-def norm_output_bytes(config: Config, x: _Shapes, consumers: int, contiguous: bool) -> int:
-    """The input the column-parallel linears reading one norm's output save: one gathered
-    [s, b, h] each under SP, else one shared tensor or one copy per linear."""
-    full = x.a * x.s * x.b * x.h
-    if x.sp:
-        return consumers * full
-    layer_norm = config.model.normalization == "LayerNorm"
-    cast_per_linear = layer_norm and x.mixed and x.device.autocast_fp32_norm_softmax
-    shared = (layer_norm or contiguous) and not cast_per_linear
-    return full if shared else consumers * full
+def norm_output_bytes(config: Config, x: _Shapes) -> int:
+    """The input the column-parallel linear reading one norm's output saves (QKV, or the
+    fused fc1): the gathered [s, b, h] under SP, else the norm output or, for RMSNorm on
+    the embedding's transposed stream, its contiguous copy: one [s, b, h] either way."""
+    return x.a * x.s * x.b * x.h
 
 
 def qkv_saved_bytes(config: Config, x: _Shapes, kernel_keeps_qkv: bool = True) -> int:
     """Q, K and V as the attention keeps them (the fused QKV output, rotated or GQA
-    copies), and RoPE's cos/sin tables."""
+    copies). RoPE's cos/sin table is the model's, read by every layer: not an activation."""
     m = config.model
     sb = x.s * x.b
     rope = m.position_embedding_type == "rope"
     q_is_copy = rope or m.num_attention_heads != m.num_query_groups
     fused = x.a * sb * (x.q + 2 * x.kv)
-    # cos and sin of the fp32 angles, for Q and for K: four [s, rotary dim] fp32 tables.
-    tables = 4 * 4 * x.s * int(m.kv_channels * m.rotary_percent) if rope else 0
     if kernel_keeps_qkv:
         copies = x.a * sb * (x.q + x.kv if rope else x.q if q_is_copy else 0)
-        return fused + copies + tables
+        return fused + copies
     if x.mixed:
-        return tables
-    return tables + (x.a * sb * x.q if q_is_copy else fused)
+        return 0
+    return x.a * sb * x.q if q_is_copy else fused
 
 
 def core_attention_bytes(config: Config, x: _Shapes) -> int:
@@ -154,16 +147,13 @@ def mlp_saved_bytes(config: Config, x: _Shapes) -> int:
             + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h)
 
 
-def layer_saved_bytes(config: Config, x: _Shapes, contiguous: bool = True) -> int:
-    """One transformer layer, without recompute or with selective recompute.
-    `contiguous`: the residual stream is [s, b, h] in memory (SP, or a stage fed by the
-    previous one) rather than the embedding's transposed [b, s, h]."""
+def layer_saved_bytes(config: Config, x: _Shapes) -> int:
+    """One transformer layer, without recompute or with selective recompute."""
     selective = config.model.recompute_granularity == "selective"
-    mlp_inputs = 2 if config.model.swiglu else 1
     return (2 * norm_saved_bytes(config, x)
-            + norm_output_bytes(config, x, 1, contiguous)
+            + norm_output_bytes(config, x)
             + attention_saved_bytes(config, x, selective)
-            + norm_output_bytes(config, x, mlp_inputs, contiguous)
+            + norm_output_bytes(config, x)
             + mlp_saved_bytes(config, x))
 
 
@@ -176,10 +166,10 @@ def embedding_saved_bytes(config: Config, x: _Shapes) -> int:
     return total + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h
 
 
-def loss_saved_bytes(config: Config, x: _Shapes, contiguous: bool = True) -> int:
+def loss_saved_bytes(config: Config, x: _Shapes) -> int:
     """Final norm, the output layer's input, and the vocab-parallel cross-entropy's fp32
     softmax [s, b, V/t] with its target ids and out-of-shard mask."""
-    return (norm_saved_bytes(config, x) + norm_output_bytes(config, x, 1, contiguous)
+    return (norm_saved_bytes(config, x) + norm_output_bytes(config, x)
             + 4 * x.s * x.b * x.vocab + 8 * x.s * x.b + x.s * x.b)
 
 
@@ -201,7 +191,7 @@ class ChunkActivations:
 def chunk_activations(config: Config, x: _Shapes, num_layers: int, pre: bool,
                       post: bool) -> ChunkActivations:
     contiguous = x.sp or not pre
-    layer = layer_saved_bytes(config, x, contiguous)
+    layer = layer_saved_bytes(config, x)
     residual = x.a * x.seq * x.b * x.h
     saved, working = 0, 0
     for run, recomputed in recompute_groups(config.model, num_layers):
@@ -215,7 +205,7 @@ def chunk_activations(config: Config, x: _Shapes, num_layers: int, pre: bool,
     else:
         saved += 0 if _first_layer_keeps_input(config, x) else residual  # received input
     if post:
-        saved += loss_saved_bytes(config, x, contiguous)
+        saved += loss_saved_bytes(config, x)
     elif not contiguous:
         saved += residual  # the output [b, s, h] view; its contiguous copy is sent
     return ChunkActivations(saved, 0 if post else residual, 0 if pre else residual, working)

@@ -71,11 +71,11 @@ class SelfAttention(nn.Module):
         dropout = self.config.attention_dropout if self.training else 0.0
         # Attention dropout acts on this rank's heads only: its mask must differ per
         # TP rank, so it draws from the model-parallel RNG stream.
-        with self._model_parallel_rng():
+        with self._model_parallel_rng(dropout):
             return core_attention(q, k, v, backend=self.config.attention_backend,
                                   dropout_p=dropout)
 
-    def _model_parallel_rng(self):
-        if self.rng_tracker is None:
+    def _model_parallel_rng(self, dropout: float):
+        if self.rng_tracker is None or dropout == 0.0:  # no draws: no generator swap
             return contextlib.nullcontext()
         return self.rng_tracker.fork(MODEL_PARALLEL_RNG)

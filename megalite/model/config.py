@@ -39,6 +39,8 @@ class GPTConfig:
     """With "full": "uniform" (groups of recompute_num_layers layers) or "block" (the
     first recompute_num_layers layers of each model chunk)."""
     recompute_num_layers: int = 1
+    compile_layers: bool = False
+    """torch.compile each transformer layer (--compile-layers)."""
 
     @property
     def query_projection_size(self) -> int:

@@ -16,7 +16,7 @@ from torch import nn
 
 from megalite.model.config import GPTConfig
 from megalite.model.norms import build_norm
-from megalite.model.rotary import rotary_frequencies
+from megalite.model.rotary import rotary_frequencies, rotary_table
 from megalite.model.transformer import TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
@@ -28,7 +28,7 @@ from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_reg
                                                scatter_to_sequence_parallel_region)
 from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_shared_embedding,
                                              mark_shared_embedding, pad_vocab_rows,
-                                             partition_dim, tp_shard)
+                                             partition_dim, partition_stride, tp_shard)
 from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
 
 
@@ -151,16 +151,18 @@ class GPTModel(nn.Module):
 
     @property
     def rotary_angles(self) -> torch.Tensor | None:
-        """RoPE angles [seq_length, rotary dim] in fp32 on the parameters' device. Not a
-        buffer: .to(bfloat16) would round them, and in bf16 neighbouring positions above
-        256 get the same angle."""
+        """RoPE's cos/sin table [seq_length, 2, rotary dim] (rotary.rotary_table), computed
+        once on the parameters' device and read by every layer. fp32, and not a buffer:
+        .to(bfloat16) would round it, and bf16 angles of neighbouring positions above 256
+        are equal."""
         c = self.config
         if c.position_embedding_type != "rope":
             return None
         device = next(self.parameters()).device
         if self._rotary is None or self._rotary.device != device:
-            self._rotary = rotary_frequencies(c.seq_length, int(c.kv_channels * c.rotary_percent),
-                                              c.rotary_base, device=device)
+            self._rotary = rotary_table(rotary_frequencies(
+                c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base,
+                device=device))
         return self._rotary
 
     def _padded_vocab_mask(self) -> torch.Tensor | None:
@@ -291,6 +293,23 @@ def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int,
     return pad_vocab_rows(values, shape[0])
 
 
+def full_initial_value(name: str, param: nn.Parameter, config: GPTConfig, seed: int,
+                       tp_size: int) -> torch.Tensor:
+    """The full tensor of `param`. SwiGLU's fused [gate; up] fc1 draws its two blocks as
+    the separate gate and up projections did (`linear_fc1_gate.*`, `linear_fc1.*`), so
+    the initial weights did not change when the two were fused."""
+    shape, dim = list(param.shape), partition_dim(param)
+    if dim is not None:
+        shape[dim] *= tp_size
+    if partition_stride(param) == 1:
+        return initial_value(name, torch.Size(shape), config, seed, param.device)
+    shape[dim] //= 2
+    return torch.cat([initial_value(name.replace("linear_fc1", "linear_fc1_gate"),
+                                    torch.Size(shape), config, seed, param.device),
+                      initial_value(name, torch.Size(shape), config, seed, param.device)],
+                     dim=dim)
+
+
 @torch.no_grad()
 def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_rank: int = 0,
                           tp_size: int = 1):
@@ -302,8 +321,5 @@ def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_ran
             continue
         if is_shared_embedding(param):
             name = "embedding.word_embeddings.weight"  # a tied output layer starts equal
-        shape = list(param.shape)
-        if partition_dim(param) is not None:
-            shape[partition_dim(param)] *= tp_size
-        full = initial_value(name, torch.Size(shape), config, seed, param.device)
+        full = full_initial_value(name, param, config, seed, tp_size)
         param.copy_(tp_shard(full, param, name, tp_rank, tp_size))

@@ -1,6 +1,8 @@
-"""LayerNorm and RMSNorm, selected by --normalization."""
+"""LayerNorm and RMSNorm, selected by --normalization: torch's fused kernels
+(F.layer_norm, F.rms_norm), each returning its input's dtype."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megalite.model.config import GPTConfig
@@ -18,16 +20,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        y = F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose output has its input's dtype. CUDA autocast runs layer_norm in
+    fp32 and returns fp32 (CPU autocast does not): cast back, or the tensor-parallel
+    collectives and GEMM inputs after the norm would carry fp32, twice the bytes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to(x.dtype)
 
 
 def build_norm(config: GPTConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
         norm = RMSNorm(config.hidden_size, config.norm_epsilon)
     else:
-        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+        norm = LayerNorm(config.hidden_size, eps=config.norm_epsilon)
     for param in norm.parameters():
         # Under SP each rank's norm sees a different sequence shard: its grads are partial
         # sums to all-reduce across the TP group.

@@ -1,5 +1,10 @@
 """Rotary position embedding (Su et al. 2021), in the non-interleaved "rotate half" form
-Megatron and HF Llama use, so exported weights need no permutation."""
+Megatron and HF Llama use, so exported weights need no permutation.
+
+The model computes the cos/sin table once per chunk (GPTModel.rotary_angles) and every
+layer reads it: no layer recomputes the cosines and sines of its angles. A layer takes the
+rows of its positions, `table[offset:offset + seq]`.
+"""
 
 import torch
 
@@ -13,16 +18,25 @@ def rotary_frequencies(seq_length: int, rotary_dim: int, base: int,
     return torch.cat([angles, angles], dim=-1)
 
 
+def rotary_table(angles: torch.Tensor) -> torch.Tensor:
+    """[seq, 2, rotary_dim]: the cosines and sines of `angles`, in fp32 (see
+    GPTModel.rotary_angles for why not in the activation dtype)."""
+    return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate the first angles.shape[-1] channels of x [seq, batch, heads, dim];
-    the rest (with --rotary-percent < 1) pass through unchanged."""
-    rot_dim = angles.shape[-1]
-    angles = angles[:, None, None, :]
-    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    x_rot = (x_rot.float() * angles.cos() + _rotate_half(x_rot.float()) * angles.sin())
-    return torch.cat([x_rot.to(x.dtype), x_pass], dim=-1)
+def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of x [seq, batch, heads, dim] by the rows of
+    `table` (rotary_table) for its seq positions; the rest (with --rotary-percent < 1)
+    pass through unchanged. Computed in fp32, returned in x's dtype."""
+    rot_dim = table.shape[-1]
+    cos, sin = table[:, None, None, 0], table[:, None, None, 1]
+    x_rot = x[..., :rot_dim].float()
+    x_rot = (x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype)
+    if rot_dim == x.shape[-1]:
+        return x_rot
+    return torch.cat([x_rot, x[..., rot_dim:]], dim=-1)

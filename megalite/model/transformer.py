@@ -15,28 +15,35 @@ from megalite.model.attention import SelfAttention
 from megalite.model.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.params import mark_stacked
 from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG
 
 
 class MLP(nn.Module):
-    """GeLU MLP, or SwiGLU (Shazeer 2020) with a separate gate projection so the up and
-    gate weights are each split by rows under tensor parallelism. Up (and gate) are
-    column-parallel, down is row-parallel: one all-reduce per MLP (Shoeybi et al. §3)."""
+    """GeLU MLP, or SwiGLU (Shazeer 2020) with the gate and up projections fused into one
+    column-parallel GEMM (Megatron's layout): linear_fc1's full weight is [gate; up],
+    stacked so that TP rank r holds [gate block r; up block r] and splits its own output in
+    two (params.mark_stacked). fc1 is column-parallel, fc2 row-parallel: one all-reduce per
+    MLP (Shoeybi et al. §3), and under SP one all-gathered input instead of two."""
 
     def __init__(self, config: GPTConfig, tp_group=None):
         super().__init__()
         h, f, bias, sp = (config.hidden_size, config.ffn_hidden_size, config.add_bias_linear,
                           config.sequence_parallel)
         self.swiglu = config.swiglu
-        column = dict(group=tp_group, bias=bias, sequence_parallel=sp)
-        self.linear_fc1 = ColumnParallelLinear(h, f, **column)
-        self.linear_fc1_gate = ColumnParallelLinear(h, f, **column) if config.swiglu else None
+        self.linear_fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, group=tp_group,
+                                               bias=bias, sequence_parallel=sp)
+        if self.swiglu:
+            for param in self.linear_fc1.parameters():
+                mark_stacked(param, 2)
         self.linear_fc2 = RowParallelLinear(f, h, group=tp_group, bias=bias, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)
         if self.swiglu:
-            return self.linear_fc2(F.silu(self.linear_fc1_gate(x)) * self.linear_fc1(x))
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+            gate, up = y.chunk(2, dim=-1)
+            return self.linear_fc2(F.silu(gate) * up)
+        return self.linear_fc2(F.gelu(y))
 
 
 class TransformerLayer(nn.Module):
@@ -47,6 +54,8 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config, tp_group)
         self.dropout = SequenceParallelDropout(config, rng_tracker)
+        if config.compile_layers:
+            self.compile()  # in place: parameter names and the module tree stay as they are
 
     def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None,
                 kv_cache=None) -> torch.Tensor:

@@ -20,35 +20,38 @@ def _all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's memory-lean form: one fp32 [..., V / tp] buffer holds the logits, then
+    the shifted logits, their exponentials and the softmax (all in place), is saved for
+    backward and becomes the gradient there, again in place."""
+
     @staticmethod
     def forward(ctx, logits, target, group):
         shard_size = logits.shape[-1]
         vocab_start = group_rank(group) * shard_size
         ctx.logits_dtype = logits.dtype
-        logits = logits.float()
+        buffer = logits.float()  # the caller's fp32 logits themselves: overwritten
 
-        logits_max = _all_reduce_(logits.max(dim=-1).values.contiguous(), group,
-                                  dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        logits_max = _all_reduce_(buffer.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        buffer.sub_(logits_max.unsqueeze(-1))
 
         # The target logit lives on exactly one rank; the others contribute 0.
         elsewhere = (target < vocab_start) | (target >= vocab_start + shard_size)
         local_target = (target - vocab_start).masked_fill(elsewhere, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = buffer.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = _all_reduce_(target_logit.masked_fill(elsewhere, 0.0), group)
 
-        exp = shifted.exp()
-        sum_exp = _all_reduce_(exp.sum(dim=-1), group)
+        sum_exp = _all_reduce_(buffer.exp_().sum(dim=-1), group)
         loss = sum_exp.log() - target_logit
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        softmax = buffer.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, elsewhere, local_target)
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        softmax, elsewhere, local_target = ctx.saved_tensors
-        grad = softmax.clone()
+        # The saved softmax becomes the gradient in place: backward runs once per forward.
+        grad, elsewhere, local_target = ctx.saved_tensors
         # d loss / d z = softmax - onehot(target), the onehot only on the target's rank.
         grad.scatter_add_(-1, local_target.unsqueeze(-1),
                           -(~elsewhere).to(grad.dtype).unsqueeze(-1))
@@ -60,5 +63,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  group) -> torch.Tensor:
     """Per-token loss [...] from this rank's vocabulary shard of the logits [..., V / tp]
     (computed in fp32) and global target ids [...] in [0, V). Equals
-    F.cross_entropy(full_logits, target, reduction='none'); masking is the caller's job."""
+    F.cross_entropy(full_logits, target, reduction='none'); masking is the caller's job.
+    fp32 `logits` are overwritten (with the softmax, then the gradient): pass a tensor
+    that nothing else reads, as the model's fresh fp32 logits are."""
     return _VocabParallelCrossEntropy.apply(logits, target, group)

@@ -13,7 +13,7 @@ through the predicates below, never with `getattr(p, "<tag>")` of its own:
   counted once (grad norm, optimizer, checkpoint) through the embedding itself.
 
 `tp_shard` cuts a full single-process tensor into this rank's block, the one rule that model
-initialisation and checkpoint loading share.
+initialisation and checkpoint loading share; `tp_unshard` joins the blocks of all ranks.
 """
 
 import torch
@@ -69,8 +69,34 @@ def pad_vocab_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
 def tp_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int,
              tp_size: int) -> torch.Tensor:
     """This TP rank's block of `full`, the single-process tensor of parameter `name`
-    (vocabulary rows padded to this layout's padded vocabulary first)."""
+    (vocabulary rows padded to this layout's padded vocabulary first; of a stacked
+    parameter, its block of each part)."""
     if name.endswith(VOCAB_PARAMS):
         full = pad_vocab_rows(full, param.shape[0] * (tp_size if is_tensor_parallel(param) else 1))
     dim = partition_dim(param)
-    return full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
+    if dim is None:
+        return full
+    blocks = [part.chunk(tp_size, dim=dim)[tp_rank]
+              for part in full.chunk(partition_stride(param), dim=dim)]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
+
+
+# Stacked parameters (Megatron's `partition_stride`): the full tensor is `parts` blocks
+# along the partition dim, each split over TP on its own, so TP rank r holds [block 0's
+# shard r; block 1's shard r; ...]. SwiGLU's fused [gate; up] projection is one: each rank
+# then splits its own output into gate and up, with no communication.
+
+def mark_stacked(param: nn.Parameter, parts: int):
+    param.partition_stride = parts
+
+
+def partition_stride(param: nn.Parameter) -> int:
+    return getattr(param, "partition_stride", 1)
+
+
+def tp_unshard(shards: list[torch.Tensor], dim: int | None, stride: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's block, in rank order: tp_shard's inverse."""
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    blocks = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)

@@ -19,7 +19,7 @@ from megalite.model.gpt import GPTModel, activation_shape
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
-from megalite.tensor_parallel.params import partition_dim
+from megalite.tensor_parallel.params import partition_dim, partition_stride
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
@@ -43,12 +43,16 @@ CASES = {
 
 def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
     """The full tensor of a TP-sharded parameter's `tensor` (its value or grad), gathered
-    with plain dist.all_gather; replicated parameters are returned as they are."""
+    with plain dist.all_gather; replicated parameters are returned as they are. A stacked
+    parameter (SwiGLU's fc1, [gate; up]) holds a block of each part on every rank: the
+    full tensor is all ranks' gate blocks, then all ranks' up blocks."""
     if partition_dim(param) is None or dist.get_world_size(group) == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=partition_dim(param))
+    dim, stride = partition_dim(param), partition_stride(param)
+    blocks = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
 
 
 def compare_case(case: dict, state: ParallelState) -> list[str]:
