@@ -14,8 +14,8 @@
 #   docs/benchmarks.md.)
 # Global batch: 1024 sequences x 4096 tokens = 4.2M tokens per step (micro-batch 1,
 #   128 micro-batches per GPU per step); 65k steps = 273B tokens (20 tokens per parameter).
-# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 38.02 GiB total (48%)
-#   params 6.06 | grads 12.13 | optimizer 4.55 | fp32 main grads 0.00 | activations 15.29
+# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 36.15 GiB total (45%)
+#   params 6.06 | grads 12.13 | optimizer 4.55 | fp32 main grads 0.00 | activations 13.41
 #
 #   On each node i of 4 (NODE_RANK=i, MASTER_ADDR=node 0's address):
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=node0 DATA_PATH=data/my_text_document \

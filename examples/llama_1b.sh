@@ -6,8 +6,8 @@
 # Layout: 8 GPUs = TP 1 x PP 1 x DP 8, ZeRO-1 (--use-distributed-optimizer), bf16.
 # Global batch: 1024 sequences x 2048 tokens = 2.1M tokens per step (micro-batch 8,
 #   16 micro-batches per GPU per step); 10.5k steps = 22B tokens (20 tokens per parameter).
-# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 46.30 GiB total (58%)
-#   params 2.05 | grads 4.10 | optimizer 1.54 | fp32 main grads 0.00 | activations 38.62
+# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 44.89 GiB total (56%)
+#   params 2.05 | grads 4.10 | optimizer 1.54 | fp32 main grads 0.00 | activations 37.20
 #
 #   DATA_PATH=data/my_text_document TOKENIZER_MODEL=llama/tokenizer.model \
 #       bash examples/llama_1b.sh

@@ -11,8 +11,8 @@
 #   12 bytes/parameter of optimizer state by DP 4. (Alternatives: docs/benchmarks.md.)
 # Global batch: 1024 sequences x 4096 tokens = 4.2M tokens per step (micro-batch 1,
 #   256 micro-batches per GPU per step); 35k steps = 147B tokens (20 tokens per parameter).
-# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 47.32 GiB total (59%)
-#   params 6.74 | grads 13.49 | optimizer 10.12 | fp32 main grads 0.00 | activations 16.97
+# Expected memory per GPU (tools/estimate_memory.py, cuda, 80 GiB): 46.07 GiB total (58%)
+#   params 6.74 | grads 13.49 | optimizer 10.12 | fp32 main grads 0.00 | activations 15.72
 #
 #   DATA_PATH=data/my_text_document TOKENIZER_MODEL=llama/tokenizer.model \
 #       bash examples/llama_7b.sh
