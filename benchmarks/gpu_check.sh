@@ -202,6 +202,10 @@ mfu() {
 }
 mfu_llama_1b() { mfu LLAMA1B llama_1b profile; }
 mfu_gpt_1b3() { mfu GPT13B gpt_1b3; }
+mfu_llama_1b_compiled() {  # the same 1.1B run with each layer under torch.compile (inductor)
+    [ "$SMOKE" = 1 ] && skip "inductor compiles for minutes on a CPU (tests/test_model_kernels.py covers the flag)"
+    EXTRA_PERF_FLAGS="$EXTRA_PERF_FLAGS --compile-layers" mfu LLAMA1B llama_1b_compiled
+}
 
 # resume_case NAME EXTRA_FLAGS...: straight N vs N/2 + save + load + N/2. Deterministic
 # kernels (torch.use_deterministic_algorithms): embedding and attention backward use atomics
@@ -262,7 +266,7 @@ implicit_gpu_tests() {
     exit $rc
 }
 
-export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 \
+export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 mfu_llama_1b_compiled \
     resume_case checkpoint_resume torchrun_nccl implicit_gpu_tests
 
 echo "megalite GPU check in $REPO$([ "$SMOKE" = 1 ] && echo ' (SMOKE: tiny, on the CPU)')," \
@@ -279,6 +283,7 @@ step mfu_llama_1b       150 mfu_llama_1b           # TinyLlama 1.1B: MFU, memory
 step checkpoint_resume  120 checkpoint_resume      # save + resume bit-exact
 step torchrun_nccl       60 torchrun_nccl          # torchrun, NCCL, ZeRO-1, both overlaps
 step mfu_gpt_1b3        120 mfu_gpt_1b3            # GPT 1.3B: MFU, memory
+step mfu_llama_1b_compiled 150 mfu_llama_1b_compiled 100  # 1.1B with --compile-layers
 step implicit_gpu_tests 120 implicit_gpu_tests 90  # only if 90 s are left
 echo "---- summary ($(($(date +%s) - T0))s of ${BUDGET_S}s) ----" | tee -a "$RESULTS/summary.txt"
 printf "%s\n" "${SUMMARY[@]}" | tee -a "$RESULTS/summary.txt"
