@@ -12,7 +12,8 @@ from megalite.validation import pad_vocab_size
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel.params import VOCAB_PARAMS, is_embedding_copy, partition_dim
+from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_embedding_copy, partition_dim,
+                                             partition_stride)
 
 from tests.distributed.launcher import run_distributed
 
@@ -28,13 +29,17 @@ LAYOUTS = [(2, 1, 1), (1, 2, 2)]  # (TP, PP, virtual stages) on 2 ranks
 
 
 def gathered(param, group) -> torch.Tensor:
-    """The full tensor of `param` (on the CPU), its TP shards concatenated."""
+    """The full tensor of `param` (on the CPU) from its TP shards: concatenated along the
+    partition dim, or for a stacked parameter (SwiGLU's fc1 [gate; up]) all ranks' gate
+    blocks, then all ranks' up blocks."""
     value = param.detach().float().cpu()
     if partition_dim(param) is None or dist.get_world_size(group) == 1:
         return value
     parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, value.contiguous(), group=group)
-    return torch.cat(parts, dim=partition_dim(param))
+    dim, stride = partition_dim(param), partition_stride(param)
+    blocks = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
 
 
 def compare(rank, world_size, device: str) -> list[str]:
