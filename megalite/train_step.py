@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import PrecisionConfig
-from megalite.distributed.grad_buffer import GradBuffer, main_grad
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, all_gather_into, group_size
@@ -24,7 +24,7 @@ from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
-from megalite.tensor_parallel.params import is_shared_embedding
+from megalite.tensor_parallel.params import is_shared_embedding, main_grad
 
 
 def autocast(precision: PrecisionConfig, device: torch.device):

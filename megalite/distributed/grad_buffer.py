@@ -32,12 +32,6 @@ from megalite.parallel_state import group_rank, group_size, reduce_scatter_into
 from megalite.tensor_parallel.params import is_shared_embedding
 
 
-def main_grad(param: nn.Parameter) -> torch.Tensor | None:
-    """The gradient the optimizer and the model-parallel reductions read: the buffer view
-    when the parameter has one, else .grad (a single process without a buffer)."""
-    return getattr(param, "main_grad", param.grad)
-
-
 class Bucket:
     """Consecutive parameters and their gradients, flat, padded to a multiple of `dp`."""
 

@@ -20,8 +20,8 @@ from torch import nn
 
 from megalite.errors import ConfigError
 from megalite.parallel_state import group_rank, group_size
-from megalite.tensor_parallel.params import (is_sequence_parallel, mark_sequence_parallel,
-                                             mark_tensor_parallel)
+from megalite.tensor_parallel.params import (is_sequence_parallel, main_grad,
+                                             mark_sequence_parallel, mark_tensor_parallel)
 from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
@@ -159,9 +159,7 @@ def allreduce_sequence_parallel_grads(params, group):
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
-        # Under data parallelism the gradient lives in the buffer view p.main_grad
-        # (megalite/distributed/grad_buffer.py), which may be fp32 while p is bf16.
-        grad = getattr(p, "main_grad", p.grad)
+        grad = main_grad(p)  # may be an fp32 buffer view while p is bf16
         if is_sequence_parallel(p) and grad is not None:
             by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():

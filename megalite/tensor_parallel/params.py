@@ -58,6 +58,12 @@ def is_embedding_copy(param: nn.Parameter) -> bool:
     return getattr(param, "embedding_copy", False)
 
 
+def main_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient the optimizer and the model-parallel reductions read: the gradient
+    buffer's view (distributed/grad_buffer.py) when the parameter has one, else .grad."""
+    return getattr(param, "main_grad", param.grad)
+
+
 def pad_vocab_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
     """`full` cut or zero-padded to `rows` along the vocabulary: padding rows are zero in
     weights and Adam moments alike, whatever padding the TP size needs."""
