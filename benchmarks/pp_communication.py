@@ -34,18 +34,13 @@ from megalite.model.gpt import build_model_chunks  # noqa: E402
 from megalite.optimizer.optimizer import Optimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
+from rank_setup import add_device_flag, describe, init_rank  # noqa: E402
 
 SEQ, MICRO, HIDDEN, NUM_MICRO = 64, 2, 64, 8
 
 
 def worker(rank, world, pp, v, store, out, device_type):
-    torch.set_num_threads(1)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"file://{store}", rank=rank, world_size=world,
-                            device_id=device if device.type == "cuda" else None)
+    device = init_rank(rank, world, store, device_type)
     state = ParallelState(RankGrid(world, 1, pp), rank)
     config = GPTConfig(num_layers=8, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
                        num_attention_heads=4, num_query_groups=4, kv_channels=16,
@@ -69,16 +64,14 @@ def worker(rank, world, pp, v, store, out, device_type):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["cpu", "cuda"],
-                   default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_flag(p)
     device = p.parse_args().device
-    gpus = torch.cuda.device_count() if device == "cuda" else None
     print(f"micro-batch [s={SEQ}, b={MICRO}, h={HIDDEN}] fp32, m={NUM_MICRO} micro-batches, "
-          f"8 layers, on {f'{gpus} GPU(s), NCCL' if gpus else 'the CPU, gloo'}")
+          f"8 layers, on {describe(device)}")
     print(f"{'p':>2} {'v':>2} {'stages':>6} {'measured bytes':>15} {'closed form':>15} "
           f"{'ratio':>6}")
     for pp, v in ((2, 1), (2, 2), (4, 1), (4, 2)):
-        if gpus is not None and pp > gpus:
+        if device == "cuda" and pp > torch.cuda.device_count():
             print(f"{pp:>2} {v:>2} skipped: needs {pp} GPUs (one rank per GPU under NCCL)")
             continue
         with tempfile.TemporaryDirectory() as tmp:

@@ -39,6 +39,7 @@ from megalite.model.gpt import build_model_chunks  # noqa: E402
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
+from rank_setup import add_device_flag, describe, init_rank  # noqa: E402
 
 CONFIG = GPTConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                    num_query_groups=4, kv_channels=32, seq_length=64, max_position_embeddings=64,
@@ -67,13 +68,7 @@ def count_collectives(counter: dict, world: int):
 
 
 def worker(rank, world, zero, store, out, device_type):
-    torch.set_num_threads(1)
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"file://{store}", rank=rank, world_size=world,
-                            device_id=device if device.type == "cuda" else None)
+    device = init_rank(rank, world, store, device_type)
     state = ParallelState(RankGrid(world), rank)
     chunks = build_model_chunks(CONFIG, 1).to(device=device, dtype=torch.bfloat16)
     grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, 10 ** 9, shard=zero)
@@ -98,17 +93,15 @@ def worker(rank, world, zero, store, out, device_type):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["cpu", "cuda"],
-                   default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_flag(p)
     device = p.parse_args().device
-    gpus = torch.cuda.device_count() if device == "cuda" else None
     print(f"bf16 parameters and gradients, fp32 Adam state; MiB per rank (rank 0); on "
-          f"{f'{gpus} GPU(s), NCCL' if gpus else 'the CPU, gloo'}")
+          f"{describe(device)}")
     print(f"{'DP':>2} {'ZeRO-1':>6} {'params':>7} {'grads':>7} {'optim':>7} {'total':>7} "
           f"{'paper':>7} | {'DP MiB/step':>11} {'2(N-1)/N x grads':>16} {'ratio':>5}")
     mib = 2.0 ** 20
     for dp in (1, 2, 4):
-        if gpus is not None and dp > gpus:
+        if device == "cuda" and dp > torch.cuda.device_count():
             print(f"{dp:>2} skipped: needs {dp} GPUs (one rank per GPU under NCCL)")
             continue
         for zero in (False, True):
