@@ -19,7 +19,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ["env_info", "gpu_tests", "kernels", "matmul_peak", "train_350m", "mfu_llama_1b",
-         "checkpoint_resume", "torchrun_nccl", "mfu_gpt_1b3", "implicit_gpu_tests"]
+         "checkpoint_resume", "torchrun_nccl", "mfu_gpt_1b3", "mfu_llama_1b_compiled",
+         "implicit_gpu_tests"]
 RUN = ["env_info", "matmul_peak", "mfu_llama_1b"]
 
 
