@@ -1,15 +1,21 @@
-"""Shared test helpers: a small valid flag set every test starts from."""
+"""pytest fixtures over tests/helpers.py, for tests that prefer a fixture to an import.
+
+The shared values and functions themselves live in tests/helpers.py, which spawned
+distributed workers can import by name (a conftest cannot be imported that way).
+"""
 
 import pytest
 
-BASE_FLAGS = [
-    "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "64",
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
-    "--train-iters", "10", "--lr", "1e-3",
-]
+from tests.helpers import BASE_FLAGS, tiny_gpt_config
 
 
 @pytest.fixture
-def base_flags():
+def base_flags() -> list[str]:
+    """A fresh copy of BASE_FLAGS, free to mutate."""
     return list(BASE_FLAGS)
+
+
+@pytest.fixture(name="tiny_gpt_config")
+def tiny_gpt_config_fixture():
+    """The factory tiny_gpt_config(**overrides) -> GPTConfig."""
+    return tiny_gpt_config

@@ -10,7 +10,7 @@ from megalite.config import OptimizerKind
 from megalite.validation import pad_vocab_size, validate_args, validate_model_args
 from megalite.errors import ConfigError
 
-from conftest import BASE_FLAGS
+from tests.helpers import BASE_FLAGS, without
 
 
 def config_of(*extra, world_size=1):
@@ -57,7 +57,7 @@ def test_vocab_padding_closed_form():
 
 
 def test_train_samples_gives_iterations_and_sample_schedule():
-    c = validate_args(parse_args([f for f in BASE_FLAGS if f not in ("--train-iters", "10")]
+    c = validate_args(parse_args(without(BASE_FLAGS, "--train-iters")
                                  + ["--train-samples", "100", "--lr-warmup-samples", "16"]))
     assert c.training.train_iters == 12  # 100 // 8
     assert (c.scheduler.warmup_steps, c.scheduler.decay_steps) == (16, 100)
@@ -114,7 +114,7 @@ def test_missing_required_flags_are_named():
 
 
 def test_exactly_one_data_source():
-    flags = [f for f in BASE_FLAGS if f != "--mock-data"]
+    flags = without(BASE_FLAGS, "--mock-data")
     with pytest.raises(ConfigError, match="--data-path.*--mock-data"):
         validate_args(parse_args(flags))
     with pytest.raises(ConfigError, match="--data-path.*--mock-data"):
@@ -124,7 +124,7 @@ def test_exactly_one_data_source():
 
 
 def test_tokenizer_vocabulary_sets_the_padded_vocab():
-    flags = [f for f in BASE_FLAGS if f != "--mock-data"]
+    flags = without(BASE_FLAGS, "--mock-data")
     c = validate_args(parse_args(flags + ["--data-path", "x", "--tokenizer-type",
                                           "NullTokenizer"]), 1, tokenizer_vocab_size=65)
     assert (c.model.vocab_size, c.model.padded_vocab_size) == (65, 128)
@@ -279,12 +279,12 @@ def test_recompute_flags_reach_the_model_config():
 def test_unset_global_batch_is_micro_batch_times_dp_everywhere():
     """Issue 12: the global batch is derived once; the run length and the schedule,
     counted in samples, use that one value."""
-    flags = [f for f in BASE_FLAGS if f not in ("--global-batch-size", "8")]
+    flags = without(BASE_FLAGS, "--global-batch-size")
     c = validate_args(parse_args(flags + ["--lr-warmup-iters", "2"]), 4)
     assert (c.training.global_batch_size, c.training.num_microbatches) == (16, 1)
     assert (c.training.train_iters, c.training.train_samples) == (10, 160)
     assert (c.scheduler.warmup_steps, c.scheduler.decay_steps) == (32, 160)
-    c = validate_args(parse_args([f for f in flags if f not in ("--train-iters", "10")]
+    c = validate_args(parse_args(without(flags, "--train-iters")
                                  + ["--train-samples", "100"]), 2)
     assert (c.training.global_batch_size, c.training.train_iters) == (8, 12)
     assert (c.training.train_samples, c.scheduler.decay_steps) == (100, 100)

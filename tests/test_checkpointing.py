@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megalite.checkpointing import saving
-from megalite.checkpointing.storage import (TRACKER_FILENAME, find_checkpoint_to_load,
-                                            load_tensor_file)
+from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_load
 from megalite.training import pretrain
+
+from tests.helpers import assert_identical, checkpoint_tensors, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
@@ -36,42 +36,6 @@ def run_process(*flags) -> subprocess.CompletedProcess:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def scalars(tensorboard_dir) -> dict[str, dict[int, float]]:
-    """Every step's float32 lm loss and grad norm, as TensorBoard recorded them."""
-    events = EventAccumulator(str(tensorboard_dir))
-    events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)}
-            for tag in ("lm loss", "grad-norm")}
-
-
-def checkpoint_tensors(save) -> dict[str, object]:
-    """Every value of every file of the newest checkpoint, by file and key path."""
-    _, directory = find_checkpoint_to_load(save)
-    flat = {}
-
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}/{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(f"{prefix}/{i}", item)
-        else:
-            flat[prefix] = value
-    for path in sorted(directory.glob("*.pt")):
-        walk(path.name, load_tensor_file(path))
-    return flat
-
-
-def assert_identical(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for key in a:
-        if torch.is_tensor(a[key]):
-            assert torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
 
 
 def test_resume_in_a_new_process_is_bit_exact(tmp_path):

@@ -20,19 +20,17 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402  (a dependency of transformers)
 
-from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
+
+from tests.helpers import LLAMA_STYLE, tiny_gpt_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
 VOCAB = 61
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, seq_length=32,
-            max_position_embeddings=32, vocab_size=VOCAB, attention_dropout=0.0,
-            hidden_dropout=0.0)
+# The sizes the TRAIN flags below spell out, for tiny_gpt_config.
+TINY = dict(hidden_size=64, kv_channels=16, seq_length=32, vocab_size=VOCAB)
 GPT2 = dict(ffn_hidden_size=256, num_query_groups=4)
-LLAMA = dict(ffn_hidden_size=96, num_query_groups=2, position_embedding_type="rope",
-             normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-             untie_embeddings_and_output_weights=True)
+LLAMA = dict(LLAMA_STYLE, ffn_hidden_size=96, num_query_groups=2)
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96"]
@@ -89,7 +87,7 @@ def tokens() -> torch.Tensor:
 
 def megalite_logits(style: dict, state: dict[str, torch.Tensor]) -> torch.Tensor:
     rows = state["embedding.word_embeddings.weight"].shape[0]
-    model = GPTModel(GPTConfig(**TINY, **style, padded_vocab_size=rows), seed=0).eval()
+    model = GPTModel(tiny_gpt_config(**TINY, **style, padded_vocab_size=rows), seed=0).eval()
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
         return model(tokens())[..., :VOCAB]
@@ -231,7 +229,7 @@ def test_unsupported_style_is_an_error_naming_the_field(tmp_path, capsys):
     import's writer (which the test above has pretrain_gpt.py load), not by a training run,
     to spare a process start."""
     convert = tool()
-    config = GPTConfig(**TINY, **GPT2, normalization="RMSNorm", padded_vocab_size=128)
+    config = tiny_gpt_config(**TINY, **GPT2, normalization="RMSNorm", padded_vocab_size=128)
     state = GPTModel(config, seed=0).state_dict()
     convert.save_single_process_checkpoint(str(tmp_path / "ckpt"), config, state, "test")
     assert convert.main(["--load", str(tmp_path / "ckpt"), "--export-hf",

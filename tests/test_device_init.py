@@ -7,15 +7,15 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import build_model_chunks
 from megalite.tensor_parallel.params import (is_embedding_copy, is_sequence_parallel,
                                              is_shared_embedding, partition_dim)
 
-CONFIG = GPTConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                   num_query_groups=2, kv_channels=8, seq_length=16, max_position_embeddings=16,
-                   padded_vocab_size=104, vocab_size=101, attention_backend="sdpa",
-                   sequence_parallel=True)
+from tests.helpers import tiny_gpt_config
+
+CONFIG = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=16, padded_vocab_size=104,
+                         vocab_size=101, attention_dropout=0.1, hidden_dropout=0.1,
+                         sequence_parallel=True)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

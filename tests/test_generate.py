@@ -8,29 +8,26 @@ import torch
 
 from megalite.errors import ConfigError
 from megalite.inference import GREEDY, KVCache, Sampling, generate, sample
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
+
+from tests.helpers import LLAMA_STYLE, tiny_gpt_config
 
 STYLES = {
     # Learned positions, LayerNorm, GeLU, biases, tied output; 61 of 64 vocabulary rows
     # are real, so the padding must never be drawn.
     "gpt2": dict(vocab_size=61),
     # RoPE, RMSNorm, SwiGLU, GQA (4 heads, 2 K/V groups), no biases, untied output.
-    "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-                  num_query_groups=2, add_bias_linear=False,
-                  untie_embeddings_and_output_weights=True, ffn_hidden_size=96),
+    "llama": dict(LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=96),
 }
 PROMPT = [[5, 17, 3, 42, 8, 8, 29]]
 NEW_TOKENS = 12
 
 
 def make_model(style: str, seed: int = 3) -> GPTModel:
-    base = dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
-                num_query_groups=4, kv_channels=8, seq_length=24, max_position_embeddings=24,
-                padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0,
-                init_method_std=0.2)  # large weights: sharp, far-from-tied logits
-    base.update(STYLES[style])
-    return GPTModel(GPTConfig(**base), seed=seed).eval()
+    # Large weights (init std 0.2): sharp, far-from-tied logits.
+    config = tiny_gpt_config(**{"ffn_hidden_size": 128, "seq_length": 24, "init_method_std": 0.2,
+                                **STYLES[style]})
+    return GPTModel(config, seed=seed).eval()
 
 
 def full_forward_logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:

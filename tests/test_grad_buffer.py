@@ -5,13 +5,11 @@ exactly; without it, their bf16 sum, rounded after every addition as autograd do
 import torch
 
 from megalite.distributed.grad_buffer import GradBuffer, bucket_layout, padded_size
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 
-CONFIG = GPTConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                   num_query_groups=4, kv_channels=8, seq_length=8, max_position_embeddings=8,
-                   padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0,
-                   attention_backend="unfused")
+from tests.helpers import tiny_gpt_config
+
+CONFIG = tiny_gpt_config(attention_backend="unfused")
 NUM_MICRO = 4
 
 

@@ -14,20 +14,18 @@ from megalite.hf_convert import (export_to_hf, hf_config_and_state_dict,  # noqa
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 
+from tests.helpers import LLAMA_STYLE as LLAMA, tiny_gpt_config  # noqa: E402
+
 VOCAB, PADDED = 101, 128
 GPT2_STYLE = {}
-LLAMA_STYLE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                   add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                   num_query_groups=2, ffn_hidden_size=96, rotary_base=500000)
+LLAMA_STYLE = dict(LLAMA, num_query_groups=2, ffn_hidden_size=96, rotary_base=500000)
 
 
 def make_config(**kw) -> GPTConfig:
-    base = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
-                num_query_groups=4, kv_channels=16, seq_length=32, max_position_embeddings=32,
-                padded_vocab_size=PADDED, vocab_size=VOCAB, attention_dropout=0.0,
-                hidden_dropout=0.0, attention_backend="unfused", norm_epsilon=1e-5)
-    base.update(kw)
-    return GPTConfig(**base)
+    base = dict(hidden_size=64, ffn_hidden_size=256, kv_channels=16, seq_length=32,
+                padded_vocab_size=PADDED, vocab_size=VOCAB, attention_backend="unfused",
+                norm_epsilon=1e-5)
+    return tiny_gpt_config(**{**base, **kw})
 
 
 def random_model(config: GPTConfig) -> GPTModel:

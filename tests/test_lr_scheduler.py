@@ -9,14 +9,14 @@ from megalite.arguments import parse_args
 from megalite.validation import validate_args
 from megalite.optimizer.lr_scheduler import LRScheduler
 
-from conftest import BASE_FLAGS
+from tests.helpers import BASE_FLAGS, without
 
 # 100 iterations of global batch 8, lr 1.0 -> 0.1, 10 warm-up iterations.
 MAX, MIN, WARM, TOTAL = 1.0, 0.1, 10, 100
 
 
 def schedule(*extra):
-    flags = [f for f in BASE_FLAGS if f not in ("--train-iters", "10", "--lr", "1e-3")]
+    flags = without(BASE_FLAGS, "--train-iters", "--lr")
     cfg = validate_args(parse_args(flags + ["--train-iters", str(TOTAL), "--lr", str(MAX),
                                             "--min-lr", str(MIN), "--lr-warmup-iters",
                                             str(WARM), *extra]))

@@ -10,13 +10,14 @@ from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, initial_value
 from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 
+from tests.helpers import tiny_gpt_config
 
-def make_config(**kw):
-    base = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
-                num_query_groups=4, kv_channels=16, seq_length=16, max_position_embeddings=16,
-                padded_vocab_size=128, attention_dropout=0.0, hidden_dropout=0.0)
-    base.update(kw)
-    return GPTConfig(**base)
+SIZES = dict(hidden_size=64, ffn_hidden_size=256, kv_channels=16, seq_length=16,
+             padded_vocab_size=128)
+
+
+def make_config(**kw) -> GPTConfig:
+    return tiny_gpt_config(**{**SIZES, **kw})
 
 
 def closed_form_parameter_count(c: GPTConfig) -> int:
@@ -142,10 +143,10 @@ def test_causality():
 def test_rotary_angles_stay_fp32_in_a_bf16_model():
     """Position p's angle is p x base^(-2i/d): in bf16 (8 significant bits) positions
     above 256 would share angles. The model keeps them in fp32 whatever its dtype."""
-    config = GPTConfig(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
-                       num_query_groups=2, kv_channels=8, seq_length=4096,
-                       max_position_embeddings=4096, padded_vocab_size=16,
-                       position_embedding_type="rope")
+    config = tiny_gpt_config(num_layers=1, hidden_size=16, ffn_hidden_size=32,
+                             num_attention_heads=2, seq_length=4096, padded_vocab_size=16,
+                             position_embedding_type="rope", attention_dropout=0.1,
+                             hidden_dropout=0.1)
     model = GPTModel(config, seed=0).to(torch.bfloat16)
     table = model.rotary_angles
     angles = rotary_frequencies(4096, 8, config.rotary_base)

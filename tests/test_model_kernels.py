@@ -22,17 +22,17 @@ from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.params import mark_stacked, mark_tensor_parallel, tp_shard
 
+from tests.helpers import tiny_gpt_config
+
 H, F_, EPS = 32, 48, 1e-5
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
 
 
 def config(**kw) -> GPTConfig:
-    base = dict(num_layers=2, hidden_size=H, ffn_hidden_size=F_, num_attention_heads=4,
-                num_query_groups=2, kv_channels=8, seq_length=16, max_position_embeddings=16,
-                padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0, swiglu=True,
-                normalization="RMSNorm", position_embedding_type="rope",
+    base = dict(hidden_size=H, ffn_hidden_size=F_, num_query_groups=2, seq_length=16,
+                swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
                 add_bias_linear=False)
-    return GPTConfig(**{**base, **kw})
+    return tiny_gpt_config(**{**base, **kw})
 
 
 # --------------------------------------------------------------------------------- norms

@@ -10,11 +10,15 @@ from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.optimizer.optimizer import Optimizer
 from megalite.train_step import StepRunner
 
-from test_model import make_config
+from tests.helpers import tiny_gpt_config
+
+# 128 vocabulary rows, sequence 16, hidden 64: the tokens and shapes below.
+CONFIG = tiny_gpt_config(hidden_size=64, ffn_hidden_size=256, kv_channels=16, seq_length=16,
+                         padded_vocab_size=128)
 
 
 def test_no_weight_decay_on_biases_and_norms():
-    model = GPTModel(make_config(), seed=1)
+    model = GPTModel(CONFIG, seed=1)
     decay, no_decay = Optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1)).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decay["params"])
@@ -25,7 +29,7 @@ def test_no_weight_decay_on_biases_and_norms():
 
 def test_clipping_matches_torch():
     torch.manual_seed(0)
-    a, b = GPTModel(make_config(), 1), GPTModel(make_config(), 1)
+    a, b = GPTModel(CONFIG, 1), GPTModel(CONFIG, 1)
     tokens = torch.randint(0, 128, (2, 16))
     for m in (a, b):
         m(tokens, tokens).sum().backward()
@@ -58,7 +62,7 @@ def test_dynamic_scaler_hysteresis_backoff_and_growth():
 
 
 def test_overflow_skips_the_step_and_backs_off():
-    model = GPTModel(make_config(), seed=1)
+    model = GPTModel(CONFIG, seed=1)
     before = [p.detach().clone() for p in model.parameters()]
     scaler = DynamicGradScaler(initial_scale=2.0 ** 16, min_scale=1, window=1000, hysteresis=1)
     opt = Optimizer(model, OptimizerConfig(lr=1e-2), scaler)
@@ -80,7 +84,7 @@ def test_unscaled_grads_equal_fp32_grads():
     tokens = torch.randint(0, 128, (2, 16))
     results = []
     for scaler in (None, DynamicGradScaler(2.0 ** 10, 1, 1000, 2)):
-        model = GPTModel(make_config(), seed=1)
+        model = GPTModel(CONFIG, seed=1)
         opt = Optimizer(model, OptimizerConfig(lr=1e-2, clip_grad=0.0), scaler)
         opt.scale_loss(model(tokens, tokens).mean()).backward()
         opt.step()
@@ -92,7 +96,7 @@ def test_unscaled_grads_equal_fp32_grads():
 def test_a_nan_gradient_with_a_finite_loss_stops_before_the_update():
     """--check-for-nan-in-loss-and-grad reads the gradients through the grad norm: a NaN
     in one gradient, the loss finite, still stops the step and names the rank."""
-    model = GPTModel(make_config(), seed=1)
+    model = GPTModel(CONFIG, seed=1)
     runner = StepRunner(torch.nn.ModuleList([model]), Optimizer(model, OptimizerConfig(lr=1e-3)),
                         PrecisionConfig(), 1, (16, 2, 64), torch.device("cpu"),
                         check_for_nan=True)

@@ -8,25 +8,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megalite.training import pretrain
 
-from conftest import BASE_FLAGS
+from tests.helpers import BASE_FLAGS, LOG_LINE, without
 
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
-
-# Megatron's training log line, field for field (megatron/training/training.py,
-# training_log), followed by megalite's tokens per second.
-LOG_LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<it>\d+)/ +(?P<n>\d+) \|"
-    r" consumed samples: +(?P<samples>\d+) \|"
-    r" elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
-    r"( throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[\d.]+) \|)?"
-    r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d\d) \|"
-    r" global batch size: +(?P<gbs>\d+) \|"
-    r" lm loss: (?P<loss>\d\.\d{6}E[+-]\d\d|nan) \|"
-    r" loss scale: (?P<scale>[\d.]+) \|"
-    r"( grad norm: (?P<gnorm>[\d.]+) \|)?"
-    r" number of skipped iterations: +(?P<skipped>\d+) \|"
-    r" number of nan iterations: +(?P<nan>\d+) \|"
-    r" tokens per second: (?P<tps>[\d.]+) \|$")
 
 
 def run(capsys, *flags):
@@ -120,7 +104,7 @@ def test_exit_interval_and_train_samples(capsys):
                              "--eval-iters", "0", "--exit-interval", "3")
     assert code == 0 and [r["it"] for r in logs] == ["1", "2", "3"]
     assert "exiting program at iteration 3" in out
-    flags = [f for f in BASE_FLAGS if f not in ("--train-iters", "10")]
+    flags = without(BASE_FLAGS, "--train-iters")
     code, _, _, logs = run(capsys, *flags, "--train-samples", "20", "--log-interval", "1",
                            "--eval-iters", "0")
     assert code == 0 and [(r["it"], r["n"]) for r in logs] == [("1", "2"), ("2", "2")]

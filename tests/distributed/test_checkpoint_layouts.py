@@ -16,15 +16,14 @@ from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
-from tests.test_checkpointing import assert_identical, checkpoint_tensors, scalars
-from tests.test_training import LOG_LINE
+from tests.helpers import (LOG_LINE, assert_identical, checkpoint_tensors, scalars,
+                           tiny_gpt_config)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "4", "--hidden-size", "64",
@@ -165,9 +164,7 @@ def test_killed_rank_restarts_and_ends_where_the_uninterrupted_run_ends(tmp_path
     assert losses(out)[60] == uninterrupted
 
 
-CONFIG = GPTConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                   num_query_groups=4, kv_channels=8, seq_length=8, max_position_embeddings=8,
-                   padded_vocab_size=64, attention_dropout=0.0, hidden_dropout=0.0)
+CONFIG = tiny_gpt_config()
 
 
 def nan_on_rank_one(rank, world_size):

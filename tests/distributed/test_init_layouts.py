@@ -6,40 +6,21 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megalite.validation import pad_vocab_size
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_embedding_copy, partition_dim,
-                                             partition_stride)
+from megalite.tensor_parallel.params import VOCAB_PARAMS, is_embedding_copy
 
 from tests.distributed.launcher import run_distributed
+from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, tiny_gpt_config
 
 VOCAB = 101
-BASE = GPTConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=8, seq_length=16, max_position_embeddings=16,
-                 padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
-                 attention_backend="sdpa")
-STYLES = {"gpt2": {}, "llama": dict(swiglu=True, normalization="RMSNorm", add_bias_linear=False,
-                                    position_embedding_type="rope",
-                                    untie_embeddings_and_output_weights=True)}
+BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=16,
+                       padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
+                       attention_dropout=0.1, hidden_dropout=0.1)
+STYLES = {"gpt2": {}, "llama": LLAMA_STYLE}
 LAYOUTS = [(2, 1, 1), (1, 2, 2)]  # (TP, PP, virtual stages) on 2 ranks
-
-
-def gathered(param, group) -> torch.Tensor:
-    """The full tensor of `param` (on the CPU) from its TP shards: concatenated along the
-    partition dim, or for a stacked parameter (SwiGLU's fc1 [gate; up]) all ranks' gate
-    blocks, then all ranks' up blocks."""
-    value = param.detach().float().cpu()
-    if partition_dim(param) is None or dist.get_world_size(group) == 1:
-        return value
-    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, value.contiguous(), group=group)
-    dim, stride = partition_dim(param), partition_stride(param)
-    blocks = [part.chunk(stride, dim=dim) for part in parts]
-    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
 
 
 def compare(rank, world_size, device: str) -> list[str]:
@@ -59,7 +40,7 @@ def compare(rank, world_size, device: str) -> list[str]:
             where = f"{style} TP={tp} PP={pp} v={v} {dtype} {name}"
             if param.device.type != device or param.dtype != dtype:
                 problems.append(f"{where}: built on {param.device} in {param.dtype}")
-            full = gathered(param, state.tp_group)
+            full = gather_tensor_parallel(param.detach().float().cpu(), param, state.tp_group)
             ref_name = name.split(".", 1)[1]
             if is_embedding_copy(param):
                 ref_name = "embedding.word_embeddings.weight"

@@ -11,7 +11,6 @@ import torch
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.validation import pad_vocab_size
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
@@ -20,14 +19,12 @@ from megalite.tensor_parallel.params import is_embedding_copy
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
-from tests.distributed.test_tp_gpt import gather_tensor_parallel
+from tests.helpers import gather_tensor_parallel, tiny_gpt_config
 
 VOCAB, SEQ, MICRO, NUM_MICRO = 101, 16, 2, 4
-BASE = GPTConfig(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=8, seq_length=SEQ, max_position_embeddings=SEQ,
-                 padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
-                 attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa",
-                 position_embedding_type="rope", swiglu=True, normalization="RMSNorm")
+BASE = tiny_gpt_config(num_layers=8, num_query_groups=2, seq_length=SEQ,
+                       padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
+                       position_embedding_type="rope", swiglu=True, normalization="RMSNorm")
 # (TP, PP, virtual stages, DP, mode): mode "plain" DP, "zero" (ZeRO-1), "overlap"
 # (--overlap-grad-reduce) or "zero-overlap" (ZeRO-1 with --overlap-grad-reduce and
 # --overlap-param-gather); the world size is TP x PP x DP.

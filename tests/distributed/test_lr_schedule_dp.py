@@ -21,7 +21,7 @@ from megalite.training import run_training
 from megalite.validation import validate_args
 
 from tests.distributed.launcher import run_distributed
-from tests.test_training import LOG_LINE
+from tests.helpers import LOG_LINE
 
 MAX, MIN, ITERS, MICRO = 1e-3, 1e-4, 20, 2
 # The command, less the launcher's flags; no --global-batch-size.

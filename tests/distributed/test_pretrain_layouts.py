@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.test_training import LOG_LINE
+from tests.helpers import LOG_LINE
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",

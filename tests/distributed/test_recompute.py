@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megalite.config import OptimizerConfig, PrecisionConfig
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import activation_shape, build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
@@ -17,13 +16,12 @@ from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
+from tests.helpers import tiny_gpt_config
 
 SEQ, MICRO, VOCAB = 16, 2, 64
-BASE = GPTConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=8, seq_length=SEQ, max_position_embeddings=SEQ,
-                 padded_vocab_size=VOCAB, attention_dropout=0.2, hidden_dropout=0.2,
-                 position_embedding_type="rope", swiglu=True, normalization="RMSNorm",
-                 attention_backend="unfused")
+BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ, padded_vocab_size=VOCAB,
+                       attention_dropout=0.2, hidden_dropout=0.2, position_embedding_type="rope",
+                       swiglu=True, normalization="RMSNorm", attention_backend="unfused")
 RECOMPUTE = [dict(recompute_granularity="full", recompute_method="uniform",
                   recompute_num_layers=1),
              dict(recompute_granularity="full", recompute_method="uniform",

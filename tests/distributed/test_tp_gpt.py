@@ -10,49 +10,29 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.validation import pad_vocab_size
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel, activation_shape
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
-from megalite.tensor_parallel.params import partition_dim, partition_stride
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
+from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, tiny_gpt_config
 
 VOCAB = 101
-BASE = GPTConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
-                 num_query_groups=8, kv_channels=8, seq_length=16, max_position_embeddings=16,
-                 padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
-                 attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa")
+BASE = tiny_gpt_config(hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, seq_length=16,
+                       padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB)
 CASES = {
     "gpt2-style": {},
     "gpt2-style, sequence parallel": dict(sequence_parallel=True),
     "llama-style (GQA, SwiGLU, RMSNorm, RoPE, untied, no bias), sequence parallel": dict(
-        num_query_groups=4, swiglu=True, normalization="RMSNorm",
-        position_embedding_type="rope", untie_embeddings_and_output_weights=True,
-        add_bias_linear=False, sequence_parallel=True),
+        LLAMA_STYLE, num_query_groups=4, sequence_parallel=True),
     "llama-style": dict(num_query_groups=4, swiglu=True, normalization="RMSNorm",
                         position_embedding_type="rope", add_bias_linear=False),
 }
-
-
-def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
-    """The full tensor of a TP-sharded parameter's `tensor` (its value or grad), gathered
-    with plain dist.all_gather; replicated parameters are returned as they are. A stacked
-    parameter (SwiGLU's fc1, [gate; up]) holds a block of each part on every rank: the
-    full tensor is all ranks' gate blocks, then all ranks' up blocks."""
-    if partition_dim(param) is None or dist.get_world_size(group) == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    dim, stride = partition_dim(param), partition_stride(param)
-    blocks = [part.chunk(stride, dim=dim) for part in parts]
-    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
 
 
 def compare_case(case: dict, state: ParallelState) -> list[str]:

@@ -6,17 +6,15 @@ import torch
 
 from megalite.config import OptimizerConfig
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.parallel_state import ParallelState, RankGrid
 
 from tests.distributed.launcher import run_distributed
+from tests.helpers import tiny_gpt_config
 
-CONFIG = GPTConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                   num_query_groups=4, kv_channels=8, seq_length=8, max_position_embeddings=8,
-                   padded_vocab_size=61, attention_dropout=0.0, hidden_dropout=0.0)
+CONFIG = tiny_gpt_config(padded_vocab_size=61)
 
 
 def model_and_optimizer(state, scaler=None):

@@ -1,0 +1,138 @@
+"""What several test modules share, in one importable module (not a conftest: distributed
+workers run in spawned processes that import functions by module name, and test modules
+should not import each other).
+
+    from tests.helpers import BASE_FLAGS, LLAMA_STYLE, tiny_gpt_config, without
+
+- tiny_gpt_config / LLAMA_STYLE: the model configs tests build;
+- BASE_FLAGS / without: the command line tests start from, and removing a flag by name;
+- LOG_LINE: Megatron's training log line, parsed;
+- scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
+- gather_tensor_parallel: a TP-sharded tensor made whole again with plain all_gather.
+"""
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
+from megalite.model.config import GPTConfig
+from megalite.tensor_parallel.params import partition_dim, partition_stride
+
+# ------------------------------------------------------------------------------ configs
+
+# RoPE, RMSNorm, SwiGLU, no biases, untied output; the defaults of GPTConfig are GPT-2's
+# (learned positions, LayerNorm, GeLU, biases, tied output).
+LLAMA_STYLE = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                   add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def tiny_gpt_config(**overrides) -> GPTConfig:
+    """A GPT-2-style model small enough for CPU tests: 2 layers, hidden 32, FFN 64, 4 heads
+    of 8 channels, sequence 8, 64 vocabulary rows, no dropout. Unless overridden,
+    num_query_groups follows num_attention_heads (no GQA) and max_position_embeddings
+    follows seq_length; every other field is GPTConfig's default."""
+    fields = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                  kv_channels=8, seq_length=8, padded_vocab_size=64, attention_dropout=0.0,
+                  hidden_dropout=0.0)
+    fields.update(overrides)
+    fields.setdefault("num_query_groups", fields["num_attention_heads"])
+    fields.setdefault("max_position_embeddings", fields["seq_length"])
+    return GPTConfig(**fields)
+
+
+# -------------------------------------------------------------------------------- flags
+
+# A small valid command line every flag test starts from.
+BASE_FLAGS = [
+    "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "64",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
+    "--train-iters", "10", "--lr", "1e-3",
+]
+
+
+def without(flags: list[str], *names: str) -> list[str]:
+    """`flags` less each flag in `names` and its values (the tokens after it up to the
+    next "--"), so a value shared by another flag stays."""
+    kept, dropping = [], False
+    for token in flags:
+        if token.startswith("--"):
+            dropping = token in names
+        if not dropping:
+            kept.append(token)
+    return kept
+
+
+# ---------------------------------------------------------------------------- run records
+
+# Megatron's training log line, field for field (megatron/training/training.py,
+# training_log), followed by megalite's tokens per second.
+LOG_LINE = re.compile(
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<it>\d+)/ +(?P<n>\d+) \|"
+    r" consumed samples: +(?P<samples>\d+) \|"
+    r" elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
+    r"( throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[\d.]+) \|)?"
+    r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d\d) \|"
+    r" global batch size: +(?P<gbs>\d+) \|"
+    r" lm loss: (?P<loss>\d\.\d{6}E[+-]\d\d|nan) \|"
+    r" loss scale: (?P<scale>[\d.]+) \|"
+    r"( grad norm: (?P<gnorm>[\d.]+) \|)?"
+    r" number of skipped iterations: +(?P<skipped>\d+) \|"
+    r" number of nan iterations: +(?P<nan>\d+) \|"
+    r" tokens per second: (?P<tps>[\d.]+) \|$")
+
+
+def scalars(tensorboard_dir) -> dict[str, dict[int, float]]:
+    """Every step's float32 lm loss and grad norm, as TensorBoard recorded them."""
+    # Imported here: TensorBoard takes a second to import, and most tests never read events.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tensorboard_dir))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)}
+            for tag in ("lm loss", "grad-norm")}
+
+
+def checkpoint_tensors(save) -> dict[str, object]:
+    """Every value of every file of the newest checkpoint, by file and key path."""
+    _, directory = find_checkpoint_to_load(save)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}/{i}", item)
+        else:
+            flat[prefix] = value
+    for path in sorted(directory.glob("*.pt")):
+        walk(path.name, load_tensor_file(path))
+    return flat
+
+
+def assert_identical(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        if torch.is_tensor(a[key]):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+# ------------------------------------------------------------------------ tensor parallel
+
+def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
+    """The full tensor of a TP-sharded parameter's `tensor` (its value or grad), gathered
+    with plain dist.all_gather; replicated parameters are returned as they are. A stacked
+    parameter (SwiGLU's fc1, [gate; up]) holds a block of each part on every rank: the
+    full tensor is all ranks' gate blocks, then all ranks' up blocks."""
+    if partition_dim(param) is None or dist.get_world_size(group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    dim, stride = partition_dim(param), partition_stride(param)
+    blocks = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
