@@ -140,7 +140,7 @@ def test_causality():
     assert not torch.allclose(model(tokens)[:, 10:], model(changed)[:, 10:])
 
 
-def test_rotary_angles_stay_fp32_in_a_bf16_model():
+def test_rope_table_stay_fp32_in_a_bf16_model():
     """Position p's angle is p x base^(-2i/d): in bf16 (8 significant bits) positions
     above 256 would share angles. The model keeps them in fp32 whatever its dtype."""
     config = tiny_gpt_config(num_layers=1, hidden_size=16, ffn_hidden_size=32,
@@ -148,9 +148,9 @@ def test_rotary_angles_stay_fp32_in_a_bf16_model():
                              position_embedding_type="rope", attention_dropout=0.1,
                              hidden_dropout=0.1)
     model = GPTModel(config, seed=0).to(torch.bfloat16)
-    table = model.rotary_angles
+    table = model.rope_table
     angles = rotary_frequencies(4096, 8, config.rotary_base)
     assert table.dtype == angles.dtype == torch.float32
     assert torch.equal(table[:, 0], angles.cos()) and torch.equal(table[:, 1], angles.sin())
     assert angles[4001, 0] - angles[4000, 0] == 1.0  # distinct positions, distinct angles
-    assert model.rotary_angles is table  # computed once, read by every layer
+    assert model.rope_table is table  # computed once, read by every layer

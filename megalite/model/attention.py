@@ -38,12 +38,12 @@ class SelfAttention(nn.Module):
                                              group=tp_group, bias=c.add_bias_linear,
                                              sequence_parallel=c.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None) -> torch.Tensor:
         """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape. Generation
         passes this layer's `kv_cache`: `append(k, v)` stores the keys and values of x's
         positions after the cached ones and returns those of every position so far (the
-        angles then start at x's first position)."""
+        RoPE table then starts at x's first position)."""
         c = self.config
         qkv = self.linear_qkv(x)
         s, b, _ = qkv.shape
@@ -51,8 +51,8 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group,
                                       c.kv_channels)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
-        if rotary_angles is not None:  # angles for every position up to --seq-length
-            q, k = apply_rotary(q, rotary_angles[:s]), apply_rotary(k, rotary_angles[:s])
+        if rope_table is not None:  # cos/sin for every position up to --seq-length
+            q, k = apply_rotary(q, rope_table[:s]), apply_rotary(k, rope_table[:s])
         # Backends take [batch, seq, heads, dim]; grouped K/V heads stay grouped.
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if kv_cache is not None:

@@ -77,17 +77,17 @@ class Decoder(nn.Module):
                                      for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
-    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None) -> torch.Tensor:
         if kv_cache is not None:  # generation, without grad: nothing to recompute
             for index, layer in self.layers.items():
-                x = layer(x, rotary_angles, kv_cache.layers[int(index)])
+                x = layer(x, rope_table, kv_cache.layers[int(index)])
         else:
             for group, recompute in self._layer_groups():
                 if recompute and torch.is_grad_enabled():
-                    x = checkpoint(_run_layers(group), self.rng_tracker, x, rotary_angles)
+                    x = checkpoint(_run_layers(group), self.rng_tracker, x, rope_table)
                 else:
-                    x = _run_layers(group)(x, rotary_angles)
+                    x = _run_layers(group)(x, rope_table)
         return x if self.final_layernorm is None else self.final_layernorm(x)
 
     def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
@@ -110,9 +110,9 @@ def recompute_groups(config: GPTConfig, num_layers: int) -> list[tuple[range, bo
 
 
 def _run_layers(layers: list[nn.Module]):
-    def run(x: torch.Tensor, rotary_angles: torch.Tensor | None) -> torch.Tensor:
+    def run(x: torch.Tensor, rope_table: torch.Tensor | None) -> torch.Tensor:
         for layer in layers:
-            x = layer(x, rotary_angles)
+            x = layer(x, rope_table)
         return x
     return run
 
@@ -150,7 +150,7 @@ class GPTModel(nn.Module):
         initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
 
     @property
-    def rotary_angles(self) -> torch.Tensor | None:
+    def rope_table(self) -> torch.Tensor | None:
         """RoPE's cos/sin table [seq_length, 2, rotary dim] (rotary.rotary_table), computed
         once on the parameters' device and read by every layer. fp32, and not a buffer:
         .to(bfloat16) would round it, and bf16 angles of neighbouring positions above 256
@@ -194,8 +194,8 @@ class GPTModel(nn.Module):
         last position only, [batch, 1, padded vocab] (no [seq, vocab] matrix for a prompt)."""
         offset = 0 if kv_cache is None else kv_cache.length
         x = self.embedding(inputs, offset) if self.pre_process else inputs
-        angles = self.rotary_angles
-        x = self.decoder(x, angles if angles is None else angles[offset:], kv_cache)
+        table = self.rope_table
+        x = self.decoder(x, table if table is None else table[offset:], kv_cache)
         if not self.post_process:
             return x
         if kv_cache is not None:

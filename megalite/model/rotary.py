@@ -1,7 +1,7 @@
 """Rotary position embedding (Su et al. 2021), in the non-interleaved "rotate half" form
 Megatron and HF Llama use, so exported weights need no permutation.
 
-The model computes the cos/sin table once per chunk (GPTModel.rotary_angles) and every
+The model computes the cos/sin table once per chunk (GPTModel.rope_table) and every
 layer reads it: no layer recomputes the cosines and sines of its angles. A layer takes the
 rows of its positions, `table[offset:offset + seq]`.
 """
@@ -20,7 +20,7 @@ def rotary_frequencies(seq_length: int, rotary_dim: int, base: int,
 
 def rotary_table(angles: torch.Tensor) -> torch.Tensor:
     """[seq, 2, rotary_dim]: the cosines and sines of `angles`, in fp32 (see
-    GPTModel.rotary_angles for why not in the activation dtype)."""
+    GPTModel.rope_table for why not in the activation dtype)."""
     return torch.stack([angles.cos(), angles.sin()], dim=1)
 
 

@@ -57,9 +57,9 @@ class TransformerLayer(nn.Module):
         if config.compile_layers:
             self.compile()  # in place: parameter names and the module tree stay as they are
 
-    def forward(self, x: torch.Tensor, rotary_angles: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None) -> torch.Tensor:
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary_angles,
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rope_table,
                                                  kv_cache))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
