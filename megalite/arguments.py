@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed):
         add_group(parser)
+    _add_monitoring_args(parser)
     return parser
 
 
@@ -210,6 +211,47 @@ def _logging(parser):
                    help="Add TFLOP/s/GPU and tokens/s to the log line.")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
+
+
+def _add_monitoring_args(parser):
+    """Megatron's logging and profiling flags for seeing what a run does (issue 17)."""
+    g = parser.add_argument_group("monitoring")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="Dense peak TFLOP/s of one device, for the MFU on the log line "
+                        "(megalite's own flag; default: a table of common GPUs, see "
+                        "megalite/monitoring/peak_flops.py; no MFU on a CPU without it).")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="Memory (max over ranks) as TensorBoard scalars.")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="0: iteration time only; 1: also the phases run once a step "
+                        "(gradient reduction, optimizer, ...); 2: also per micro-batch "
+                        "(forward/backward compute, pipeline send/recv). Levels 1-2 "
+                        "synchronise the GPU at each phase boundary.")
+    g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
+                   help="Timers over ranks: max, (min, max), or every rank's.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="Name the slowest and fastest rank (and host) by compute time "
+                        "each log interval.")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="Every N iterations compare the data-parallel replicas' parameter "
+                        "hashes; stop with an error naming the ranks if they differ.")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--profile", action="store_true",
+                   help="Write a torch.profiler Chrome trace (--profile-dir) of the steps "
+                        "--profile-step-start+1 .. --profile-step-end on --profile-ranks.")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-dir", default=None,
+                   help="Where traces go (megalite's own flag; default --tensorboard-dir, "
+                        "else ./profile).")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="GPU: record the CUDA allocator's history and write a snapshot to "
+                        "--memory-snapshot-path (at the profile's end, else after the "
+                        "first log interval, and when a step runs out of memory).")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle")
 
 
 def _distributed(parser):

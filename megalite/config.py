@@ -204,6 +204,48 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MonitoringConfig:
+    """What a run reports about itself beyond the log line's loss (megalite/monitoring/)."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s per device for MFU; None: the table's entry for the device
+    (--peak-tflops, megalite's own flag)."""
+    log_memory_to_tensorboard: bool = False
+    """Memory (max over ranks) as TensorBoard scalars (--log-memory-to-tensorboard)."""
+    timing_log_level: int = 0
+    """0: no phase timers; 1: phases run once a step; 2: also per micro-batch
+    (--timing-log-level)."""
+    timing_log_option: str = "minmax"
+    """Timers reduced over ranks as max, (min, max) or all (--timing-log-option)."""
+    log_timers_to_tensorboard: bool = False
+    """Each timer's max over ranks as a TensorBoard scalar (--log-timers-to-tensorboard)."""
+    log_straggler: bool = False
+    """Name the slowest and fastest rank each log interval (--log-straggler)."""
+    check_weight_hash_across_dp_replicas_interval: int | None = None
+    """Iterations between DP replica hash checks; None: never
+    (--check-weight-hash-across-dp-replicas-interval)."""
+    log_params_norm: bool = False
+    """Parameter L2 norm on the log line (--log-params-norm)."""
+    log_num_zeros_in_grad: bool = False
+    """Zero gradient elements on the log line (--log-num-zeros-in-grad)."""
+    profile: bool = False
+    """Record a torch.profiler trace (--profile)."""
+    profile_step_start: int = 10
+    """Iterations done when the profile starts (--profile-step-start)."""
+    profile_step_end: int = 12
+    """Iteration after which it stops (--profile-step-end)."""
+    profile_ranks: tuple[int, ...] = (0,)
+    """Global ranks that profile (--profile-ranks)."""
+    profile_dir: str = "profile"
+    """Where traces are written (--profile-dir, megalite's own; default the TensorBoard
+    directory, else ./profile)."""
+    record_memory_history: bool = False
+    """Keep the CUDA allocator's history for snapshots (--record-memory-history)."""
+    memory_snapshot_path: str = "snapshot.pickle"
+    """Where the CUDA memory snapshot goes (--memory-snapshot-path; .rank<r> added with
+    several ranks)."""
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run. The model-only configuration of the tools
     (validation.validate_model_args) has no optimizer, scheduler or data."""
@@ -217,6 +259,7 @@ class Config:
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     data: DataConfig | None = None
+    monitoring: MonitoringConfig = MonitoringConfig()
 
     @property
     def optimizer_kind(self) -> OptimizerKind:

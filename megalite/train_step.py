@@ -18,6 +18,7 @@ from torch import nn
 from megalite.config import PrecisionConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
+from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, all_gather_into, group_size
 from megalite.pipeline_parallel.executor import run_schedule
@@ -52,15 +53,18 @@ class StepRunner:
     parallel grads, its pipeline group carries activations, its embedding group sums
     the grads of tied embeddings split across the first and last stage, and its data
     group sums the losses of the ranks' slices of the global batch. `grad_buffer` holds
-    the gradients and sums them over the data group (needed when DP > 1).
+    the gradients and sums them over the data group (needed when DP > 1). `timers` times
+    the step's phases (monitoring/timers.py).
     """
 
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
                  num_microbatches: int, activation_shape: tuple[int, ...],
                  device: torch.device, state: ParallelState | None = None,
-                 grad_buffer: GradBuffer | None = None, check_for_nan: bool = False):
+                 grad_buffer: GradBuffer | None = None, check_for_nan: bool = False,
+                 timers: Timers = NO_TIMERS):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
         self.check_for_nan = check_for_nan
+        self.timers = timers
         self.num_microbatches, self.device = num_microbatches, device
         if grad_buffer is None and state is not None and state.dp_size > 1:
             raise ValueError("data parallelism needs a GradBuffer to reduce the gradients")
@@ -84,20 +88,27 @@ class StepRunner:
 
     def train_step(self, microbatches: list[dict]) -> StepResult:
         # Loss tokens of the whole global batch: every DP rank divides by the same count.
-        num_tokens = self._sum_over_data_parallel(
-            sum(mb["loss_mask"].sum() for mb in microbatches))
+        timers = self.timers
+        with timers("loss-all-reduce"):
+            num_tokens = self._sum_over_data_parallel(
+                sum(mb["loss_mask"].sum() for mb in microbatches))
         if self.grad_buffer is not None:
             self.grad_buffer.start_step(self.num_microbatches)
         else:
             self.optimizer.zero_grad()
-        loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
-                            lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
-                            self.optimizer.scale_loss, self._autocast)
-        self.finalize_grads()
+        with timers("forward-backward"):
+            loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
+                                lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
+                                self.optimizer.scale_loss, self._autocast, timers=timers)
+        with timers("all-grads-sync"):
+            self.finalize_grads()
         check = (lambda squares: self._stop_on_nonfinite(loss, squares)) \
             if self.check_for_nan else None
-        updated, grad_norm = self.optimizer.step(before_update=check)
-        return StepResult(self._sum_over_data_parallel(loss).item(), not updated, grad_norm)
+        with timers("optimizer"):
+            updated, grad_norm = self.optimizer.step(before_update=check)
+        with timers("loss-all-reduce"):
+            loss = self._sum_over_data_parallel(loss).item()
+        return StepResult(loss, not updated, grad_norm)
 
     def _stop_on_nonfinite(self, loss: torch.Tensor, squares: torch.Tensor):
         """Inside the optimizer step, before any parameter changes, so a NaN never reaches
@@ -138,21 +149,25 @@ class StepRunner:
             return
         params = self.optimizer.params
         # Under SP, norms and row-parallel biases saw only this rank's sequence shard.
-        allreduce_sequence_parallel_grads(params, self.state.tp_group)
+        if self.state.tp_size > 1:
+            with self.timers("layernorm-grads-all-reduce"):
+                allreduce_sequence_parallel_grads(params, self.state.tp_group)
         group = self.state.embedding_group
         if self.state.pp_size > 1 and group is not None and group_size(group) > 1:
             # A tied embedding is used on the first stage (input) and the last (output):
             # its gradient is the sum of both uses.
-            for p in params:
-                grad = main_grad(p)
-                if is_shared_embedding(p) and grad is not None:
-                    dist.all_reduce(grad, group=group)
+            with self.timers("embedding-grads-all-reduce"):
+                for p in params:
+                    grad = main_grad(p)
+                    if is_shared_embedding(p) and grad is not None:
+                        dist.all_reduce(grad, group=group)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:
         """(sum of token losses, number of loss tokens) over the micro-batches."""
         for chunk in self.chunks:
             chunk.eval()
+        # Untimed (timers=NO_TIMERS): the timers report training steps only.
         loss_sum = run_schedule(self.eval_schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum(),
                                 lambda loss: loss, self._autocast, forward_only=True)

@@ -27,6 +27,7 @@ from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.attention_backends import resolve_backend
 from megalite.model.gpt import activation_shape, build_model_chunks
+from megalite.monitoring.monitor import Monitor
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
@@ -129,11 +130,13 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     rng_tracker = build_rng_tracker(config.training.seed, state.tp_rank, device)
     model = build_model(config, state, device, rng_tracker)
     optimizer, grad_buffer = build_optimizer(model, config, state)
+    monitor = Monitor(config, state, device, model, optimizer)
     t, m = config.training, config.model
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
                         activation_shape(m, t.micro_batch_size, state.tp_size), device, state,
                         grad_buffer,
-                        check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16)
+                        check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16,
+                        timers=monitor.timers)
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
     if config.checkpoint.load is not None:
@@ -141,6 +144,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                                  config, rng_tracker)
         if loaded is not None:
             progress = TrainState(**loaded)
+            monitor.resumed = True
         print_rank_0(f" > resuming from {config.checkpoint.load} at iteration "
                      f"{progress.iteration}" if loaded else
                      f" > no checkpoint in {config.checkpoint.load}: starting from scratch")
@@ -163,7 +167,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
              if evaluating and valid_ds is not None else None)
     try:
         stopped = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device,
-                        progress, save if config.checkpoint.save else None)
+                        progress, save if config.checkpoint.save else None, monitor)
         if stopped:
             # A signal or the time budget: the checkpoint is written; leave at once, within
             # the grace period a scheduler gives before it kills the job.
@@ -179,15 +183,17 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                                 microbatches(test_ds, 0, config, state, device), config,
                                 tensorboard, None)
     finally:
+        monitor.close(progress.iteration)
         tensorboard.close()
     return progress
 
 
 def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, train_ds,
           valid, tensorboard: TensorBoardLogger, device: torch.device, progress: TrainState,
-          save=None) -> bool:
+          save=None, monitor: Monitor | None = None) -> bool:
     """Train from `progress` on (updating it); `save(iteration)` writes a checkpoint (None:
     no --save). Returns whether a signal or --exit-duration-in-mins stopped the run."""
+    monitor = monitor or Monitor(config, state, device, runner.chunks, runner.optimizer)
     t, log = config.training, config.logging
     exits = ExitConditions(config.checkpoint, device)
     saved_at = progress.iteration
@@ -195,13 +201,18 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
     flops_per_step = num_floating_point_operations(config.model, t.global_batch_size)
     batches = microbatches(train_ds, progress.consumed_train_samples, config, state, device)
     while progress.iteration < t.train_iters:
+        monitor.before_step(progress.iteration)
         start = time.perf_counter()
-        step_batches = [next(batches) for _ in range(t.num_microbatches)]
+        with monitor.timers("batch-generator"):
+            step_batches = [next(batches) for _ in range(t.num_microbatches)]
         loss_scale = runner.optimizer.loss_scale
         try:
             result = runner.train_step(step_batches)
         except NumericalError as error:
             raise NumericalError(f"iteration {progress.iteration + 1}: {error}") from None
+        except torch.OutOfMemoryError:
+            monitor.on_out_of_memory()
+            raise
         loss, skipped, grad_norm = result.loss, result.skipped, result.grad_norm
         if not skipped:
             scheduler.step(t.global_batch_size)
@@ -213,13 +224,18 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         progress.iteration += 1
         progress.consumed_train_samples += t.global_batch_size
         stats.add(loss, skipped, elapsed)
-        if progress.iteration % log.tensorboard_log_interval == 0:
+        monitor.after_step(progress.iteration)
+        logging = progress.iteration % log.log_interval == 0
+        scalars = progress.iteration % log.tensorboard_log_interval == 0
+        extra = monitor.statistics() if logging or scalars else {}
+        if scalars:
             tensorboard.scalars(progress.iteration, {
                 "lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
-                "loss-scale": loss_scale, "batch-size": t.global_batch_size})
-        if progress.iteration % log.log_interval == 0:
+                "loss-scale": loss_scale, "batch-size": t.global_batch_size,
+                "num-zeros": extra.get("num_zeros"), "params-norm": extra.get("params_norm")})
+        if logging:
             _log_interval(config, progress, stats, lr, loss_scale, grad_norm, flops_per_step,
-                          tensorboard)
+                          tensorboard, monitor, extra)
             stats = IntervalStats()
         if valid is not None and progress.iteration % t.eval_interval == 0:
             _evaluate_and_print(f"iteration {progress.iteration}", runner, valid, config,
@@ -251,21 +267,26 @@ def _synchronize(device: torch.device):
 
 def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr: float,
                   loss_scale: float, grad_norm, flops_per_step: float,
-                  tensorboard: TensorBoardLogger):
+                  tensorboard: TensorBoardLogger, monitor: Monitor, extra: dict):
     t = config.training
     seconds_per_iter = stats.elapsed_s / stats.iters
     world_size = dist.get_world_size()
     tflops = flops_per_step / (seconds_per_iter * world_size * 1e12)
     tokens_per_s = t.global_batch_size * config.model.seq_length / seconds_per_iter
+    report = monitor.interval_report(stats.iters, tflops)
     print_rank_last(log_line(
         iteration=progress.iteration, train_iters=t.train_iters,
         consumed_samples=progress.consumed_train_samples, elapsed_ms=seconds_per_iter * 1e3,
         tflops_per_gpu=tflops if config.logging.log_throughput else None, learning_rate=lr,
         global_batch_size=t.global_batch_size, lm_loss=stats.mean_loss, loss_scale=loss_scale,
         grad_norm=grad_norm, skipped_iters=stats.skipped_iters, nan_iters=stats.nan_iters,
-        tokens_per_second=tokens_per_s))
+        tokens_per_second=tokens_per_s, mfu_percent=report.mfu_percent,
+        memory_mib=report.memory_mib, **extra))
+    for line in report.lines:
+        print_rank_last(line)
     tensorboard.scalars(progress.iteration, {"throughput": tflops,
-                                             "tokens-per-second": tokens_per_s})
+                                             "tokens-per-second": tokens_per_s,
+                                             **report.scalars})
 
 
 def _evaluate_and_print(prefix: str, runner: StepRunner, batches, config: Config,

@@ -57,12 +57,24 @@ class IntervalStats:
         return self.loss_sum / max(1, self.advanced_iters)
 
 
+def significant(value: float, digits: int = 4) -> str:
+    """`value` to `digits` significant digits in fixed point, never in exponent form (a
+    CPU run's TFLOP/s is ~1e-5: `.4g` would print 1.234e-05)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:.1f}"
+    decimals = max(1, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}"
+
+
 def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
              elapsed_ms: float, tflops_per_gpu: float | None, learning_rate: float,
              global_batch_size: int, lm_loss: float, loss_scale: float,
              grad_norm: float | None, skipped_iters: int, nan_iters: int,
-             tokens_per_second: float) -> str:
-    """Megatron's training log line, field for field, then tokens per second."""
+             tokens_per_second: float, mfu_percent: float | None = None,
+             num_zeros: float | None = None, params_norm: float | None = None,
+             memory_mib: dict[str, float] | None = None) -> str:
+    """Megatron's training log line, field for field, then tokens per second; megalite's
+    MFU after the throughput and the memory (MiB, max over ranks) at the end."""
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     line += f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
@@ -70,16 +82,24 @@ def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
     if tflops_per_gpu is not None:
         # Four significant digits rather than Megatron's one decimal: a CPU run is far
         # below 1 TFLOP/s and would print 0.0.
-        line += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.4g} |"
+        line += f" throughput per GPU (TFLOP/s/GPU): {significant(tflops_per_gpu)} |"
+    if mfu_percent is not None:
+        line += f" MFU (%): {significant(mfu_percent)} |"
     line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     line += f" lm loss: {lm_loss:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        line += f" num zeros: {num_zeros:.1f} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {skipped_iters:3d} |"
     line += f" number of nan iterations: {nan_iters:3d} |"
     line += f" tokens per second: {tokens_per_second:.1f} |"
+    for name, mib in (memory_mib or {}).items():
+        line += f" mem {name} (MiB): {mib:.1f} |"
     return line
 
 

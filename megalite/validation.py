@@ -11,8 +11,8 @@ import dataclasses
 import math
 
 from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedConfig,
-                             LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                             SchedulerConfig, TrainingConfig)
+                             LoggingConfig, MonitoringConfig, OptimizerConfig, ParallelConfig,
+                             PrecisionConfig, SchedulerConfig, TrainingConfig)
 from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
 from megalite.errors import ConfigError
 from megalite.model.config import GPTConfig
@@ -37,7 +37,8 @@ def validate_args(args, world_size: int = 1,
                                      train_samples=train_samples),
         scheduler=_scheduler_config(args, global_batch, train_samples),
         data=DataConfig(args.mock_data, tuple(args.data_path or ()), args.split,
-                        args.data_cache_path, args.eod_mask_loss, args.num_workers))
+                        args.data_cache_path, args.eod_mask_loss, args.num_workers),
+        monitoring=_validate_monitoring(args, world_size))
 
 
 def validate_model_args(args, world_size: int = 1,
@@ -371,3 +372,23 @@ def _checkpoint_config(args) -> CheckpointConfig:
                             not args.no_load_optim, not args.no_load_rng, args.finetune,
                             args.exit_signal_handler, args.exit_duration_in_mins,
                             args.check_for_nan_in_loss_and_grad)
+
+
+def _validate_monitoring(args, world_size: int) -> MonitoringConfig:
+    _check_positive(args, "peak_tflops", "check_weight_hash_across_dp_replicas_interval")
+    if args.profile:
+        if not 0 <= args.profile_step_start < args.profile_step_end:
+            raise ConfigError("--profile needs 0 <= --profile-step-start < --profile-step-end, "
+                              f"got {args.profile_step_start} and {args.profile_step_end}")
+        outside = [r for r in args.profile_ranks if not 0 <= r < world_size]
+        if outside:
+            raise ConfigError(f"--profile-ranks {outside} outside the world of {world_size} "
+                              "ranks")
+    return MonitoringConfig(
+        args.peak_tflops, args.log_memory_to_tensorboard, args.timing_log_level,
+        args.timing_log_option, args.log_timers_to_tensorboard, args.log_straggler,
+        args.check_weight_hash_across_dp_replicas_interval, args.log_params_norm,
+        args.log_num_zeros_in_grad, args.profile, args.profile_step_start,
+        args.profile_step_end, tuple(args.profile_ranks),
+        args.profile_dir or args.tensorboard_dir or "profile", args.record_memory_history,
+        args.memory_snapshot_path)

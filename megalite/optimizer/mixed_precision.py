@@ -53,7 +53,7 @@ class MixedPrecisionOptimizer(Optimizer):
         self._gathers: list = [None] * len(self.param_buffers)
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather:
-            _wait_before_forward(model, grad_buffer, self._wait_for_bucket)
+            _wait_before_forward(model, grad_buffer, self._wait_for_bucket_in_forward)
 
     def _reduce_groups(self) -> list:
         # DP shards are disjoint pieces; unsharded, every DP rank holds the same gradients.
@@ -102,12 +102,19 @@ class MixedPrecisionOptimizer(Optimizer):
         torch._foreach_copy_(self._param_views, [s.main for s in self.segments])
         if not self.sharded or self.grad_buffer.dp == 1:
             return
-        for i, (bucket, flat) in enumerate(zip(self.grad_buffer.buckets, self.param_buffers)):
-            lo, _ = self._owned_range(bucket)
-            self._gathers[i] = all_gather_into(flat, flat[lo:lo + bucket.shard_size],
-                                               self.dp_group, async_op=True)
-        if not self.overlap_param_gather:
-            self.finish_param_gather()
+        with self.timers("params-all-gather"):
+            for i, (bucket, flat) in enumerate(zip(self.grad_buffer.buckets,
+                                                   self.param_buffers)):
+                lo, _ = self._owned_range(bucket)
+                self._gathers[i] = all_gather_into(flat, flat[lo:lo + bucket.shard_size],
+                                                   self.dp_group, async_op=True)
+            if not self.overlap_param_gather:
+                self.finish_param_gather()
+
+    def _wait_for_bucket_in_forward(self, index: int):
+        if self._gathers[index] is not None:
+            with self.timers("params-all-gather"):
+                self._wait_for_bucket(index)
 
     def _wait_for_bucket(self, index: int):
         if self._gathers[index] is not None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import OptimizerConfig
+from megalite.monitoring.timers import NO_TIMERS
 from megalite.parallel_state import group_rank, group_size
 from megalite.tensor_parallel.params import is_embedding_copy, is_tensor_parallel
 
@@ -76,6 +77,8 @@ class Optimizer:
 
     sharded = False
     """Whether each DP rank keeps only its shard of the optimizer state (ZeRO-1)."""
+    timers = NO_TIMERS
+    """The phase timers of the run (monitoring/timers.py); set by the training loop."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None):
@@ -135,31 +138,57 @@ class Optimizer:
         grads = [s.main.grad for s in self.segments if s.main.grad is not None]
         groups = [g for g in self._reduce_groups() if group_size(g) > 1]
         if self.grad_scaler is not None:
-            found_inf = torch.zeros((), device=grads[0].device if grads else "cpu")
-            inv_scale = torch.full((), 1.0 / self.grad_scaler.scale, device=found_inf.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            for group in groups:  # max over DP shards and model-parallel pieces
-                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
-            overflow = bool(found_inf.item())
-            self.grad_scaler.update(overflow)
+            with self.timers("optimizer-unscale-and-check-inf"):
+                overflow = self._unscale_and_check_inf(grads, groups)
             if overflow:
                 self.zero_grad()
                 return False, None
-        squares = squared_norm([s.main.grad for s in self._norm_segments
-                                if s.main.grad is not None])
-        if before_update is not None:
-            before_update(squares)
-        squares = squares.clone()
-        for group in groups:  # each rank's squares are disjoint: DP shards, TP pieces
-            dist.all_reduce(squares, group=group)
-        grad_norm = squares.sqrt().item()
-        # Megatron's rule: scale by max_norm / (norm + 1e-6) only when that is below 1.
-        coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
-        if self.config.clip_grad > 0 and coeff < 1.0:
-            torch._foreach_mul_(grads, coeff)
-        self.adam.step()
-        self._copy_main_to_params()
+        with self.timers("optimizer-clip-main-grad"):
+            squares = squared_norm([s.main.grad for s in self._norm_segments
+                                    if s.main.grad is not None])
+            if before_update is not None:
+                before_update(squares)
+            with self.timers("grad-norm-all-reduce"):
+                squares = squares.clone()
+                for group in groups:  # each rank's squares are disjoint: DP shards, TP pieces
+                    dist.all_reduce(squares, group=group)
+                grad_norm = squares.sqrt().item()
+            # Megatron's rule: scale by max_norm / (norm + 1e-6) only when that is below 1.
+            coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
+            if self.config.clip_grad > 0 and coeff < 1.0:
+                torch._foreach_mul_(grads, coeff)
+        with self.timers("optimizer-inner-step"):
+            self.adam.step()
+        with self.timers("optimizer-copy-main-to-model-params"):
+            self._copy_main_to_params()
         return True, grad_norm
+
+    def _unscale_and_check_inf(self, grads: list[torch.Tensor], groups: list) -> bool:
+        """fp16: divide the gradients by the loss scale; whether any rank overflowed."""
+        found_inf = torch.zeros((), device=grads[0].device if grads else "cpu")
+        inv_scale = torch.full((), 1.0 / self.grad_scaler.scale, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        for group in groups:  # max over DP shards and model-parallel pieces
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        overflow = bool(found_inf.item())
+        self.grad_scaler.update(overflow)
+        return overflow
+
+    @torch.no_grad()
+    def num_zeros_in_grad(self) -> int | None:
+        """Zero elements in the gradients of the last update (Megatron's
+        --log-num-zeros-in-grad), each distinct parameter counted once, as the grad norm
+        counts them; None after a skipped step. A collective over the reduce groups."""
+        grads = [s.main.grad for s in self._norm_segments if s.main.grad is not None]
+        if not any(s.main.grad is not None for s in self.segments):
+            return None
+        device = self.segments[0].main.device
+        zeros = torch.zeros((), dtype=torch.float64, device=device)
+        for grad in grads:
+            zeros += grad.numel() - torch.count_nonzero(grad)
+        for group in [g for g in self._reduce_groups() if group_size(g) > 1]:
+            dist.all_reduce(zeros, group=group)
+        return int(zeros.item())
 
     def finish_param_gather(self):
         """Nothing in flight: the parameters are updated in place by step()."""

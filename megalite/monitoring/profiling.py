@@ -1,0 +1,85 @@
+"""--profile: a torch.profiler trace of the steps --profile-step-start .. --profile-step-end
+on the ranks --profile-ranks, as Megatron's --use-pytorch-profiler records it; on a GPU
+--record-memory-history keeps the CUDA allocator's history and writes a snapshot to
+--memory-snapshot-path (readable at pytorch.org/memory_viz).
+
+The trace is a Chrome trace JSON (TensorBoard's profiler plugin and Perfetto read it)
+holding megalite's phases as named ranges (timers.py: forward-compute,
+backward-compute, all-grads-sync, optimizer, pipeline-send-recv, ...) around torch's
+own ops and each collective (gloo:all_reduce, nccl:all_reduce, ...).
+"""
+
+import os
+from pathlib import Path
+
+import torch
+
+from megalite.errors import ConfigError
+from megalite.monitoring.timers import Timers
+
+
+def rank_path(path: str, rank: int, world_size: int) -> Path:
+    """`path`, with the rank before the suffix when several ranks write one."""
+    p = Path(path)
+    return p if world_size == 1 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+
+
+class Profiler:
+    """Iterations are counted as Megatron counts them: the profile starts before the
+    step taken when `start` iterations are done and stops after iteration `end`, so it
+    holds iterations start+1 .. end (as the log line numbers them)."""
+
+    def __init__(self, config, rank: int, world_size: int, device: torch.device,
+                 timers: Timers):
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.device, self.timers = device, timers
+        self.enabled = config.profile and rank in config.profile_ranks
+        self.profile = None
+        if config.record_memory_history:
+            if device.type != "cuda":
+                raise ConfigError("--record-memory-history records the CUDA allocator and "
+                                  f"needs a GPU; this run is on {device.type}")
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def before_step(self, done: int):
+        if self.enabled and done == self.config.profile_step_start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profile = torch.profiler.profile(activities=activities)
+            self.profile.start()
+            self.timers.profiling = True
+            self.first = done + 1
+
+    def after_step(self, done: int):
+        if self.profile is not None and done == self.config.profile_step_end:
+            self._finish(done)
+
+    def close(self, done: int):
+        """The run ended inside the window: write what was recorded."""
+        if self.profile is not None:
+            self._finish(done)
+
+    def _finish(self, done: int):
+        self.profile.stop()
+        self.timers.profiling = False
+        directory = Path(self.config.profile_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"rank{self.rank}.iter{self.first}-{done}.pt.trace.json"
+        staging = path.with_name(path.name + ".tmp")
+        self.profile.export_chrome_trace(str(staging))
+        os.replace(staging, path)
+        self.profile = None
+        print(f" > rank {self.rank}: profile of iterations {self.first}-{done} written to "
+              f"{path}", flush=True)
+        if self.config.record_memory_history:
+            self.dump_memory_snapshot()
+
+    def dump_memory_snapshot(self):
+        if not self.config.record_memory_history:
+            return
+        path = rank_path(self.config.memory_snapshot_path, self.rank, self.world_size)
+        staging = path.with_name(path.name + ".tmp")
+        torch.cuda.memory._dump_snapshot(str(staging))
+        os.replace(staging, path)
+        print(f" > rank {self.rank}: CUDA memory snapshot written to {path}", flush=True)

@@ -1,0 +1,144 @@
+"""Megatron's phase timers (megatron/core/timers.py): named, levelled, summed over a log
+interval, reduced over ranks when printed.
+
+`--timing-log-level` picks the phases: 0 none (the log line's iteration time only; no
+timer, no synchronisation runs), 1 the phases a step runs about once (gradient reduction,
+optimizer, ...), 2 also those it runs per micro-batch (forward and backward compute,
+pipeline send/recv). On an accelerator a timer synchronises the device when it starts
+and stops, as Megatron's does, so it measures the work and not its launch; that is why
+the levels exist.
+
+Each phase is also a `torch.profiler.record_function` range while a profile is being
+recorded (profiling.py), whatever the level, so a trace shows megalite's own phases.
+"""
+
+import contextlib
+import time
+
+import torch
+
+# name -> (level, enclosing phase). Phases without an enclosing one do not overlap, so
+# their sum is at most the iteration time; a child's time is part of its parent's.
+PHASES = {
+    "batch-generator": (1, None),
+    "loss-all-reduce": (1, None),
+    "forward-backward": (1, None),
+    "forward-compute": (2, "forward-backward"),
+    "backward-compute": (2, "forward-backward"),
+    "pipeline-send-recv": (2, "forward-backward"),
+    "pipeline-send-wait": (2, "forward-backward"),
+    "all-grads-sync": (1, None),
+    "layernorm-grads-all-reduce": (1, "all-grads-sync"),
+    "embedding-grads-all-reduce": (1, "all-grads-sync"),
+    "optimizer": (1, None),
+    "optimizer-unscale-and-check-inf": (1, "optimizer"),
+    "optimizer-clip-main-grad": (1, "optimizer"),
+    "grad-norm-all-reduce": (1, "optimizer-clip-main-grad"),
+    "optimizer-inner-step": (1, "optimizer"),
+    "optimizer-copy-main-to-model-params": (1, "optimizer"),
+    # Inside the optimizer; under --overlap-param-gather inside the next forward-compute.
+    "params-all-gather": (1, "optimizer-copy-main-to-model-params"),
+}
+# The phases that are communication (or waiting for a peer) rather than computation.
+COMMUNICATION = ("loss-all-reduce", "pipeline-send-recv", "pipeline-send-wait",
+                 "all-grads-sync", "grad-norm-all-reduce", "params-all-gather")
+# A rank's own work in a step: what --log-straggler compares across ranks.
+COMPUTE = ("batch-generator", "forward-compute", "backward-compute", "optimizer-inner-step")
+
+
+def synchronize(device: torch.device | None):
+    """Wait for the device's queued work (kernels run asynchronously); nothing on a CPU."""
+    if device is not None and device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+class Timer:
+    def __init__(self, name: str, device: torch.device | None):
+        self.name, self.device = name, device
+        self.elapsed_s = 0.0
+        self._started = None
+
+    def start(self):
+        synchronize(self.device)
+        self._started = time.perf_counter()
+
+    def stop(self):
+        synchronize(self.device)
+        self.elapsed_s += time.perf_counter() - self._started
+        self._started = None
+
+
+class _Phase:
+    """One use of a phase: its timer (if timed) and its profiler range (if profiling)."""
+
+    def __init__(self, timer: Timer | None, name: str | None):
+        self.timer, self.range = timer, None
+        if name is not None:
+            self.range = torch.profiler.record_function(name)
+
+    def __enter__(self):
+        if self.range is not None:
+            self.range.__enter__()
+        if self.timer is not None:
+            self.timer.start()
+
+    def __exit__(self, *exc):
+        if self.timer is not None:
+            self.timer.stop()
+        if self.range is not None:
+            self.range.__exit__(*exc)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+class Timers:
+    """`with timers("optimizer"): ...` times a phase if its level is on (or `extra` names
+    it) and marks it for the profiler while `profiling` is set; otherwise it is a shared
+    no-op context."""
+
+    def __init__(self, level: int = 0, device: torch.device | None = None,
+                 extra: tuple[str, ...] = ()):
+        self.timers = {name: Timer(name, device) for name, (lvl, _) in PHASES.items()
+                       if lvl <= level or name in extra}
+        self.profiling = False
+
+    def __call__(self, name: str):
+        timer = self.timers.get(name)
+        if timer is None and not self.profiling:
+            return _NOTHING
+        return _Phase(timer, name if self.profiling else None)
+
+    def elapsed(self, reset: bool = True) -> dict[str, float]:
+        """Seconds in each timed phase since the last reset."""
+        out = {name: t.elapsed_s for name, t in self.timers.items()}
+        if reset:
+            for t in self.timers.values():
+                t.elapsed_s = 0.0
+        return out
+
+
+NO_TIMERS = Timers(0)
+"""Times nothing and never profiles: the default of the classes that take timers."""
+
+
+def timers_report(names: list[str], per_rank_ms: torch.Tensor, option: str) -> list[str]:
+    """Megatron's timer lines from `per_rank_ms` [ranks, names] (ms per iteration; 0 where
+    a rank never ran the phase): max, (min, max) or every rank's time."""
+    used = [i for i in range(len(names)) if (per_rank_ms[:, i] > 0).any()]
+    if option == "all":
+        lines = ["times across ranks (ms):"]
+        for i in used:
+            lines.append(f"  {names[i]}:")
+            lines += [f"     rank {r:2d}: {t:.2f}"
+                      for r, t in enumerate(per_rank_ms[:, i].tolist())]
+        return lines
+    lines = ["max time across ranks (ms):" if option == "max"
+             else "(min, max) time across ranks (ms):"]
+    for i in used:
+        column = per_rank_ms[:, i]
+        ran = column[column > 0]
+        label = (names[i] + " ").ljust(48, ".")
+        lines.append(f"    {label}: {ran.max().item():.2f}" if option == "max" else
+                     f"    {label}: ({ran.min().item():.2f}, {ran.max().item():.2f})")
+    return lines

@@ -1,0 +1,205 @@
+"""Monitoring in one process (issue 17): MFU against the datasheet peaks, memory on the
+log line and in TensorBoard, Megatron's timers at each level (and nothing run at level 0),
+params norm and zeros in the gradients, a profiler trace. The multi-rank parts (max over
+ranks, stragglers, replica hashes) are in tests/distributed/test_monitoring_layouts.py."""
+
+import contextlib
+import io
+import json
+import re
+import resource
+
+import pytest
+import torch
+
+import megalite.monitoring.peak_flops as peak_flops
+import megalite.monitoring.timers as timers_module
+from megalite.config import OptimizerConfig
+from megalite.model.gpt import GPTModel
+from megalite.optimizer.optimizer import Optimizer
+from megalite.training import pretrain
+
+from tests.helpers import BASE_FLAGS, LOG_LINE, checkpoint_tensors, tiny_gpt_config
+
+FLAGS = [*BASE_FLAGS, "--eval-iters", "0", "--num-workers", "0", "--train-iters", "4",
+         "--log-interval", "2"]  # global batch 8 of micro-batches of 4: 2 per step
+MIB = 2 ** 20
+
+# Megatron's timer names, by the level that first prints them (single process, fp32).
+LEVEL_1 = {"batch-generator", "loss-all-reduce", "forward-backward", "all-grads-sync",
+           "optimizer", "optimizer-clip-main-grad", "grad-norm-all-reduce",
+           "optimizer-inner-step", "optimizer-copy-main-to-model-params"}
+LEVEL_2 = LEVEL_1 | {"forward-compute", "backward-compute"}
+TOP_LEVEL = ("batch-generator", "loss-all-reduce", "forward-backward", "all-grads-sync",
+             "optimizer")
+
+
+def run(*flags, tmp=None) -> tuple[str, list[dict]]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert pretrain([*FLAGS, *flags]) == 0
+    text = out.getvalue()
+    return text, [m.groupdict() for m in map(LOG_LINE.match, text.splitlines()) if m]
+
+
+@pytest.fixture(scope="module")
+def level_2(tmp_path_factory):
+    """Timers at level 2, a known peak, memory and parameter statistics in TensorBoard,
+    a checkpoint, and a profile of iterations 2-3."""
+    tmp = tmp_path_factory.mktemp("level_2")
+    out, logs = run("--log-throughput", "--peak-tflops", "0.002", "--timing-log-level", "2",
+                    "--tensorboard-dir", str(tmp / "tb"), "--log-memory-to-tensorboard",
+                    "--log-params-norm", "--log-num-zeros-in-grad", "--save", str(tmp / "ckpt"),
+                    "--profile", "--profile-step-start", "1", "--profile-step-end", "3",
+                    "--profile-dir", str(tmp / "profile"))
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident_bytes())
+    return out, logs, tmp, peak
+
+
+@pytest.fixture(scope="module")
+def level_1():
+    """Timers at level 1 (max over ranks) on a stubbed H100."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(peak_flops, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+        return run("--log-throughput", "--timing-log-level", "1", "--timing-log-option", "max")
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_peak_table_is_dense_and_matched_by_device_name():
+    # Datasheet dense rates (NVIDIA prints twice these "with sparsity").
+    cases = {("NVIDIA H100 80GB HBM3", "bf16"): 989.4, ("NVIDIA H100 PCIe", "bf16"): 756.5,
+             ("NVIDIA H100 NVL", "fp16"): 835.5, ("NVIDIA H200", "bf16"): 989.4,
+             ("NVIDIA A100-SXM4-40GB", "bf16"): 312.0, ("NVIDIA A100 80GB PCIe", "tf32"): 156.0,
+             ("NVIDIA A100-SXM4-80GB", "fp32"): 19.5, ("NVIDIA L40S", "bf16"): 362.05,
+             ("NVIDIA L4", "bf16"): 121.0, ("NVIDIA A10", "fp32"): 31.2,
+             ("Tesla V100-SXM2-16GB", "bf16"): None, ("NVIDIA GeForce GTX 1080", "fp32"): None}
+    for (name, dtype), peak in cases.items():
+        key = peak_flops.device_key(name)
+        assert (peak_flops.PEAK_TFLOPS[key].get(dtype) if key else None) == peak, name
+
+
+def test_mfu_is_throughput_over_the_peak(level_1, level_2):
+    # fp32 on a device whose float32 matmul precision is "highest" runs at the FP32 rate.
+    for (_, logs, *_), peak in ((level_1, 66.9), (level_2, 0.002)):
+        assert len(logs) == 2
+        for log in logs:
+            tflops = float(log["tflops"])
+            assert float(log["mfu"]) == pytest.approx(100 * tflops / peak, rel=2e-3)
+
+
+def test_memory_on_the_log_line_and_in_tensorboard(level_2):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, logs, tmp, peak_after = level_2
+    events = EventAccumulator(str(tmp / "tb"))
+    events.Reload()
+    rss = {e.step: e.value for e in events.Scalars("mem-rss-bytes")}
+    max_rss = {e.step: e.value for e in events.Scalars("mem-max-rss-bytes")}
+    assert sorted(rss) == sorted(max_rss) == [2, 4]
+    for log in logs:
+        it = int(log["it"])
+        assert float(log["mem_rss"]) == pytest.approx(rss[it] / MIB, abs=0.06)
+        assert float(log["mem_max_rss"]) == pytest.approx(max_rss[it] / MIB, abs=0.06)
+        assert 50 * MIB < rss[it] <= max_rss[it] <= peak_after
+
+
+def timer_lines(out: str) -> dict[int, dict[str, float]]:
+    """Per log line's iteration: each timer's max over ranks (ms per iteration)."""
+    blocks, current = {}, None
+    for line in out.splitlines():
+        if LOG_LINE.match(line):
+            current = blocks.setdefault(int(LOG_LINE.match(line)["it"]), {})
+        m = re.match(r"^ +(\S+) \.*: \(?([\d.]+)(?:, ([\d.]+)\))?$", line)
+        if m and current is not None:
+            current[m[1]] = float(m[3] or m[2])
+    return blocks
+
+
+def test_timers_name_each_phase_and_fit_in_the_step(level_1, level_2):
+    for (out, logs, *_), level in ((level_1[:2], 1), (level_2[:2], 2)):
+        header = ("max time across ranks (ms):" if level == 1 else
+                  "(min, max) time across ranks (ms):")
+        assert out.count(header) == 2
+        blocks = timer_lines(out)
+        for log in logs:
+            timers = blocks[int(log["it"])]
+            assert set(timers) == (LEVEL_1 if level == 1 else LEVEL_2)
+            # Phases that do not nest add up to at most the iteration.
+            assert sum(timers[n] for n in TOP_LEVEL) <= float(log["ms"]) * 1.001 + 0.05
+            if level == 2:
+                assert timers["forward-compute"] + timers["backward-compute"] <= \
+                    timers["forward-backward"] + 0.02
+
+
+def test_timing_level_zero_starts_no_timer_and_synchronizes_nothing(monkeypatch):
+    counts = {"start": 0, "synchronize": 0}
+    start, synchronize = timers_module.Timer.start, timers_module.synchronize
+
+    def counted_start(self):
+        counts["start"] += 1
+        start(self)
+
+    def counted_synchronize(device):
+        counts["synchronize"] += 1
+        synchronize(device)
+    monkeypatch.setattr(timers_module.Timer, "start", counted_start)
+    monkeypatch.setattr(timers_module, "synchronize", counted_synchronize)
+    out, logs = run("--log-throughput")
+    assert counts == {"start": 0, "synchronize": 0} and "time across ranks" not in out
+    # A CPU: no MFU without --peak-tflops; its ~1e-4 TFLOP/s in fixed point, not 1.2e-04.
+    assert len(logs) == 2 and all(log["mfu"] is None for log in logs) and "e-0" not in out
+    timers_module.Timers(1).timers["optimizer"].start()  # the counters do count
+    assert counts == {"start": 1, "synchronize": 1}
+
+
+def test_params_norm_is_the_norm_of_the_saved_weights(level_2):
+    _, logs, tmp, _ = level_2
+    weights = [v for k, v in checkpoint_tensors(tmp / "ckpt").items()
+               if k.startswith("model_") and torch.is_tensor(v) and v.is_floating_point()]
+    norm = torch.sqrt(sum(w.double().square().sum() for w in weights)).item()
+    assert float(logs[-1]["pnorm"]) == pytest.approx(norm, abs=1.5e-3)
+    assert all(log["zeros"] is not None for log in logs)
+
+
+def test_num_zeros_in_grad_counts_zero_elements():
+    model = GPTModel(tiny_gpt_config(), seed=1)
+    optimizer = Optimizer(model, OptimizerConfig(lr=1e-3, clip_grad=0.0))
+    expected = 0
+    for i, p in enumerate(model.parameters()):
+        grad = torch.randn_like(p)
+        grad.view(-1)[:i] = 0  # i zeros in the i-th parameter
+        expected += min(i, p.numel())
+        p.grad = grad
+    optimizer.step()
+    assert optimizer.num_zeros_in_grad() == expected
+
+
+def test_profile_holds_megalites_phases_for_the_requested_steps(level_2):
+    out, _, tmp, _ = level_2
+    assert [p.name for p in (tmp / "profile").iterdir()] == ["rank0.iter2-3.pt.trace.json"]
+    with open(tmp / "profile" / "rank0.iter2-3.pt.trace.json") as f:
+        events = json.load(f)["traceEvents"]
+    names = [e.get("name") for e in events if e.get("ph") == "X"]
+    # 2 profiled steps of 2 micro-batches each.
+    counts = {n: names.count(n) for n in ("forward-compute", "backward-compute",
+                                          "batch-generator", "forward-backward",
+                                          "all-grads-sync", "optimizer",
+                                          "optimizer-inner-step")}
+    assert counts == {"forward-compute": 4, "backward-compute": 4, "batch-generator": 2,
+                      "forward-backward": 2, "all-grads-sync": 2, "optimizer": 2,
+                      "optimizer-inner-step": 2}
+    assert "profile of iterations 2-3 written" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory snapshots need a GPU")
+def test_memory_snapshot_on_gpu(tmp_path):
+    import pickle
+    path = tmp_path / "snapshot.pickle"
+    run("--record-memory-history", "--memory-snapshot-path", str(path), "--profile",
+        "--profile-step-start", "1", "--profile-step-end", "2", "--profile-dir", str(tmp_path))
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    assert snapshot["segments"] and snapshot["device_traces"]
