@@ -1,0 +1,125 @@
+"""Monitoring across ranks (issue 17): --log-straggler names a rank made slow on purpose
+(2 and 4 ranks), the DP replica hash check passes on healthy runs (ZeRO-1 too) and stops
+naming the rank whose parameter was perturbed, timers gathered from every rank, and a
+profile written for the requested rank only, with its collectives."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.model.gpt import GPTModel
+from megalite.monitoring.replica_check import ReplicaMismatchError, check_replicas
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.train_step import StepRunner
+
+from tests.distributed.launcher import run_distributed
+from tests.helpers import LOG_LINE, tiny_gpt_config
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3",
+         "--log-interval", "2", "--eval-iters", "0", "--num-workers", "0",
+         "--distributed-backend", "gloo", "--log-straggler"]
+STRAGGLER = re.compile(r"slowest rank (\d+) \((\S+)\) ([\d.]+) ms \| fastest rank (\d+) "
+                       r"\((\S+)\) ([\d.]+) ms \| slowest/fastest: ([\d.]+)")
+
+
+def run_with_slow_rank(nproc: int, slow_rank: int, *flags) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGALITE_TEST_SLOW_RANK=str(slow_rank),
+               MEGALITE_TEST_SLOW_SECONDS="0.15")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(nproc),
+                           "tests/distributed/slow_rank_pretrain.py", *FLAGS, *flags],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def assert_names_the_straggler(out: str, slow_rank: int):
+    lines = STRAGGLER.findall(out)
+    assert len(lines) == 2, out  # one per log interval
+    for slowest, _, slow_ms, fastest, _, fast_ms, ratio in lines:
+        assert int(slowest) == slow_rank and int(fastest) != slow_rank
+        # 2 forwards per step, each 150 ms late.
+        assert float(slow_ms) - float(fast_ms) >= 0.8 * 300
+        assert float(ratio) == pytest.approx(float(slow_ms) / float(fast_ms), rel=0.01)
+
+
+def test_two_ranks_zero1_straggler_hash_check_timers_and_profile(tmp_path):
+    out = run_with_slow_rank(
+        2, 1, "--use-distributed-optimizer", "--check-weight-hash-across-dp-replicas-interval",
+        "1", "--timing-log-level", "1", "--timing-log-option", "all", "--profile",
+        "--profile-ranks", "1", "--profile-step-start", "1", "--profile-step-end", "2",
+        "--profile-dir", str(tmp_path))
+    assert_names_the_straggler(out, 1)
+    assert len([m for m in map(LOG_LINE.match, out.splitlines()) if m]) == 2
+    # Every rank's time for the ZeRO-1 parameter all-gather.
+    assert re.search(r"  params-all-gather:\n     rank  0: [\d.]+\n     rank  1: [\d.]+", out)
+    assert [p.name for p in tmp_path.iterdir()] == ["rank1.iter2-2.pt.trace.json"]
+    with open(tmp_path / "rank1.iter2-2.pt.trace.json") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    # ZeRO-1's collectives: the gradient reduce-scatter, the parameter all-gather.
+    assert {"forward-compute", "backward-compute", "all-grads-sync", "params-all-gather",
+            "c10d::_reduce_scatter_base_", "gloo:all_gather"} <= names, sorted(map(str, names))
+
+
+def test_four_ranks_pipeline_straggler_and_hash_check():
+    out = run_with_slow_rank(4, 2, "--pipeline-model-parallel-size", "2",
+                             "--check-weight-hash-across-dp-replicas-interval", "2",
+                             "--timing-log-level", "2")
+    assert_names_the_straggler(out, 2)
+    for name in ("pipeline-send-recv", "pipeline-send-wait", "embedding-grads-all-reduce",
+                 "forward-compute"):
+        assert re.search(rf"^    {name} \.+: \([\d.]+, [\d.]+\)$", out, re.M), name
+
+
+CONFIG = tiny_gpt_config()
+
+
+def perturbed_replica(rank, world_size):
+    return [_perturb_and_check(rank, world_size, zero) for zero in (False, True)]
+
+
+def _perturb_and_check(rank, world_size, zero):
+    state = ParallelState(RankGrid(world_size), rank)
+    model = GPTModel(CONFIG, seed=1)
+    buffer = GradBuffer(list(model.parameters()), state.dp_group, 10 ** 9, shard=zero)
+    config = OptimizerConfig(lr=1e-3)
+    optimizer = (MixedPrecisionOptimizer(model, config, None, state.tp_group, state.mp_group,
+                                         buffer) if zero else Optimizer(model, config))
+    runner = StepRunner(torch.nn.ModuleList([model]), optimizer, PrecisionConfig(), 1,
+                        (8, 2, 32), torch.device("cpu"), state, buffer)
+    generator = torch.Generator().manual_seed(rank)  # each rank its own slice of the batch
+    batch = {"tokens": torch.randint(0, 64, (2, 8), generator=generator),
+             "labels": torch.randint(0, 64, (2, 8), generator=generator),
+             "loss_mask": torch.ones(2, 8)}
+    runner.train_step([batch])
+    named = list(model.named_parameters())
+    check_replicas(named, state.dp_group, 1, torch.device("cpu"))  # healthy: passes
+    if rank == 1:
+        with torch.no_grad():
+            model.decoder.final_layernorm.weight[3] += 1e-6
+    try:
+        check_replicas(named, state.dp_group, 2, torch.device("cpu"))
+    except ReplicaMismatchError as error:
+        return str(error)
+    return None
+
+
+def test_perturbed_replica_stops_every_rank_naming_it():
+    """Plain DP and ZeRO-1 (where the gathered parameters are what must agree)."""
+    for message in sum(run_distributed(2, perturbed_replica), []):
+        assert message is not None and message.startswith("iteration 2:")
+        assert "rank(s) [1] hold other values than rank 0" in message
+        assert "decoder.final_layernorm.weight" in message
