@@ -3,6 +3,7 @@ loading at other layouts, a signal on one rank, a killed rank restarted by torch
 NaN on one rank named in the error."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,6 +163,10 @@ def test_killed_rank_restarts_and_ends_where_the_uninterrupted_run_ends(tmp_path
     assert proc.returncode == 0, err[-3000:]
     assert "resuming from" in out, "the run ended before the kill (or never restarted)"
     assert losses(out)[60] == uninterrupted
+    recovery = re.search(r"recovery time: ([\d.]+) s from process start", out)
+    assert recovery, out[-3000:]
+    print(f"torchrun restart: recovery time {recovery[1]} s from the restarted worker's start "
+          "to the end of its first iteration")
 
 
 CONFIG = tiny_gpt_config()
