@@ -49,7 +49,8 @@ def level_2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("level_2")
     out, logs = run("--log-throughput", "--peak-tflops", "0.002", "--timing-log-level", "2",
                     "--tensorboard-dir", str(tmp / "tb"), "--log-memory-to-tensorboard",
-                    "--log-params-norm", "--log-num-zeros-in-grad", "--save", str(tmp / "ckpt"),
+                    "--log-timers-to-tensorboard", "--log-params-norm", "--log-num-zeros-in-grad",
+                    "--save", str(tmp / "ckpt"),
                     "--profile", "--profile-step-start", "1", "--profile-step-end", "3",
                     "--profile-dir", str(tmp / "profile"))
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, resident_bytes())
@@ -104,6 +105,39 @@ def test_memory_on_the_log_line_and_in_tensorboard(level_2):
         assert float(log["mem_rss"]) == pytest.approx(rss[it] / MIB, abs=0.06)
         assert float(log["mem_max_rss"]) == pytest.approx(max_rss[it] / MIB, abs=0.06)
         assert 50 * MIB < rss[it] <= max_rss[it] <= peak_after
+
+
+def test_timers_mfu_and_statistics_in_tensorboard(level_2):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out, logs, tmp, _ = level_2
+    events = EventAccumulator(str(tmp / "tb"))
+    events.Reload()
+
+    def scalar(tag):
+        return {e.step: e.value for e in events.Scalars(tag)}
+    blocks = timer_lines(out)
+    for name in LEVEL_2:  # seconds per iteration, printed in ms to 2 decimals
+        for it, seconds in scalar(f"{name}-time").items():
+            assert seconds * 1e3 == pytest.approx(blocks[it][name], abs=0.006), name
+    for log in logs:
+        it = int(log["it"])
+        assert scalar("mfu-percent")[it] == pytest.approx(float(log["mfu"]), rel=1e-3)
+        assert scalar("params-norm")[it] == pytest.approx(float(log["pnorm"]), abs=6e-4)
+        assert scalar("num-zeros")[it] == float(log["zeros"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--profile", "--profile-step-start", "3", "--profile-step-end", "3"],
+     "--profile needs 0 <= --profile-step-start < --profile-step-end, got 3 and 3"),
+    (["--profile", "--profile-ranks", "0", "2"], "--profile-ranks [2] outside the world of 1"),
+    (["--peak-tflops", "0"], "--peak-tflops must be positive, got 0.0"),
+    (["--record-memory-history"], "--record-memory-history records the CUDA allocator"),
+])
+def test_bad_monitoring_flags_are_named(capsys, flags, message):
+    if "--record-memory-history" in flags and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the memory history can be recorded")
+    assert pretrain([*FLAGS, *flags]) != 0
+    assert message in capsys.readouterr().err
 
 
 def timer_lines(out: str) -> dict[int, dict[str, float]]:
