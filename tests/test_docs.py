@@ -24,6 +24,7 @@ from megalite.training import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "troubleshooting.md"
+GUIDE = ROOT / "docs" / "guide.md"
 
 
 def blocks(text: str, kind: str) -> list[str]:
@@ -43,6 +44,7 @@ def tiny() -> str:
 
 
 def commands(section: str) -> list[str]:
+    """The command lines of a section's bash blocks, continuation lines joined."""
     return [line.strip() for block in blocks(section, "bash")
             for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
@@ -56,7 +58,7 @@ def load_tool(name: str):
 
 def run(command: str) -> tuple[int, str]:
     """(exit code, stdout + stderr) of one command line of the page."""
-    words = shlex.split(command.replace("$TINY", tiny()))
+    words = shlex.split(command.replace("$TINY", tiny()), comments=True)
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         key, value = words.pop(0).split("=", 1)
@@ -90,10 +92,10 @@ ERRORS = {title: body for title, body in SECTIONS.items() if blocks(body, "text"
 
 @pytest.fixture(autouse=True)
 def clean_scratch():
-    scratch = ROOT / "runs" / "troubleshooting"
-    subprocess.run(["rm", "-rf", str(scratch)], check=True)
+    scratch = [str(ROOT / "runs" / name) for name in ("troubleshooting", "guide")]
+    subprocess.run(["rm", "-rf", *scratch], check=True)
     yield
-    subprocess.run(["rm", "-rf", str(scratch)], check=True)
+    subprocess.run(["rm", "-rf", *scratch], check=True)
 
 
 @pytest.mark.parametrize("title", list(ERRORS))
@@ -135,6 +137,21 @@ def test_every_section_with_commands_is_tested():
                             "Out of memory after a layout change", "Rendezvous failures"}
     untested = [t for t, body in SECTIONS.items() if commands(body) and t not in tested]
     assert not untested, untested
+
+
+def test_guide_commands_run_and_print_the_totals_they_state():
+    """Every command of docs/guide.md, in order (later ones use what earlier ones wrote);
+    a planner command's `# total X GiB` comment must be what it prints."""
+    outputs = []
+    for command in commands(GUIDE.read_text()):
+        code, out = run(command)
+        assert code == 0, f"{command}\n{out}"
+        stated = re.search(r"# total ([\d.]+) GiB", command)
+        if stated:
+            assert f"total {stated.group(1)} GiB of" in out, f"{command}\n{out}"
+        outputs.append(out)
+    one_process, layout = (re.findall(r"lm loss: (\S+)", out) for out in outputs[-2:])
+    assert one_process and one_process == layout, (one_process, layout)
 
 
 if __name__ == "__main__":
