@@ -17,7 +17,7 @@ GPTConfig the checkpoint's args describe, checked against each other.
 import io
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,7 +49,10 @@ class MegatronCheckpoint:
     state: dict[str, torch.Tensor]
     """megalite's single-process state dict (padded vocabulary rows as saved)."""
     common: dict
-    """Everything else of the common state (opt_param_scheduler, optimizer, ...)."""
+    """Everything else of the common state (iteration, opt_param_scheduler, ...)."""
+    optimizer_shards: dict = field(default_factory=dict)
+    """Legacy format: (tp, pp) -> (parameter names in saved order, their shard shapes, the
+    file's `optimizer` entry), for optimizer_state.py."""
 
 
 def iteration_dir(load: str | Path) -> tuple[int, Path] | None:
@@ -130,21 +133,28 @@ def _read_legacy(directory: Path) -> MegatronCheckpoint:
                               f"shards: {[f'{d}/{LEGACY_FILE}' for d in missing]}")
     stages = layout.stage_layers(config.num_layers, pp, str(directory))
     shards: dict[str, list[torch.Tensor]] = {}
+    optimizer_shards = {}
     for p in range(pp):
         for t in range(tp):
             path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
             record = first if (t, p) == (0, 0) else torch_load(path, str(path))
+            names, shapes = [], {}
             for name, tensor in _field(record, "model", path).items():
                 name = layout.megalite_name(name)
-                if name is None or (name == layout.OUTPUT and
-                                    not config.untie_embeddings_and_output_weights):
-                    continue  # extra state; a tied output layer is the embedding's copy
+                if name is None:
+                    continue  # extra state
                 name = layout.local_layer_name(name, -stages[p].start)
+                names.append(name)
+                shapes[name] = tensor.shape
+                if name == layout.OUTPUT and not config.untie_embeddings_and_output_weights:
+                    continue  # a tied output layer (PP > 1) is the embedding's copy
                 shards.setdefault(name, []).append(tensor)
+            if "optimizer" in record:
+                optimizer_shards[t, p] = (names, shapes, record["optimizer"])
     state = _merge_tensor_parallel(shards, config, tp, str(directory))
-    common = {k: v for k, v in first.items() if k not in ("model", "args")}
+    common = {k: v for k, v in first.items() if k not in ("model", "args", "optimizer")}
     return MegatronCheckpoint(directory, "torch", int(first.get("iteration", 0)), args, config,
-                              state, common)
+                              state, common, optimizer_shards)
 
 
 def _field(record, key: str, path: Path):
