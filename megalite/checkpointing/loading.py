@@ -20,7 +20,6 @@ from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, m
 from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
                                             find_checkpoint_to_load, load_tensor_file,
                                             read_metadata)
-from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.params import tp_shard, tp_unshard
 
@@ -141,9 +140,11 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     """Restore everything a checkpoint holds that the flags ask for. Returns the
     iteration and consumed samples to continue from, or None when `load` holds no
     checkpoint at all (a fresh start)."""
-    if is_megatron_checkpoint(load):  # Megatron-LM's own directory, read without conversion
-        from megalite.megatron_checkpoint.load import load_megatron_checkpoint
-        return load_megatron_checkpoint(load, chunks, optimizer, scheduler, state, config)
+    # Megatron-LM's own directory, read without conversion (imported here: it imports us).
+    from megalite.megatron_checkpoint import load as megatron, reader as megatron_reader
+    if megatron_reader.is_megatron_checkpoint(load):
+        return megatron.load_megatron_checkpoint(load, chunks, optimizer, scheduler, state,
+                                                 config)
     found = find_checkpoint_to_load(load)
     ckpt = config.checkpoint
     if found is None:

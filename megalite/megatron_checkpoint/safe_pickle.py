@@ -41,8 +41,8 @@ _MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend",
 # torch.load(weights_only=True) already builds tensors, torch dtypes and plain containers;
 # these are the extra globals a Megatron checkpoint holds.
 TORCH_LOAD_ALLOWED = [argparse.Namespace, io.BytesIO,
-                      np.core.multiarray._reconstruct if hasattr(np, "core")
-                      else np._core.multiarray._reconstruct,
+                      getattr(np, "_core", None) and np._core.multiarray._reconstruct
+                      or np.core.multiarray._reconstruct,
                       np.ndarray, np.dtype, type(np.dtype(np.uint32)),
                       *[(MegatronEnum, name) for name in _MEGATRON_ENUMS]]
 

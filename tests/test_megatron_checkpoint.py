@@ -1,0 +1,162 @@
+"""Megatron-LM checkpoints in and out (megalite/megatron_checkpoint, tools/convert_checkpoint.py).
+
+The reference is Megatron itself: tests/data/megatron_checkpoint holds a checkpoint
+megatron.core wrote in both its formats and the logits its forward computed (README there).
+The TP 2 Megatron checkpoint is cut here by hand the way Megatron shards (independently of
+megalite's params.tp_shard): QKV rows by whole query groups, fc1 as [gate half r; up half
+r], linear_proj and fc2 by columns, the vocabulary (padded to 2 x 128 rows) by rows.
+"""
+
+import argparse
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+import megalite.megatron_checkpoint.reader as reader
+from megalite.checkpointing.loading import SavedCheckpoint
+from megalite.checkpointing.storage import CheckpointError, find_checkpoint_to_load, read_metadata
+from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
+from megalite.model.gpt import GPTModel
+
+from tests.distributed.launcher import run_distributed
+from tests.helpers import tiny_gpt_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "megatron_checkpoint"
+REFERENCE = torch.load(DATA / "reference_logits.pt", weights_only=True)
+TOOL = ROOT / "tools" / "convert_checkpoint.py"
+LEGACY = "iter_0000010/mp_rank_00/model_optim_rng.pt"
+
+
+def tool():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def convert(*flags) -> int:
+    return tool().main([str(f) for f in flags])
+
+
+def megalite_model(save: Path) -> GPTModel:
+    """The single-process model of a megalite checkpoint, rebuilt from its files."""
+    iteration, directory = find_checkpoint_to_load(save)
+    meta = read_metadata(directory)
+    saved = SavedCheckpoint(directory, meta)
+    state = {n: saved.param(n) for n in saved.names}
+    rows = state["embedding.word_embeddings.weight"].shape[0]
+    model = GPTModel(tiny_gpt_config(**{**meta["model"], "padded_vocab_size": rows}), seed=0)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def logits(model: GPTModel, tokens=REFERENCE["tokens"]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens)[..., :REFERENCE["logits"].shape[-1]]
+
+
+def megatron_legacy(path: Path = DATA / "torch" / LEGACY) -> dict:
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, weights_only=True)
+
+
+def split_like_megatron(record: dict, tp: int = 2) -> list[dict]:
+    """Each TP rank's legacy file of the Megatron checkpoint, cut by hand (module doc)."""
+    args = argparse.Namespace(**{**vars(record["args"]), "tensor_model_parallel_size": tp,
+                                 "padded_vocab_size": 128 * tp})
+    ranks = [{} for _ in range(tp)]
+    for name, t in record["model"].items():
+        for r in range(tp):
+            if t is None or t.dim() == 1:  # extra state, norms: replicated
+                piece = t
+            elif "word_embeddings" in name or "output_layer" in name:
+                padded = torch.cat([t, t.new_zeros(128 * tp - t.shape[0], t.shape[1])])
+                piece = padded.chunk(tp)[r]
+            elif "linear_qkv" in name:  # 2 groups of [q, q, k, v] x 16 rows
+                piece = t.chunk(tp)[r]
+            elif "linear_fc1" in name:
+                gate, up = t.chunk(2)
+                piece = torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
+            else:  # linear_proj, linear_fc2: row-parallel, split the input columns
+                piece = t.chunk(tp, dim=1)[r]
+            ranks[r][name] = None if piece is None else piece.clone()
+    return [{**record, "model": m, "args": args} for m in ranks]
+
+
+def save_legacy_tp(out: Path, tp: int = 2) -> Path:
+    for r, record in enumerate(split_like_megatron(megatron_legacy(), tp)):
+        path = out / f"iter_0000010/mp_rank_{r:02d}/model_optim_rng.pt"
+        path.parent.mkdir(parents=True)
+        torch.save(record, path)
+    (out / "latest_checkpointed_iteration.txt").write_text("10")
+    return out
+
+
+# --- import: Megatron's logits -------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_import_gives_megatrons_logits(tmp_path, fmt):
+    assert convert("--import-megatron", DATA / fmt, "--save", tmp_path / "ckpt") == 0
+    assert find_checkpoint_to_load(tmp_path / "ckpt")[0] == 10  # the iteration is kept
+    torch.testing.assert_close(logits(megalite_model(tmp_path / "ckpt")), REFERENCE["logits"],
+                               atol=1e-5, rtol=0)
+
+
+def test_megatron_tp2_checkpoint_imports_to_the_same_model(tmp_path):
+    save_legacy_tp(tmp_path / "tp2")
+    assert convert("--import-megatron", tmp_path / "tp2", "--save", tmp_path / "ckpt") == 0
+    assert convert("--import-megatron", DATA / "torch", "--save", tmp_path / "ref") == 0
+    model, ref = megalite_model(tmp_path / "ckpt"), megalite_model(tmp_path / "ref")
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+        assert torch.equal(a, b[:a.shape[0]]), name  # b: vocabulary padded for TP 2
+    torch.testing.assert_close(logits(model), REFERENCE["logits"], atol=1e-5, rtol=0)
+
+
+def _tp2_logits(rank, world_size, loads):
+    """pretrain_gpt.py's load path (checkpointing.load_checkpoint) at TP 2, per Megatron
+    directory: the logits of the loaded model and its iteration."""
+    from megalite.arguments import parse_args
+    from megalite.checkpointing.loading import load_checkpoint
+    from megalite.config import OptimizerConfig
+    from megalite.model.gpt import build_model_chunks
+    from megalite.optimizer.optimizer import Optimizer
+    from megalite.parallel_state import ParallelState, RankGrid
+    from megalite.validation import validate_model_args
+    state = ParallelState(RankGrid(world_size, 2, 1), rank)
+    out = {}
+    for load in loads:
+        args = parse_args(MODEL_FLAGS + ["--tensor-model-parallel-size", "2", "--load", load,
+                                         "--vocab-size", "128", "--attention-dropout", "0",
+                                         "--hidden-dropout", "0", "--attention-backend", "sdpa"])
+        config = validate_model_args(args, world_size)
+        chunks = build_model_chunks(config.model, 1, 0, 1, 1, state.tp_group)
+        optimizer = Optimizer(chunks, OptimizerConfig(lr=1e-3), None, state.tp_group,
+                              state.mp_group)
+        scheduler = argparse.Namespace(load_state_dict=lambda s: None)
+        loaded = load_checkpoint(load, chunks, optimizer, scheduler, state, config)
+        out[load] = (loaded["iteration"], logits(chunks[0].eval()))
+    return out
+
+
+MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "176",
+               "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5",
+               "--disable-bias-linear", "--position-embedding-type", "rope",
+               "--untie-embeddings-and-output-weights", "--seq-length", "32",
+               "--max-position-embeddings", "32"]
+
+
+def test_pretrain_load_at_tp2_gives_megatrons_logits(tmp_path):
+    """One launch: both formats of the test vector and the TP 2 Megatron checkpoint, loaded
+    by megalite at TP 2 without conversion."""
+    loads = [str(DATA / "torch"), str(DATA / "torch_dist"), str(save_legacy_tp(tmp_path / "t2"))]
+    for rank_out in run_distributed(2, _tp2_logits, loads):
+        for load in loads:
+            iteration, got = rank_out[load]
+            assert iteration == 10, load
+            torch.testing.assert_close(got, REFERENCE["logits"], atol=1e-5, rtol=0)
