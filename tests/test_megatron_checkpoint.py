@@ -160,3 +160,91 @@ def test_pretrain_load_at_tp2_gives_megatrons_logits(tmp_path):
             iteration, got = rank_out[load]
             assert iteration == 10, load
             torch.testing.assert_close(got, REFERENCE["logits"], atol=1e-5, rtol=0)
+
+
+# --- export: Megatron's names, layouts and values ------------------------------------------
+
+def _dcp_entries(directory: Path) -> dict:
+    """Every entry of a torch_dist directory as torch.distributed.checkpoint stores it:
+    tensors whole, objects as the pickled bytes (decoded here with the args allowed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    meta = FileSystemReader(str(directory)).read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) if
+             isinstance(m, TensorStorageMetadata) else b""
+             for k, m in meta.state_dict_metadata.items()}
+
+    class Raw(DefaultLoadPlanner):
+        def load_bytes(self, item, value):
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                self.state_dict[item.dest_index.fqn] = torch.load(value, weights_only=True)
+    planner = Raw(flatten_state_dict=False)
+    dcp.load(state, storage_reader=FileSystemReader(str(directory)), planner=planner,
+             no_dist=True)
+    return planner.state_dict
+
+
+def test_import_export_import_is_lossless_and_torch_dist_matches_megatrons(tmp_path):
+    assert convert("--import-megatron", DATA / "torch_dist", "--save", tmp_path / "a") == 0
+    for fmt in ("torch", "torch_dist"):
+        out = tmp_path / f"megatron_{fmt}"
+        assert convert("--load", tmp_path / "a", "--export-megatron", out,
+                       "--ckpt-format", fmt) == 0
+        assert convert("--import-megatron", out, "--save", tmp_path / f"b_{fmt}") == 0
+        first, again = megalite_model(tmp_path / "a"), megalite_model(tmp_path / f"b_{fmt}")
+        for (name, x), (_, y) in zip(first.state_dict().items(), again.state_dict().items()):
+            assert torch.equal(x, y), (fmt, name)
+    ours = _dcp_entries(tmp_path / "megatron_torch_dist" / "iter_0000010")
+    theirs = _dcp_entries(DATA / "torch_dist" / "iter_0000010")
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        if key.startswith("common_state"):
+            (common,), (mine,) = value, ours[key]
+            assert {k: v for k, v in mine.items() if k != "args"} == \
+                {k: v for k, v in common.items() if k != "args"}
+            for field, setting in vars(common["args"]).items():
+                assert getattr(mine["args"], field) == setting, field
+        elif torch.is_tensor(value):
+            assert ours[key].shape == value.shape and torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
+    legacy = megatron_legacy(tmp_path / "megatron_torch" / LEGACY)["model"]
+    assert list(legacy) == list(megatron_legacy()["model"])
+
+
+def test_export_at_tp2_is_megatrons_split(tmp_path):
+    assert convert("--import-megatron", DATA / "torch", "--save", tmp_path / "a") == 0
+    assert convert("--load", tmp_path / "a", "--export-megatron", tmp_path / "m",
+                   "--ckpt-format", "torch", "--target-tensor-parallel-size", "2") == 0
+    for r, expected in enumerate(split_like_megatron(megatron_legacy())):
+        got = megatron_legacy(tmp_path / f"m/iter_0000010/mp_rank_{r:02d}/model_optim_rng.pt")
+        assert got["args"].padded_vocab_size == 256 and got["iteration"] == 10
+        assert list(got["model"]) == list(expected["model"])
+        for name, t in expected["model"].items():
+            assert (t is None and got["model"][name] is None) or \
+                torch.equal(got["model"][name], t), (r, name)
+
+
+def test_gpt2_style_export_reimports_to_the_same_logits(tmp_path):
+    """LayerNorm with biases, GeLU, learned positions, tied embeddings; exported at TP 2
+    PP 2 (the last stage keeps its copy of the tied output layer, as Megatron does)."""
+    config = tiny_gpt_config(vocab_size=64)
+    model = GPTModel(config, seed=3).eval()
+    write_megalite_checkpoint(tmp_path / "a", config, model.state_dict(), 7, 0, 0, None, {})
+    for fmt in ("torch", "torch_dist"):
+        out = tmp_path / f"m_{fmt}"
+        assert convert("--load", tmp_path / "a", "--export-megatron", out, "--ckpt-format", fmt,
+                       "--target-tensor-parallel-size", "2",
+                       "--target-pipeline-parallel-size", "2") == 0
+        assert convert("--import-megatron", out, "--save", tmp_path / f"b_{fmt}") == 0
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        again = megalite_model(tmp_path / f"b_{fmt}")
+        torch.testing.assert_close(logits(again, tokens)[..., :64], logits(model, tokens),
+                                   atol=0, rtol=0)
+        assert find_checkpoint_to_load(tmp_path / f"b_{fmt}")[0] == 7
+    # Vocabulary 64 padded to 2 x 128 rows: TP rank 0 holds the 64 real ones.
+    last = megatron_legacy(tmp_path / "m_torch/iter_0000007/mp_rank_00_001/model_optim_rng.pt")
+    assert torch.equal(last["model"]["output_layer.weight"],
+                       torch.cat([model.embedding.word_embeddings.weight.detach(),
+                                  torch.zeros(64, 32)]))

@@ -35,6 +35,9 @@ from megalite.tensor_parallel.params import VOCAB_PARAMS, pad_vocab_rows, tp_sha
 CHECKPOINT_VERSION = 3.0
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
            "mlp.linear_fc2")
+# A layer's modules in megatron.core's registration order (its state-dict order).
+LAYER_MODULES = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
+                 "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
 
@@ -125,10 +128,12 @@ def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> l
     norm_kinds = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
     for i in layers:
         prefix = f"{layout.LAYER_PREFIX}{i}."
-        names += [prefix + f"input_layernorm.{k}" for k in norm_kinds]
-        names += [prefix + f"pre_mlp_layernorm.{k}" for k in norm_kinds]
-        for linear in LINEARS:
-            names += [f"{prefix}{linear}.{k}" for k in kinds] + [f"{prefix}{linear}._extra_state"]
+        for module in LAYER_MODULES:
+            if module in LINEARS:
+                names += [f"{prefix}{module}.{k}" for k in kinds]
+                names.append(f"{prefix}{module}._extra_state")
+            else:
+                names += [f"{prefix}{module}.{k}" for k in norm_kinds]
     if last:
         names += [f"decoder.final_layernorm.{k}" for k in norm_kinds]
         # Tied on one stage: the embedding is the output weight; on PP > 1 the last stage
