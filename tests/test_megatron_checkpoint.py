@@ -248,3 +248,126 @@ def test_gpt2_style_export_reimports_to_the_same_logits(tmp_path):
     assert torch.equal(last["model"]["output_layer.weight"],
                        torch.cat([model.embedding.word_embeddings.weight.detach(),
                                   torch.zeros(64, 32)]))
+
+
+# --- bad inputs: a named error, nothing written --------------------------------------------
+
+def _ran(path):
+    Path(path).touch()
+
+
+class Unexpected:
+    """Unpickling it would create a file: the allow-list must refuse before that."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return _ran, (str(self.marker),)
+
+
+def _legacy_with(tmp_path: Path, change) -> Path:
+    shutil.copytree(DATA / "torch", tmp_path / "src")
+    record = megatron_legacy()
+    change(record)
+    torch.save(record, tmp_path / "src" / LEGACY)
+    return tmp_path / "src"
+
+
+def _neither(tmp_path):
+    (tmp_path / "src/iter_0000010").mkdir(parents=True)
+    (tmp_path / "src/iter_0000010/model.bin").write_bytes(b"\0")
+    (tmp_path / "src/latest_checkpointed_iteration.txt").write_text("10")
+    return tmp_path / "src", "is neither Megatron format"
+
+
+def _missing_shard(tmp_path):
+    shutil.rmtree(save_legacy_tp(tmp_path / "src") / "iter_0000010/mp_rank_01")
+    return tmp_path / "src", "mp_rank_01/model_optim_rng.pt"
+
+
+def _missing_distcp(tmp_path):
+    shutil.copytree(DATA / "torch_dist", tmp_path / "src")
+    (tmp_path / "src/iter_0000010/__0_0.distcp").unlink()
+    return tmp_path / "src", "missing ['__0_0.distcp']"
+
+
+def _wrong_shape(tmp_path):
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+
+    def change(record):
+        record["model"][name] = record["model"][name][:96]
+    return _legacy_with(tmp_path, change), f"{name}: (96, 64), expected (128, 64)"
+
+
+def _unexpected_global(tmp_path):
+    def change(record):
+        record["args"].tokenizer = Unexpected(tmp_path / "ran")
+    return _legacy_with(tmp_path, change), f"{_ran.__module__}._ran"
+
+
+def _unexpected_global_in_metadata(tmp_path):
+    import pickle
+    shutil.copytree(DATA / "torch_dist", tmp_path / "src")
+    path = tmp_path / "src/iter_0000010/.metadata"
+    metadata = FileSystemReader(str(path.parent)).read_metadata()
+    metadata.planner_data = Unexpected(tmp_path / "ran")
+    path.write_bytes(pickle.dumps(metadata))
+    return tmp_path / "src", f"{_ran.__module__}._ran"
+
+
+@pytest.mark.parametrize("make", [_neither, _missing_shard, _missing_distcp, _wrong_shape,
+                                  _unexpected_global, _unexpected_global_in_metadata])
+def test_bad_input_is_a_named_error_and_nothing_is_written(tmp_path, capsys, make):
+    source, message = make(tmp_path)
+    assert convert("--import-megatron", source, "--save", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert message in err and str(source) in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ran").exists()
+    with pytest.raises(CheckpointError, match="Megatron|torch_dist|neither"):
+        reader.read_checkpoint(source)
+
+
+# --- optimizer state ----------------------------------------------------------------------
+
+def test_legacy_adam_state_is_carried_over_at_tp2(tmp_path):
+    """torch's AdamW over the test vector's parameters, grouped as Megatron groups them
+    (decayed, then biases and 1-D), two steps; saved by TP rank as Megatron's FP32Optimizer
+    does (Adam's state_dict, each rank its shards), imported, and compared per name."""
+    record = megatron_legacy()
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in record["model"].items()
+              if t is not None}
+    decay = [p for n, p in params.items() if p.dim() > 1]
+    adam = torch.optim.AdamW([{"params": decay},
+                              {"params": [p for p in params.values() if p.dim() == 1],
+                               "weight_decay": 0.0}], lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=generator)
+        adam.step()
+    saved = adam.state_dict()
+    order = [p for group in adam.param_groups for p in group["params"]]
+    moments = {k: split_like_megatron({**record, "model": {
+        n: adam.state[p][k] for n, p in params.items()}}) for k in ("exp_avg", "exp_avg_sq")}
+    save_legacy_tp(tmp_path / "src")
+    name_of = {id(p): n for n, p in params.items()}
+    for r in range(2):
+        path = tmp_path / f"src/iter_0000010/mp_rank_{r:02d}/model_optim_rng.pt"
+        rank = megatron_legacy(path)
+        state = {i: {"step": saved["state"][i]["step"],
+                     **{k: moments[k][r]["model"][name_of[id(p)]] for k in moments}}
+                 for i, p in enumerate(order)}
+        torch.save({**rank, "optimizer": {"state": state,
+                                          "param_groups": saved["param_groups"]}}, path)
+    assert convert("--import-megatron", tmp_path / "src", "--save", tmp_path / "out") == 0
+    _, directory = find_checkpoint_to_load(tmp_path / "out")
+    ckpt = SavedCheckpoint(directory, read_metadata(directory))
+    assert ckpt.optimizer_step() == 2
+    for name, p in params.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            got = ckpt.optimizer_tensor(name, k)
+            assert torch.equal(got[:p.shape[0]], adam.state[p][k]), (name, k)
+        # FP32Optimizer: the main copy is the saved weight itself.
+        assert torch.equal(ckpt.optimizer_tensor(name, "main")[:p.shape[0]],
+                           record["model"][name])

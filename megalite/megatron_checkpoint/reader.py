@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
@@ -219,6 +220,11 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
     template = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()
                 if isinstance(m, TensorStorageMetadata) and _is_model_key(k)}
     template.update({k: b"" for k in common_keys})
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        raise CheckpointError(f"torch_dist checkpoint {directory} is incomplete: its .metadata "
+                              f"lists {files}, missing {missing}")
     planner = _RawBytesPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
         with warnings.catch_warnings():
@@ -227,9 +233,10 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
                      no_dist=True)
     except CheckpointError:
         raise
-    except Exception as error:  # a missing or truncated .distcp file
-        raise CheckpointError(f"torch_dist checkpoint {directory} is incomplete or "
-                              f"unreadable: {error!r}") from error
+    except (Exception, CheckpointException) as error:  # e.g. a truncated .distcp file
+        reason = str(error).strip().splitlines()[-1]
+        raise CheckpointError(f"torch_dist checkpoint {directory} is unreadable: "
+                              f"{reason}") from error
     common = _common_state(directory, common_keys, planner.state_dict)
     args = _field(common, "args", directory)
     config = layout.config_from_args(args, str(directory))
