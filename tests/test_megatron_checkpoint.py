@@ -9,6 +9,7 @@ r], linear_proj and fc2 by columns, the vocabulary (padded to 2 x 128 rows) by r
 
 import argparse
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -160,6 +161,23 @@ def test_pretrain_load_at_tp2_gives_megatrons_logits(tmp_path):
             iteration, got = rank_out[load]
             assert iteration == 10, load
             torch.testing.assert_close(got, REFERENCE["logits"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("finetune", [False, True])
+def test_pretrain_continues_a_megatron_run(capsys, finetune):
+    """pretrain_gpt.py --load on Megatron's directory: iteration 10 continues at 11 (or
+    --finetune starts at 1), and the missing optimizer state is said, not hidden."""
+    from megalite.training import pretrain
+    flags = [*MODEL_FLAGS, "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--lr", "1e-4", "--log-interval", "1",
+             "--eval-iters", "0", "--num-workers", "0", "--attention-dropout", "0",
+             "--hidden-dropout", "0", "--load", str(DATA / "torch"),
+             "--train-iters", "1" if finetune else "11", *["--finetune"] * finetune]
+    assert pretrain(flags) == 0
+    out = capsys.readouterr().out
+    first = re.search(r"iteration +(\d+)/", out)
+    assert first and int(first.group(1)) == (1 if finetune else 11), out
+    assert ("optimizer starts fresh" in out) != finetune
 
 
 # --- export: Megatron's names, layouts and values ------------------------------------------
