@@ -244,10 +244,9 @@ def export_megatron(args) -> Path:
 
 def import_megatron(args) -> Path:
     _check_empty(args.save)
-    given = {n: getattr(args, n) for n in (*megatron_convert.SHAPE_FLAGS,
-                                           *megatron_convert.SHAPE_SWITCHES) if hasattr(args, n)}
     final = megatron_convert.import_megatron(args.import_megatron, args.save, args.ckpt_format,
-                                             given, args.vocab_size)
+                                             megatron_convert.shape_flags_given(args),
+                                             args.vocab_size)
     meta = read_metadata(final)
     config = GPTConfig(**meta["model"], padded_vocab_size=meta["model"]["vocab_size"])
     print(f"imported {args.import_megatron} as {final} (iteration {meta['iteration']}); "
@@ -277,37 +276,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="pad the vocabulary to a multiple of this (default 128; "
                         "pretrain_gpt.py repads to its own TP size on load)")
-    _add_megatron_args(parser)
+    megatron_convert.add_megatron_args(parser)
     args = parser.parse_args(argv)
     _check_flags(parser, args)
     if args.make_vocab_size_divisible_by is None:
         args.make_vocab_size_divisible_by = 128
     return args
-
-
-def _add_megatron_args(parser: argparse.ArgumentParser):
-    g = parser.add_argument_group("Megatron-LM checkpoints (Megatron's flag names)")
-    g.add_argument("--import-megatron", metavar="DIR",
-                   help="Megatron save directory (with latest_checkpointed_iteration.txt) to "
-                        "convert into --save")
-    g.add_argument("--export-megatron", metavar="DIR",
-                   help="write the --load checkpoint as a Megatron save directory")
-    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default=None,
-                   help="Megatron format: read (default: detected) or written (default "
-                        "torch_dist, Megatron's)")
-    g.add_argument("--target-tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="TP size of the exported Megatron checkpoint (default 1)")
-    g.add_argument("--target-pipeline-parallel-size", type=int, default=None, metavar="N",
-                   help="PP size of the exported Megatron checkpoint (default 1)")
-    g.add_argument("--vocab-size", type=int, default=None, metavar="N",
-                   help="the tokenizer's vocabulary, when the Megatron args do not record it "
-                        "(default: every saved row)")
-    g = parser.add_argument_group("model flags checked against the Megatron args "
-                                  "(--import-megatron; optional)")
-    for name, (_, kind) in megatron_convert.SHAPE_FLAGS.items():
-        g.add_argument(_flag(name), type=kind, default=argparse.SUPPRESS)
-    for name in (*megatron_convert.SHAPE_SWITCHES, "group_query_attention"):
-        g.add_argument(_flag(name), action="store_true", default=argparse.SUPPRESS)
 
 
 DIRECTIONS = {"export_hf": "--export-hf", "import_hf": "--import-hf",
@@ -330,10 +304,8 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace):
     others = {f for d, flags in DIRECTION_FLAGS.items() for f in flags}
     wrong = [_flag(name) for name in sorted(others - set(DIRECTION_FLAGS[direction]))
              if getattr(args, name) not in (None, False)]
-    shape = [n for n in (*megatron_convert.SHAPE_FLAGS, *megatron_convert.SHAPE_SWITCHES)
-             if hasattr(args, n)]
     if direction != "import_megatron":
-        wrong += [_flag(n) for n in shape]
+        wrong += [_flag(n) for n in megatron_convert.shape_flags_given(args)]
     if wrong:
         parser.error(f"not used with {DIRECTIONS[direction]}: {', '.join(wrong)}")
     if args.iteration is not None and args.iteration < 0:

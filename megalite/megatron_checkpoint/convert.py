@@ -5,6 +5,7 @@ consumed samples and learning-rate step, and Adam's state where it maps one to o
 (optimizer_state.py).
 """
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -32,6 +33,41 @@ SHAPE_FLAGS = {n: (n, t) for n, t in (
 SHAPE_SWITCHES = {"swiglu": ("swiglu", True), "disable_bias_linear": ("add_bias_linear", False),
                   "untie_embeddings_and_output_weights":
                       ("untie_embeddings_and_output_weights", True)}
+
+
+def add_megatron_args(parser: argparse.ArgumentParser):
+    """tools/convert_checkpoint.py's Megatron flags, and the model flags it checks."""
+    g = parser.add_argument_group("Megatron-LM checkpoints (Megatron's flag names)")
+    g.add_argument("--import-megatron", metavar="DIR",
+                   help="Megatron save directory (with latest_checkpointed_iteration.txt) to "
+                        "convert into --save")
+    g.add_argument("--export-megatron", metavar="DIR",
+                   help="write the --load checkpoint as a Megatron save directory")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default=None,
+                   help="Megatron format: read (default: detected) or written (default "
+                        "torch_dist, Megatron's)")
+    g.add_argument("--target-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="TP size of the exported Megatron checkpoint (default 1)")
+    g.add_argument("--target-pipeline-parallel-size", type=int, default=None, metavar="N",
+                   help="PP size of the exported Megatron checkpoint (default 1)")
+    g.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="the tokenizer's vocabulary, when the Megatron args do not record it "
+                        "(default: every saved row)")
+    g = parser.add_argument_group("model flags checked against the Megatron args "
+                                  "(--import-megatron; optional)")
+    for name, (_, kind) in SHAPE_FLAGS.items():
+        g.add_argument(_flag(name), type=kind, default=argparse.SUPPRESS)
+    for name in (*SHAPE_SWITCHES, "group_query_attention"):
+        g.add_argument(_flag(name), action="store_true", default=argparse.SUPPRESS)
+
+
+def shape_flags_given(args: argparse.Namespace) -> dict:
+    """The model flags on the command line (their defaults are SUPPRESS: absent if not)."""
+    return {n: getattr(args, n) for n in (*SHAPE_FLAGS, *SHAPE_SWITCHES) if hasattr(args, n)}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def check_flags(ckpt: MegatronCheckpoint, given: dict) -> None:
