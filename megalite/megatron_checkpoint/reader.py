@@ -62,7 +62,10 @@ def iteration_dir(load: str | Path) -> tuple[int, Path] | None:
     tracker = load / TRACKER_FILENAME
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"checkpoint tracker {tracker} is unreadable: {error}") from error
     if text == RELEASE:
         return 0, load / RELEASE
     if not text.isdigit():
@@ -80,7 +83,12 @@ def detect_format(directory: Path) -> str | None:
 
 
 def is_megatron_checkpoint(load: str | Path) -> bool:
-    found = iteration_dir(load)
+    """Whether the tracker in `load` names a Megatron-format directory (a garbled tracker
+    is not: megalite's own checkpoint loading names what is wrong with it)."""
+    try:
+        found = iteration_dir(load)
+    except (CheckpointError, OSError, UnicodeDecodeError):
+        return False
     return found is not None and detect_format(found[1]) is not None
 
 
