@@ -389,3 +389,28 @@ def test_legacy_adam_state_is_carried_over_at_tp2(tmp_path):
         # FP32Optimizer: the main copy is the saved weight itself.
         assert torch.equal(ckpt.optimizer_tensor(name, "main")[:p.shape[0]],
                            record["model"][name])
+
+
+def test_megatron_enums_in_args_are_read_without_megatron(monkeypatch):
+    """Recent Megatron args hold enums (attention_backend=AttnBackend.auto): read as their
+    value, with no Megatron installed and nothing else allowed."""
+    import enum
+    import io
+    import sys
+    import types
+
+    from megalite.megatron_checkpoint.safe_pickle import torch_load
+
+    class AttnBackend(enum.Enum):
+        auto = 5
+    AttnBackend.__module__ = "megatron.core.transformer.enums"
+    AttnBackend.__qualname__ = "AttnBackend"
+    for name in ("megatron", "megatron.core", "megatron.core.transformer",
+                 "megatron.core.transformer.enums"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["megatron.core.transformer.enums"].AttnBackend = AttnBackend
+    buffer = io.BytesIO()
+    torch.save({"args": argparse.Namespace(attention_backend=AttnBackend.auto)}, buffer)
+    monkeypatch.undo()
+    assert "megatron.core.transformer.enums" not in sys.modules
+    assert torch_load(buffer.getvalue(), "args").get("args").attention_backend.value == 5

@@ -61,6 +61,8 @@ def config_from_args(args: argparse.Namespace, where: str) -> GPTConfig:
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * hidden
     fields = {n: (getattr(args, n, None) if getattr(args, n, None) is not None else d)
               for n, d in _ARG_DEFAULTS.items()}
+    if getattr(args, "norm_epsilon", None) is None:  # Megatron's name before norm_epsilon
+        fields["norm_epsilon"] = getattr(args, "layernorm_epsilon", None) or 1e-5
     return GPTConfig(num_layers=args.num_layers, hidden_size=hidden, ffn_hidden_size=ffn,
                      num_attention_heads=heads, num_query_groups=groups,
                      kv_channels=getattr(args, "kv_channels", None) or hidden // heads,
