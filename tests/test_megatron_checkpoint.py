@@ -108,6 +108,16 @@ def test_import_gives_megatrons_logits(tmp_path, fmt):
                                atol=1e-5, rtol=0)
 
 
+def test_ckpt_format_forces_a_format(tmp_path, capsys):
+    assert convert("--import-megatron", DATA / "torch", "--save", tmp_path / "a",
+                   "--ckpt-format", "torch") == 0
+    assert convert("--import-megatron", DATA / "torch", "--save", tmp_path / "b",
+                   "--ckpt-format", "torch_dist") == 1
+    assert "is not a --ckpt-format torch_dist checkpoint (it holds torch)" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
 def test_megatron_tp2_checkpoint_imports_to_the_same_model(tmp_path):
     save_legacy_tp(tmp_path / "tp2")
     assert convert("--import-megatron", tmp_path / "tp2", "--save", tmp_path / "ckpt") == 0

@@ -73,13 +73,12 @@ def iteration_dir(load: str | Path) -> tuple[int, Path] | None:
     return int(text), load / f"iter_{int(text):07d}"
 
 
-def detect_format(directory: Path) -> str | None:
-    """"torch_dist", "torch" or None (neither: e.g. a megalite checkpoint)."""
-    if (directory / ".metadata").is_file():
-        return "torch_dist"
+def formats_present(directory: Path) -> list[str]:
+    """The Megatron formats `directory` holds, torch_dist first (none: e.g. megalite's)."""
+    found = ["torch_dist"] if (directory / ".metadata").is_file() else []
     if directory.is_dir() and any(_MP_RANK.fullmatch(p.name) for p in directory.iterdir()):
-        return "torch"
-    return None
+        found.append("torch")
+    return found
 
 
 def is_megatron_checkpoint(load: str | Path) -> bool:
@@ -89,7 +88,7 @@ def is_megatron_checkpoint(load: str | Path) -> bool:
         found = iteration_dir(load)
     except (CheckpointError, OSError, UnicodeDecodeError):
         return False
-    return found is not None and detect_format(found[1]) is not None
+    return found is not None and bool(formats_present(found[1]))
 
 
 def read_checkpoint(load: str | Path, ckpt_format: str | None = None) -> MegatronCheckpoint:
@@ -102,23 +101,19 @@ def read_checkpoint(load: str | Path, ckpt_format: str | None = None) -> Megatro
     if not directory.is_dir():
         raise CheckpointError(f"Megatron checkpoint {directory}, named by the tracker in "
                               f"{load}, does not exist")
-    fmt = ckpt_format or detect_format(directory)
-    if fmt is None:
+    present = formats_present(directory)
+    if not present:
         raise CheckpointError(f"{directory} is neither Megatron format: no torch_dist "
                               f".metadata and no mp_rank_* directories")
-    if not _has_format(directory, fmt):
-        raise CheckpointError(f"{directory} is not a --ckpt-format {fmt} checkpoint")
+    fmt = ckpt_format or present[0]
+    if fmt not in present:
+        raise CheckpointError(f"{directory} is not a --ckpt-format {fmt} checkpoint (it "
+                              f"holds {' and '.join(present)})")
     ckpt = _read_torch_dist(directory) if fmt == "torch_dist" else _read_legacy(directory)
     if directory.name != RELEASE and ckpt.iteration != iteration:
         raise CheckpointError(f"Megatron checkpoint {directory} records iteration "
                               f"{ckpt.iteration}, the tracker says {iteration}")
     return ckpt
-
-
-def _has_format(directory: Path, fmt: str) -> bool:
-    if fmt == "torch_dist":
-        return (directory / ".metadata").is_file()
-    return any(_MP_RANK.fullmatch(p.name) for p in directory.iterdir())
 
 
 # --- legacy torch -------------------------------------------------------------------------
