@@ -6,5 +6,5 @@
     load_megatron_checkpoint(...)               (load.py: pretrain_gpt.py --load)
 
 layout.py holds what the names, args and shards mean; safe_pickle.py reads Megatron's
-pickles with an allow-list.
+pickles with an allow-list; optimizer_state.py maps a legacy checkpoint's Adam state.
 """

@@ -145,16 +145,18 @@ def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> l
 
 
 def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: dict) -> None:
-    stacked: dict[str, list[torch.Tensor]] = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
     flat = {}
     for name, tensor in state.items():
         if name.startswith(layout.LAYER_PREFIX):
-            rest = layout.fused_name(name[len(layout.LAYER_PREFIX):].split(".", 1)[1])
-            stacked.setdefault(layout.LAYER_PREFIX + rest, []).append(tensor)
+            index, rest = name[len(layout.LAYER_PREFIX):].split(".", 1)
+            key = layout.LAYER_PREFIX + layout.fused_name(rest)
+            stacked.setdefault(key, {})[int(index)] = tensor
         else:
             flat[name] = tensor.contiguous()
-    flat.update({n: torch.stack(ts) for n, ts in stacked.items()})
     layers = config.num_layers
+    flat.update({n: torch.stack([per_layer[i] for i in range(layers)])
+                 for n, per_layer in stacked.items()})
     for linear in LINEARS:
         for i in range(layers):
             # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.
