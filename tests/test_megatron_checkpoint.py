@@ -424,3 +424,16 @@ def test_megatron_enums_in_args_are_read_without_megatron(monkeypatch):
     monkeypatch.undo()
     assert "megatron.core.transformer.enums" not in sys.modules
     assert torch_load(buffer.getvalue(), "args").get("args").attention_backend.value == 5
+
+
+def test_vocab_size_the_args_do_not_record(tmp_path, capsys):
+    """Megatron's args record the padded rows, not the tokenizer's vocabulary: --vocab-size
+    names it (at most the rows); without it every row counts."""
+    assert convert("--import-megatron", DATA / "torch", "--save", tmp_path / "a",
+                   "--vocab-size", "100") == 0
+    assert read_metadata(find_checkpoint_to_load(tmp_path / "a")[1])["model"]["vocab_size"] == 100
+    assert convert("--import-megatron", DATA / "torch", "--save", tmp_path / "b",
+                   "--vocab-size", "200") == 1
+    assert "--vocab-size 200 exceeds the checkpoint's 128 vocabulary rows" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
