@@ -213,6 +213,7 @@ def _dcp_entries(directory: Path) -> dict:
     return planner.state_dict
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 def test_import_export_import_is_lossless_and_torch_dist_matches_megatrons(tmp_path):
     assert convert("--import-megatron", DATA / "torch_dist", "--save", tmp_path / "a") == 0
     for fmt in ("torch", "torch_dist"):

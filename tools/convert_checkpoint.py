@@ -21,8 +21,10 @@ r"""Convert between megalite checkpoints and HuggingFace transformers models.
 
 Export reassembles every parameter's full single-process tensor from the saved shards
 (megalite/checkpointing/loading.py), so the layout it was trained at does not matter.
-Import writes the files a one-process run (TP 1, PP 1, DP 1) writes, without optimizer and
-RNG states, which a load at any layout reshards. The weight mapping and the styles HF has
+Import writes the files a one-process run (TP 1, PP 1, DP 1) writes, without RNG states
+(and without optimizer state, except Adam's from a legacy Megatron checkpoint of the
+non-distributed optimizer), which a load at any layout reshards. The Megatron side is
+megalite/megatron_checkpoint/. The weight mapping and the styles HF has
 a counterpart for are megalite/hf_convert.py's. Outputs appear complete or not at all:
 the export is staged and renamed by export_to_hf, the checkpoint by storage.commit.
 """
