@@ -150,7 +150,11 @@ def _tp2_logits(rank, world_size, loads):
                               state.mp_group)
         scheduler = argparse.Namespace(load_state_dict=lambda s: None)
         loaded = load_checkpoint(load, chunks, optimizer, scheduler, state, config)
-        out[load] = (loaded["iteration"], logits(chunks[0].eval()))
+        adam = {n.split(".", 1)[1]: optimizer.adam.state.get(s.main, {})
+                for s in optimizer.segments for n, p in chunks.named_parameters()
+                if p is s.param}
+        out[load] = (loaded["iteration"], logits(chunks[0].eval()),
+                     {n: {k: v.view(-1) for k, v in a.items()} for n, a in adam.items()})
     return out
 
 
@@ -163,14 +167,23 @@ MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
 
 
 def test_pretrain_load_at_tp2_gives_megatrons_logits(tmp_path):
-    """One launch: both formats of the test vector and the TP 2 Megatron checkpoint, loaded
-    by megalite at TP 2 without conversion."""
-    loads = [str(DATA / "torch"), str(DATA / "torch_dist"), str(save_legacy_tp(tmp_path / "t2"))]
-    for rank_out in run_distributed(2, _tp2_logits, loads):
+    """One launch: both formats of the test vector, the TP 2 Megatron checkpoint, and that
+    with Adam's state (carried over), loaded by megalite at TP 2 without conversion."""
+    _, moments = save_legacy_tp_with_adam(tmp_path / "adam")
+    loads = [str(DATA / "torch"), str(DATA / "torch_dist"), str(save_legacy_tp(tmp_path / "t2")),
+             str(tmp_path / "adam")]
+    for rank, rank_out in enumerate(run_distributed(2, _tp2_logits, loads)):
         for load in loads:
-            iteration, got = rank_out[load]
+            iteration, got, adam = rank_out[load]
             assert iteration == 10, load
             torch.testing.assert_close(got, REFERENCE["logits"], atol=1e-5, rtol=0)
+            if load != loads[-1]:  # no optimizer state: Adam starts fresh
+                assert all(not a for a in adam.values()), load
+                continue
+            for name, state in adam.items():  # Megatron's shard r is megalite's TP rank r's
+                assert int(state["step"]) == 2
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(state[k], moments[k][rank][name].reshape(-1)), (name, k)
 
 
 @pytest.mark.parametrize("finetune", [False, True])
@@ -359,15 +372,16 @@ def test_bad_input_is_a_named_error_and_nothing_is_written(tmp_path, capsys, mak
 
 # --- optimizer state ----------------------------------------------------------------------
 
-def test_legacy_adam_state_is_carried_over_at_tp2(tmp_path):
-    """torch's AdamW over the test vector's parameters, grouped as Megatron groups them
-    (decayed, then biases and 1-D), two steps; saved by TP rank as Megatron's FP32Optimizer
-    does (Adam's state_dict, each rank its shards), imported, and compared per name."""
+def save_legacy_tp_with_adam(out: Path) -> tuple[dict, dict]:
+    """The TP 2 Megatron checkpoint with Adam's state: torch's AdamW over the test vector's
+    parameters, grouped as Megatron groups them (decayed, then biases and 1-D), two steps;
+    saved by TP rank as Megatron's FP32Optimizer does (Adam's state_dict, each rank its
+    shards, cut by split_like_megatron). Returns each name's moments and Megatron's TP 2
+    shards of them: {name: {moment: full}}, {moment: [rank 0 {name: shard}, rank 1 ...]}."""
     record = megatron_legacy()
     params = {n: torch.nn.Parameter(t.clone()) for n, t in record["model"].items()
               if t is not None}
-    decay = [p for n, p in params.items() if p.dim() > 1]
-    adam = torch.optim.AdamW([{"params": decay},
+    adam = torch.optim.AdamW([{"params": [p for p in params.values() if p.dim() > 1]},
                               {"params": [p for p in params.values() if p.dim() == 1],
                                "weight_decay": 0.0}], lr=1e-3)
     generator = torch.Generator().manual_seed(0)
@@ -377,29 +391,36 @@ def test_legacy_adam_state_is_carried_over_at_tp2(tmp_path):
         adam.step()
     saved = adam.state_dict()
     order = [p for group in adam.param_groups for p in group["params"]]
-    moments = {k: split_like_megatron({**record, "model": {
-        n: adam.state[p][k] for n, p in params.items()}}) for k in ("exp_avg", "exp_avg_sq")}
-    save_legacy_tp(tmp_path / "src")
+    moments = {k: [m["model"] for m in split_like_megatron({**record, "model": {
+        n: adam.state[p][k] for n, p in params.items()}})] for k in ("exp_avg", "exp_avg_sq")}
+    save_legacy_tp(out)
     name_of = {id(p): n for n, p in params.items()}
     for r in range(2):
-        path = tmp_path / f"src/iter_0000010/mp_rank_{r:02d}/model_optim_rng.pt"
-        rank = megatron_legacy(path)
+        path = out / f"iter_0000010/mp_rank_{r:02d}/model_optim_rng.pt"
         state = {i: {"step": saved["state"][i]["step"],
-                     **{k: moments[k][r]["model"][name_of[id(p)]] for k in moments}}
+                     **{k: moments[k][r][name_of[id(p)]] for k in moments}}
                  for i, p in enumerate(order)}
-        torch.save({**rank, "optimizer": {"state": state,
-                                          "param_groups": saved["param_groups"]}}, path)
+        torch.save({**megatron_legacy(path), "optimizer": {
+            "state": state, "param_groups": saved["param_groups"]}}, path)
+    full = {n: {k: adam.state[p][k] for k in moments} for n, p in params.items()}
+    return full, moments
+
+
+def test_legacy_adam_state_is_carried_over_at_tp2(tmp_path):
+    """Imported from the Megatron TP 2 checkpoint with Adam's state: each name's moments
+    whole, the main copy the saved weight (Megatron's FP32Optimizer steps the weights)."""
+    record = megatron_legacy()
+    full, _ = save_legacy_tp_with_adam(tmp_path / "src")
     assert convert("--import-megatron", tmp_path / "src", "--save", tmp_path / "out") == 0
     _, directory = find_checkpoint_to_load(tmp_path / "out")
     ckpt = SavedCheckpoint(directory, read_metadata(directory))
     assert ckpt.optimizer_step() == 2
-    for name, p in params.items():
-        for k in ("exp_avg", "exp_avg_sq"):
+    for name, moments in full.items():
+        for k, value in moments.items():
             got = ckpt.optimizer_tensor(name, k)
-            assert torch.equal(got[:p.shape[0]], adam.state[p][k]), (name, k)
-        # FP32Optimizer: the main copy is the saved weight itself.
-        assert torch.equal(ckpt.optimizer_tensor(name, "main")[:p.shape[0]],
-                           record["model"][name])
+            assert torch.equal(got[:value.shape[0]], value), (name, k)
+        weight = record["model"][name]
+        assert torch.equal(ckpt.optimizer_tensor(name, "main")[:weight.shape[0]], weight)
 
 
 def test_megatron_enums_in_args_are_read_without_megatron(monkeypatch):
