@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
+from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir, read_metadata
 
 from tests.helpers import LOG_LINE
 
@@ -86,6 +86,11 @@ def test_killed_agent_survivor_resumes_at_half_the_world_size(tmp_path):
     resumed = re.findall(r"resuming from \S+ at iteration (\d+)", out)
     assert resumed, "the survivor never restarted (did the kill come after the end?)"
     k = int(resumed[-1])
+    # Checkpoint k was written by the two-process world, the last one by the survivor alone
+    # (DP recomputed from the world size); the global batch is the flag's either way.
+    for iteration, world in ((k, 2), (80, 1)):
+        layout = read_metadata(checkpoint_dir(save, iteration))["layout"]
+        assert (layout["world_size"], layout["data_parallel_size"]) == (world, world)
     after = out.rsplit("resuming from", 1)[1]
     recovery = re.search(r"recovery time: ([\d.]+) s", after)
     assert recovery, after[:2000]
