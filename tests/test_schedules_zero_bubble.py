@@ -140,3 +140,33 @@ def test_interleaving_is_refused(schedule):
 def test_unknown_schedule_names_the_flag():
     with pytest.raises(ConfigError, match="--pipeline-schedule"):
         validate_schedule_args(2, 4, 1, "zb-v")
+
+
+# --- the flag --------------------------------------------------------------------------
+
+def _config(*extra, world_size=2):
+    from megalite.arguments import parse_args
+    from megalite.validation import validate_args
+    from tests.helpers import BASE_FLAGS
+    return validate_args(parse_args(BASE_FLAGS + list(extra)), world_size)
+
+
+def test_pipeline_schedule_flag_reaches_the_config():
+    assert _config().parallel.pipeline_schedule == "1f1b"
+    config = _config("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1")
+    assert config.parallel.pipeline_schedule == "zb-h1"
+
+
+def test_pipeline_schedule_flag_refuses_interleaving():
+    with pytest.raises(ConfigError, match="--pipeline-schedule gpipe"):
+        _config("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe",
+                "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+                "--global-batch-size", "16")
+
+
+def test_help_says_what_each_schedule_costs():
+    from megalite.arguments import build_parser
+    text = " ".join(build_parser().format_help().split())
+    for phrase in ("(p-1)/m", "(p-1)(F+B-W)/(m(F+B+W))", "all m micro-batches",
+                   "beyond Megatron-LM"):
+        assert phrase in text
