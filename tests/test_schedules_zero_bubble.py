@@ -167,6 +167,6 @@ def test_pipeline_schedule_flag_refuses_interleaving():
 def test_help_says_what_each_schedule_costs():
     from megalite.arguments import build_parser
     text = " ".join(build_parser().format_help().split())
-    for phrase in ("(p-1)/m", "(p-1)(F+B-W)/(m(F+B+W))", "all m micro-batches",
+    for phrase in ("(p-1)/m", "(p-1)(F+B-W)/(m(F+B+W))", "activations of all m",
                    "beyond Megatron-LM"):
         assert phrase in text
