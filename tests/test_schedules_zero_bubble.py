@@ -170,3 +170,10 @@ def test_help_says_what_each_schedule_costs():
     for phrase in ("(p-1)/m", "(p-1)(F+B-W)/(m(F+B+W))", "activations of all m",
                    "beyond Megatron-LM"):
         assert phrase in text
+
+
+def test_memory_estimate_follows_the_schedule():
+    from megalite.memory_estimate.activations import microbatches_in_flight
+    assert microbatches_in_flight(4, 0, 8, 1, "gpipe") == 8
+    assert [microbatches_in_flight(4, r, 8, 1, "zb-h1") for r in range(4)] == [4, 4, 4, 4]
+    assert [microbatches_in_flight(4, r, 8, 1, "1f1b") for r in range(4)] == [4, 3, 2, 1]
