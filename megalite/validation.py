@@ -119,8 +119,15 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
 
 def _validate_pipeline_schedule(args, parallel: ParallelConfig,
                                 num_microbatches: int) -> ParallelConfig:
-    """--pipeline-schedule: gpipe and zb-h1 run one model chunk per pipeline rank."""
+    """--pipeline-schedule: gpipe and zb-h1 run one model chunk per pipeline rank; zb-h1's
+    split backward is not traced by torch.compile."""
     schedule = args.pipeline_schedule
+    if schedule == "zb-h1" and args.compile_layers:
+        # A compiled layer's backward is traced once, whole: its linear layers would compute
+        # their weight gradients in B and leave W nothing to do.
+        raise ConfigError("--pipeline-schedule zb-h1 splits each linear layer's backward "
+                          "into B and W, which a torch.compile'd layer does not; drop "
+                          "--compile-layers or use --pipeline-schedule 1f1b")
     validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
                            parallel.virtual_pipeline_model_parallel_size or 1, schedule)
     return dataclasses.replace(parallel, pipeline_schedule=schedule)

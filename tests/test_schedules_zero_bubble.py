@@ -164,6 +164,16 @@ def test_pipeline_schedule_flag_refuses_interleaving():
                 "--global-batch-size", "16")
 
 
+def test_zb_h1_refuses_compiled_layers():
+    # torch.compile traces a layer's backward whole, so its dW would come in B (checked:
+    # with the aot_eager backend only the uncompiled output layer deferred its gradient).
+    with pytest.raises(ConfigError, match="--compile-layers"):
+        _config("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                "--compile-layers")
+    _config("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe",
+            "--compile-layers")
+
+
 def test_help_says_what_each_schedule_costs():
     from megalite.arguments import build_parser
     text = " ".join(build_parser().format_help().split())
