@@ -19,7 +19,6 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed):
         add_group(parser)
-    _add_pipeline_schedule_args(parser)
     return parser
 
 
@@ -99,10 +98,10 @@ def _parallelism(parser):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="Accumulate and reduce fp16 gradients in an fp32 buffer (always on "
                         "with --bf16, as in Megatron).")
+    _add_pipeline_schedule_args(g)
 
 
-def _add_pipeline_schedule_args(parser):
-    g = parser.add_argument_group("pipeline schedule")
+def _add_pipeline_schedule_args(g):
     g.add_argument(
         "--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"],
         help="Pipeline schedule, with p stages, m micro-batches per step and F, B, W the "
