@@ -94,20 +94,20 @@ def test_peak_in_flight(p, m):
         min(p, m)
 
 
-@pytest.mark.parametrize("F, B, W", COSTS)
 @pytest.mark.parametrize("p, m", [(p, m) for p, m in GRID if p > 1])
-def test_bubble_equals_closed_form(F, B, W, p, m):
-    busy = m * (F + B + W)
-    for schedule in ("gpipe", "1f1b"):
-        sim = simulate(all_ranks(p, m, schedule), 1, F, B, W)
+def test_bubble_equals_closed_form(p, m):
+    for F, B, W in COSTS:
+        busy = m * (F + B + W)
+        for schedule in ("gpipe", "1f1b"):
+            sim = simulate(all_ranks(p, m, schedule), 1, F, B, W)
+            assert sim.busy == busy
+            assert sim.bubble_fraction == Fraction(p - 1, m), (schedule, F, B, W)
+        sim = simulate(all_ranks(p, m, "zb-h1"), 1, F, B, W)
         assert sim.busy == busy
-        assert sim.bubble_fraction == Fraction(p - 1, m)
-    sim = simulate(all_ranks(p, m, "zb-h1"), 1, F, B, W)
-    assert sim.busy == busy
-    idle = (p - 1) * (F + B) - (min(m, p) - 1) * W
-    assert sim.bubble_fraction == Fraction(idle, busy)
-    if m >= p:
-        assert sim.bubble_fraction == Fraction((p - 1) * (F + B - W), m * (F + B + W))
+        idle = (p - 1) * (F + B) - (min(m, p) - 1) * W
+        assert sim.bubble_fraction == Fraction(idle, busy), (F, B, W)
+        if m >= p:
+            assert sim.bubble_fraction == Fraction((p - 1) * (F + B - W), m * (F + B + W))
 
 
 def test_zb_h1_bubble_is_a_third_of_1f1b_at_equal_costs():

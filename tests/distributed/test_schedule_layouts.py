@@ -28,7 +28,7 @@ from megalite.validation import pad_vocab_size
 from tests.distributed.launcher import run_distributed
 from tests.helpers import gather_tensor_parallel, tiny_gpt_config
 
-VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 8, 4
+VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
                        padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,
                        position_embedding_type="rope", swiglu=True, normalization="RMSNorm")
