@@ -201,3 +201,19 @@ def test_executor_posts_the_plan(kind, p, m, v):
                      lambda loss: loss, contextlib.nullcontext,
                      forward_only=kind == "eval")
         assert comm.batches == [b for b in plan.batches if b]
+
+
+@pytest.mark.parametrize("kind", ONE_CHUNK)
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 6)])
+def test_executor_posts_the_plan_of_gpipe_and_zb_h1(kind, p, m):
+    weight = torch.ones(2, requires_grad=True)
+
+    def chunk(x, labels):
+        return x.float() * weight
+
+    microbatches = [{"tokens": torch.ones(2), "labels": None} for _ in range(m)]
+    for plan in plans_for(ONE_CHUNK[kind], p, m, 1):
+        comm = RecordingCommunicator()
+        run_schedule(plan, [chunk], microbatches, comm, lambda out, mb: out.sum(),
+                     lambda loss: loss, contextlib.nullcontext)
+        assert comm.batches == [b for b in plan.batches if b]
