@@ -13,11 +13,11 @@ Costs: F a chunk's forward, B its input gradient and W its weight gradient. A sc
 that splits the backward (lists W actions) pays B for a backward and W for a W; one that
 does not pays B+W for its whole backward. With the default W = 0, B is the whole backward.
 
-Bubble (Narayanan et al. 2021, §2.2): every rank does the same work, m*v chunk forwards,
-backwards (and weight-gradient passes), `busy` time units. A rank is idle for `makespan - ideal`, and the
-bubble fraction is idle / ideal = t_pb / t_id. With chunk costs F and B a whole
-microbatch costs t_f + t_b = v*(F+B) per rank, so the paper's t_pb = (p-1)(t_f+t_b)/v and
-t_id = m(t_f+t_b) give (p-1)/(v*m), and (p-1)/m for v = 1.
+Bubble (Narayanan et al. 2021, §2.2): every rank does the same work, m*v chunk forwards
+and backwards (and weight-gradient passes), `busy` time units. A rank is idle for
+`makespan - busy`, and the bubble fraction is idle / busy = t_pb / t_id. With chunk costs
+F and B a whole microbatch costs t_f + t_b = v*(F+B) per rank, so the paper's
+t_pb = (p-1)(t_f+t_b)/v and t_id = m(t_f+t_b) give (p-1)/(v*m), and (p-1)/m for v = 1.
 """
 
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ class DeadlockError(RuntimeError):
 class Simulation:
     finish: dict      # (kind, microbatch, stage) -> finish time
     start: dict       # (kind, microbatch, stage) -> start time
-    busy: int         # time each rank spends computing
+    busy: int         # time each rank spends computing (in the costs' type)
     makespan: int     # when the last rank finishes
 
     @property
