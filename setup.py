@@ -13,6 +13,7 @@ setup(
     extras_require={
         "flash": ["flash-attn>=2.5"],
         "hf": ["tokenizers>=0.15", "transformers>=4.45"],
+        "plot": ["matplotlib"],  # tools/plot_schedule.py
         "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45"],
     },
 )

@@ -1,41 +1,54 @@
 """Pipeline bubble of megalite's schedules, simulated, next to the closed form
-(Narayanan et al. 2021, §2.2): (p-1)/m for 1F1B, (p-1)/(v*m) for interleaved 1F1B.
+(Narayanan et al. 2021, §2.2; Qi et al. 2024, §3.1): (p-1)/m for 1F1B and GPipe,
+(p-1)/(v*m) for interleaved 1F1B, (p-1)(F+B-W)/(m(F+B+W)) for ZB-H1 (m >= p, W <= F, B).
 
 Every rank's action list from `build_schedule` runs on one clock in
-megalite/pipeline_parallel/simulate.py: a model chunk's forward costs F, its backward B
-(defaults 1 and 2, backward being about twice the forward), sends are free, and an action
-waits for the neighbouring stage's output. Bubble fraction = idle / busy per rank =
-(makespan - m*v*(F+B)) / (m*v*(F+B)). The table also gives the peak number of
-microbatch-chunks whose activations rank 0 holds at once (peak0, its warmup + 1) and that
-in units of one microbatch through all of rank 0's layers (act0 = peak0 / v, a chunk
-holding 1/v of them): interleaving buys its smaller bubble with more activations in flight.
+megalite/pipeline_parallel/simulate.py: a model chunk's forward costs F, its input
+gradient B and its weight gradient W (defaults 1, 1, 1: a whole backward B+W about twice
+the forward), sends are free, and an action waits for the neighbouring stage's output.
+Schedules that do not split the backward pay B+W for it. Bubble fraction = idle / busy per
+rank = (makespan - m*v*(F+B+W)) / (m*v*(F+B+W)). The table also gives the peak number of
+microbatch-chunks whose activations rank 0 holds at once (peak0: from F to the end of
+the backward, to W when split) and that in units of one microbatch through all of rank
+0's layers (act0 = peak0 / v, a chunk holding 1/v of them): interleaving buys its smaller
+bubble with more activations in flight, GPipe holds all m, ZB-H1 as many as 1F1B.
 
     python benchmarks/pipeline_bubble.py [--pp 2 4 8 --chunks 1 2 4 --m-per-stage 1 2 4]
+
+The measured step time of each schedule is benchmarks/pipeline_schedules_measured.py.
 """
 
 import argparse
 
-from megalite.pipeline_parallel.schedules import build_schedule
+from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule
 from megalite.pipeline_parallel.simulate import simulate
 
 
 def peak_in_flight(schedule) -> int:
+    done = "weight" if any(a.kind == "weight" for a in schedule) else "backward"
     live = peak = 0
     for action in schedule:
-        live += 1 if action.kind == "forward" else -1
+        live += 1 if action.kind == "forward" else -1 if action.kind == done else 0
         peak = max(peak, live)
     return peak
 
 
-def row(p: int, m: int, v: int, forward_cost: int, backward_cost: int) -> str:
-    schedules = [build_schedule(p, r, m, v) for r in range(p)]
-    sim = simulate(schedules, v, forward_cost, backward_cost)
-    formula = (p - 1) / (v * m)
+def closed_form(schedule: str, p: int, m: int, v: int, F, B, W) -> float:
+    if schedule == "zb-h1":  # Qi et al. 2024 §3.1; m < p: only m-1 Ws fill the first wait
+        return ((p - 1) * (F + B) - (min(m, p) - 1) * W) / (m * (F + B + W))
+    return (p - 1) / (v * m)
+
+
+def row(schedule: str, p: int, m: int, v: int, F, B, W) -> str:
+    schedules = [build_schedule(p, r, m, v, schedule) for r in range(p)]
+    sim = simulate(schedules, v, F, B, W)
+    formula = closed_form(schedule, p, m, v, F, B, W)
     measured = float(sim.bubble_fraction)
     peak = peak_in_flight(schedules[0])
     ratio = f"{measured / formula:5.3f}" if formula else "    -"
-    return (f"{p:>2} {m:>3} {v:>2}  {sim.makespan:>8} {sim.busy:>6}  {measured:>8.4f} "
-            f"{formula:>8.4f}  {ratio}  {peak:>5} {peak / v:>5.2f}")
+    name = "interleaved" if schedule == "1f1b" and v > 1 else schedule
+    return (f"{name:>11} {p:>2} {m:>3} {v:>2}  {sim.makespan:>8} {sim.busy:>6}  "
+            f"{measured:>8.4f} {formula:>8.4f}  {ratio}  {peak:>5} {peak / v:>5.2f}")
 
 
 def main():
@@ -45,18 +58,22 @@ def main():
                         help="model chunks (virtual stages) per rank, v")
     parser.add_argument("--m-per-stage", type=int, nargs="+", default=[1, 2, 4],
                         help="microbatches m as multiples of the pipeline size p")
-    parser.add_argument("--forward-cost", type=int, default=1)
-    parser.add_argument("--backward-cost", type=int, default=2)
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--costs", type=int, nargs=3, default=[1, 1, 1],
+                        metavar=("F", "B", "W"),
+                        help="chunk forward, input-gradient and weight-gradient times")
     args = parser.parse_args()
-    print(f"chunk forward F={args.forward_cost}, chunk backward B={args.backward_cost}; "
-          f"busy = m*v*(F+B) per rank")
-    print(" p   m  v  makespan   busy  measured  formula  ratio  peak0  act0")
-    for p in args.pp:
-        for v in args.chunks:
-            if p == 1 and v > 1:
-                continue  # one stage has nothing to interleave
-            for k in args.m_per_stage:
-                print(row(p, k * p, v, args.forward_cost, args.backward_cost))
+    F, B, W = args.costs
+    print(f"chunk forward F={F}, input gradient B={B}, weight gradient W={W} (unsplit "
+          f"backward B+W={B + W}); busy = m*v*(F+B+W) per rank")
+    print("   schedule  p   m  v  makespan   busy  measured  formula  ratio  peak0  act0")
+    for schedule in args.schedules:
+        for p in args.pp:
+            for v in args.chunks:
+                if (p == 1 or schedule != "1f1b") and v > 1:
+                    continue  # nothing to interleave / GPipe and ZB-H1 run one chunk
+                for k in args.m_per_stage:
+                    print(row(schedule, p, k * p, v, F, B, W))
 
 
 if __name__ == "__main__":

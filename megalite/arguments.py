@@ -104,6 +104,24 @@ def _parallelism(parser):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="Accumulate and reduce fp16 gradients in an fp32 buffer (always on "
                         "with --bf16, as in Megatron).")
+    _add_pipeline_schedule_args(g)
+
+
+def _add_pipeline_schedule_args(g):
+    g.add_argument(
+        "--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"],
+        help="Pipeline schedule, with p stages, m micro-batches per step and F, B, W the "
+             "times of a stage's forward, input-gradient and weight-gradient passes. "
+             "1f1b (Megatron's; interleaved with --num-layers-per-virtual-pipeline-stage): "
+             "bubble (p-1)/m, (p-1)/(v m) interleaved; the first stage holds the "
+             "activations of p micro-batches. gpipe: all forwards, then all backwards; "
+             "bubble (p-1)/m, activations of all m micro-batches. zb-h1 (zero bubble, Qi "
+             "et al. 2024): 1F1B with each backward split into B and W, the Ws deferred "
+             "into 1F1B's idle time; bubble (p-1)(F+B-W)/(m(F+B+W)), a third of 1F1B's "
+             "when F = B = W; at most p micro-batches in flight on every stage (the first "
+             "as in 1F1B), each deferred W keeping its linear layers' inputs and output "
+             "gradients. gpipe and zb-h1 go beyond Megatron-LM (megalite's own choices) "
+             "and run one model chunk per stage (no interleaving).")
 
 
 def _training(parser):

@@ -36,6 +36,8 @@ class ParallelConfig:
     accumulate_allreduce_grads_in_fp32: bool = False
     """Gradient buffer in fp32 whatever the parameters' dtype
     (--accumulate-allreduce-grads-in-fp32; always on with --bf16, as in Megatron)."""
+    pipeline_schedule: str = "1f1b"
+    """1f1b (interleaved with several chunks), gpipe or zb-h1 (--pipeline-schedule)."""
 
 
 @dataclass(frozen=True)

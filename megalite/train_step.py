@@ -54,14 +54,15 @@ class StepRunner:
     the grads of tied embeddings split across the first and last stage, and its data
     group sums the losses of the ranks' slices of the global batch. `grad_buffer` holds
     the gradients and sums them over the data group (needed when DP > 1). `timers` times
-    the step's phases (monitoring/timers.py).
+    the step's phases (monitoring/timers.py). `pipeline_schedule` is --pipeline-schedule
+    (schedules.SCHEDULES).
     """
 
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
                  num_microbatches: int, activation_shape: tuple[int, ...],
                  device: torch.device, state: ParallelState | None = None,
                  grad_buffer: GradBuffer | None = None, check_for_nan: bool = False,
-                 timers: Timers = NO_TIMERS):
+                 timers: Timers = NO_TIMERS, pipeline_schedule: str = "1f1b"):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
         self.check_for_nan = check_for_nan
         self.timers = timers
@@ -74,7 +75,8 @@ class StepRunner:
         v = len(chunks)
         # Each rank's p2p batches are paired with its neighbours', so plan from every rank's list.
         self.schedule = communication_plan(
-            [build_schedule(pp, r, num_microbatches, v) for r in range(pp)], v)[pp_rank]
+            [build_schedule(pp, r, num_microbatches, v, pipeline_schedule) for r in range(pp)],
+            v)[pp_rank]
         self.eval_schedule = communication_plan(
             [forward_only(pp, r, num_microbatches, v) for r in range(pp)], v)[pp_rank]
         self.comm = None

@@ -140,7 +140,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                         activation_shape(m, t.micro_batch_size, state.tp_size), device, state,
                         grad_buffer,
                         check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16,
-                        timers=monitor.timers)
+                        timers=monitor.timers,
+                        pipeline_schedule=config.parallel.pipeline_schedule)
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
     if config.checkpoint.load is not None:

@@ -53,6 +53,7 @@ def validate_model_args(args, world_size: int = 1,
                     "pipeline_model_parallel_size", "distributed_timeout_minutes")
     parallel = _parallel_config(args, world_size)
     micro, global_batch, num_micro = _batch(args, parallel)
+    parallel = _validate_pipeline_schedule(args, parallel, num_micro)
     return Config(
         model=_model_config(args, parallel, _vocab_size(args, tokenizer_vocab_size)),
         parallel=parallel,
@@ -115,6 +116,22 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
     return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp, args.use_distributed_optimizer,
                           args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce,
                           args.overlap_param_gather, fp32_grads)
+
+
+def _validate_pipeline_schedule(args, parallel: ParallelConfig,
+                                num_microbatches: int) -> ParallelConfig:
+    """--pipeline-schedule: gpipe and zb-h1 run one model chunk per pipeline rank; zb-h1's
+    split backward is not traced by torch.compile."""
+    schedule = args.pipeline_schedule
+    if schedule == "zb-h1" and args.compile_layers:
+        # A compiled layer's backward is traced once, whole: its linear layers would compute
+        # their weight gradients in B and leave W nothing to do.
+        raise ConfigError("--pipeline-schedule zb-h1 splits each linear layer's backward "
+                          "into B and W, which a torch.compile'd layer does not; drop "
+                          "--compile-layers or use --pipeline-schedule 1f1b")
+    validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
+                           parallel.virtual_pipeline_model_parallel_size or 1, schedule)
+    return dataclasses.replace(parallel, pipeline_schedule=schedule)
 
 
 def _virtual_stages(args, pp: int) -> int | None:

@@ -27,6 +27,10 @@ from megalite.pipeline_parallel.stages import rank_stages
 GRID = [(p, m, 1) for p in range(1, 9) for m in range(1, 4 * p + 1)] + \
        [(p, m, v) for p in range(2, 9) for v in range(2, 5) for m in range(p, 4 * p + 1, p)]
 SCHEDULES = {"train": build_schedule, "eval": forward_only}
+# GPipe and ZB-H1 (one chunk per rank): ZB-H1's weight-gradient passes send nothing but
+# move every later message on the clock.
+ONE_CHUNK = {name: lambda p, r, m, v, name=name: build_schedule(p, r, m, v, name)
+             for name in ("gpipe", "zb-h1")}
 
 
 class Deadlock(AssertionError):
@@ -105,7 +109,11 @@ def megatron_pairing(actions, stages):
 @pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("p, m, v", GRID, ids=[f"p{p}-m{m}-v{v}" for p, m, v in GRID])
 def test_plan_cannot_deadlock_under_nccl(kind, p, m, v):
-    plans = plans_for(SCHEDULES[kind], p, m, v)
+    check_plans(SCHEDULES[kind], p, m, v)
+
+
+def check_plans(schedule, p, m, v):
+    plans = plans_for(schedule, p, m, v)
     replay([plan.batches for plan in plans])
     for plan in plans:  # every input received before its action, every output sent after
         received, produced = set(), set()
@@ -115,6 +123,12 @@ def test_plan_cannot_deadlock_under_nccl(kind, p, m, v):
             wanted, sent = action_messages(action, plan.stages[action.chunk])
             assert wanted is None or wanted in received, f"{action} runs before receiving"
             produced |= {sent} if sent else set()
+
+
+@pytest.mark.parametrize("kind", ONE_CHUNK)
+@pytest.mark.parametrize("p, m", [(p, m) for p in range(1, 9) for m in range(1, 4 * p + 1)])
+def test_gpipe_and_zb_h1_plans_cannot_deadlock_under_nccl(kind, p, m):
+    check_plans(ONE_CHUNK[kind], p, m, 1)
 
 
 @pytest.mark.parametrize("kind", SCHEDULES)
@@ -186,4 +200,20 @@ def test_executor_posts_the_plan(kind, p, m, v):
         run_schedule(plan, [chunk] * v, microbatches, comm, lambda out, mb: out.sum(),
                      lambda loss: loss, contextlib.nullcontext,
                      forward_only=kind == "eval")
+        assert comm.batches == [b for b in plan.batches if b]
+
+
+@pytest.mark.parametrize("kind", ONE_CHUNK)
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (4, 6)])
+def test_executor_posts_the_plan_of_gpipe_and_zb_h1(kind, p, m):
+    weight = torch.ones(2, requires_grad=True)
+
+    def chunk(x, labels):
+        return x.float() * weight
+
+    microbatches = [{"tokens": torch.ones(2), "labels": None} for _ in range(m)]
+    for plan in plans_for(ONE_CHUNK[kind], p, m, 1):
+        comm = RecordingCommunicator()
+        run_schedule(plan, [chunk], microbatches, comm, lambda out, mb: out.sum(),
+                     lambda loss: loss, contextlib.nullcontext)
         assert comm.batches == [b for b in plan.batches if b]

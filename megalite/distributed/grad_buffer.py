@@ -17,7 +17,9 @@ micro-batch's gradient into the fp32 buffer and drops it, as Megatron's main_gra
 
 Under --overlap-grad-reduce a bucket's collective is launched asynchronously as soon as
 its last gradient of the step has been accumulated, while the backward of earlier layers
-is still running (Li et al. 2020, PyTorch DDP §3.2.3).
+is still running (Li et al. 2020, PyTorch DDP §3.2.3). Under a zero-bubble schedule a
+linear layer's weight gradient arrives in the micro-batch's W pass, not its B pass
+(tensor_parallel/weight_grad.py), and is counted there.
 
 A tied embedding used on two pipeline stages gets a bucket of its own: its copies on the
 first and last stage then sit at the same offsets of identically laid-out buckets, so the
@@ -30,6 +32,7 @@ from torch import nn
 
 from megalite.parallel_state import group_rank, group_size, reduce_scatter_into
 from megalite.tensor_parallel.params import is_shared_embedding
+from megalite.tensor_parallel.weight_grad import weight_grad_deferred
 
 
 class Bucket:
@@ -113,6 +116,8 @@ class GradBuffer:
         self.launched_during_backward = 0
 
     def _on_grad_accumulated(self, param: nn.Parameter):
+        if weight_grad_deferred(param):  # a split backward's B: the gradient comes in W
+            return
         bucket, _ = self._where[id(param)]
         self._move_into_buffer(param)
         if not self.overlap:

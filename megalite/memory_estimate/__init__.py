@@ -62,7 +62,8 @@ def estimate_rank_memory(config: Config, pp_rank: int, device: str = "cuda") -> 
     par = config.parallel
     v = par.virtual_pipeline_model_parallel_size or 1
     in_flight = microbatches_in_flight(par.pipeline_model_parallel_size, pp_rank,
-                                       config.training.num_microbatches, v) / v
+                                       config.training.num_microbatches, v,
+                                       par.pipeline_schedule) / v
     return RankMemory(pp_rank, state["num_parameters"], state["parameters"],
                       state["gradients"], state["optimizer_state"], state["main_grads"],
                       peak, per_mb, in_flight, p2p)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from megalite.config import Config
 from megalite.memory_estimate.weights import param_bytes_per_element
 from megalite.model.gpt import recompute_groups
-from megalite.pipeline_parallel.schedules import FORWARD, build_schedule
+from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
 from megalite.pipeline_parallel.stages import rank_stages
 
 
@@ -236,11 +236,15 @@ def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int,
     buffers held at that peak). The peak walks this rank's schedule: a forward adds its
     chunk's saved tensors and its send buffer, a backward first rebuilds a recomputed
     group (working set), then frees the saved tensors and sends the input gradient,
-    whose buffer stays until the step ends."""
+    whose buffer stays until the step ends. Under a split backward (zb-h1) the saved
+    tensors count until the micro-batch's W: an upper bound, as B frees all but the
+    linear layers' inputs, which W keeps with their output gradients."""
     chunks = rank_chunks(config, pp_rank, device)
     par = config.parallel
     schedule = build_schedule(par.pipeline_model_parallel_size, pp_rank,
-                              config.training.num_microbatches, len(chunks))
+                              config.training.num_microbatches, len(chunks),
+                              par.pipeline_schedule)
+    split = any(a.kind == WEIGHT for a in schedule)
     piped = par.pipeline_model_parallel_size > 1
     live = sent = peak = peak_sent = 0
     for action in schedule:
@@ -249,9 +253,12 @@ def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int,
             live += c.saved
             sent += c.send_forward if piped else 0
             now = live + sent
+        elif action.kind == WEIGHT:
+            now = live + sent
+            live -= c.saved
         else:
             now = live + sent + c.working_set
-            live -= c.saved
+            live -= 0 if split else c.saved
             sent += c.send_backward if piped else 0
         if now > peak:
             peak, peak_sent = now, sent
@@ -259,10 +266,13 @@ def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int,
 
 
 def microbatches_in_flight(pp_size: int, pp_rank: int, num_microbatches: int,
-                           num_chunks: int = 1) -> int:
-    """Most (micro-batch, chunk) forwards whose backward has not run yet on this rank."""
+                           num_chunks: int = 1, schedule: str = "1f1b") -> int:
+    """Most (micro-batch, chunk) forwards whose backward (W, when split) has not run yet
+    on this rank."""
+    actions = build_schedule(pp_size, pp_rank, num_microbatches, num_chunks, schedule)
+    done = WEIGHT if any(a.kind == WEIGHT for a in actions) else BACKWARD
     live = peak = 0
-    for action in build_schedule(pp_size, pp_rank, num_microbatches, num_chunks):
-        live += 1 if action.kind == FORWARD else -1
+    for action in actions:
+        live += 1 if action.kind == FORWARD else -1 if action.kind == done else 0
         peak = max(peak, live)
     return peak

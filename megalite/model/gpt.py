@@ -30,6 +30,7 @@ from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_shared_embedding,
                                              mark_shared_embedding, pad_vocab_rows,
                                              partition_dim, partition_stride, tp_shard)
 from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
+from megalite.tensor_parallel.weight_grad import linear
 
 
 class Embedding(nn.Module):
@@ -219,7 +220,7 @@ class GPTModel(nn.Module):
                 x = gather_from_sequence_parallel_region(x, self.tp_group)
             else:
                 x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-            logits = F.linear(x, self.embedding.word_embeddings.weight)
+            logits = linear(x, self.embedding.word_embeddings.weight)
         if self.padded_vocab_mask is not None:
             logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
         return logits

@@ -25,6 +25,7 @@ PHASES = {
     "forward-backward": (1, None),
     "forward-compute": (2, "forward-backward"),
     "backward-compute": (2, "forward-backward"),
+    "weight-grad-compute": (2, "forward-backward"),  # --pipeline-schedule zb-h1's W passes
     "pipeline-send-recv": (2, "forward-backward"),
     "pipeline-send-wait": (2, "forward-backward"),
     "all-grads-sync": (1, None),
@@ -43,7 +44,8 @@ PHASES = {
 COMMUNICATION = ("loss-all-reduce", "pipeline-send-recv", "pipeline-send-wait",
                  "all-grads-sync", "grad-norm-all-reduce", "params-all-gather")
 # A rank's own work in a step: what --log-straggler compares across ranks.
-COMPUTE = ("batch-generator", "forward-compute", "backward-compute", "optimizer-inner-step")
+COMPUTE = ("batch-generator", "forward-compute", "backward-compute", "weight-grad-compute",
+           "optimizer-inner-step")
 
 
 def synchronize(device: torch.device | None):

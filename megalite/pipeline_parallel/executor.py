@@ -1,14 +1,20 @@
 """One executor for every schedule: run this rank's plan (p2p.py), its list of
-(forward|backward, microbatch, chunk) actions with, before each, the batch of sends and
-receives that meets the neighbours' batches, and accumulate the loss on the last stage."""
+(forward|backward|weight, microbatch, chunk) actions with, before each, the batch of sends
+and receives that meets the neighbours' batches, and accumulate the loss on the last stage.
 
+A schedule with weight actions splits each backward: its backward computes the input
+gradients and leaves the linear layers' weight gradients in a store (weight_grad.py),
+which the micro-batch's weight action runs."""
+
+import contextlib
 from typing import Callable
 
 import torch
 
 from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, RankPlan, action_messages
-from megalite.pipeline_parallel.schedules import FORWARD
+from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT
+from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 
 
 def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
@@ -21,6 +27,8 @@ def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
     one stage is both first and last and the plan sends nothing. `timers` times (and
     names for the profiler) the compute and the send/recv waits."""
     saved: dict[tuple[int, int], tuple] = {}
+    split = any(a.kind == WEIGHT for a in plan.actions)
+    deferred: dict[tuple[int, int], WeightGradStore] = {}  # B run, W not yet
     inbox, outbox = {}, {}  # received and not yet used; computed and not yet sent
     total = torch.zeros((), device=microbatches[0]["tokens"].device)
     for action, batch in zip(plan.actions, plan.batches):
@@ -46,15 +54,22 @@ def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
                 outbox[sent] = out
             if not forward_only:
                 saved[key] = (x, out)
-        else:
+        elif action.kind == BACKWARD:
             x, out = saved.pop(key)
-            with timers("backward-compute"):
+            context = contextlib.nullcontext()
+            if split:
+                deferred[key] = WeightGradStore()
+                context = defer_weight_grads(deferred[key])
+            with timers("backward-compute"), context:
                 if stage.is_last:
                     torch.autograd.backward(backward_scale(out))
                 else:
                     torch.autograd.backward(out, inbox.pop(wanted))
             if sent is not None:
                 outbox[sent] = x.grad
+        else:
+            with timers("weight-grad-compute"):
+                deferred.pop(key).run()
     if comm is not None:
         with timers("pipeline-send-wait"):
             if plan.batches[-1]:

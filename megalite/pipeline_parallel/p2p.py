@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel_state import ParallelState
-from megalite.pipeline_parallel.schedules import FORWARD, Action
+from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, Action
 from megalite.pipeline_parallel.simulate import simulate
 from megalite.pipeline_parallel.stages import Stage, rank_stages
 
 # Chunk costs on the planning clock; any positive costs give a plan that cannot deadlock.
-FORWARD_COST, BACKWARD_COST = 1, 2
+# A whole backward costs B + W = 2, a split one B = 1 and its weight-gradient pass W = 1.
+FORWARD_COST, BACKWARD_COST, WEIGHT_COST = 1, 1, 1
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,11 @@ class RankPlan:
 def action_messages(action: Action, stage: Stage) -> tuple[Message | None, Message | None]:
     """(the message `action` waits for, the one it sends): a forward takes the previous
     stage's activation and sends its output on; a backward takes the gradient of its
-    output from the next stage and sends its input's gradient back."""
+    output from the next stage and sends its input's gradient back; a weight-gradient
+    pass needs only what its own backward kept."""
     mb, s = action.microbatch, stage.index
+    if action.kind not in (FORWARD, BACKWARD):
+        return None, None
     if action.kind == FORWARD:
         return (None if stage.is_first else Message(mb, s, False),
                 None if stage.is_last else Message(mb, s + 1, False))
@@ -111,13 +115,11 @@ def communication_plan(schedules: list[list[Action]], num_chunks: int) -> list[R
 def _batch_times(schedules, stages, num_chunks) -> list[list[int]]:
     """Per rank, when each batch sits on the simulator's clock: the start of the action
     after it, and for the last batch the end of the last action."""
-    sim = simulate(schedules, num_chunks, FORWARD_COST, BACKWARD_COST)
+    sim = simulate(schedules, num_chunks, FORWARD_COST, BACKWARD_COST, WEIGHT_COST)
     times = []
     for r, actions in enumerate(schedules):
-        finish = [sim.finish[(a.kind, a.microbatch, stages[r][a.chunk].index)] for a in actions]
-        start = [f - (FORWARD_COST if a.kind == FORWARD else BACKWARD_COST)
-                 for a, f in zip(actions, finish)]
-        times.append(start + finish[-1:])
+        keys = [(a.kind, a.microbatch, stages[r][a.chunk].index) for a in actions]
+        times.append([sim.start[k] for k in keys] + [sim.finish[keys[-1]]])
     return times
 
 

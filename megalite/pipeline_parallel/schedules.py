@@ -1,7 +1,12 @@
-"""Pipeline schedules as pure functions (DESIGN.md §5; Narayanan et al. 2021, §2.2).
+"""Pipeline schedules as pure functions (DESIGN.md §5; Narayanan et al. 2021, §2.2;
+GPipe, Huang et al. 2019; zero bubble, Qi et al. 2024).
 
-A schedule is this rank's ordered list of `Action`s: forward or backward of one microbatch
-through one model chunk. Nothing here communicates; p2p.py pairs the sends and receives
+A schedule is this rank's ordered list of `Action`s: forward, backward or weight-gradient
+pass of one microbatch through one model chunk. A schedule that lists WEIGHT actions splits
+each backward in two (Qi et al. §2): BACKWARD then computes only the input gradient (B),
+which the previous stage waits for, and that microbatch's WEIGHT (W) later computes the
+weight gradients, which only the optimizer needs. Without WEIGHT actions BACKWARD is the
+whole backward. Nothing here communicates; p2p.py pairs the sends and receives
 the actions imply into batches that meet the neighbours' (from all ranks' lists), the
 executor runs them, and tests/test_schedules.py simulates all ranks' lists together to
 check they cannot deadlock and reach the paper's bubble.
@@ -17,17 +22,32 @@ from megalite.errors import ConfigError
 
 FORWARD = "forward"
 BACKWARD = "backward"
+WEIGHT = "weight"
+
+# --pipeline-schedule choices. "1f1b" is interleaved when there are several model chunks.
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str        # FORWARD or BACKWARD
+    kind: str        # FORWARD, BACKWARD or WEIGHT
     microbatch: int  # 0..m-1
     chunk: int       # model chunk (virtual stage) 0..v-1 on this rank
 
 
-def validate_schedule_args(pp_size: int, num_microbatches: int, num_chunks: int = 1) -> None:
+def validate_schedule_args(pp_size: int, num_microbatches: int, num_chunks: int = 1,
+                           schedule: str = "1f1b") -> None:
     """Raise ConfigError, naming the flags, for (p, m, v) no schedule here can run."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, "
+                          f"got {schedule!r}")
+    if schedule != "1f1b" and num_chunks > 1:
+        # GPipe and ZB-H1 are defined, and built here, for one chunk per rank; the zero
+        # bubble paper's interleaved form (ZB-V) is a different schedule, not built.
+        raise ConfigError(f"--pipeline-schedule {schedule} runs one model chunk per pipeline "
+                          f"rank; it cannot be combined with "
+                          f"--num-layers-per-virtual-pipeline-stage (got {num_chunks} chunks "
+                          f"per rank); use --pipeline-schedule 1f1b to interleave")
     if pp_size < 1:
         raise ConfigError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
     if num_microbatches < 1:
@@ -130,6 +150,45 @@ def interleaved_one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int,
     return actions
 
 
+def gpipe(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
+    """GPipe (Huang et al. 2019): every forward, then every backward, in microbatch order.
+
+        F0 F1 .. F(m-1)  B0 B1 .. B(m-1)
+
+    Same bubble as 1F1B, (p-1)/m, but all m microbatches' activations are alive at once.
+    """
+    validate_schedule_args(pp_size, num_microbatches, 1, "gpipe")
+    _check_rank(pp_size, pp_rank)
+    return ([Action(FORWARD, i, 0) for i in range(num_microbatches)] +
+            [Action(BACKWARD, i, 0) for i in range(num_microbatches)])
+
+
+def zb_h1(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024, §3.1, Fig. 3): 1F1B's order of forwards and backwards, each
+    backward split into B (input gradient) and W (weight gradient). Rank r defers its
+    first r W passes: while 1F1B's later ranks would wait for the next forward, they
+    run an older microbatch's W instead, and the deferred Ws fill the cooldown, where
+    1F1B idles. A microbatch stays in flight from its F to its W, so rank r holds at most
+    p-r (1F1B) + r = p microbatches: rank 0, which defers none, as many as in 1F1B.
+
+        warmup    F0 .. F(w-1)                           w = min(p-r-1, m)
+        steady    F(w+k) B(k) [W(k-r)]   for k = 0 .. m-w-1
+        cooldown  B(k) [W(k-r)]          for k = m-w .. m-1,   then the remaining Ws
+
+    With F, B, W the times of the three passes and W <= F, W <= B, the bubble is
+    (p-1)(F+B-W) / (m(F+B+W)): a third of 1F1B's (p-1)/m when F = B = W.
+    """
+    validate_schedule_args(pp_size, num_microbatches, 1, "zb-h1")
+    _check_rank(pp_size, pp_rank)
+    actions, weights = [], 0
+    for action in one_f_one_b(pp_size, pp_rank, num_microbatches):
+        actions.append(action)
+        if action.kind == BACKWARD and action.microbatch >= pp_rank:
+            actions.append(Action(WEIGHT, weights, 0))
+            weights += 1
+    return actions + [Action(WEIGHT, i, 0) for i in range(weights, num_microbatches)]
+
+
 def forward_only(pp_size: int, pp_rank: int, num_microbatches: int,
                  num_chunks: int = 1) -> list[Action]:
     """Evaluation: every forward, in the order training runs them (no activations kept)."""
@@ -138,12 +197,18 @@ def forward_only(pp_size: int, pp_rank: int, num_microbatches: int,
 
 
 def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int,
-                   num_chunks: int = 1) -> list[Action]:
-    """The training schedule for this (p, m, v): accumulation, 1F1B or interleaved 1F1B."""
-    validate_schedule_args(pp_size, num_microbatches, num_chunks)
+                   num_chunks: int = 1, schedule: str = "1f1b") -> list[Action]:
+    """The training schedule for this (p, m, v) and --pipeline-schedule: accumulation,
+    1F1B or interleaved 1F1B, GPipe, ZB-H1. Without pipelining every schedule is
+    gradient accumulation (no bubble to fill, so no backward is split)."""
+    validate_schedule_args(pp_size, num_microbatches, num_chunks, schedule)
     _check_rank(pp_size, pp_rank)
     if pp_size == 1:
         return no_pipelining(num_microbatches)
+    if schedule == "gpipe":
+        return gpipe(pp_size, pp_rank, num_microbatches)
+    if schedule == "zb-h1":
+        return zb_h1(pp_size, pp_rank, num_microbatches)
     if num_chunks == 1:
         return one_f_one_b(pp_size, pp_rank, num_microbatches)
     return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, num_chunks)

@@ -9,6 +9,8 @@ layout from the same full tensor (`params.tp_shard`); a replicated one whose gra
 differs across the TP group (it sees only this rank's sequence shard: row-parallel biases
 and norms under sequence parallelism) as sequence parallel: sum those grads with
 `allreduce_sequence_parallel_grads` before the optimizer step.
+The matrix products go through `weight_grad.linear`, so a zero-bubble schedule can
+defer their weight gradients to a later W pass.
 Parameters start as zeros, on the current default device and dtype (the model builds them
 where they will live) and overwrites every one.
 """
@@ -26,6 +28,7 @@ from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+from megalite.tensor_parallel.weight_grad import linear
 
 
 def _divide(size: int, tp: int, what: str) -> int:
@@ -71,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.group)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y
@@ -107,7 +110,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

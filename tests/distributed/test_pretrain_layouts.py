@@ -49,6 +49,8 @@ def single():
     # Data parallelism: each rank reads its slice of every global batch.
     (2, []),
     (4, ["--pipeline-model-parallel-size", "2"]),
+    # Zero-bubble ZB-H1: each backward split into B and a deferred weight-gradient pass W.
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),
     # ZeRO-1, its reduce-scatter launched during backward, its all-gather waited for by
     # the next forward.
     (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),

@@ -1,0 +1,159 @@
+"""Measured pipeline time per step of PP 2 with each --pipeline-schedule, next to the
+simulator's prediction from the measured F, B and W times (issue 16).
+
+Two ranks (gloo on the CPU, NCCL with two GPUs) each hold one stage of a GPT. First each
+schedule runs its action list with the real p2p plan (`run_schedule`, the
+forward/backward part of a step, without the optimizer step), the schedules taking turns
+for --steps rounds after a warm-up one; the fastest round of the slower rank (on a shared
+machine the minimum is the least disturbed). Then each rank times its own stage's
+passes on one micro-batch as the schedules run them: F the forward, B the backward with
+the linear layers' weight gradients deferred, W the deferred weight gradients
+(weight_grad.py); the fastest of --reps, averaged over the two stages (the simulator takes one
+cost per pass). The prediction is the
+simulated makespan of every rank's list with those costs (sends free; 1F1B and GPipe pay
+B+W for their unsplit backward).
+
+    python benchmarks/pipeline_schedules_measured.py [--device cpu|cuda] [--steps 3]
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megalite.config import OptimizerConfig, PrecisionConfig  # noqa: E402
+from megalite.model.config import GPTConfig  # noqa: E402
+from megalite.model.gpt import build_model_chunks  # noqa: E402
+from megalite.optimizer.optimizer import Optimizer  # noqa: E402
+from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
+from megalite.pipeline_parallel.executor import run_schedule  # noqa: E402
+from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule  # noqa: E402
+from megalite.pipeline_parallel.simulate import simulate  # noqa: E402
+from megalite.tensor_parallel.weight_grad import (  # noqa: E402
+    WeightGradStore, defer_weight_grads)
+from megalite.train_step import StepRunner  # noqa: E402
+from rank_setup import add_device_flag, describe, init_rank  # noqa: E402
+
+PP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 4, 256, 128, 4, 8, 512
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def pass_times(chunk, microbatch, shape, device, reps) -> list[float]:
+    """Seconds of this stage's F, B (weight gradients deferred) and W: the fastest of
+    `reps` (on a shared machine the minimum is the least disturbed)."""
+    stage = chunk.stage
+    samples = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        x = microbatch["tokens"] if stage.is_first else \
+            torch.randn(shape, device=device, requires_grad=True)
+        t0 = _sync(device)
+        out = chunk(x, microbatch["labels"] if stage.is_last else None)
+        t1 = _sync(device)
+        store = WeightGradStore()
+        with defer_weight_grads(store):
+            if stage.is_last:
+                out.sum().backward()
+            else:
+                out.backward(torch.ones_like(out))
+        t2 = _sync(device)
+        store.run()
+        t3 = _sync(device)
+        samples.append((t1 - t0, t2 - t1, t3 - t2))
+    return [min(s[i] for s in samples[1:]) for i in range(3)]
+
+
+def worker(rank, world, store_path, out, device_type, steps, reps):
+    device = init_rank(rank, world, store_path, device_type)
+    state = ParallelState(RankGrid(world, 1, PP), rank)
+    config = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
+                       num_attention_heads=8, num_query_groups=8, kv_channels=HIDDEN // 8,
+                       seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=VOCAB,
+                       attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa")
+    chunks = build_model_chunks(config, 1, state.pp_rank, PP, 1, state.tp_group).to(device)
+    optimizer = Optimizer(chunks, OptimizerConfig(lr=1e-3), model_parallel_group=state.mp_group)
+    gen = torch.Generator().manual_seed(0)
+    microbatches = [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen).to(device),
+                     "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen).to(device),
+                     "loss_mask": torch.ones(MICRO, SEQ, device=device)}
+                    for _ in range(NUM_MICRO)]
+    shape = (SEQ, MICRO, HIDDEN)
+    runners = {schedule: StepRunner(chunks, optimizer, PrecisionConfig(), NUM_MICRO, shape,
+                                    device, state, pipeline_schedule=schedule)
+               for schedule in SCHEDULES}
+    times = {schedule: [] for schedule in SCHEDULES}
+    # Round robin, so a change in the machine's load hits every schedule alike.
+    for _ in range(steps + 1):
+        for schedule, runner in runners.items():
+            optimizer.zero_grad()
+            dist.barrier()
+            t0 = _sync(device)
+            run_schedule(runner.schedule, chunks, microbatches, runner.comm,
+                         lambda losses, mb: losses.sum() / losses.numel(), lambda loss: loss,
+                         contextlib.nullcontext)
+            t1 = _sync(device)
+            slowest = torch.tensor([t1 - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times[schedule].append(slowest.item())
+    measured = {schedule: min(t[1:]) for schedule, t in times.items()}
+    # The passes timed after the schedules, on warm allocator and caches, as they ran.
+    costs = torch.tensor(pass_times(chunks[0], microbatches[0], shape, device, reps),
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(costs)
+    costs = (costs / world).tolist()  # mean over the stages
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"costs": costs, "measured": measured}, f)
+    dist.destroy_process_group()
+
+
+def predicted(schedule: str, costs) -> tuple[float, float]:
+    """(makespan in seconds, bubble fraction) of every rank's list on the simulator."""
+    sim = simulate([build_schedule(PP, r, NUM_MICRO, 1, schedule) for r in range(PP)], 1,
+                   *costs)
+    return sim.makespan, float(sim.bubble_fraction)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_flag(parser)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
+    parser.add_argument("--reps", type=int, default=10, help="timed passes for F, B, W")
+    args = parser.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < PP:
+        raise SystemExit(f"--device cuda needs {PP} GPUs (one rank per GPU under NCCL)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(PP, os.path.join(tmp, "store"), out, args.device, args.steps,
+                               args.reps), nprocs=PP)
+        with open(out) as f:
+            result = json.load(f)
+    F, B, W = result["costs"]
+    print(f"PP={PP}, {LAYERS} layers (h={HIDDEN}, s={SEQ}, b={MICRO}), m={NUM_MICRO}, fp32, "
+          f"on {describe(args.device)}")
+    print(f"measured per stage and micro-batch: F={F * 1e3:.1f} ms, B={B * 1e3:.1f} ms, "
+          f"W={W * 1e3:.1f} ms")
+    print(f"{'schedule':>8} {'measured ms':>12} {'predicted ms':>13} {'ratio':>6} "
+          f"{'sim. bubble':>12}")
+    for schedule in SCHEDULES:
+        makespan, bubble = predicted(schedule, (F, B, W))
+        ms = result["measured"][schedule] * 1e3
+        print(f"{schedule:>8} {ms:>12.1f} {makespan * 1e3:>13.1f} "
+              f"{ms / (makespan * 1e3):>6.3f} {bubble:>12.4f}")
+
+
+if __name__ == "__main__":
+    main()

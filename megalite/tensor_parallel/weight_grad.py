@@ -1,0 +1,106 @@
+"""Linear layers whose backward can be split into B and W (Qi et al. 2024, §2; Megatron's
+delayed weight-gradient computation).
+
+For Y = X A^T + b the backward has two independent parts: B, the input gradient
+dX = dY A, which the previous pipeline stage waits for, and W, the weight gradient
+dA = dY^T X, which only the optimizer needs. Every linear layer of the model goes through
+`linear` below. Inside `defer_weight_grads()` (a zero-bubble schedule's B pass) its
+backward computes dX (and the bias gradient, cheap and needed by nobody later) and keeps
+(A, X, dY) in the store instead of computing dA; `store.run()` (that micro-batch's W pass)
+computes each dA and accumulates it into A.grad through autograd's own accumulation, so
+the gradient buffer's hooks (readiness, overlapped reduction, fp32 main grads) see the W
+pass exactly as they see a backward. Nothing else of the graph is kept: X is what the
+forward saved anyway, dY what backward would have dropped. Outside the context the
+backward computes dA at once, with the same kernels, so B then W gives bit for bit the
+gradients of one backward.
+
+Parameters outside linear layers (norms, embeddings, biases) get their gradients in B.
+"""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+# The store of the B pass running now, or None. A plain module variable, not a
+# thread-local: on a GPU autograd runs backward functions on its own device thread.
+_active: "WeightGradStore | None" = None
+
+
+class WeightGradStore:
+    """The weight-gradient computations of one micro-batch's B pass, run by its W pass."""
+
+    def __init__(self):
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.weights: set[int] = set()  # ids of the weights deferred by the B pass
+
+    def run(self):
+        """Compute every deferred dA = dY^T X and accumulate it into A.grad."""
+        while self.pending:
+            weight, x, grad_output = self.pending.pop()
+            torch.autograd.backward(weight, weight_grad(x, grad_output))
+
+
+def weight_grad_deferred(param: torch.Tensor) -> bool:
+    """Whether the B pass running now deferred `param`'s gradient. Autograd still calls the
+    parameter's post-accumulate-grad hooks then, with nothing accumulated, so a gradient
+    buffer counting accumulations must not count that call."""
+    return _active is not None and id(param) in _active.weights
+
+
+@contextlib.contextmanager
+def defer_weight_grads(store: WeightGradStore):
+    """Linear layers' backwards inside this context leave their weight gradients in
+    `store` (B of a split backward)."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("defer_weight_grads is already active: one B pass at a time")
+    _active = store
+    try:
+        yield store
+    finally:
+        _active = None
+
+
+def weight_grad(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """dA = dY^T X over all leading (sequence, batch) dims, in one matrix product."""
+    return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            if _active is not None:
+                _active.pending.append((weight, x, grad_output))
+                _active.weights.add(id(weight))
+            else:
+                grad_weight = weight_grad(x, grad_output)
+        return grad_x, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear whose weight gradient a split backward can defer. Under autocast the
+    operands are cast as autocast would cast them for F.linear (a custom autograd function
+    is not autocast's business): parameters already in the autocast dtype stay the very
+    tensors, so the deferred gradient lands on them."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return _Linear.apply(x, weight, bias)
+    return _Linear.apply(x, weight, bias)

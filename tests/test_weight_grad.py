@@ -1,0 +1,163 @@
+"""The split backward (issue 16): B then W gives, bit for bit, the input and weight
+gradients of one backward, for every linear layer the model uses (column- and
+row-parallel, with and without bias, the tied output layer) and for the whole GPT (with
+full recompute too); W alone reaches the weights and the gradient buffer's hooks. TP and
+SP run in tests/distributed/test_weight_grad_tp.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.model.gpt import GPTModel
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.weight_grad import (WeightGradStore, defer_weight_grads,
+                                                  linear)
+
+from tests.helpers import LLAMA_STYLE, tiny_gpt_config
+
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def layers():
+    column = ColumnParallelLinear(8, 12, group=None)
+    row = RowParallelLinear(12, 8, group=None)
+    no_bias = ColumnParallelLinear(8, 6, group=None, bias=False)
+    for i, p in enumerate([*column.parameters(), *row.parameters(), *no_bias.parameters()]):
+        p.data.copy_(randn(*p.shape, seed=i))
+    return {"column": column, "row": row, "column without bias": no_bias}
+
+
+def grads(module, x, grad_out, split):
+    """(input grad, {param: grad}) of one backward, or of B then W when `split`, with
+    nothing but the input gradient and biases known between the two."""
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    y = module(x)
+    store = WeightGradStore()
+    if split:
+        with defer_weight_grads(store):
+            y.backward(grad_out)
+        assert module.weight.grad is None, "B computed a weight gradient"
+        assert store.pending
+        store.run()
+        assert not store.pending
+    else:
+        y.backward(grad_out)
+    return x.grad, {n: p.grad for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["column", "row", "column without bias"])
+def test_b_then_w_equals_one_backward_bit_for_bit(kind):
+    module = layers()[kind]
+    x = randn(5, 3, module.weight.shape[1], seed=10)
+    grad_out = randn(5, 3, module.weight.shape[0], seed=11)
+    dx, dparams = grads(module, x, grad_out, split=False)
+    dx_split, dparams_split = grads(module, x, grad_out, split=True)
+    assert torch.equal(dx, dx_split)
+    assert dparams.keys() == dparams_split.keys()
+    for name in dparams:
+        assert torch.equal(dparams[name], dparams_split[name]), name
+    # And both are the linear layer's gradients (independent reference: torch's F.linear).
+    x_ref = x.clone().requires_grad_()
+    weight = module.weight.detach().clone().requires_grad_()
+    F.linear(x_ref, weight).backward(grad_out)
+    torch.testing.assert_close(dx, x_ref.grad)
+    torch.testing.assert_close(dparams["weight"], weight.grad)
+
+
+def test_w_accumulates_into_existing_grads():
+    # Two micro-batches: the second's W adds to the first's gradient as autograd would.
+    module = layers()["column"]
+    x, g = randn(4, 2, 8, seed=1), randn(4, 2, 12, seed=2)
+    module.zero_grad(set_to_none=True)
+    for _ in range(2):
+        module(x).backward(g)
+    expected = module.weight.grad.clone()
+    module.zero_grad(set_to_none=True)
+    for _ in range(2):
+        store = WeightGradStore()
+        with defer_weight_grads(store):
+            module(x).backward(g)
+        store.run()
+    assert torch.equal(module.weight.grad, expected)
+
+
+def test_plain_linear_under_autocast_keeps_the_dtype_of_f_linear():
+    x = randn(4, 8, seed=1)
+    weight = randn(6, 8, seed=2).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ref = linear(x, weight), F.linear(x, weight)
+    assert y.dtype == ref.dtype == torch.bfloat16 and torch.equal(y, ref)
+    store = WeightGradStore()
+    with defer_weight_grads(store):
+        y.float().sum().backward()
+    store.run()
+    assert weight.grad.dtype == torch.bfloat16
+
+
+def test_grad_buffer_sees_the_w_pass():
+    """Readiness for overlapped reduction: a bucket is complete after the last micro-batch's
+    W, not after its B (the buffer counts accumulations per parameter)."""
+    module = layers()["column"]
+    x, g = randn(4, 2, 8, seed=1), randn(4, 2, 12, seed=2)
+    expected = grads(module, x, g, split=False)[1]["weight"] * 2
+    module.bias.requires_grad_(False)  # the weight alone in the buffer: it arrives in W
+    buffer = GradBuffer([module.weight], None, 10**6, overlap=True)
+    buffer.start_step(2)
+    stores = []
+    for _ in range(2):
+        stores.append(WeightGradStore())
+        with defer_weight_grads(stores[-1]):
+            module(x).backward(g)
+    assert buffer.launched_during_backward == 0
+    assert not module.weight.main_grad.any()
+    for store in stores:
+        store.run()
+    assert buffer.launched_during_backward == 1
+    buffer.finish()
+    torch.testing.assert_close(module.weight.main_grad, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},                                        # GPT-2: biases, tied output (plain linear)
+    LLAMA_STYLE,                               # untied output layer (column parallel)
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+], ids=["gpt2-tied", "llama-untied", "full-recompute"])
+def test_whole_model_b_then_w_equals_one_backward(overrides):
+    config = tiny_gpt_config(**overrides)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def run(split):
+        model = GPTModel(config, seed=5)
+        store = WeightGradStore()
+        loss = model(tokens, labels).sum()
+        with defer_weight_grads(store) if split else torch.enable_grad():
+            loss.backward()
+        if split:
+            linears = {n for n, p in model.named_parameters() if p.grad is None}
+            store.run()
+            return {n: p.grad for n, p in model.named_parameters()}, linears
+        return {n: p.grad for n, p in model.named_parameters()}, set()
+
+    one, _ = run(False)
+    split, deferred = run(True)
+    # Every linear weight waited for W; the rest (norms, biases, embeddings) got theirs in B.
+    expected = {n for n in one if n.endswith(("linear_qkv.weight", "linear_proj.weight",
+                                              "linear_fc1.weight", "linear_fc2.weight",
+                                              "output_layer.weight"))}
+    if not config.untie_embeddings_and_output_weights:
+        assert "embedding.word_embeddings.weight" not in deferred  # its lookup grad came in B
+    assert deferred == expected
+    for name in one:
+        assert torch.equal(one[name], split[name]), name
+
+
+def test_one_store_at_a_time():
+    with defer_weight_grads(WeightGradStore()):
+        with pytest.raises(RuntimeError, match="already active"):
+            with defer_weight_grads(WeightGradStore()):
+                pass
