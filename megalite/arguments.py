@@ -98,6 +98,17 @@ def _parallelism(parser):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="Accumulate and reduce fp16 gradients in an fp32 buffer (always on "
                         "with --bf16, as in Megatron).")
+    _add_context_parallel_args(g)
+
+
+def _add_context_parallel_args(g):
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP: split each sequence over this many ranks (2 x CP load-balanced "
+                        "chunks; --seq-length must divide by 2 x CP).")
+    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather"],
+                   help="How attention sees the other CP ranks' keys and values: p2p (ring "
+                        "attention, overlapped with compute) or all_gather (all K/V "
+                        "gathered; cheap with GQA). Megatron's a2a is not implemented.")
 
 
 def _training(parser):

@@ -36,6 +36,13 @@ class ParallelConfig:
     accumulate_allreduce_grads_in_fp32: bool = False
     """Gradient buffer in fp32 whatever the parameters' dtype
     (--accumulate-allreduce-grads-in-fp32; always on with --bf16, as in Megatron)."""
+    context_parallel_size: int = 1
+    """CP: ranks each sequence is split over (--context-parallel-size)."""
+
+    @property
+    def data_context_parallel_size(self) -> int:
+        """DP x CP: the ranks gradients are summed over and ZeRO-1 shards its state over."""
+        return self.data_parallel_size * self.context_parallel_size
 
 
 @dataclass(frozen=True)
