@@ -61,8 +61,21 @@ class _RingExchange:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Autocast is switched off inside: the block kernel's scores, probabilities and
+    accumulators are fp32 by design (bf16 scores would lose the log-sum-exp's precision)."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, scale, dropout_p):
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._forward(ctx, q, k, v, group, scale, dropout_p)
+
+    @staticmethod
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group, scale, dropout_p):
         cp, rank = group_size(group), group_rank(group)
         ring, c = _RingExchange(group), q.shape[1] // 2
         kv = torch.stack([k, v])  # one message per step for K and V
@@ -88,7 +101,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         cp, rank = group_size(group), group_rank(group)
