@@ -17,7 +17,6 @@ from torch import nn
 
 from megalite.arguments import parse_args
 from megalite.config import Config
-from megalite.context_parallel import cp_backend_check
 from megalite.data.datasets import build_datasets
 from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
@@ -95,9 +94,6 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     dtype = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
     model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
         config.model.attention_backend, device, dtype))
-    if config.parallel.context_parallel_size > 1:
-        cp_backend_check(model_config.attention_backend, model_config.cp_comm_type,
-                         model_config.attention_dropout)
     seed = config.training.seed
     # Megatron's --bf16/--fp16: the model's parameters (and so its activations) in half
     # precision, built on `device` in that dtype (initial values drawn there in fp32 and

@@ -133,9 +133,9 @@ def _validate_context_parallel(args) -> int:
         raise ConfigError(f"--sequence-parallel splits each context-parallel rank's "
                           f"--seq-length={seq} / --context-parallel-size={cp} = {seq // cp} "
                           f"rows over --tensor-model-parallel-size={tp}: not divisible")
+    # Before any process starts: "auto" resolves to sdpa or flash, which the ring cannot use.
     backend = "flash" if args.use_flash_attn else args.attention_backend
-    if backend != "auto":  # "auto" is checked once resolved on the device (training.py)
-        cp_backend_check(backend, args.cp_comm_type, args.attention_dropout)
+    cp_backend_check(backend, args.cp_comm_type, args.attention_dropout)
     return cp
 
 
