@@ -5,7 +5,7 @@ two load-balanced chunks out of the same seeded full q, k, v, runs context_paral
 forward and backward, and returns its rows; the parent puts the rows back in sequence order
 and compares output and the q/k/v gradients with torch's scaled_dot_product_attention over the
 whole sequence (fp32). The same launch counts the bytes passed to the collectives against
-cp_comm_bytes, and checks the ring's backward with dropout by a directional derivative (fp64).
+cp_comm_bytes, and checks both kinds' backward with dropout by a directional derivative (fp64).
 The block merge is checked in one process against the same reference.
 """
 
@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.context_parallel import (
-    context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks)
+    context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks,
+    resolve_cp_backend)
 from megalite.context_parallel.blocks import block_backward, block_forward, merge
 from megalite.context_parallel.ring import ring_block
 from megalite.errors import ConfigError
@@ -91,18 +92,19 @@ def _run_case(cp, rank, comm_type, backend, kind, counts):
     return out.detach(), q.grad, k.grad, v.grad, (forward_bytes, sum(counts) - forward_bytes)
 
 
-def _ring_dropout_directional(cp, rank):
-    """(<d out, dout>/dε by central difference at ε, the same from the ring's gradients), fp64,
-    dropout 0.3, the same masks in every call (each rank's generator reset to its seed)."""
+def _dropout_directional(cp, rank, comm_type):
+    """(<d out, dout>/dε by central difference, the same from the gradients, <out, dout>
+    twice), fp64, dropout 0.3, the same masks in every call (each rank's generator reset to
+    its own seed, as the RNG tracker gives each CP rank its own stream)."""
     q, k, v, dout = full_inputs("gqa", seed=1, dtype=torch.float64)
     dq, dk, dv, _ = full_inputs("gqa", seed=2, dtype=torch.float64)  # a direction
     idx = local_rows(cp, rank)
     q, k, v, dout, dq, dk, dv = (t[:, idx] for t in (q, k, v, dout, dq, dk, dv))
 
     def f(eps, grad=False):
-        torch.manual_seed(100 + rank)  # each CP rank its own stream, as the tracker gives
+        torch.manual_seed(100 + rank)
         inputs = [(x + eps * d).requires_grad_(grad) for x, d in ((q, dq), (k, dk), (v, dv))]
-        out = context_parallel_attention(*inputs, cp_group=dist.group.WORLD, comm_type="p2p",
+        out = context_parallel_attention(*inputs, cp_group=dist.group.WORLD, comm_type=comm_type,
                                          backend="unfused", dropout_p=0.3)
         if grad:
             out.backward(dout)
@@ -121,7 +123,7 @@ def _cp_rank(rank, cp):  # cp = the world size
     counts = []
     _count_received(counts)
     results = {case: _run_case(cp, rank, *case, counts) for case in CASES}
-    return results, _ring_dropout_directional(cp, rank)
+    return results, {c: _dropout_directional(cp, rank, c) for c in ("p2p", "all_gather")}
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -141,9 +143,10 @@ def test_context_parallel_attention_matches_full_attention(cp):
                                kv_heads=HEADS[kind][1], head_dim=D, element_size=4)
         for rank, (results, _) in enumerate(per_rank):
             assert results[case][4] == (closed.forward, closed.backward), (cp, case, rank)
-    numeric, analytic, once, again = per_rank[0][1]
-    assert once == again  # the masks depend only on the generator state
-    assert abs(numeric - analytic) < 1e-6 * max(1.0, abs(analytic)), (numeric, analytic)
+    for comm_type, (numeric, analytic, once, again) in per_rank[0][1].items():
+        assert once == again, comm_type  # the masks depend only on the generator state
+        assert abs(numeric - analytic) < 1e-6 * max(1.0, abs(analytic)), (comm_type, numeric,
+                                                                          analytic)
 
 
 # ---------------------------------------------------------------- one process
@@ -229,11 +232,19 @@ def test_cp_backend_check():
     for backend in ("auto", "flash", "sdpa", "unfused"):
         cp_backend_check(backend, "all_gather", 0.1)
     cp_backend_check("unfused", "p2p", 0.1)
-    for backend in ("auto", "flash", "sdpa"):
+    cp_backend_check("auto", "p2p", 0.1)  # resolves to the ring's kernel
+    for backend in ("flash", "sdpa"):
         with pytest.raises(ConfigError, match="--cp-comm-type p2p.*--attention-backend"):
             cp_backend_check(backend, "p2p", 0.0)
     with pytest.raises(ConfigError, match="--cp-comm-type a2a"):
         cp_backend_check("unfused", "a2a", 0.0)
+
+
+def test_resolve_cp_backend():
+    cpu = torch.device("cpu")
+    assert resolve_cp_backend("auto", "p2p", cpu, torch.float32) == "unfused"
+    assert resolve_cp_backend("auto", "all_gather", cpu, torch.float32) == "sdpa"
+    assert resolve_cp_backend("sdpa", "p2p", cpu, torch.float32) == "sdpa"  # check rejects it
 
 
 def test_cp_size_one_is_core_attention():
