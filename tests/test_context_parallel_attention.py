@@ -21,7 +21,7 @@ from megalite.context_parallel import (
     context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks,
     resolve_cp_backend)
 from megalite.context_parallel.blocks import block_backward, block_forward, merge
-from megalite.context_parallel.ring import ring_block
+from megalite.context_parallel.ring import ring_blocks
 from megalite.errors import ConfigError
 from tests.distributed.launcher import run_distributed
 
@@ -155,8 +155,8 @@ def test_context_parallel_attention_matches_full_attention(cp):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_blocks_merge_to_full_attention(cp, kind):
     """Every rank's ring blocks, computed and merged here, give full attention forward and
-    backward; the blocks cover exactly the causal chunk pairs (fully masked pairs skipped,
-    diagonal pairs causal, the rest unmasked)."""
+    backward; the blocks cover each visible chunk pair exactly once (fully masked pairs
+    skipped, diagonal pairs under a causal mask, the rest unmasked), the same work per rank."""
     q, k, v, dout = full_inputs(kind)
     out_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, dout)
     c, scale = S // (2 * cp), D ** -0.5
@@ -168,26 +168,26 @@ def test_ring_blocks_merge_to_full_attention(cp, kind):
         out = torch.zeros(B, 2 * c, q.shape[2], D)
         lse = torch.full((B, q.shape[2], 2 * c), float("-inf"))  # no keys yet
         for src in range(cp):
-            rows, keys, causal = ring_block(cp, rank, src, c)
-            plan.append((rows, keys, causal, local_rows(cp, src)))
-            o, l_, _ = block_forward(q[:, idx[rows]], k[:, local_rows(cp, src)[keys]],
-                                     v[:, local_rows(cp, src)[keys]], causal=causal, scale=scale)
-            out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
-            pairs = [(chunks[a], load_balanced_chunks(cp, src)[j])  # (query, key) chunks
-                     for a in range(rows.start // c, rows.stop // c)
-                     for j in range(keys.start // c, keys.stop // c)]
-            work += len(pairs)
-            if causal:  # the diagonal block: rank's own chunks, masked inside the kernel
-                assert src == rank
-            else:  # no fully masked (or diagonal) pair outside it
-                assert all(kc < qc for qc, kc in pairs), (rank, src, pairs)
-            visible.update((qc, kc) for qc, kc in pairs if kc <= qc)
+            kidx = local_rows(cp, src)
+            for rows, keys, causal in ring_blocks(cp, rank, src, c):
+                plan.append((rows, keys, causal, kidx))
+                o, l_, _ = block_forward(q[:, idx[rows]], k[:, kidx[keys]], v[:, kidx[keys]],
+                                         causal=causal, scale=scale)
+                out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
+                pairs = [(chunks[a], load_balanced_chunks(cp, src)[j])  # (query, key) chunks
+                         for a in range(rows.start // c, rows.stop // c)
+                         for j in range(keys.start // c, keys.stop // c)]
+                work += len(pairs)
+                # No fully masked pair; a causal mask exactly where a diagonal pair is.
+                assert all(kc <= qc for qc, kc in pairs), (rank, src, pairs)
+                assert causal == any(kc == qc for qc, kc in pairs), (rank, src, pairs)
+                visible.update(pairs)
         # Every visible chunk pair exactly once; the same work on every rank.
         assert visible == Counter((qc, kc) for qc in chunks for kc in range(qc + 1)), rank
-        assert work == 2 * cp + 2, (rank, work)
+        assert work == 2 * cp + 1, (rank, work)
         torch.testing.assert_close(out, out_ref[:, idx], rtol=1e-5, atol=1e-5)
         dq = torch.zeros(B, 2 * c, q.shape[2], D)
-        for src, (rows, keys, causal, kidx) in enumerate(plan):
+        for rows, keys, causal, kidx in plan:
             dq_b, dk_b, dv_b = block_backward(dout[:, idx[rows]], q[:, idx[rows]],
                                               k[:, kidx[keys]], v[:, kidx[keys]], out[:, rows],
                                               lse[:, :, rows], causal=causal, scale=scale)
