@@ -18,8 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite.context_parallel import (
-    context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks,
-    resolve_cp_backend)
+    context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks)
 from megalite.context_parallel.blocks import block_backward, block_forward, merge
 from megalite.context_parallel.ring import ring_blocks
 from megalite.errors import ConfigError
@@ -232,19 +231,11 @@ def test_cp_backend_check():
     for backend in ("auto", "flash", "sdpa", "unfused"):
         cp_backend_check(backend, "all_gather", 0.1)
     cp_backend_check("unfused", "p2p", 0.1)
-    cp_backend_check("auto", "p2p", 0.1)  # resolves to the ring's kernel
-    for backend in ("flash", "sdpa"):
+    for backend in ("auto", "flash", "sdpa"):
         with pytest.raises(ConfigError, match="--cp-comm-type p2p.*--attention-backend"):
             cp_backend_check(backend, "p2p", 0.0)
     with pytest.raises(ConfigError, match="--cp-comm-type a2a"):
         cp_backend_check("unfused", "a2a", 0.0)
-
-
-def test_resolve_cp_backend():
-    cpu = torch.device("cpu")
-    assert resolve_cp_backend("auto", "p2p", cpu, torch.float32) == "unfused"
-    assert resolve_cp_backend("auto", "all_gather", cpu, torch.float32) == "sdpa"
-    assert resolve_cp_backend("sdpa", "p2p", cpu, torch.float32) == "sdpa"  # check rejects it
 
 
 def test_cp_size_one_is_core_attention():

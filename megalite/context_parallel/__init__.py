@@ -13,9 +13,7 @@ from megalite.context_parallel.attention import (
     cp_backend_check,
     cp_comm_bytes,
     load_balanced_chunks,
-    resolve_cp_backend,
 )
 
 __all__ = ["COMM_TYPES", "RING_BACKENDS", "CommBytes", "context_parallel_attention",
-           "cp_backend_check", "cp_comm_bytes", "load_balanced_chunks",
-           "resolve_cp_backend"]
+           "cp_backend_check", "cp_comm_bytes", "load_balanced_chunks"]

@@ -32,7 +32,7 @@ import torch
 
 from megalite.context_parallel.ring import ring_attention
 from megalite.errors import ConfigError
-from megalite.model.attention_backends import BACKENDS, core_attention, resolve_backend
+from megalite.model.attention_backends import BACKENDS, core_attention
 from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
 
 COMM_TYPES = ("p2p", "all_gather")
@@ -59,22 +59,14 @@ def cp_backend_check(backend: str, comm_type: str, dropout_p: float) -> None:
         raise ConfigError(f"--attention-backend {backend}: expected one of {', '.join(BACKENDS)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ConfigError(f"--attention-dropout {dropout_p}: expected 0 <= p < 1")
-    if comm_type == "p2p" and backend not in (*RING_BACKENDS, "auto"):
+    if comm_type == "p2p" and backend not in RING_BACKENDS:
+        chosen = "auto (which picks sdpa or flash)" if backend == "auto" else backend
         raise ConfigError(
             f"--cp-comm-type p2p (ring attention) merges each block's partial output by its "
-            f"log-sum-exp, which --attention-backend {backend} does not return; use "
+            f"log-sum-exp, which --attention-backend {chosen} does not return; use "
             f"--attention-backend {' or '.join(RING_BACKENDS)} (an explicit fp32 block kernel "
-            f"that returns it, any device, dropout included; auto picks it under p2p) or "
-            f"--cp-comm-type all_gather (every backend)")
-
-
-def resolve_cp_backend(name: str, comm_type: str, device: torch.device,
-                       dtype: torch.dtype) -> str:
-    """The concrete backend for `--attention-backend name` under `--cp-comm-type comm_type`
-    at CP > 1: auto is the fastest that can run, which for the ring is its own block kernel."""
-    if comm_type == "p2p" and name == "auto":
-        return RING_BACKENDS[0]
-    return resolve_backend(name, device, dtype)
+            f"that returns it, any device, dropout included) or --cp-comm-type all_gather "
+            f"(every backend)")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
