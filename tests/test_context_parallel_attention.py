@@ -93,18 +93,19 @@ def _run_case(cp, rank, comm_type, backend, kind, counts):
 
 def _dropout_directional(cp, rank, comm_type):
     """(<d out, dout>/dε by central difference, the same from the gradients, <out, dout>
-    twice), fp64, dropout 0.3, the same masks in every call (each rank's generator reset to
-    its own seed, as the RNG tracker gives each CP rank its own stream)."""
+    twice, <out, dout> without dropout), fp64, dropout 0.3, the same masks in every call
+    (each rank's generator reset to its own seed, as the RNG tracker gives each CP rank its
+    own stream)."""
     q, k, v, dout = full_inputs("gqa", seed=1, dtype=torch.float64)
     dq, dk, dv, _ = full_inputs("gqa", seed=2, dtype=torch.float64)  # a direction
     idx = local_rows(cp, rank)
     q, k, v, dout, dq, dk, dv = (t[:, idx] for t in (q, k, v, dout, dq, dk, dv))
 
-    def f(eps, grad=False):
+    def f(eps, grad=False, dropout_p=0.3):
         torch.manual_seed(100 + rank)
         inputs = [(x + eps * d).requires_grad_(grad) for x, d in ((q, dq), (k, dk), (v, dv))]
         out = context_parallel_attention(*inputs, cp_group=dist.group.WORLD, comm_type=comm_type,
-                                         backend="unfused", dropout_p=0.3)
+                                         backend="unfused", dropout_p=dropout_p)
         if grad:
             out.backward(dout)
             local = sum((x.grad * d).sum() for x, d in zip(inputs, (dq, dk, dv)))
@@ -115,7 +116,8 @@ def _dropout_directional(cp, rank, comm_type):
         return local.item()
 
     eps = 1e-5
-    return (f(eps) - f(-eps)) / (2 * eps), f(0.0, grad=True), f(0.0), f(0.0)
+    return ((f(eps) - f(-eps)) / (2 * eps), f(0.0, grad=True), f(0.0), f(0.0),
+            f(0.0, dropout_p=0.0))
 
 
 def _cp_rank(rank, cp):  # cp = the world size
@@ -142,8 +144,9 @@ def test_context_parallel_attention_matches_full_attention(cp):
                                kv_heads=HEADS[kind][1], head_dim=D, element_size=4)
         for rank, (results, _) in enumerate(per_rank):
             assert results[case][4] == (closed.forward, closed.backward), (cp, case, rank)
-    for comm_type, (numeric, analytic, once, again) in per_rank[0][1].items():
+    for comm_type, (numeric, analytic, once, again, no_dropout) in per_rank[0][1].items():
         assert once == again, comm_type  # the masks depend only on the generator state
+        assert abs(once - no_dropout) > 1e-3 * abs(no_dropout), comm_type  # dropout acted
         assert abs(numeric - analytic) < 1e-6 * max(1.0, abs(analytic)), (comm_type, numeric,
                                                                           analytic)
 
