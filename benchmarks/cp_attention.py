@@ -13,7 +13,8 @@ Closed form (B = b·(s/CP)·kv_heads·d·e, this rank's K or V shard):
 A step of m micro-batches moves m times this per layer (twice the forward's with full or
 selective recompute, which reruns the attention forward).
 
-    python benchmarks/cp_attention.py [--batch 1 --seq 2048 --heads 16 --kv-heads 16 4 --head-dim 64 --cp 2 4]
+    python benchmarks/cp_attention.py [--batch 1 --seq 2048 --heads 16 --kv-heads 16 4
+                                       --head-dim 64 --cp 2 4]
 """
 
 import argparse

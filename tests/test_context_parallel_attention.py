@@ -5,7 +5,7 @@ two load-balanced chunks out of the same seeded full q, k, v, runs context_paral
 forward and backward, and returns its rows; the parent puts the rows back in sequence order
 and compares output and the q/k/v gradients with torch's scaled_dot_product_attention over the
 whole sequence (fp32). The same launch counts the bytes passed to the collectives against
-cp_comm_bytes, and checks the ring's backward with dropout by a directional derivative (fp64).
+cp_comm_bytes, and checks both kinds' backward with dropout by a directional derivative (fp64).
 The block merge is checked in one process against the same reference.
 """
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from megalite.context_parallel import (
     context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks)
 from megalite.context_parallel.blocks import block_backward, block_forward, merge
-from megalite.context_parallel.ring import ring_block
+from megalite.context_parallel.ring import ring_blocks
 from megalite.errors import ConfigError
 from tests.distributed.launcher import run_distributed
 
@@ -91,19 +91,21 @@ def _run_case(cp, rank, comm_type, backend, kind, counts):
     return out.detach(), q.grad, k.grad, v.grad, (forward_bytes, sum(counts) - forward_bytes)
 
 
-def _ring_dropout_directional(cp, rank):
-    """(<d out, dout>/dε by central difference at ε, the same from the ring's gradients), fp64,
-    dropout 0.3, the same masks in every call (each rank's generator reset to its seed)."""
+def _dropout_directional(cp, rank, comm_type):
+    """(<d out, dout>/dε by central difference, the same from the gradients, <out, dout>
+    twice, <out, dout> without dropout), fp64, dropout 0.3, the same masks in every call
+    (each rank's generator reset to its own seed, as the RNG tracker gives each CP rank its
+    own stream)."""
     q, k, v, dout = full_inputs("gqa", seed=1, dtype=torch.float64)
     dq, dk, dv, _ = full_inputs("gqa", seed=2, dtype=torch.float64)  # a direction
     idx = local_rows(cp, rank)
     q, k, v, dout, dq, dk, dv = (t[:, idx] for t in (q, k, v, dout, dq, dk, dv))
 
-    def f(eps, grad=False):
-        torch.manual_seed(100 + rank)  # each CP rank its own stream, as the tracker gives
+    def f(eps, grad=False, dropout_p=0.3):
+        torch.manual_seed(100 + rank)
         inputs = [(x + eps * d).requires_grad_(grad) for x, d in ((q, dq), (k, dk), (v, dv))]
-        out = context_parallel_attention(*inputs, cp_group=dist.group.WORLD, comm_type="p2p",
-                                         backend="unfused", dropout_p=0.3)
+        out = context_parallel_attention(*inputs, cp_group=dist.group.WORLD, comm_type=comm_type,
+                                         backend="unfused", dropout_p=dropout_p)
         if grad:
             out.backward(dout)
             local = sum((x.grad * d).sum() for x, d in zip(inputs, (dq, dk, dv)))
@@ -114,14 +116,15 @@ def _ring_dropout_directional(cp, rank):
         return local.item()
 
     eps = 1e-5
-    return (f(eps) - f(-eps)) / (2 * eps), f(0.0, grad=True), f(0.0), f(0.0)
+    return ((f(eps) - f(-eps)) / (2 * eps), f(0.0, grad=True), f(0.0), f(0.0),
+            f(0.0, dropout_p=0.0))
 
 
 def _cp_rank(rank, cp):  # cp = the world size
     counts = []
     _count_received(counts)
     results = {case: _run_case(cp, rank, *case, counts) for case in CASES}
-    return results, _ring_dropout_directional(cp, rank)
+    return results, {c: _dropout_directional(cp, rank, c) for c in ("p2p", "all_gather")}
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -141,9 +144,11 @@ def test_context_parallel_attention_matches_full_attention(cp):
                                kv_heads=HEADS[kind][1], head_dim=D, element_size=4)
         for rank, (results, _) in enumerate(per_rank):
             assert results[case][4] == (closed.forward, closed.backward), (cp, case, rank)
-    numeric, analytic, once, again = per_rank[0][1]
-    assert once == again  # the masks depend only on the generator state
-    assert abs(numeric - analytic) < 1e-6 * max(1.0, abs(analytic)), (numeric, analytic)
+    for comm_type, (numeric, analytic, once, again, no_dropout) in per_rank[0][1].items():
+        assert once == again, comm_type  # the masks depend only on the generator state
+        assert abs(once - no_dropout) > 1e-3 * abs(no_dropout), comm_type  # dropout acted
+        assert abs(numeric - analytic) < 1e-6 * max(1.0, abs(analytic)), (comm_type, numeric,
+                                                                          analytic)
 
 
 # ---------------------------------------------------------------- one process
@@ -152,8 +157,8 @@ def test_context_parallel_attention_matches_full_attention(cp):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_blocks_merge_to_full_attention(cp, kind):
     """Every rank's ring blocks, computed and merged here, give full attention forward and
-    backward; the blocks cover exactly the causal chunk pairs (fully masked pairs skipped,
-    diagonal pairs causal, the rest unmasked)."""
+    backward; the blocks cover each visible chunk pair exactly once (fully masked pairs
+    skipped, diagonal pairs under a causal mask, the rest unmasked), the same work per rank."""
     q, k, v, dout = full_inputs(kind)
     out_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, dout)
     c, scale = S // (2 * cp), D ** -0.5
@@ -165,26 +170,26 @@ def test_ring_blocks_merge_to_full_attention(cp, kind):
         out = torch.zeros(B, 2 * c, q.shape[2], D)
         lse = torch.full((B, q.shape[2], 2 * c), float("-inf"))  # no keys yet
         for src in range(cp):
-            rows, keys, causal = ring_block(cp, rank, src, c)
-            plan.append((rows, keys, causal, local_rows(cp, src)))
-            o, l_, _ = block_forward(q[:, idx[rows]], k[:, local_rows(cp, src)[keys]],
-                                     v[:, local_rows(cp, src)[keys]], causal=causal, scale=scale)
-            out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
-            pairs = [(chunks[a], load_balanced_chunks(cp, src)[j])  # (query, key) chunks
-                     for a in range(rows.start // c, rows.stop // c)
-                     for j in range(keys.start // c, keys.stop // c)]
-            work += len(pairs)
-            if causal:  # the diagonal block: rank's own chunks, masked inside the kernel
-                assert src == rank
-            else:  # no fully masked (or diagonal) pair outside it
-                assert all(kc < qc for qc, kc in pairs), (rank, src, pairs)
-            visible.update((qc, kc) for qc, kc in pairs if kc <= qc)
+            kidx = local_rows(cp, src)
+            for rows, keys, causal in ring_blocks(cp, rank, src, c):
+                plan.append((rows, keys, causal, kidx))
+                o, l_, _ = block_forward(q[:, idx[rows]], k[:, kidx[keys]], v[:, kidx[keys]],
+                                         causal=causal, scale=scale)
+                out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
+                pairs = [(chunks[a], load_balanced_chunks(cp, src)[j])  # (query, key) chunks
+                         for a in range(rows.start // c, rows.stop // c)
+                         for j in range(keys.start // c, keys.stop // c)]
+                work += len(pairs)
+                # No fully masked pair; a causal mask exactly where a diagonal pair is.
+                assert all(kc <= qc for qc, kc in pairs), (rank, src, pairs)
+                assert causal == any(kc == qc for qc, kc in pairs), (rank, src, pairs)
+                visible.update(pairs)
         # Every visible chunk pair exactly once; the same work on every rank.
         assert visible == Counter((qc, kc) for qc in chunks for kc in range(qc + 1)), rank
-        assert work == 2 * cp + 2, (rank, work)
+        assert work == 2 * cp + 1, (rank, work)
         torch.testing.assert_close(out, out_ref[:, idx], rtol=1e-5, atol=1e-5)
         dq = torch.zeros(B, 2 * c, q.shape[2], D)
-        for src, (rows, keys, causal, kidx) in enumerate(plan):
+        for rows, keys, causal, kidx in plan:
             dq_b, dk_b, dv_b = block_backward(dout[:, idx[rows]], q[:, idx[rows]],
                                               k[:, kidx[keys]], v[:, kidx[keys]], out[:, rows],
                                               lse[:, :, rows], causal=causal, scale=scale)

@@ -60,7 +60,7 @@ def cp_backend_check(backend: str, comm_type: str, dropout_p: float) -> None:
     if not 0.0 <= dropout_p < 1.0:
         raise ConfigError(f"--attention-dropout {dropout_p}: expected 0 <= p < 1")
     if comm_type == "p2p" and backend not in RING_BACKENDS:
-        chosen = "auto (sdpa or flash)" if backend == "auto" else backend
+        chosen = "auto (which picks sdpa or flash)" if backend == "auto" else backend
         raise ConfigError(
             f"--cp-comm-type p2p (ring attention) merges each block's partial output by its "
             f"log-sum-exp, which --attention-backend {chosen} does not return; use "

@@ -2,11 +2,11 @@
 
 CP rank r holds query/key rows of chunks r and 2·CP-1-r (c rows each, attention.py). At ring
 step t it holds the K/V block of CP rank src = (r - t) mod CP, sent on from its previous
-neighbour, and computes one block (`ring_block`); a causal mask leaves three cases of equal
-cost, 2c x c score rows:
-- src == r (t = 0): its own 2c keys, causal (chunk r against itself and chunk 2·CP-1-r
-  against itself are the diagonal pairs; chunk r against 2·CP-1-r is masked, 2·CP-1-r
-  against r unmasked);
+neighbour, and computes its blocks (`ring_blocks`), skipping every fully masked pair of
+chunks; that leaves 2·CP+1 pairs of c x c scores on every rank, in three cases:
+- src == r (t = 0): its own keys, in two causal blocks: chunk r against itself (c x c) and
+  chunk 2·CP-1-r against both (c x 2c: the lower-right causal mask leaves chunk r unmasked
+  and is causal within the diagonal pair); chunk r against 2·CP-1-r, fully masked, is skipped;
 - src < r: both query chunks against chunk src, unmasked; chunk 2·CP-1-src comes after both
   query chunks, a fully masked pair, skipped;
 - src > r: only chunk 2·CP-1-r's queries, against both of src's chunks, unmasked; query chunk
@@ -27,14 +27,15 @@ from megalite.context_parallel.blocks import block_backward, block_forward, merg
 from megalite.parallel_state import group_rank, group_size
 
 
-def ring_block(cp_size: int, cp_rank: int, src: int, c: int) -> tuple[slice, slice, bool]:
-    """(query rows, key rows of src's block, causal) that rank `cp_rank` computes against
-    rank `src`'s K/V block (module docstring); rows are local, c per chunk."""
-    if src == cp_rank:
-        return slice(0, 2 * c), slice(0, 2 * c), True
+def ring_blocks(cp_size: int, cp_rank: int, src: int, c: int) -> list[tuple[slice, slice, bool]]:
+    """The (query rows, key rows of src's block, causal) that rank `cp_rank` computes against
+    rank `src`'s K/V block (module docstring); rows are local, c per chunk. Causal masks are
+    aligned to the lower right (a query block shorter than its keys ends with them)."""
+    if src == cp_rank:  # chunk r against itself; chunk 2·CP-1-r against r, then itself
+        return [(slice(0, c), slice(0, c), True), (slice(c, 2 * c), slice(0, 2 * c), True)]
     if src < cp_rank:
-        return slice(0, 2 * c), slice(0, c), False
-    return slice(c, 2 * c), slice(0, 2 * c), False
+        return [(slice(0, 2 * c), slice(0, c), False)]
+    return [(slice(c, 2 * c), slice(0, 2 * c), False)]
 
 
 class _RingExchange:
@@ -79,18 +80,19 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = group_size(group), group_rank(group)
         ring, c = _RingExchange(group), q.shape[1] // 2
         kv = torch.stack([k, v])  # one message per step for K and V
-        out = lse = None
-        rng_states = []
+        # No keys yet: a zero output of weight exp(-inf); step 0 then covers every row.
+        out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32),
+                          device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=out.dtype,
+                         device=q.device)
+        rng_states = []  # one per block, in the order computed
         for t in range(cp):
             pending = ring.start(kv) if t < cp - 1 else None
-            rows, keys, causal = ring_block(cp, rank, (rank - t) % cp, c)
-            block_out, block_lse, rng_state = block_forward(
-                q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=causal, scale=scale,
-                dropout_p=dropout_p)
-            rng_states.append(rng_state)
-            if t == 0:  # the causal block covers every row
-                out, lse = block_out, block_lse
-            else:
+            for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
+                block_out, block_lse, rng_state = block_forward(
+                    q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=causal, scale=scale,
+                    dropout_p=dropout_p)
+                rng_states.append(rng_state)
                 out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
                                                       block_out, block_lse)
             if pending is not None:
@@ -108,20 +110,23 @@ class _RingAttention(torch.autograd.Function):
         ring, c = _RingExchange(group), q.shape[1] // 2
         kv = torch.stack([k, v])
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
-        dkv_pending = None
+        dkv_pending, rng_states = None, iter(ctx.rng_states)
         for t in range(cp):
             kv_pending = ring.start(kv) if t < cp - 1 else None
-            rows, keys, causal = ring_block(cp, rank, (rank - t) % cp, c)
-            dq_b, dk_b, dv_b = block_backward(
-                dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                lse[:, :, rows], causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
-                rng_state=ctx.rng_states[t])
-            dq[:, rows] += dq_b
-            # This block's accumulator: what earlier ranks added (none at t = 0, the block
+            grads = []
+            for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                    lse[:, :, rows], causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
+                    rng_state=next(rng_states))
+                dq[:, rows] += dq_b
+                grads.append((keys, dk_b, dv_b))
+            # The block's accumulator: what earlier ranks added (none at t = 0, the block
             # starts here) plus this rank's part; then it moves on with the block.
             dkv = torch.zeros_like(kv) if t == 0 else ring.wait(dkv_pending)
-            dkv[0][:, keys] += dk_b.to(dkv.dtype)
-            dkv[1][:, keys] += dv_b.to(dkv.dtype)
+            for keys, dk_b, dv_b in grads:
+                dkv[0][:, keys] += dk_b.to(dkv.dtype)
+                dkv[1][:, keys] += dv_b.to(dkv.dtype)
             dkv_pending = ring.start(dkv)
             if kv_pending is not None:
                 kv = ring.wait(kv_pending)
