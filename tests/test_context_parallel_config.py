@@ -5,9 +5,11 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalite.arguments import build_parser, parse_args
 from megalite.errors import ConfigError
+from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, build_rng_tracker
 from megalite.validation import validate_args
 
 from tests.helpers import BASE_FLAGS, without
@@ -76,3 +78,16 @@ def test_generate_refuses_context_parallelism(capsys):
     assert generate.main(argv) == 2
     err = capsys.readouterr().err
     assert "--context-parallel-size 1, not 2" in err, err
+
+
+def test_each_tensor_and_context_rank_draws_its_own_dropout_stream():
+    """Attention dropout under CP drops other queries' probabilities on each CP rank: the
+    model-parallel RNG stream differs per (TP, CP) rank, and at CP rank 0 it is the one a
+    run without CP draws."""
+    states = {(t, c): build_rng_tracker(7, t, "cpu", c, 2).states[MODEL_PARALLEL_RNG]
+              for t in range(2) for c in range(2)}
+    values = list(states.values())
+    assert all(not torch.equal(a, b) for i, a in enumerate(values) for b in values[i + 1:])
+    for t in range(2):
+        without_cp = build_rng_tracker(7, t, "cpu").states[MODEL_PARALLEL_RNG]
+        assert torch.equal(states[(t, 0)], without_cp)

@@ -170,6 +170,14 @@ def layer_saved_bytes(config: Config, x: _Shapes) -> int:
             + mlp_saved_bytes(config, x))
 
 
+def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
+    """(what one transformer layer saves for backward per micro-batch on this rank, the
+    context-parallel buffers it holds on top in its backward): the per-layer figures of
+    benchmarks/cp_memory.py."""
+    x = _shapes(config, device)
+    return layer_saved_bytes(config, x), cp_attention_working_set(config, x)
+
+
 def embedding_saved_bytes(config: Config, x: _Shapes) -> int:
     """Token ids (int64; under TP the shard-local ids and the out-of-shard mask) for the
     embedding's backward, position ids, and the embedding dropout's mask."""
