@@ -174,11 +174,3 @@ class ParallelState:
     @property
     def dp_cp_size(self) -> int:
         return self.dp_size * self.cp_size
-
-    @property
-    def is_pipeline_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_pipeline_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
