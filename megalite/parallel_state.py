@@ -4,8 +4,8 @@ Ranks are laid out TP fastest, then CP (context parallel), then DP, then PP (Meg
 order):
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 so a tensor-parallel group is consecutive ranks (one node, fast links) and pipeline stages
-are far apart. With CP = 1 the CP axis vanishes. The arithmetic is pure (`RankGrid`), so it is tested without processes;
-`ParallelState` builds the torch.distributed groups from it once.
+are far apart. With CP = 1 the CP axis vanishes. The arithmetic is pure (`RankGrid`), so it
+is tested without processes; `ParallelState` builds the torch.distributed groups from it once.
 """
 
 from dataclasses import dataclass

@@ -47,14 +47,15 @@ def test_flags_reach_the_config():
 
 
 @pytest.mark.parametrize("extra, world, words", [
-    (["--context-parallel-size", "3", "--cp-comm-type", "all_gather"], 6, ["--context-parallel-size=3", "--seq-length=32",
-                                           "6"]),
+    (["--context-parallel-size", "3", "--cp-comm-type", "all_gather"], 6,
+     ["--context-parallel-size=3", "--seq-length=32", "6"]),
     # Ring attention (the default --cp-comm-type) needs the log-sum-exp of each block,
     # which --attention-backend auto (sdpa or flash) does not return: refused up front.
     (["--context-parallel-size", "2"], 2, ["--cp-comm-type p2p", "--attention-backend auto",
                                            "unfused", "all_gather"]),
     (["--context-parallel-size", "0"], 1, ["--context-parallel-size", "positive"]),
-    (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], 6, ["world size 6", "--context-parallel-size=4"]),
+    (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], 6,
+     ["world size 6", "--context-parallel-size=4"]),
     (["--seq-length", "36", "--max-position-embeddings", "36", "--context-parallel-size", "2",
       "--cp-comm-type", "all_gather",
       "--tensor-model-parallel-size", "4", "--sequence-parallel"], 8,

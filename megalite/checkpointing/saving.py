@@ -5,7 +5,8 @@ Files of `iter_0000100/` (made visible atomically by storage.py):
                             shard, "partition_dims": name -> dim of the TP split,
                             "partition_strides": name -> blocks of a stacked one}
   optim_tp{t}_pp{p}_dp{d}.pt  each DP x CP rank d whose optimizer owns state (all of them
-                            under ZeRO-1, which shards over DP x CP; rank 0 otherwise): {"step": Adam's step count,
+                            under ZeRO-1, which shards over DP x CP; rank 0 otherwise):
+                            {"step": Adam's step count,
                             "segments": name -> {"range": [start, end) of the flattened TP
                             shard, "main", "exp_avg", "exp_avg_sq"}}
   rng_rank{r}.pt            every rank: python, numpy, torch, accelerator and TP tracker RNG
