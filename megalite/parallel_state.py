@@ -27,9 +27,9 @@ class RankGrid:
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         cp = self.context_parallel_size
         if tp <= 0 or pp <= 0 or cp <= 0 or self.world_size % (tp * cp * pp):
+            context = f"--context-parallel-size={cp} x " if cp != 1 else ""
             raise ConfigError(f"world size {self.world_size} is not divisible by "
-                              f"--tensor-model-parallel-size={tp} x "
-                              f"--context-parallel-size={cp} x "
+                              f"--tensor-model-parallel-size={tp} x {context}"
                               f"--pipeline-model-parallel-size={pp}")
 
     @property
