@@ -105,6 +105,7 @@ def _parallelism(parser):
                    help="Accumulate and reduce fp16 gradients in an fp32 buffer (always on "
                         "with --bf16, as in Megatron).")
     _add_pipeline_schedule_args(g)
+    _add_context_parallel_args(g)
 
 
 def _add_pipeline_schedule_args(g):
@@ -122,6 +123,16 @@ def _add_pipeline_schedule_args(g):
              "as in 1F1B), each deferred W keeping its linear layers' inputs and output "
              "gradients. gpipe and zb-h1 go beyond Megatron-LM (megalite's own choices) "
              "and run one model chunk per stage (no interleaving).")
+
+
+def _add_context_parallel_args(g):
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP: split each sequence over this many ranks (2 x CP load-balanced "
+                        "chunks; --seq-length must divide by 2 x CP).")
+    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather"],
+                   help="How attention sees the other CP ranks' keys and values: p2p (ring "
+                        "attention, overlapped with compute) or all_gather (all K/V "
+                        "gathered; cheap with GQA). Megatron's a2a is not implemented.")
 
 
 def _training(parser):

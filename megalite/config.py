@@ -38,6 +38,13 @@ class ParallelConfig:
     (--accumulate-allreduce-grads-in-fp32; always on with --bf16, as in Megatron)."""
     pipeline_schedule: str = "1f1b"
     """1f1b (interleaved with several chunks), gpipe or zb-h1 (--pipeline-schedule)."""
+    context_parallel_size: int = 1
+    """CP: ranks each sequence is split over (--context-parallel-size)."""
+
+    @property
+    def data_context_parallel_size(self) -> int:
+        """DP x CP: the ranks gradients are summed over and ZeRO-1 shards its state over."""
+        return self.data_parallel_size * self.context_parallel_size
 
 
 @dataclass(frozen=True)

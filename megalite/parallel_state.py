@@ -1,10 +1,11 @@
 """The rank grid (DESIGN.md §2) and its process groups, as one object passed down.
 
-Ranks are laid out TP fastest, then DP, then PP (Megatron's order):
-    rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+Ranks are laid out TP fastest, then CP (context parallel), then DP, then PP (Megatron's
+order):
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 so a tensor-parallel group is consecutive ranks (one node, fast links) and pipeline stages
-are far apart. The arithmetic is pure (`RankGrid`), so it is tested without processes;
-`ParallelState` builds the torch.distributed groups from it once.
+are far apart. With CP = 1 the CP axis vanishes. The arithmetic is pure (`RankGrid`), so it
+is tested without processes; `ParallelState` builds the torch.distributed groups from it once.
 """
 
 from dataclasses import dataclass
@@ -20,36 +21,46 @@ class RankGrid:
     world_size: int
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self):
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if tp <= 0 or pp <= 0 or self.world_size % (tp * pp):
+        cp = self.context_parallel_size
+        if tp <= 0 or pp <= 0 or cp <= 0 or self.world_size % (tp * cp * pp):
+            context = f"--context-parallel-size={cp} x " if cp != 1 else ""
             raise ConfigError(f"world size {self.world_size} is not divisible by "
-                              f"--tensor-model-parallel-size={tp} x "
+                              f"--tensor-model-parallel-size={tp} x {context}"
                               f"--pipeline-model-parallel-size={pp}")
 
     @property
     def data_parallel_size(self) -> int:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-        return self.world_size // model_parallel
+        return self.world_size // (model_parallel * self.context_parallel_size)
 
-    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
-        return tp_rank + tp * (dp_rank + dp * pp_rank)
+    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
+        tp, cp, dp = (self.tensor_model_parallel_size, self.context_parallel_size,
+                      self.data_parallel_size)
+        return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
-        return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        """(tp_rank, dp_rank, pp_rank) of a global rank (its CP rank: context_rank)."""
+        tp, cp, dp = (self.tensor_model_parallel_size, self.context_parallel_size,
+                      self.data_parallel_size)
+        return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+
+    def context_rank(self, rank: int) -> int:
+        """The CP rank of a global rank: which pair of sequence chunks it holds."""
+        return (rank // self.tensor_model_parallel_size) % self.context_parallel_size
 
     def _groups_varying(self, axes: str) -> list[list[int]]:
-        """Rank lists in which only the named axes ('t', 'd', 'p') vary."""
-        sizes = {"t": self.tensor_model_parallel_size, "d": self.data_parallel_size,
-                 "p": self.pipeline_model_parallel_size}
-        fixed = [a for a in "tdp" if a not in axes]
+        """Rank lists in which only the named axes ('t', 'c', 'd', 'p') vary."""
+        sizes = {"t": self.tensor_model_parallel_size, "c": self.context_parallel_size,
+                 "d": self.data_parallel_size, "p": self.pipeline_model_parallel_size}
+        fixed = [a for a in "tcdp" if a not in axes]
         groups = {}
         for rank in range(self.world_size):
-            coords = dict(zip("tdp", self.coordinates(rank)))
+            t, d, p = self.coordinates(rank)
+            coords = {"t": t, "c": self.context_rank(rank), "d": d, "p": p}
             groups.setdefault(tuple(coords[a] for a in fixed), []).append(rank)
         for ranks in groups.values():
             if len(ranks) != _product(sizes[a] for a in axes):
@@ -59,8 +70,17 @@ class RankGrid:
     def tensor_groups(self) -> list[list[int]]:
         return self._groups_varying("t")
 
+    def context_groups(self) -> list[list[int]]:
+        """The ranks sharing one sequence's chunks (ring attention's ring)."""
+        return self._groups_varying("c")
+
     def data_groups(self) -> list[list[int]]:
         return self._groups_varying("d")
+
+    def data_context_groups(self) -> list[list[int]]:
+        """DP x CP: every rank holding the same model shard. Gradients are summed and
+        ZeRO-1 shards laid over it (Megatron's data-parallel group with CP)."""
+        return self._groups_varying("cd")
 
     def pipeline_groups(self) -> list[list[int]]:
         return self._groups_varying("p")
@@ -118,8 +138,11 @@ class ParallelState:
         self.grid = grid
         self.rank = rank
         self.tp_rank, self.dp_rank, self.pp_rank = grid.coordinates(rank)
+        self.cp_rank = grid.context_rank(rank)
         self.tp_group = self._make(grid.tensor_groups())
         self.dp_group = self._make(grid.data_groups())
+        self.cp_group = self._make(grid.context_groups())
+        self.dp_cp_group = self._make(grid.data_context_groups())
         self.pp_group = self._make(grid.pipeline_groups())
         self.mp_group = self._make(grid.model_parallel_groups())
         self.embedding_group = self._make(grid.embedding_groups())
@@ -143,3 +166,11 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.grid.data_parallel_size
+
+    @property
+    def cp_size(self) -> int:
+        return self.grid.context_parallel_size
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size

@@ -51,10 +51,11 @@ class StepRunner:
 
     `state` is None for a single process; otherwise its tensor group reduces sequence-
     parallel grads, its pipeline group carries activations, its embedding group sums
-    the grads of tied embeddings split across the first and last stage, and its data
-    group sums the losses of the ranks' slices of the global batch. `grad_buffer` holds
-    the gradients and sums them over the data group (needed when DP > 1). `timers` times
-    the step's phases (monitoring/timers.py). `pipeline_schedule` is --pipeline-schedule
+    the grads of tied embeddings split across the first and last stage, and its data x
+    context group sums the losses of the ranks' slices of the global batch (a DP rank's
+    samples, a CP rank's chunks of them). `grad_buffer` holds the gradients and sums them
+    over the data x context group (needed when DP x CP > 1). `timers` times the step's
+    phases (monitoring/timers.py). `pipeline_schedule` is --pipeline-schedule
     (schedules.SCHEDULES).
     """
 
@@ -67,8 +68,9 @@ class StepRunner:
         self.check_for_nan = check_for_nan
         self.timers = timers
         self.num_microbatches, self.device = num_microbatches, device
-        if grad_buffer is None and state is not None and state.dp_size > 1:
-            raise ValueError("data parallelism needs a GradBuffer to reduce the gradients")
+        if grad_buffer is None and state is not None and state.dp_cp_size > 1:
+            raise ValueError("data and context parallelism need a GradBuffer to reduce "
+                             "the gradients")
         self.grad_buffer = grad_buffer
         self.state = state
         pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
@@ -89,7 +91,8 @@ class StepRunner:
         return autocast(self.precision, self.device)
 
     def train_step(self, microbatches: list[dict]) -> StepResult:
-        # Loss tokens of the whole global batch: every DP rank divides by the same count.
+        # Loss tokens of the whole global batch: every DP and CP rank divides by the same
+        # count.
         timers = self.timers
         with timers("loss-all-reduce"):
             num_tokens = self._sum_over_data_parallel(
@@ -133,10 +136,11 @@ class StepRunner:
                                      "before the optimizer step")
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
-        if self.state is None or self.state.dp_size == 1:
+        """Summed over DP x CP: the ranks holding other samples or other chunks of them."""
+        if self.state is None or self.state.dp_cp_size == 1:
             return value
         value = value.clone()
-        dist.all_reduce(value, group=self.state.dp_group)
+        dist.all_reduce(value, group=self.state.dp_cp_group)
         return value
 
     def finalize_grads(self):

@@ -77,7 +77,8 @@ def pretrain(argv=None) -> int:
     try:
         p = config.parallel
         state = ParallelState(RankGrid(world_size, p.tensor_model_parallel_size,
-                                       p.pipeline_model_parallel_size), rank)
+                                       p.pipeline_model_parallel_size,
+                                       p.context_parallel_size), rank)
         run_training(config, state, device, tokenizer.eod if tokenizer else None,
                      dump_run_file(args, build_parser()))
         return 0
@@ -103,18 +104,19 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     return build_model_chunks(
         model_config, seed, state.pp_rank, state.pp_size,
         config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
-        rng_tracker, device=device, dtype=dtype)
+        rng_tracker, device=device, dtype=dtype, cp_group=state.cp_group)
 
 
 def build_optimizer(model: nn.Module, config: Config,
                     state: ParallelState) -> tuple[Optimizer, GradBuffer]:
-    """The gradient buffer (reduced over DP: all-reduce, or reduce-scatter for ZeRO-1) and
+    """The gradient buffer (reduced over DP x CP: all-reduce, or reduce-scatter for ZeRO-1,
+    whose shards are laid over DP x CP as Megatron's are) and
     the optimizer reading it: ZeRO-1 with --use-distributed-optimizer; fp32 main
     parameters (unsharded) for bf16/fp16 model parameters; plain AdamW otherwise."""
     scaler = build_grad_scaler(config.precision)
     p = config.parallel
     params = [q for q in model.parameters() if q.requires_grad]
-    grad_buffer = GradBuffer(params, state.dp_group, p.ddp_bucket_size,
+    grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
                              grad_dtype=torch.float32 if p.accumulate_allreduce_grads_in_fp32
                              else None)
@@ -131,13 +133,15 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     """`run_file`: the run's flags as YAML (run_file.dump_run_file), kept beside the
     TensorBoard events and in each checkpoint so the run can be repeated from either."""
     set_seed(config.training.seed)
-    rng_tracker = build_rng_tracker(config.training.seed, state.tp_rank, device)
+    rng_tracker = build_rng_tracker(config.training.seed, state.tp_rank, device,
+                                    state.cp_rank, state.tp_size)
     model = build_model(config, state, device, rng_tracker)
     optimizer, grad_buffer = build_optimizer(model, config, state)
     monitor = Monitor(config, state, device, model, optimizer)
     t, m = config.training, config.model
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        activation_shape(m, t.micro_batch_size, state.tp_size), device, state,
+                        activation_shape(m, t.micro_batch_size, state.tp_size, state.cp_size),
+                        device, state,
                         grad_buffer,
                         check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16,
                         timers=monitor.timers,
@@ -165,7 +169,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     tensorboard = TensorBoardLogger(config.logging.tensorboard_dir if is_last else None)
     if is_last and config.logging.tensorboard_dir and run_file:
         write_run_file(config.logging.tensorboard_dir, run_file)
-    if state.dp_rank == 0:
+    if state.dp_rank == 0 and state.cp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({state.tp_rank}, {state.pp_rank}): {sum(p.numel() for p in model.parameters())}",
               flush=True)

@@ -20,7 +20,9 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int) -> float:
     q = n x kv_channels the query projection width, f the MLP width and V the padded
     vocabulary. Inside the attention bracket: Q and output projections (1), K and V (g/n),
     and the attention core QK^T and softmax x V, of which a causal mask leaves half (s/2h).
-    The last term is the logit layer.
+    The last term is the logit layer. The count is the model's, the same at any layout: a
+    context-parallel rank computes only its causal share of the attention core (ring
+    attention skips the fully masked blocks), so the log divides it by the world size.
     """
     c = config
     h, s = c.hidden_size, c.seq_length

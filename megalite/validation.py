@@ -13,6 +13,7 @@ import math
 from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedConfig,
                              LoggingConfig, MonitoringConfig, OptimizerConfig, ParallelConfig,
                              PrecisionConfig, SchedulerConfig, TrainingConfig)
+from megalite.context_parallel import cp_backend_check
 from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
 from megalite.errors import ConfigError
 from megalite.model.config import GPTConfig
@@ -100,7 +101,8 @@ def _check_fraction(args, *names):
 
 def _parallel_config(args, world_size: int) -> ParallelConfig:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    dp = RankGrid(world_size, tp, pp).data_parallel_size
+    cp = _validate_context_parallel(args)
+    dp = RankGrid(world_size, tp, pp, cp).data_parallel_size
     _check_positive(args, "ddp_bucket_size")
     if args.overlap_param_gather and not (args.use_distributed_optimizer
                                           and args.overlap_grad_reduce):
@@ -115,7 +117,28 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
     fp32_grads = args.accumulate_allreduce_grads_in_fp32 or args.bf16
     return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp, args.use_distributed_optimizer,
                           args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce,
-                          args.overlap_param_gather, fp32_grads)
+                          args.overlap_param_gather, fp32_grads, context_parallel_size=cp)
+
+
+def _validate_context_parallel(args) -> int:
+    """Each sequence is cut into 2 x CP equal chunks (load balancing), and under sequence
+    parallelism each CP rank's s / CP rows are split again over TP."""
+    cp, seq, tp = args.context_parallel_size, args.seq_length, args.tensor_model_parallel_size
+    if cp <= 0:
+        raise ConfigError(f"--context-parallel-size must be positive, got {cp}")
+    if cp == 1:
+        return cp
+    if seq % (2 * cp):
+        raise ConfigError(f"--context-parallel-size={cp} cuts each sequence into 2 x {cp} "
+                          f"chunks: --seq-length={seq} is not divisible by {2 * cp}")
+    if args.sequence_parallel and (seq // cp) % tp:
+        raise ConfigError(f"--sequence-parallel splits each context-parallel rank's "
+                          f"--seq-length={seq} / --context-parallel-size={cp} = {seq // cp} "
+                          f"rows over --tensor-model-parallel-size={tp}: not divisible")
+    # Before any process starts: "auto" resolves to sdpa or flash, which the ring cannot use.
+    backend = "flash" if args.use_flash_attn else args.attention_backend
+    cp_backend_check(backend, args.cp_comm_type, args.attention_dropout)
+    return cp
 
 
 def _validate_pipeline_schedule(args, parallel: ParallelConfig,
@@ -199,7 +222,7 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
         attention_backend=_attention_backend(args, kv_channels),
         # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
         sequence_parallel=args.sequence_parallel and tp > 1, vocab_size=vocab_size,
-        compile_layers=args.compile_layers, **_recompute(args))
+        compile_layers=args.compile_layers, cp_comm_type=args.cp_comm_type, **_recompute(args))
 
 
 def _ffn_size(args, tp: int) -> int:

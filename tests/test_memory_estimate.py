@@ -179,7 +179,8 @@ def microbatches(config, seed=0):
 def train_one_step(config, state=None):
     """build_model + build_optimizer as pretrain() does, then one StepRunner step."""
     groups = state or types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None,
-                                            dp_group=None, mp_group=None)
+                                            dp_group=None, mp_group=None, cp_group=None,
+                                            dp_cp_group=None)
     model = build_model(config, groups, CPU, None)
     optimizer, grad_buffer = build_optimizer(model, config, groups)
     m, t = config.model, config.training
@@ -266,7 +267,8 @@ def planned_chunk_bytes(config, pp_rank: int, device: str = "cpu") -> list[int]:
 def measured_chunk_bytes(config, pp_rank: int, state=None) -> list[int]:
     par = config.parallel
     p = par.pipeline_model_parallel_size
-    groups = state or types.SimpleNamespace(pp_rank=pp_rank, pp_size=p, tp_group=None)
+    groups = state or types.SimpleNamespace(pp_rank=pp_rank, pp_size=p, tp_group=None,
+                                            cp_group=None)
     torch.manual_seed(0)
     chunks = build_model(config, groups, CPU, None)
     t = par.tensor_model_parallel_size
@@ -346,7 +348,7 @@ def test_cuda_activations_match_allocated_memory(flags):
     output copied for the projection). Tensors of MBs, so allocator rounding is noise."""
     cuda = torch.device("cuda")
     config = validate_args(parse_args(GPU_FLAGS + flags), 1)
-    groups = types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None)
+    groups = types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None, cp_group=None)
     chunk = build_model(config, groups, cuda, None)[0]
     chunk.train()
     _ = chunk.rope_table  # the model's cached RoPE angles are not activations

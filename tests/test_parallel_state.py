@@ -68,3 +68,41 @@ def test_single_process_degenerates(tmp_path):
             assert dist.get_world_size(group) == 1
     finally:
         dist.destroy_process_group()
+
+
+def context_parallel_layouts(max_world=16):
+    for world in range(1, max_world + 1):
+        for tp in range(1, world + 1):
+            for cp in range(2, world // tp + 1):
+                for pp in range(1, world // (tp * cp) + 1):
+                    if world % (tp * cp * pp) == 0:
+                        yield world, tp, cp, pp
+
+
+@pytest.mark.parametrize("world, tp, cp, pp", list(context_parallel_layouts()))
+def test_context_parallel_groups_match_reference(world, tp, cp, pp):
+    """Megatron's order with CP: arange(world).reshape(PP, DP, CP, TP), TP fastest."""
+    grid = RankGrid(world, tp, pp, cp)
+    dp = world // (tp * cp * pp)
+    assert grid.data_parallel_size == dp
+    array = np.arange(world).reshape(pp, dp, cp, tp)
+
+    def varying(*axes):
+        moved = np.moveaxis(array, axes, range(4 - len(axes), 4))
+        return sorted(sorted(g) for g in moved.reshape(-1, np.prod(
+            [array.shape[a] for a in axes])).tolist())
+    assert grid.tensor_groups() == varying(3)
+    assert grid.context_groups() == varying(2)
+    assert grid.data_groups() == varying(1)
+    assert grid.pipeline_groups() == varying(0)
+    assert grid.data_context_groups() == varying(1, 2)
+    assert grid.model_parallel_groups() == varying(0, 3)
+    for rank in range(world):
+        t, d, p = grid.coordinates(rank)
+        c = grid.context_rank(rank)
+        assert array[p, d, c, t] == rank == grid.rank(t, d, p, c)
+
+
+def test_context_parallel_world_size_not_divisible_is_named():
+    with pytest.raises(ConfigError, match="world size 8.*=2.*--context-parallel-size=3"):
+        RankGrid(8, 2, 1, 3)

@@ -68,7 +68,8 @@ DIRECTION_FLAGS = {
 # What a single-process run records as its layout (saving.layout_of for one rank).
 SINGLE_PROCESS_LAYOUT = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                          "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 1,
-                         "world_size": 1, "use_distributed_optimizer": False}
+                         "world_size": 1, "use_distributed_optimizer": False,
+                         "context_parallel_size": 1}
 
 
 # --- export: megalite -> HF ----------------------------------------------------------------

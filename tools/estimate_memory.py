@@ -81,8 +81,11 @@ def describe(config: Config) -> list[str]:
         recompute += (f" ({getattr(m, 'recompute_method', None)}, "
                       f"{getattr(m, 'recompute_num_layers', 1)} layers)")
     dtype = "bf16" if pr.bf16 else "fp16" if pr.fp16 else "fp32"
-    world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
+    world = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+             * p.context_parallel_size * p.data_parallel_size)
     grads = "fp32" if p.accumulate_allreduce_grads_in_fp32 else dtype
+    cp = (f" x CP {p.context_parallel_size} ({m.cp_comm_type})"
+          if p.context_parallel_size > 1 else "")
     return [
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.num_query_groups} query groups), MLP {m.ffn_hidden_size}"
@@ -91,7 +94,8 @@ def describe(config: Config) -> list[str]:
         f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'} output layer, "
         f"attention {m.attention_backend}",
         f"layout: world {world} = TP {p.tensor_model_parallel_size} x "
-        f"PP {p.pipeline_model_parallel_size} x DP {p.data_parallel_size}; "
+        f"PP {p.pipeline_model_parallel_size} x DP {p.data_parallel_size}"
+        f"{cp}; "
         f"sequence parallel {'on' if m.sequence_parallel else 'off'}; "
         f"ZeRO-1 {'on' if p.use_distributed_optimizer else 'off'}; schedule {schedule}",
         f"batch: micro-batch {t.micro_batch_size} x seq {m.seq_length}, "

@@ -70,6 +70,11 @@ def build_config(args) -> tuple[Config, object]:
                           f"--pipeline-model-parallel-size 1, not "
                           f"{args.pipeline_model_parallel_size} (a checkpoint saved at any "
                           f"pipeline size loads)")
+    if args.context_parallel_size != 1:
+        raise ConfigError(f"generation decodes one token at a time, which cannot be split "
+                          f"over context-parallel ranks: pass --context-parallel-size 1, not "
+                          f"{args.context_parallel_size} (a checkpoint saved at any "
+                          f"context-parallel size loads)")
     config = validate_model_args(args, world_size_from_env(), tokenizer.vocab_size)
     p = config.parallel
     if p.data_parallel_size != 1:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, model_fields,
-                                           model_file, optim_file, rng_file)
+                                           model_file, optim_file, optimizer_shards, rng_file,
+                                           saved_layout)
 from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
                                             find_checkpoint_to_load, load_tensor_file,
                                             read_metadata)
@@ -34,8 +35,7 @@ class SavedCheckpoint:
     def __init__(self, directory: Path, metadata: dict):
         self.directory, self.layout = directory, metadata["layout"]
         self.tp = self.layout["tensor_model_parallel_size"]
-        self.dps = range(self.layout["data_parallel_size"]
-                         if self.layout["use_distributed_optimizer"] else 1)
+        self.dps = range(optimizer_shards(self.layout))
         self._files: dict[str, dict] = {}
         self.stage_of = {name: pp for pp in range(self.layout["pipeline_model_parallel_size"])
                          for name in self._file(model_file(0, pp))["params"]}
@@ -174,7 +174,7 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     scheduler.load_state_dict(meta["scheduler"])
     zero = optimizer.sharded
     if ckpt.load_rng and meta.get("has_rng", True):
-        if meta["layout"] == layout_of(state, chunks, zero):
+        if saved_layout(meta["layout"]) == layout_of(state, chunks, zero):
             _set_rng_state(load_tensor_file(directory / rng_file(dist.get_rank())), rng_tracker)
         elif dist.get_rank() == 0:
             print(f" > not restoring RNG states: saved at layout {meta['layout']}, running "

@@ -1,11 +1,12 @@
 """Sharded checkpoints: what each rank writes and reads, at any layout (DESIGN.md §8).
 
 Files of `iter_0000100/` (made visible atomically by storage.py):
-  model_tp{t}_pp{p}.pt      DP rank 0 of each (TP, PP) pair: {"params": name -> this TP
+  model_tp{t}_pp{p}.pt      DP and CP rank 0 of each (TP, PP) pair: {"params": name -> this TP
                             shard, "partition_dims": name -> dim of the TP split,
                             "partition_strides": name -> blocks of a stacked one}
-  optim_tp{t}_pp{p}_dp{d}.pt  each DP rank whose optimizer owns state (all of them under
-                            ZeRO-1, DP rank 0 otherwise): {"step": Adam's step count,
+  optim_tp{t}_pp{p}_dp{d}.pt  each DP x CP rank d whose optimizer owns state (all of them
+                            under ZeRO-1, which shards over DP x CP; rank 0 otherwise):
+                            {"step": Adam's step count,
                             "segments": name -> {"range": [start, end) of the flattened TP
                             shard, "main", "exp_avg", "exp_avg_sq"}}
   rng_rank{r}.pt            every rank: python, numpy, torch, accelerator and TP tracker RNG
@@ -36,7 +37,7 @@ import megalite
 from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, checkpoint_dir,
                                            commit, prepare_staging, save_tensor_file,
                                            staging_dir)
-from megalite.parallel_state import ParallelState
+from megalite.parallel_state import ParallelState, group_rank
 from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
 
 FORMAT_VERSION = 1
@@ -83,12 +84,26 @@ def layout_of(state: ParallelState, chunks: nn.ModuleList, zero: bool) -> dict:
             "pipeline_model_parallel_size": state.pp_size,
             "virtual_pipeline_model_parallel_size": len(chunks),
             "data_parallel_size": state.dp_size, "world_size": state.grid.world_size,
-            "use_distributed_optimizer": zero}
+            "use_distributed_optimizer": zero, "context_parallel_size": state.cp_size}
+
+
+def saved_layout(layout: dict) -> dict:
+    """A checkpoint's layout with the defaults of keys added since (checkpoints written
+    before context parallelism are CP 1)."""
+    return {"context_parallel_size": 1, **layout}
+
+
+def optimizer_shards(layout: dict) -> int:
+    """How many optim files per (TP, PP) shard: one per DP x CP rank under ZeRO-1."""
+    layout = saved_layout(layout)
+    if not layout["use_distributed_optimizer"]:
+        return 1
+    return layout["data_parallel_size"] * layout["context_parallel_size"]
 
 
 def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> list[str]:
     tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
-    dps = range(layout["data_parallel_size"] if layout["use_distributed_optimizer"] else 1)
+    dps = range(optimizer_shards(layout))
     files = [model_file(t, p) for t in range(tp) for p in range(pp)]
     if save_optim:
         files += [optim_file(t, p, d) for t in range(tp) for p in range(pp) for d in dps]
@@ -113,16 +128,19 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
     dist.barrier()
     staging = staging_dir(save, iteration)
     params = saved_params(chunks)
-    if state.dp_rank == 0:
+    owns_model_file = state.dp_rank == 0 and state.cp_rank == 0
+    if owns_model_file:
         # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
         # torch.save would write the whole buffer.
         save_tensor_file({"params": {n: _cpu_copy(p) for n, p in params.items()},
                           **shard_layout(params)},
                          staging / model_file(state.tp_rank, state.pp_rank))
-    if ckpt.save_optim and (zero or state.dp_rank == 0):
+    if ckpt.save_optim and (zero or owns_model_file):
         names = {id(p): n for n, p in params.items()}
+        # ZeRO-1's shard index: this rank's place in the DP x CP group.
         save_tensor_file(_optimizer_shard(optimizer, names),
-                         staging / optim_file(state.tp_rank, state.pp_rank, state.dp_rank))
+                         staging / optim_file(state.tp_rank, state.pp_rank,
+                                              group_rank(state.dp_cp_group)))
     save_tensor_file(_rng_state(rng_tracker), staging / rng_file(dist.get_rank()))
     dist.barrier()
     final = None

@@ -6,19 +6,22 @@ import signal
 import torch
 
 from megalite.config import Config
-from megalite.data.sampler import MicroBatchSampler, collate_samples
+from megalite.context_split import CollateContextShard
+from megalite.data.sampler import MicroBatchSampler
 from megalite.parallel_state import ParallelState
 
 
 def microbatches(dataset, consumed_samples: int, config: Config, state: ParallelState,
                  device: torch.device):
-    """This DP rank's micro-batches from `consumed_samples` on, as tensors on `device`.
-    Worker processes (--num-workers) read and collate ahead of the training loop."""
+    """This DP rank's micro-batches from `consumed_samples` on, as tensors on `device`, each
+    sequence cut to this CP rank's chunks. Worker processes (--num-workers) read and
+    collate ahead of the training loop."""
     t = config.training
     sampler = MicroBatchSampler(len(dataset), consumed_samples, t.micro_batch_size,
                                 state.dp_rank, state.dp_size, t.global_batch_size)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate_samples,
+        dataset, batch_sampler=sampler,
+        collate_fn=CollateContextShard(state.cp_size, state.cp_rank),
         num_workers=config.data.num_workers, pin_memory=device.type != "cpu",
         persistent_workers=config.data.num_workers > 0,
         worker_init_fn=_ignore_exit_signals if config.checkpoint.exit_signal_handler else None,

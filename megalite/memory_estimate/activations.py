@@ -7,6 +7,9 @@ The recompute groups are the model's own (`model.gpt.recompute_groups`), the sta
 from dataclasses import dataclass
 
 from megalite.config import Config
+from megalite.memory_estimate.context_parallel import (attended_keys, cp_attention_working_set,
+                                                       cp_core_attention_bytes,
+                                                       gathered_qkv_bytes, ring_keeps_qkv)
 from megalite.memory_estimate.weights import param_bytes_per_element
 from megalite.model.gpt import recompute_groups
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
@@ -49,6 +52,8 @@ class _Shapes:
     """Padded vocabulary / TP."""
     tp: int
     device: Device
+    cp: int = 1
+    """Context-parallel ranks: s is then this rank's s / CP rows (context_parallel.py)."""
 
     def mask(self, dropout: float) -> int:
         """Bytes per element of a dropout mask (0 without dropout)."""
@@ -59,13 +64,14 @@ class _Shapes:
 
 def _shapes(config: Config, device: Device) -> _Shapes:
     m, par = config.model, config.parallel
-    t, s, a = par.tensor_model_parallel_size, m.seq_length, param_bytes_per_element(config)
+    t, a = par.tensor_model_parallel_size, param_bytes_per_element(config)
+    s = m.seq_length // par.context_parallel_size
     return _Shapes(s=s, b=config.training.micro_batch_size, h=m.hidden_size,
                    seq=s // t if m.sequence_parallel else s, sp=m.sequence_parallel,
                    a=a, mixed=a == 2, q=m.query_projection_size // t,
                    kv=m.kv_projection_size // t, heads=m.num_attention_heads // t,
                    f=m.ffn_hidden_size // t, vocab=m.padded_vocab_size // t, tp=t,
-                   device=device)
+                   device=device, cp=par.context_parallel_size)
 
 
 # One transformer layer, the embedding, the loss (docs/memory.md, "What one layer saves").
@@ -106,6 +112,8 @@ def qkv_saved_bytes(config: Config, x: _Shapes, kernel_keeps_qkv: bool = True) -
 
 def core_attention_bytes(config: Config, x: _Shapes) -> int:
     """What the attention kernel saves beyond Q, K and V: what selective recompute drops."""
+    if x.cp > 1 and (cp := cp_core_attention_bytes(config, x)) is not None:
+        return cp
     if config.model.attention_backend != "unfused":
         out = x.a * x.s * x.b * x.q if x.device.attention_output_copied else 0
         return 4 * x.b * x.heads * x.s + out  # + the fp32 log-sum-exp
@@ -116,9 +124,10 @@ def _unfused_attention_bytes(config: Config, x: _Shapes) -> int:
     """attention_backends._unfused: repeated K and V, Q's cast, the mask, the s x s
     probabilities, dropout's mask and output, the probabilities cast for the matmul."""
     p = config.model.attention_dropout
-    bsq, probs = x.b * x.s * x.q, x.b * x.heads * x.s * x.s
+    keys, pairs = attended_keys(x)
+    bsq, probs = x.b * x.s * x.q, x.b * x.heads * pairs
     softmax = 4 if (not x.mixed or x.device.autocast_fp32_norm_softmax) else x.a
-    total = 2 * x.a * bsq + x.s * x.s + softmax * probs  # K and V repeated, mask, softmax
+    total = 2 * x.a * x.b * keys * x.q + pairs + softmax * probs  # K, V repeated, mask, softmax
     if x.mixed:
         total += x.a * bsq  # Q cast back to bf16/fp16 for the matmul
     if p > 0:
@@ -132,8 +141,12 @@ def _unfused_attention_bytes(config: Config, x: _Shapes) -> int:
 def attention_saved_bytes(config: Config, x: _Shapes, selective: bool) -> int:
     """Self-attention after its norm: QKV, the kernel's state, the output projection's
     input [s, b, q] and the residual dropout's mask."""
-    kernel_keeps_qkv = selective or config.model.attention_backend != "unfused"
-    total = qkv_saved_bytes(config, x, kernel_keeps_qkv) + x.a * x.s * x.b * x.q
+    kernel_keeps_qkv = (selective or config.model.attention_backend != "unfused"
+                        or ring_keeps_qkv(config, x))
+    qkv = None if selective else gathered_qkv_bytes(config, x)
+    if qkv is None:
+        qkv = qkv_saved_bytes(config, x, kernel_keeps_qkv)
+    total = qkv + x.a * x.s * x.b * x.q
     if not selective:
         total += core_attention_bytes(config, x)
     return total + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h
@@ -155,6 +168,14 @@ def layer_saved_bytes(config: Config, x: _Shapes) -> int:
             + attention_saved_bytes(config, x, selective)
             + norm_output_bytes(config, x)
             + mlp_saved_bytes(config, x))
+
+
+def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
+    """(what one transformer layer saves for backward per micro-batch on this rank, the
+    context-parallel buffers it holds on top in its backward): the per-layer figures of
+    benchmarks/cp_memory.py."""
+    x = _shapes(config, device)
+    return layer_saved_bytes(config, x), cp_attention_working_set(config, x)
 
 
 def embedding_saved_bytes(config: Config, x: _Shapes) -> int:
@@ -193,11 +214,11 @@ def chunk_activations(config: Config, x: _Shapes, num_layers: int, pre: bool,
     contiguous = x.sp or not pre
     layer = layer_saved_bytes(config, x)
     residual = x.a * x.seq * x.b * x.h
-    saved, working = 0, 0
+    saved, working = 0, cp_attention_working_set(config, x)
     for run, recomputed in recompute_groups(config.model, num_layers):
         if recomputed:
             saved += residual  # the group's input, kept by the checkpoint
-            working = max(working, len(run) * layer)
+            working = max(working, len(run) * layer + cp_attention_working_set(config, x))
         else:
             saved += len(run) * layer
     if pre:

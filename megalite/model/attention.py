@@ -13,6 +13,7 @@ import contextlib
 import torch
 from torch import nn
 
+from megalite.context_parallel import context_parallel_attention
 from megalite.model.attention_backends import core_attention
 from megalite.model.config import GPTConfig
 from megalite.model.rotary import apply_rotary
@@ -22,12 +23,15 @@ from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
         super().__init__()
         c = config
         tp = group_size(tp_group)
         self.config = c
         self.rng_tracker = rng_tracker
+        # Under context parallelism x holds this rank's chunks of each sequence; the core
+        # attention reaches the keys and values of the others (DESIGN.md §10).
+        self.cp_group = cp_group if group_size(cp_group) > 1 else None
         self.num_groups = c.num_query_groups // tp
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         qkv_size = c.query_projection_size + 2 * c.kv_projection_size
@@ -51,7 +55,7 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group,
                                       c.kv_channels)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
-        if rope_table is not None:  # cos/sin for every position up to --seq-length
+        if rope_table is not None:  # cos/sin for every position of x's rows
             q, k = apply_rotary(q, rope_table[:s]), apply_rotary(k, rope_table[:s])
         # Backends take [batch, seq, heads, dim]; grouped K/V heads stay grouped.
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
@@ -69,9 +73,13 @@ class SelfAttention(nn.Module):
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor) -> torch.Tensor:
         dropout = self.config.attention_dropout if self.training else 0.0
-        # Attention dropout acts on this rank's heads only: its mask must differ per
-        # TP rank, so it draws from the model-parallel RNG stream.
+        # Attention dropout acts on this rank's heads (and, under CP, queries) only: its
+        # mask must differ per TP and CP rank, so it draws from the model-parallel stream.
         with self._model_parallel_rng(dropout):
+            if self.cp_group is not None:
+                return context_parallel_attention(
+                    q, k, v, cp_group=self.cp_group, comm_type=self.config.cp_comm_type,
+                    backend=self.config.attention_backend, dropout_p=dropout)
             return core_attention(q, k, v, backend=self.config.attention_backend,
                                   dropout_p=dropout)
 

@@ -41,6 +41,9 @@ class GPTConfig:
     recompute_num_layers: int = 1
     compile_layers: bool = False
     """torch.compile each transformer layer (--compile-layers)."""
+    cp_comm_type: str = "p2p"
+    """How attention reaches the keys of other context-parallel ranks: "p2p" (ring) or
+    "all_gather" (--cp-comm-type); unused at CP 1."""
 
     @property
     def query_projection_size(self) -> int:

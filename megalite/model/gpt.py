@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.context_split import local_positions
 from megalite.model.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.model.rotary import rotary_frequencies, rotary_table
@@ -34,10 +35,10 @@ from megalite.tensor_parallel.weight_grad import linear
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
         super().__init__()
         self.config = config
-        self.tp_group = tp_group
+        self.tp_group, self.cp_group = tp_group, cp_group
         self.rng_tracker = rng_tracker
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size,
                                                       config.hidden_size, group=tp_group)
@@ -47,12 +48,17 @@ class Embedding(nn.Module):
                                                     config.hidden_size)
 
     def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
-        """tokens [batch, seq] at positions position_offset.. -> [seq, batch, hidden]
-        (this rank's sequence shard under SP)."""
+        """tokens [batch, seq] at positions position_offset.. (under CP: this rank's
+        chunks, at their global positions) -> [seq, batch, hidden] (this rank's sequence
+        shard under SP)."""
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            positions = torch.arange(position_offset, position_offset + tokens.shape[1],
-                                     device=tokens.device)
+            if group_size(self.cp_group) > 1:
+                positions = local_positions(self.config.seq_length, group_size(self.cp_group),
+                                            group_rank(self.cp_group), tokens.device)
+            else:
+                positions = torch.arange(position_offset, position_offset + tokens.shape[1],
+                                         device=tokens.device)
             x = x + self.position_embeddings(positions)
         x = x.transpose(0, 1)
         p = self.config.hidden_dropout if self.training else 0.0
@@ -71,10 +77,11 @@ class Decoder(nn.Module):
     single-process model whatever the pipeline stage), and the final norm on the last."""
 
     def __init__(self, config: GPTConfig, layers: range, final_norm: bool, tp_group=None,
-                 rng_tracker=None):
+                 rng_tracker=None, cp_group=None):
         super().__init__()
         self.config, self.rng_tracker = config, rng_tracker
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, rng_tracker)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, rng_tracker,
+                                                              cp_group)
                                      for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
@@ -121,18 +128,20 @@ def _run_layers(layers: list[nn.Module]):
 class GPTModel(nn.Module):
     """The whole model, or one pipeline stage's chunk of it (`stage`: its layers, with the
     embedding on the first stage and the final norm, output layer and loss on the last),
-    and of that this tensor-parallel rank's shard (`tp_group`)."""
+    and of that this tensor-parallel rank's shard (`tp_group`). Under context parallelism
+    (`cp_group`) it runs on this CP rank's chunks of each sequence (context_split.py)."""
 
     def __init__(self, config: GPTConfig, seed: int, tp_group=None, rng_tracker=None,
-                 stage: Stage | None = None):
+                 stage: Stage | None = None, cp_group=None):
         super().__init__()
         self.config = config
-        self.tp_group = tp_group
+        self.tp_group, self.cp_group = tp_group, cp_group
         self.stage = stage or Stage(chunk=0, pp_rank=0, pp_size=1, num_chunks=1)
         self.pre_process, self.post_process = self.stage.is_first, self.stage.is_last
-        self.embedding = Embedding(config, tp_group, rng_tracker) if self.pre_process else None
+        self.embedding = (Embedding(config, tp_group, rng_tracker, cp_group)
+                          if self.pre_process else None)
         self.decoder = Decoder(config, self.stage.layers(config.num_layers), self.post_process,
-                               tp_group, rng_tracker)
+                               tp_group, rng_tracker, cp_group)
         self.output_layer = None
         tied = not config.untie_embeddings_and_output_weights
         if self.post_process and not (tied and self.pre_process):
@@ -153,7 +162,8 @@ class GPTModel(nn.Module):
     @property
     def rope_table(self) -> torch.Tensor | None:
         """RoPE's cos/sin table [seq_length, 2, rotary dim] (rotary.rotary_table), computed
-        once on the parameters' device and read by every layer. fp32, and not a buffer:
+        once on the parameters' device and read by every layer; under CP only the rows of
+        this rank's positions (context_split.local_positions). fp32, and not a buffer:
         .to(bfloat16) would round it, and bf16 angles of neighbouring positions above 256
         are equal."""
         c = self.config
@@ -164,6 +174,10 @@ class GPTModel(nn.Module):
             self._rotary = rotary_table(rotary_frequencies(
                 c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base,
                 device=device))
+            cp = group_size(self.cp_group)
+            if cp > 1:
+                self._rotary = self._rotary[local_positions(c.seq_length, cp,
+                                                            group_rank(self.cp_group), device)]
         return self._rotary
 
     def _padded_vocab_mask(self) -> torch.Tensor | None:
@@ -229,12 +243,12 @@ class GPTModel(nn.Module):
 def build_model_chunks(config: GPTConfig, seed: int, pp_rank: int = 0, pp_size: int = 1,
                        num_chunks: int = 1, tp_group=None, rng_tracker=None,
                        device: torch.device | str | None = None,
-                       dtype: torch.dtype | None = None) -> nn.ModuleList:
+                       dtype: torch.dtype | None = None, cp_group=None) -> nn.ModuleList:
     """This pipeline rank's model chunks, one per virtual stage (`chunk.stage`: where it
     sits, DESIGN.md §5), built directly on `device` in `dtype` (default: the CPU, fp32).
     On `meta` the parameters get shapes and tags but no values (no initialisation)."""
     with _creating_parameters(device, dtype):
-        return nn.ModuleList(GPTModel(config, seed, tp_group, rng_tracker, stage)
+        return nn.ModuleList(GPTModel(config, seed, tp_group, rng_tracker, stage, cp_group)
                              for stage in rank_stages(pp_rank, pp_size, num_chunks))
 
 
@@ -252,10 +266,12 @@ def _creating_parameters(device, dtype):
         torch.set_default_dtype(default)
 
 
-def activation_shape(config: GPTConfig, micro_batch_size: int, tp_size: int) -> tuple[int, ...]:
+def activation_shape(config: GPTConfig, micro_batch_size: int, tp_size: int,
+                     cp_size: int = 1) -> tuple[int, ...]:
     """The hidden states one pipeline stage sends the next, [seq, micro batch, hidden]:
-    this rank's sequence shard under sequence parallelism."""
-    seq = config.seq_length // tp_size if config.sequence_parallel else config.seq_length
+    this CP rank's s / CP rows, and of those this rank's shard under sequence parallelism."""
+    seq = config.seq_length // cp_size
+    seq = seq // tp_size if config.sequence_parallel else seq
     return (seq, micro_batch_size, config.hidden_size)
 
 

@@ -47,10 +47,10 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
         super().__init__()
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, cp_group)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config, tp_group)
         self.dropout = SequenceParallelDropout(config, rng_tracker)

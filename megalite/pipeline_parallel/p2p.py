@@ -129,8 +129,10 @@ class PipelineCommunicator:
     def __init__(self, state: ParallelState, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device):
         grid, p = state.grid, state.pp_size
-        self.next_rank = grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank + 1) % p)
-        self.prev_rank = grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank - 1) % p)
+        self.next_rank = grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank + 1) % p,
+                                   state.cp_rank)
+        self.prev_rank = grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank - 1) % p,
+                                   state.cp_rank)
         self.group = state.pp_group
         self.shape, self.dtype, self.device = shape, dtype, device
         self.pending: list = []  # (works to wait, tensor) per send, held until wait_all

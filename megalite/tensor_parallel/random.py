@@ -73,11 +73,13 @@ class RNGStatesTracker:
         self.states = {name: state.clone() for name, state in states.items()}
 
 
-def build_rng_tracker(seed: int, tp_rank: int, device) -> RNGStatesTracker:
-    """A tracker holding the per-TP-rank "model-parallel-rng" state. The caller seeds the
-    default generator with the same seed on every rank of the TP group."""
+def build_rng_tracker(seed: int, tp_rank: int, device, cp_rank: int = 0,
+                      tp_size: int = 1) -> RNGStatesTracker:
+    """A tracker holding the per-TP-rank "model-parallel-rng" state; under context
+    parallelism per (TP, CP) rank, since each CP rank holds other queries and tokens. The
+    caller seeds the default generator with the same seed on every rank of the TP group."""
     tracker = RNGStatesTracker(device)
-    tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank))
+    tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank + tp_size * cp_rank))
     return tracker
 
 

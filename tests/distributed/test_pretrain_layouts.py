@@ -54,6 +54,9 @@ def single():
     # ZeRO-1, its reduce-scatter launched during backward, its all-gather waited for by
     # the next forward.
     (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
+    # Context parallelism: each rank reads its chunks of every sequence; ring attention
+    # (whose block kernel is the unfused one).
+    (2, ["--context-parallel-size", "2", "--attention-backend", "unfused"]),
 ])
 def test_torchrun_layout_matches_one_process(single, nproc, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",

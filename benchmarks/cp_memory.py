@@ -1,0 +1,119 @@
+"""Activation memory per rank of one transformer layer under context parallelism, at growing
+sequence lengths, against the memory planner (megalite/memory_estimate/).
+
+For each CP in --cp and each sequence length, CP gloo processes build the same model (one
+layer is measured: the first of --num-layers) and run one micro-batch's forward through
+that layer on their s / CP load-balanced rows; autograd's saved_tensors_hooks record every
+tensor saved for backward and the distinct storages are summed (parameters and RoPE's
+table are the model's, not activations): what the layer holds from its forward until its
+backward, i.e. what piles up per layer and micro-batch in training. The rank holding the
+most is reported, next to the planner's figure for the layer (layer_activation_bytes) and
+their ratio. The planner's CP working set (the ring's K/V blocks and dK/dV accumulators in
+flight, or the gradient of the gathered K/V: one layer's, during its backward) is printed
+beside it; it is transient, so saved-tensor hooks cannot see it.
+
+The sequence grows by doubling until CP 1 needs more than --budget-mib for the layer; the
+last rows show CP 2 and 4 still fitting. CP 1 runs plain attention (sdpa); --cp-comm-type
+all_gather uses sdpa as well, p2p (ring attention) the unfused block kernel it needs.
+
+    python benchmarks/cp_memory.py [--seqs 1024 2048 4096 8192 16384] [--budget-mib 64]
+"""
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+import megalite.memory_estimate as me
+from megalite.arguments import parse_args
+from megalite.memory_estimate.activations import layer_activation_bytes
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.training import build_model
+from megalite.validation import validate_args
+
+from benchmarks.rank_setup import init_rank
+
+MiB = 2 ** 20
+MODEL = ["--mock-data", "--vocab-size", "512", "--num-layers", "1", "--hidden-size", "256",
+         "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+         "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
+         "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+         "--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+def flags(seq: int, cp: int, comm: str) -> list[str]:
+    backend = "unfused" if cp > 1 and comm == "p2p" else "sdpa"
+    return [*MODEL, "--seq-length", str(seq), "--context-parallel-size", str(cp),
+            "--cp-comm-type", comm, "--attention-backend", backend]
+
+
+def layer_saved_bytes(config, chunk) -> int:
+    layer = chunk.decoder.layers["0"]
+    own = {t.untyped_storage().data_ptr() for t in chunk.parameters()}
+    if chunk.rope_table is not None:
+        own.add(chunk.rope_table.untyped_storage().data_ptr())
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+    m, cp = config.model, config.parallel.context_parallel_size
+    x = torch.randn(m.seq_length // cp, config.training.micro_batch_size, m.hidden_size,
+                    requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, chunk.rope_table)
+    return sum(saved.values())
+
+
+def _worker(rank, cp, seq, comm, store, out):
+    init_rank(rank, cp, store, "cpu")
+    config = validate_args(parse_args(flags(seq, cp, comm)), cp)
+    state = ParallelState(RankGrid(cp, 1, 1, cp), rank)
+    chunk = build_model(config, state, torch.device("cpu"), None)[0]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(layer_saved_bytes(config, chunk), f)
+
+
+def measure(cp: int, seq: int, comm: str) -> int:
+    """The most any CP rank's layer saves."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(cp, seq, comm, os.path.join(tmp, "store"),
+                                os.path.join(tmp, "out")), nprocs=cp)
+        return max(json.load(open(os.path.join(tmp, f"out.{r}"))) for r in range(cp))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--budget-mib", type=float, default=64.0)
+    args = parser.parse_args()
+    print(f"one layer (hidden 256, 8 heads, 2 K/V groups, RoPE, SwiGLU, RMSNorm), micro-batch "
+          f"1, fp32, CPU; budget {args.budget_mib:g} MiB per rank for the layer")
+    print("| seq | CP | comm | measured MiB | planned MiB | planned / measured | "
+          "+ working set MiB | fits |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seq in args.seqs:
+        cp1_over = False
+        for cp in args.cp:
+            for comm in (["-"] if cp == 1 else ["all_gather", "p2p"]):
+                measured = measure(cp, seq, "all_gather" if comm == "-" else comm)
+                config = validate_args(parse_args(flags(seq, cp, "all_gather" if comm == "-"
+                                                        else comm)), cp)
+                planned, working = layer_activation_bytes(config, me.DEVICES["cpu"])
+                fits = measured <= args.budget_mib * MiB
+                cp1_over |= cp == 1 and not fits
+                print(f"| {seq} | {cp} | {comm} | {measured / MiB:.2f} | {planned / MiB:.2f} | "
+                      f"{planned / measured:.4f} | {working / MiB:.2f} | "
+                      f"{'yes' if fits else 'no'} |", flush=True)
+        if cp1_over:
+            break
+
+
+if __name__ == "__main__":
+    main()

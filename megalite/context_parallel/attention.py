@@ -1,0 +1,169 @@
+"""Causal attention over a sequence split across the context-parallel (CP) group.
+
+Load balancing (Megatron's scheme): a sequence of length s is cut into 2·CP chunks of c =
+s / (2·CP) tokens and CP rank i holds chunks i and 2·CP-1-i, back to back. Under a causal
+mask chunk j attends to j+1 chunks, so every rank has (i+1) + (2·CP-i) = 2·CP+1 chunk pairs
+of work. A rank's rows stay in increasing global position, which is what makes a plain
+causal mask right on its own 2c rows.
+
+Two ways to see the other ranks' keys and values (`--cp-comm-type`, Megatron's names):
+- all_gather: K and V are all-gathered over CP (one collective; cheap with GQA, where K/V are
+  smaller than Q); each local query chunk attends to its causal prefix of the gathered keys.
+  Backward reduce-scatters dK, dV. The gathered K/V of the whole sequence stay alive until
+  the backward. Works with every `--attention-backend`: a query chunk shorter than its key
+  prefix is what core_attention's lower-right causal alignment already does.
+- p2p: ring attention (ring.py): K/V blocks travel round the ring while the current block is
+  computed, partial outputs are merged by their log-sum-exp, backward sends dK/dV round the
+  ring the same way. Needs a block kernel that returns the log-sum-exp (blocks.py).
+
+Communication per rank per call, B = bytes of this rank's K (or V) shard, b·(s/CP)·g·d·e
+(g = key/value heads on this rank), counted as the bytes a rank receives from the others
+(`cp_comm_bytes`):
+- all_gather: forward 2(CP-1)B (all-gather of K and V), backward 2(CP-1)B (reduce-scatter
+  of dK and dV).
+- p2p: forward 2(CP-1)B (CP-1 ring steps of a K/V block), backward 2(CP-1)B (the K/V blocks
+  again) + 2·CP·B (the dK/dV accumulators: CP hops, the last one home).
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from megalite.context_parallel.ring import ring_attention
+from megalite.errors import ConfigError
+from megalite.model.attention_backends import BACKENDS, core_attention
+from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
+
+COMM_TYPES = ("p2p", "all_gather")
+# Backends whose block kernel returns the log-sum-exp the ring merge needs. The public
+# kernels of sdpa (torch's scaled_dot_product_attention) and flash (flash_attn_func, whose
+# backward cannot take another block's log-sum-exp) do not give the ring what it needs.
+RING_BACKENDS = ("unfused",)
+
+
+def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two of the 2·cp_size sequence chunks CP rank `cp_rank` holds, in local order."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"CP rank {cp_rank} is outside a CP group of {cp_size}")
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def cp_backend_check(backend: str, comm_type: str, dropout_p: float) -> None:
+    """Raise a ConfigError when `--attention-backend backend` cannot run `--cp-comm-type
+    comm_type` (with attention dropout `dropout_p`)."""
+    if comm_type not in COMM_TYPES:
+        raise ConfigError(f"--cp-comm-type {comm_type}: expected one of {', '.join(COMM_TYPES)} "
+                          "(Megatron's a2a and a2a+p2p are not implemented in megalite)")
+    if backend not in BACKENDS:
+        raise ConfigError(f"--attention-backend {backend}: expected one of {', '.join(BACKENDS)}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ConfigError(f"--attention-dropout {dropout_p}: expected 0 <= p < 1")
+    if comm_type == "p2p" and backend not in RING_BACKENDS:
+        chosen = "auto (which picks sdpa or flash)" if backend == "auto" else backend
+        raise ConfigError(
+            f"--cp-comm-type p2p (ring attention) merges each block's partial output by its "
+            f"log-sum-exp, which --attention-backend {chosen} does not return; use "
+            f"--attention-backend {' or '.join(RING_BACKENDS)} (an explicit fp32 block kernel "
+            f"that returns it, any device, dropout included) or --cp-comm-type all_gather "
+            f"(every backend)")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
+                               comm_type: str, backend: str, dropout_p: float = 0.0,
+                               softmax_scale: float | None = None) -> torch.Tensor:
+    """Causal attention over the whole sequence for this CP rank's rows.
+
+    q: [b, s_local, heads, d]; k, v: [b, s_local, kv_heads, d] (heads a multiple of kv_heads),
+    core_attention's layout. The first s_local/2 rows are global chunk i, the last s_local/2
+    chunk 2·CP-1-i (i = this CP rank, see load_balanced_chunks). Returns [b, s_local, heads, d]
+    in the same local order. cp_group None or of size 1: plain core_attention. Dropout draws
+    from the current default generator: the caller forks the RNG tracker so that each CP
+    rank draws its own masks."""
+    cp = group_size(cp_group)
+    if cp == 1:
+        return core_attention(q, k, v, backend=backend, dropout_p=dropout_p,
+                              softmax_scale=softmax_scale)
+    cp_backend_check(backend, comm_type, dropout_p)
+    if q.shape[1] % 2 or k.shape[1] != q.shape[1]:
+        raise ValueError(f"context-parallel attention needs the same even number of local "
+                         f"query and key rows (two chunks), got {q.shape[1]} and {k.shape[1]}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{q.shape[2]} query heads is not a multiple of "
+                         f"{k.shape[2]} key/value heads")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if comm_type == "all_gather":
+        return _all_gather_attention(q, k, v, cp_group, backend, dropout_p, scale)
+    return ring_attention(q, k, v, cp_group, scale, dropout_p)
+
+
+class CommBytes(NamedTuple):
+    """Bytes one CP rank receives from the others in one attention call."""
+    forward: int
+    backward: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
+
+def cp_comm_bytes(comm_type: str, *, cp_size: int, batch: int, seq_length: int, kv_heads: int,
+                  head_dim: int, element_size: int) -> CommBytes:
+    """The closed form of the module docstring for one attention call (one layer, one
+    micro-batch, forward + backward). seq_length is the whole sequence, kv_heads those on
+    this rank (after TP), element_size the bytes per element of K and V."""
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"comm_type {comm_type!r} is not one of {COMM_TYPES}")
+    if cp_size == 1:
+        return CommBytes(0, 0)
+    shard = batch * (seq_length // cp_size) * kv_heads * head_dim * element_size  # B
+    kv_ring = 2 * (cp_size - 1) * shard
+    if comm_type == "all_gather":
+        return CommBytes(kv_ring, kv_ring)
+    return CommBytes(kv_ring, kv_ring + 2 * cp_size * shard)
+
+
+# all_gather
+
+class _GatherAlongCP(torch.autograd.Function):
+    """[n, ...] per rank -> [cp, n, ...]; backward reduce-scatters the gradient (each rank's
+    block of the gathered tensor gets the sum of every rank's gradient for it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        cp = group_size(group)
+        x = x.contiguous()
+        out = x.new_empty((cp * x.shape[0], *x.shape[1:]))
+        all_gather_into(out, x, group=group)
+        return out.view(cp, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty(grad.shape[1:])
+        reduce_scatter_into(out, grad.flatten(0, 1), group=ctx.group)
+        return out, None
+
+
+def _global_order(gathered: torch.Tensor) -> torch.Tensor:
+    """[cp, 2 (k, v), b, 2c, g, d] in rank order -> [2, b, 2·cp·c, g, d] in sequence order:
+    chunk j < cp is rank j's first half, chunk j >= cp rank 2·cp-1-j's second half."""
+    cp, two, b, s_local, g, d = gathered.shape
+    halves = gathered.view(cp, two, b, 2, s_local // 2, g, d)
+    chunks = torch.cat([halves[:, :, :, 0], halves[:, :, :, 1].flip(0)])  # [2cp, 2, b, c, g, d]
+    return chunks.permute(1, 2, 0, 3, 4, 5).reshape(two, b, cp * s_local, g, d)
+
+
+def _all_gather_attention(q, k, v, group, backend, dropout_p, scale):
+    cp, rank = group_size(group), group_rank(group)
+    c = q.shape[1] // 2
+    # One collective for K and V together.
+    k_all, v_all = _global_order(_GatherAlongCP.apply(torch.stack([k, v]), group))
+    outs = []
+    for half, chunk in enumerate(load_balanced_chunks(cp, rank)):
+        prefix = (chunk + 1) * c  # causal: chunk j sees chunks 0..j, its own lower-right
+        outs.append(core_attention(q[:, half * c:(half + 1) * c], k_all[:, :prefix],
+                                   v_all[:, :prefix], backend=backend, dropout_p=dropout_p,
+                                   softmax_scale=scale))
+    return torch.cat(outs, dim=1)

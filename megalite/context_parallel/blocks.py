@@ -1,0 +1,122 @@
+"""Attention of a block of query rows against a block of keys, with its log-sum-exp, the
+exact merge of such partial results, and the block's backward from the merged result.
+
+Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, §3.1): a block
+of keys gives out_b = softmax(S_b) V_b and lse_b = log Σ_j exp(S_bj) per query row. Two
+blocks of the same rows merge exactly into lse = log(e^lse_1 + e^lse_2) and
+out = e^(lse_1 - lse) out_1 + e^(lse_2 - lse) out_2. Dropout keeps this exact: it scales
+each probability by its own mask, which is linear in every block.
+
+Backward (FlashAttention's): with the merged out and lse of the whole row, a block's
+probabilities are P_b = exp(S_b - lse), so each block's gradients follow from the saved
+q, k, v, out, lse alone, block by block:
+  dV_b = (P_b∘Z)ᵀ dO,  dP_b = (dO V_bᵀ)∘Z,  dS_b = P_b∘(dP_b - D),  D = rowsum(dO∘O),
+  dQ += dS_b K_b · scale,  dK_b = dS_bᵀ Q · scale,
+Z being the block's dropout mask over (1-p), redrawn from the generator state saved when
+the forward drew it.
+
+Layout as core_attention: q [b, s_q, heads, d], k and v [b, s_k, kv_heads, d]; lse
+[b, heads, s_q]. Query head i reads key/value head i // (heads / kv_heads); K and V are
+never repeated (the group is a broadcast dim). Scores, probabilities and accumulators are
+in (at least) fp32, as the unfused backend's.
+"""
+
+import torch
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _grouped(q, k, v):
+    """q -> [b, g, heads/g, s_q, d]; k, v -> [b, g, 1, s_k, d], g = kv_heads, in fp32."""
+    acc = _acc_dtype(q.dtype)
+    b, sq, h, d = q.shape
+    g = k.shape[2]
+    qg = q.to(acc).permute(0, 2, 1, 3).reshape(b, g, h // g, sq, d)
+    kg, vg = (t.to(acc).permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))
+    return qg, kg, vg
+
+
+def _ungroup(x: torch.Tensor) -> torch.Tensor:
+    """[b, g, heads/g, s, d] -> [b, s, heads, d]."""
+    b, g, r, s, d = x.shape
+    return x.reshape(b, g * r, s, d).permute(0, 2, 1, 3)
+
+
+def _scores(qg, kg, causal: bool, scale: float) -> torch.Tensor:
+    scores = qg @ kg.transpose(-2, -1) * scale            # [b, g, h/g, s_q, s_k]
+    if causal:  # aligned to the lower right, as core_attention's
+        sq, sk = scores.shape[-2:]
+        future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - sq)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    return module.default_generators[device.index if device.index is not None
+                                     else module.current_device()]
+
+
+def _dropout_mask(shape, p: float, device, generator) -> torch.Tensor:
+    """Keep-mask over (1-p), drawn from `generator`."""
+    keep = torch.empty(shape, device=device).bernoulli_(1.0 - p, generator=generator)
+    return keep / (1.0 - p)
+
+
+def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0):
+    """(out [b, s_q, heads, d] in fp32, lse [b, heads, s_q] in fp32, rng_state): attention
+    of q's rows against this block of keys only. rng_state is the default generator's state
+    before the dropout draw (None without dropout), for block_backward. Differentiable, so a
+    test can take its gradients with autograd."""
+    qg, kg, vg = _grouped(q, k, v)
+    scores = _scores(qg, kg, causal, scale)
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    rng_state = None
+    if dropout_p > 0:
+        generator = _default_generator(q.device)
+        rng_state = generator.get_state()
+        probs = probs * _dropout_mask(probs.shape, dropout_p, q.device, generator)
+    out = _ungroup(probs @ vg)
+    b, g, r, sq = lse.shape
+    return out, lse.reshape(b, g * r, sq), rng_state
+
+
+def merge(out, lse, block_out, block_lse):
+    """Merge two partial results of the same query rows (module docstring); out
+    [b, s, heads, d], lse [b, heads, s], all fp32. Returns the merged (out, lse)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    weight = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)              # [b, s, h, 1]
+    block_weight = torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    return out * weight + block_out * block_weight, new_lse
+
+
+def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
+                   dropout_p: float = 0.0, rng_state=None):
+    """(dq, dk, dv) in fp32, this block's part of the gradients, given the MERGED out and lse
+    of q's rows over every block (module docstring) and the gradient dout of out."""
+    qg, kg, vg = _grouped(q, k, v)
+    b, sq, h, d = q.shape
+    g = k.shape[2]
+    acc = qg.dtype
+    dog = dout.to(acc).permute(0, 2, 1, 3).reshape(b, g, h // g, sq, d)
+    og = out.to(acc).permute(0, 2, 1, 3).reshape(b, g, h // g, sq, d)
+    lse_g = lse.to(acc).reshape(b, g, h // g, sq, 1)
+    probs = torch.exp(_scores(qg, kg, causal, scale) - lse_g)      # P_b, masked entries 0
+    dprobs = dog @ vg.transpose(-2, -1)                            # dO V_bᵀ
+    kept = probs
+    if dropout_p > 0:
+        generator = torch.Generator(device=q.device)
+        generator.set_state(rng_state)
+        mask = _dropout_mask(probs.shape, dropout_p, q.device, generator)
+        kept, dprobs = probs * mask, dprobs * mask
+    delta = (dog * og).sum(dim=-1, keepdim=True)                   # D
+    dscores = probs * (dprobs - delta)
+    dq = _ungroup(dscores @ kg) * scale
+    dk = (dscores.transpose(-2, -1) @ qg).sum(dim=2).permute(0, 2, 1, 3) * scale
+    dv = (kept.transpose(-2, -1) @ dog).sum(dim=2).permute(0, 2, 1, 3)
+    return dq, dk, dv

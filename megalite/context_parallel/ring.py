@@ -1,0 +1,140 @@
+"""Ring attention over the CP group (Liu et al. 2023; Megatron's `--cp-comm-type p2p`).
+
+CP rank r holds query/key rows of chunks r and 2·CP-1-r (c rows each, attention.py). At ring
+step t it holds the K/V block of CP rank src = (r - t) mod CP, sent on from its previous
+neighbour, and computes its blocks (`ring_blocks`), skipping every fully masked pair of
+chunks; that leaves 2·CP+1 pairs of c x c scores on every rank, in three cases:
+- src == r (t = 0): its own keys, in two causal blocks: chunk r against itself (c x c) and
+  chunk 2·CP-1-r against both (c x 2c: the lower-right causal mask leaves chunk r unmasked
+  and is causal within the diagonal pair); chunk r against 2·CP-1-r, fully masked, is skipped;
+- src < r: both query chunks against chunk src, unmasked; chunk 2·CP-1-src comes after both
+  query chunks, a fully masked pair, skipped;
+- src > r: only chunk 2·CP-1-r's queries, against both of src's chunks, unmasked; query chunk
+  r comes before both, fully masked, skipped.
+While a block is computed the next K/V block is already on its way (one batch_isend_irecv:
+send to the next rank, receive from the previous, the order every rank agrees on, as NCCL
+needs; DESIGN.md §11). Partial outputs merge by their log-sum-exp (blocks.py).
+
+Backward walks the same ring: each rank recomputes its blocks from the saved q, k, v, out,
+lse (blocks.block_backward), adds the block's dK/dV to the accumulator that arrived with it
+and sends that on; after CP hops every accumulator is back home holding the sum over ranks.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megalite.context_parallel.blocks import block_backward, block_forward, merge
+from megalite.parallel_state import group_rank, group_size
+
+
+def ring_blocks(cp_size: int, cp_rank: int, src: int, c: int) -> list[tuple[slice, slice, bool]]:
+    """The (query rows, key rows of src's block, causal) that rank `cp_rank` computes against
+    rank `src`'s K/V block (module docstring); rows are local, c per chunk. Causal masks are
+    aligned to the lower right (a query block shorter than its keys ends with them)."""
+    if src == cp_rank:  # chunk r against itself; chunk 2·CP-1-r against r, then itself
+        return [(slice(0, c), slice(0, c), True), (slice(c, 2 * c), slice(0, 2 * c), True)]
+    if src < cp_rank:
+        return [(slice(0, 2 * c), slice(0, c), False)]
+    return [(slice(c, 2 * c), slice(0, 2 * c), False)]
+
+
+class _RingExchange:
+    """Sends a tensor to the next CP rank while receiving one from the previous."""
+
+    def __init__(self, group):
+        cp, rank = group_size(group), group_rank(group)
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % cp)
+        self.prev = dist.get_global_rank(group, (rank - 1) % cp)
+
+    def start(self, tensor: torch.Tensor):
+        received = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
+                                        dist.P2POp(dist.irecv, received, self.prev, self.group)])
+        return works, tensor, received  # the sent tensor is held until the works are done
+
+    @staticmethod
+    def wait(pending) -> torch.Tensor:
+        works, _, received = pending
+        for work in works:  # each once: a gloo work waited twice blocks forever
+            work.wait()
+        return received
+
+
+class _RingAttention(torch.autograd.Function):
+    """Autocast is switched off inside: the block kernel's scores, probabilities and
+    accumulators are fp32 by design (bf16 scores would lose the log-sum-exp's precision)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale, dropout_p):
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._forward(ctx, q, k, v, group, scale, dropout_p)
+
+    @staticmethod
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group, scale, dropout_p):
+        cp, rank = group_size(group), group_rank(group)
+        ring, c = _RingExchange(group), q.shape[1] // 2
+        kv = torch.stack([k, v])  # one message per step for K and V
+        # No keys yet: a zero output of weight exp(-inf); step 0 then covers every row.
+        out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32),
+                          device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=out.dtype,
+                         device=q.device)
+        rng_states = []  # one per block, in the order computed
+        for t in range(cp):
+            pending = ring.start(kv) if t < cp - 1 else None
+            for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
+                block_out, block_lse, rng_state = block_forward(
+                    q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=causal, scale=scale,
+                    dropout_p=dropout_p)
+                rng_states.append(rng_state)
+                out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
+                                                      block_out, block_lse)
+            if pending is not None:
+                kv = ring.wait(pending)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.dropout_p, ctx.rng_states = group, scale, dropout_p, rng_states
+        return out
+
+    @staticmethod
+    def _backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        cp, rank = group_size(group), group_rank(group)
+        ring, c = _RingExchange(group), q.shape[1] // 2
+        kv = torch.stack([k, v])
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        dkv_pending, rng_states = None, iter(ctx.rng_states)
+        for t in range(cp):
+            kv_pending = ring.start(kv) if t < cp - 1 else None
+            grads = []
+            for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                    lse[:, :, rows], causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
+                    rng_state=next(rng_states))
+                dq[:, rows] += dq_b
+                grads.append((keys, dk_b, dv_b))
+            # The block's accumulator: what earlier ranks added (none at t = 0, the block
+            # starts here) plus this rank's part; then it moves on with the block.
+            dkv = torch.zeros_like(kv) if t == 0 else ring.wait(dkv_pending)
+            for keys, dk_b, dv_b in grads:
+                dkv[0][:, keys] += dk_b.to(dkv.dtype)
+                dkv[1][:, keys] += dv_b.to(dkv.dtype)
+            dkv_pending = ring.start(dkv)
+            if kv_pending is not None:
+                kv = ring.wait(kv_pending)
+        dk, dv = ring.wait(dkv_pending)  # this rank's own block, home after CP hops
+        return dq.to(q.dtype), dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, group, scale: float, dropout_p: float) -> torch.Tensor:
+    """Causal attention over the CP group's whole sequence for this rank's rows (attention.py
+    gives the layout); checked inputs, CP > 1."""
+    return _RingAttention.apply(q, k, v, group, scale, dropout_p)

@@ -1,0 +1,72 @@
+"""The memory planner's activations under context parallelism (megalite/memory_estimate/
+context_parallel.py) against what autograd saves: one micro-batch through the whole model
+at CP 2, the distinct storages saved for backward, on CP rank 1 (the planned rank: it holds
+no chunk 0, whose mask-free causal block makes rank 0 keep a little less)."""
+
+import torch
+
+import megalite.memory_estimate as me
+from megalite.arguments import parse_args
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.train_step import autocast
+from megalite.training import build_model
+from megalite.validation import validate_args
+
+from tests.distributed.launcher import run_distributed
+
+CP = 2
+FLAGS = ["--mock-data", "--vocab-size", "500", "--make-vocab-size-divisible-by", "64",
+         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+         "--attention-dropout", "0", "--context-parallel-size", str(CP)]
+ROPE_GQA_BF16 = ["--position-embedding-type", "rope", "--group-query-attention",
+                 "--num-query-groups", "2", "--bf16"]
+CASES = {
+    "all_gather sdpa fp32": ["--cp-comm-type", "all_gather", "--attention-backend", "sdpa"],
+    "all_gather sdpa rope gqa bf16": ["--cp-comm-type", "all_gather", *ROPE_GQA_BF16],
+    "all_gather unfused fp32": ["--cp-comm-type", "all_gather", "--attention-backend",
+                                "unfused"],
+    "p2p fp32": ["--attention-backend", "unfused"],
+    "p2p rope gqa bf16": ["--attention-backend", "unfused", *ROPE_GQA_BF16],
+    "p2p selective": ["--attention-backend", "unfused", "--recompute-granularity",
+                      "selective"],
+}
+
+
+def saved_bytes(config, chunk) -> int:
+    """Distinct storages autograd saves in one forward; parameters and RoPE's table are
+    the model's own, not activations."""
+    own = {t.untyped_storage().data_ptr() for t in [*chunk.parameters(), *chunk.buffers()]}
+    if chunk.rope_table is not None:
+        own.add(chunk.rope_table.untyped_storage().data_ptr())
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+    m = config.model
+    tokens = torch.randint(0, m.vocab_size, (config.training.micro_batch_size,
+                                             m.seq_length // CP))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast(config.precision, torch.device("cpu")):
+            chunk(tokens, tokens)
+    return sum(saved.values())
+
+
+def measure(rank, world_size):
+    results = {}
+    for name, flags in CASES.items():
+        config = validate_args(parse_args(FLAGS + flags), world_size)
+        state = ParallelState(RankGrid(world_size, 1, 1, CP), rank)
+        chunk = build_model(config, state, torch.device("cpu"), None)[0]
+        planned = me.rank_chunks(config, 0, me.DEVICES["cpu"])[0].saved
+        results[name] = (saved_bytes(config, chunk), planned)
+    return results
+
+
+def test_planned_activations_match_saved_tensors_at_cp2():
+    measured = run_distributed(CP, measure)[1]
+    mismatches = {name: (got, want) for name, (got, want) in measured.items() if got != want}
+    assert not mismatches, mismatches
