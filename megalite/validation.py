@@ -135,8 +135,8 @@ def _validate_context_parallel(args) -> int:
         raise ConfigError(f"--sequence-parallel splits each context-parallel rank's "
                           f"--seq-length={seq} / --context-parallel-size={cp} = {seq // cp} "
                           f"rows over --tensor-model-parallel-size={tp}: not divisible")
-    # Before any process starts: "auto" resolves to sdpa or flash, which the ring cannot use.
-    backend = "flash" if args.use_flash_attn else args.attention_backend
+    # Before any process starts: sdpa and flash cannot run the ring.
+    backend = _ring_backend(args, "flash" if args.use_flash_attn else args.attention_backend)
     cp_backend_check(backend, args.cp_comm_type, args.attention_dropout)
     return cp
 
@@ -292,7 +292,14 @@ def _attention_backend(args, kv_channels: int) -> str:
         raise ConfigError(f"--attention-backend flash (flash-attn) needs a head size "
                           f"(--kv-channels, default --hidden-size / --num-attention-heads) "
                           f"<= 256 and a multiple of 8, got {kv_channels}")
-    return backend
+    return _ring_backend(args, backend)
+
+
+def _ring_backend(args, backend: str) -> str:
+    """Ring attention merges its blocks by their log-sum-exp, which only megalite's fp32
+    block kernel ("unfused") returns: "auto", the fastest that can run, is that kernel."""
+    ring = args.context_parallel_size > 1 and args.cp_comm_type == "p2p"
+    return "unfused" if ring and backend == "auto" else backend
 
 
 def _vocab_size(args, tokenizer_vocab_size: int | None) -> int:

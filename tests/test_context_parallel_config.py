@@ -46,13 +46,24 @@ def test_flags_reach_the_config():
     assert default.training.global_batch_size == 4 * 2
 
 
+def test_auto_backend_under_the_ring_is_the_block_kernel():
+    """Ring attention needs each block's log-sum-exp; of the backends only the fp32 block
+    kernel ("unfused") returns it, so "auto" (the fastest that can run) picks it; without
+    the ring "auto" stays auto (sdpa or flash at start-up)."""
+    ring = config_of("--context-parallel-size", "2", world_size=2)
+    gather = config_of("--context-parallel-size", "2", "--cp-comm-type", "all_gather",
+                       world_size=2)
+    assert ring.model.attention_backend == "unfused"
+    assert gather.model.attention_backend == "auto" == config_of().model.attention_backend
+
+
 @pytest.mark.parametrize("extra, world, words", [
     (["--context-parallel-size", "3", "--cp-comm-type", "all_gather"], 6,
      ["--context-parallel-size=3", "--seq-length=32", "6"]),
     # Ring attention (the default --cp-comm-type) needs the log-sum-exp of each block,
-    # which --attention-backend auto (sdpa or flash) does not return: refused up front.
-    (["--context-parallel-size", "2"], 2, ["--cp-comm-type p2p", "--attention-backend auto",
-                                           "unfused", "all_gather"]),
+    # which --attention-backend sdpa does not return: refused up front.
+    (["--context-parallel-size", "2", "--attention-backend", "sdpa"], 2,
+     ["--cp-comm-type p2p", "--attention-backend sdpa", "unfused", "all_gather"]),
     (["--context-parallel-size", "0"], 1, ["--context-parallel-size", "positive"]),
     (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], 6,
      ["world size 6", "--context-parallel-size=4"]),

@@ -55,8 +55,8 @@ def single():
     # the next forward.
     (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
     # Context parallelism: each rank reads its chunks of every sequence; ring attention
-    # (whose block kernel is the unfused one).
-    (2, ["--context-parallel-size", "2", "--attention-backend", "unfused"]),
+    # with the default flags (--attention-backend auto picks its block kernel).
+    (2, ["--context-parallel-size", "2"]),
 ])
 def test_torchrun_layout_matches_one_process(single, nproc, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
