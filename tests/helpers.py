@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
 from megalite.model.config import GPTConfig
-from megalite.tensor_parallel.params import partition_dim, partition_stride
+from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
 
 # ------------------------------------------------------------------------------ configs
 
@@ -145,3 +145,34 @@ def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
     dim, stride = partition_dim(param), partition_stride(param)
     blocks = [part.chunk(stride, dim=dim) for part in parts]
     return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
+
+
+# ------------------------------------------------------------ layouts against one process
+
+def reference_name(name: str, param) -> str:
+    """A chunk parameter's name ("<chunk>.<name>") in the single-process model; a tied
+    output layer on the last stage is a copy of the word embeddings."""
+    name = name.split(".", 1)[1]
+    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name
+
+
+def step_problems(steps, ref_steps, last_stage: bool) -> list[str]:
+    """Per-step (loss, grad norm) against the single-process run's, to 1e-5 relative; the
+    loss only where it is computed, on the last pipeline stage."""
+    problems = []
+    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps), start=1):
+        if (last_stage and abs(loss - ref_loss) > 1e-5 * ref_loss) or \
+                abs(norm - ref_norm) > 1e-5 * ref_norm:
+            problems.append(f"step {i}: loss {loss} vs {ref_loss}, norm {norm} vs {ref_norm}")
+    return problems
+
+
+def tensor_problem(what: str, mine, param, expected, tp_group, atol: float) -> list[str]:
+    """`mine` (a value or grad of `param`, TP-gathered here) against the single-process
+    tensor, to rtol 1e-4 and `atol`; vocabulary padding rows (which differ with TP) are
+    left out."""
+    full = gather_tensor_parallel(mine, param, tp_group)
+    rows = min(full.shape[0], expected.shape[0])
+    if torch.allclose(full[:rows], expected[:rows], rtol=1e-4, atol=atol):
+        return []
+    return [f"{what}: max diff {(full[:rows] - expected[:rows]).abs().max().item():.3g}"]

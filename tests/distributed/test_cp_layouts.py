@@ -17,12 +17,12 @@ from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel.params import is_embedding_copy
 from megalite.train_step import StepRunner
 from megalite.validation import pad_vocab_size
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import gather_tensor_parallel, tiny_gpt_config
+from tests.helpers import (reference_name, step_problems, tensor_problem,
+                           tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
 # RoPE with GQA (2 K/V heads for 4 query heads), or GPT-2's learned positions with
@@ -139,28 +139,17 @@ def compare_layout(rank: int, layout: Layout) -> list[str]:
                                 cp_group=state.cp_group)
     ref_steps, ref_eval, ref_params = reference(layout.model)
     steps, evaluation = run(config, chunks, state, layout.zero)
-    problems = []
     last_stage = state.pp_rank == layout.pp - 1
-    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps), start=1):
-        if (last_stage and abs(loss - ref_loss) > 1e-5 * ref_loss) or \
-                abs(norm - ref_norm) > 1e-5 * ref_norm:
-            problems.append(f"step {i}: loss {loss} vs {ref_loss}, norm {norm} vs {ref_norm}")
+    problems = step_problems(steps, ref_steps, last_stage)
     if last_stage and abs(evaluation[0] / evaluation[1] - ref_eval[0] / ref_eval[1]) > 1e-5:
         problems.append(f"eval loss {evaluation} vs {ref_eval}")
     for name, param in chunks.named_parameters():
-        ref_name = name.split(".", 1)[1]
-        if is_embedding_copy(param):
-            ref_name = "embedding.word_embeddings.weight"
-        full = gather_tensor_parallel(param.detach(), param, state.tp_group)
-        ref = ref_params[ref_name]
-        rows = min(full.shape[0], ref.shape[0])  # vocabulary paddings differ with TP
         # Adam divides each gradient by its running RMS: round-off in a gradient near eps
         # (the K bias, which softmax ignores; rarely seen vocabulary rows) becomes steps
         # of up to lr = 3e-3, and CP sums each gradient from partial sums in another
         # order. A layout bug moves values by ~lr; round-off stays below 5e-5.
-        if not torch.allclose(full[:rows], ref[:rows], rtol=1e-4, atol=5e-5):
-            problems.append(f"final value of {name}: max diff "
-                            f"{(full[:rows] - ref[:rows]).abs().max().item():.3g}")
+        problems += tensor_problem(f"final value of {name}", param.detach(), param,
+                                   ref_params[reference_name(name, param)], state.tp_group, 5e-5)
     return problems
 
 

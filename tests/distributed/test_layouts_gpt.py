@@ -15,11 +15,11 @@ from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel.params import is_embedding_copy
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import gather_tensor_parallel, tiny_gpt_config
+from tests.helpers import (reference_name, step_problems, tensor_problem,
+                           tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO = 101, 16, 2, 4
 BASE = tiny_gpt_config(num_layers=8, num_query_groups=2, seq_length=SEQ,
@@ -91,13 +91,6 @@ def run(config, chunks, state, mode="plain"):
     return steps, first_grads, evaluation
 
 
-def reference_name(name: str, param) -> str:
-    """Chunk parameter names are "<chunk>.<name in the single-process model>"; a tied
-    output layer on the last stage is a copy of the word embeddings."""
-    name = name.split(".", 1)[1]
-    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name
-
-
 def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
     state = ParallelState(RankGrid(tp * pp * dp, tp, pp), rank)
     ref_config = dataclasses.replace(BASE, untie_embeddings_and_output_weights=not tied)
@@ -107,12 +100,8 @@ def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
     chunks = build_model_chunks(config, 9, state.pp_rank, pp, v, state.tp_group)
     ref_steps, ref_grads, ref_eval = run(ref_config, reference, None)
     steps, grads, evaluation = run(config, chunks, state, mode)
-    problems = []
     last_stage = state.pp_rank == pp - 1
-    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps), start=1):
-        if (last_stage and abs(loss - ref_loss) > 1e-5 * ref_loss) or \
-                abs(norm - ref_norm) > 1e-5 * ref_norm:
-            problems.append(f"step {i}: loss {loss} vs {ref_loss}, norm {norm} vs {ref_norm}")
+    problems = step_problems(steps, ref_steps, last_stage)
     if last_stage and abs(evaluation[0] / evaluation[1] - ref_eval[0] / ref_eval[1]) > 1e-5:
         problems.append(f"eval loss {evaluation} vs {ref_eval}")
     ref_params = dict(reference[0].named_parameters())
@@ -128,11 +117,8 @@ def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
             # shards are checked through the grad norm and the parameters.)
             checks.append(("first-step grad", grads[name], ref_grads["0." + ref_name], 1e-6))
         for what, mine, ref, atol in checks:
-            full = gather_tensor_parallel(mine, param, state.tp_group)
-            rows = min(full.shape[0], ref.shape[0])  # vocabulary paddings differ with TP
-            if not torch.allclose(full[:rows], ref[:rows], rtol=1e-4, atol=atol):
-                problems.append(f"{what} of {name}: max diff "
-                                f"{(full[:rows] - ref[:rows]).abs().max().item():.3g}")
+            problems += tensor_problem(f"{what} of {name}", mine, param, ref, state.tp_group,
+                                       atol)
     return problems
 
 

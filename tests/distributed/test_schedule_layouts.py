@@ -20,13 +20,13 @@ from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.params import is_embedding_copy
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.train_step import StepRunner
 from megalite.validation import pad_vocab_size
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import gather_tensor_parallel, tiny_gpt_config
+from tests.helpers import (reference_name, step_problems, tensor_problem,
+                           tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
@@ -96,26 +96,17 @@ def compare_layout(rank, tp, pp, dp, schedule, mode, recompute, ref) -> list[str
                                  sequence_parallel=tp > 1, **(RECOMPUTE if recompute else {}))
     chunks = build_model_chunks(config, 9, state.pp_rank, pp, 1, state.tp_group)
     steps, grads, params = run(config, chunks, state, schedule, mode)
-    problems = []
-    last_stage = state.pp_rank == pp - 1
-    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps), start=1):
-        if (last_stage and abs(loss - ref_loss) > 1e-5 * ref_loss) or \
-                abs(norm - ref_norm) > 1e-5 * ref_norm:
-            problems.append(f"step {i}: loss {loss} vs {ref_loss}, norm {norm} vs {ref_norm}")
+    problems = step_problems(steps, ref_steps, state.pp_rank == pp - 1)
     for name, param in chunks.named_parameters():
-        ref_name = name.split(".", 1)[1]
-        ref_name = "embedding.word_embeddings.weight" if is_embedding_copy(param) else ref_name
+        ref_name = reference_name(name, param)
         # Final values to 2e-5: Adam turns round-off in zero-in-exact-arithmetic grads into
         # steps up to lr (see test_layouts_gpt.py); a layout bug moves them by ~lr.
         checks = [("final value", params[name], ref_params["0." + ref_name], 2e-5)]
         if not mode.startswith("zero"):  # under ZeRO-1 only this rank's shard is reduced
             checks.append(("first-step grad", grads[name], ref_grads["0." + ref_name], 1e-6))
         for what, mine, expected, atol in checks:
-            full = gather_tensor_parallel(mine, param, state.tp_group)
-            rows = min(full.shape[0], expected.shape[0])  # vocabulary paddings differ with TP
-            if not torch.allclose(full[:rows], expected[:rows], rtol=1e-4, atol=atol):
-                problems.append(f"{what} of {name}: max diff "
-                                f"{(full[:rows] - expected[:rows]).abs().max().item():.3g}")
+            problems += tensor_problem(f"{what} of {name}", mine, param, expected,
+                                       state.tp_group, atol)
     return problems
 
 
