@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed):
         add_group(parser)
+    _add_fsdp_args(parser)
     return parser
 
 
@@ -98,6 +99,23 @@ def _parallelism(parser):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="Accumulate and reduce fp16 gradients in an fp32 buffer (always on "
                         "with --bf16, as in Megatron).")
+
+
+def _add_fsdp_args(parser):
+    g = parser.add_argument_group("fully sharded data parallelism")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="Shard parameters, gradients and optimizer state over data-parallel "
+                        "ranks with torch's FSDP2 (fully_shard per transformer layer). Unlike "
+                        "Megatron, megalite composes it with TP, PP (also interleaved, tied "
+                        "embeddings), fp16, and loads any checkpoint layout.")
+    g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                   choices=["optim_grads", "optim_grads_params"],
+                   help="With --use-torch-fsdp2: optim_grads = ZeRO-2 (parameters kept "
+                        "gathered from forward to backward), optim_grads_params = ZeRO-3.")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="fp32 main parameters and Adam moments in host memory, the optimizer "
+                        "step on the host: with --use-torch-fsdp2 or "
+                        "--use-distributed-optimizer (this rank's shard).")
 
 
 def _training(parser):

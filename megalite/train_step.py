@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import PrecisionConfig
+from megalite.distributed.fsdp import compute_dtype, is_fully_sharded, set_gradient_sync
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.optimizer.optimizer import Optimizer
@@ -62,8 +63,10 @@ class StepRunner:
         self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
         self.check_for_nan = check_for_nan
         self.num_microbatches, self.device = num_microbatches, device
-        if grad_buffer is None and state is not None and state.dp_size > 1:
-            raise ValueError("data parallelism needs a GradBuffer to reduce the gradients")
+        self.fsdp = is_fully_sharded(chunks)
+        if grad_buffer is None and state is not None and state.dp_size > 1 and not self.fsdp:
+            raise ValueError("data parallelism needs a GradBuffer (or FSDP) to reduce the "
+                             "gradients")
         self.grad_buffer = grad_buffer
         self.state = state
         pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
@@ -76,7 +79,7 @@ class StepRunner:
         self.comm = None
         if pp > 1:
             # Activations travel in the parameters' dtype (bf16/fp16 or fp32).
-            dtype = next(chunks.parameters()).dtype
+            dtype = compute_dtype(chunks)
             self.comm = PipelineCommunicator(state, activation_shape, dtype, device)
 
     def _autocast(self):
@@ -92,12 +95,18 @@ class StepRunner:
             self.optimizer.zero_grad()
         loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                             lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
-                            self.optimizer.scale_loss, self._autocast)
+                            self.optimizer.scale_loss, self._autocast,
+                            before_backward=self._before_backward if self.fsdp else None)
         self.finalize_grads()
         check = (lambda squares: self._stop_on_nonfinite(loss, squares)) \
             if self.check_for_nan else None
         updated, grad_norm = self.optimizer.step(before_update=check)
         return StepResult(self._sum_over_data_parallel(loss).item(), not updated, grad_norm)
+
+    def _before_backward(self, microbatch: int, chunk: int):
+        # FSDP2 reduce-scatters a chunk's gradients only in its last micro-batch's
+        # backward (every schedule runs a chunk's backwards in micro-batch order).
+        set_gradient_sync(self.chunks[chunk], microbatch == self.num_microbatches - 1)
 
     def _stop_on_nonfinite(self, loss: torch.Tensor, squares: torch.Tensor):
         """Inside the optimizer step, before any parameter changes, so a NaN never reaches

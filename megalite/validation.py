@@ -100,6 +100,7 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     dp = RankGrid(world_size, tp, pp).data_parallel_size
     _check_positive(args, "ddp_bucket_size")
+    fsdp = _validate_fsdp(args)
     if args.overlap_param_gather and not (args.use_distributed_optimizer
                                           and args.overlap_grad_reduce):
         # As in Megatron: only ZeRO-1 gathers parameters, and the overlap of the gather
@@ -113,7 +114,26 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
     fp32_grads = args.accumulate_allreduce_grads_in_fp32 or args.bf16
     return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp, args.use_distributed_optimizer,
                           args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce,
-                          args.overlap_param_gather, fp32_grads)
+                          args.overlap_param_gather, fp32_grads, *fsdp)
+
+
+def _validate_fsdp(args) -> tuple[bool, str, bool]:
+    """(use_torch_fsdp2, data_parallel_sharding_strategy, optimizer_cpu_offload)."""
+    fsdp = getattr(args, "use_torch_fsdp2", False)
+    strategy = getattr(args, "data_parallel_sharding_strategy", "optim_grads_params")
+    offload = getattr(args, "optimizer_cpu_offload", False)
+    if fsdp and args.use_distributed_optimizer:
+        raise ConfigError("--use-torch-fsdp2 (ZeRO-2/3) and --use-distributed-optimizer "
+                          "(ZeRO-1) both shard the optimizer state: choose one")
+    if fsdp and args.overlap_param_gather:
+        # FSDP2 always overlaps its all-gathers (prefetching the next unit) and its
+        # reduce-scatters (during the backward of earlier layers).
+        raise ConfigError("--overlap-param-gather is ZeRO-1's; under --use-torch-fsdp2 FSDP2 "
+                          "prefetches the next layer's parameters itself: drop the flag")
+    if offload and not (fsdp or args.use_distributed_optimizer):
+        raise ConfigError("--optimizer-cpu-offload needs --use-torch-fsdp2 or "
+                          "--use-distributed-optimizer (got neither)")
+    return fsdp, strategy, offload
 
 
 def _virtual_stages(args, pp: int) -> int | None:

@@ -36,6 +36,7 @@ import megalite
 from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, checkpoint_dir,
                                            commit, prepare_staging, save_tensor_file,
                                            staging_dir)
+from megalite.distributed.fsdp import full_tensor, is_fully_sharded
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
 
@@ -111,11 +112,13 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
     dist.barrier()
     staging = staging_dir(save, iteration)
     params = saved_params(chunks)
-    if state.dp_rank == 0:
+    # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
+    if state.dp_rank == 0 or is_fully_sharded(chunks):
         # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
         # torch.save would write the whole buffer.
-        save_tensor_file({"params": {n: _cpu_copy(p) for n, p in params.items()},
-                          **shard_layout(params)},
+        values = {n: _cpu_copy(full_tensor(p.detach())) for n, p in params.items()}
+    if state.dp_rank == 0:
+        save_tensor_file({"params": values, **shard_layout(params)},
                          staging / model_file(state.tp_rank, state.pp_rank))
     if ckpt.save_optim and (zero or state.dp_rank == 0):
         names = {id(p): n for n, p in params.items()}

@@ -12,11 +12,13 @@ from megalite.pipeline_parallel.schedules import FORWARD
 
 def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
                  comm: PipelineCommunicator | None, loss_fn: Callable, backward_scale: Callable,
-                 autocast: Callable, forward_only: bool = False) -> torch.Tensor:
+                 autocast: Callable, forward_only: bool = False,
+                 before_backward: Callable | None = None) -> torch.Tensor:
     """Returns the sum of loss_fn(per-token losses, microbatch) over the microbatches (on
     the last pipeline stage; zero elsewhere). `backward_scale` maps that loss to what
     backward starts from (the fp16 loss scale). Without pipelining `comm` is None: the
-    one stage is both first and last and the plan sends nothing."""
+    one stage is both first and last and the plan sends nothing. `before_backward(
+    microbatch, chunk)`, if given, runs before each backward (FSDP's gradient sync)."""
     saved: dict[tuple[int, int], tuple] = {}
     inbox, outbox = {}, {}  # received and not yet used; computed and not yet sent
     total = torch.zeros((), device=microbatches[0]["tokens"].device)
@@ -42,6 +44,8 @@ def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
                 saved[key] = (x, out)
         else:
             x, out = saved.pop(key)
+            if before_backward is not None:
+                before_backward(action.microbatch, action.chunk)
             if stage.is_last:
                 torch.autograd.backward(backward_scale(out))
             else:
