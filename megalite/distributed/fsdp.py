@@ -45,8 +45,11 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
     the gathered compute parameters, `reduce_dtype` that of the gradient reduction."""
     mesh = DeviceMesh.from_group(dp_group, device.type)
     kwargs = dict(mesh=mesh, reshard_after_forward=strategy == ZERO3,
+                  # Inputs stay as they are: activations already have the compute
+                  # dtype, and the fp32 RoPE table must not be rounded (see gpt.py).
                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                 reduce_dtype=reduce_dtype),
+                                                 reduce_dtype=reduce_dtype,
+                                                 cast_forward_inputs=False),
                   offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
                   if cpu_offload else OffloadPolicy())
     for chunk in chunks:
