@@ -52,6 +52,8 @@ def single():
     # ZeRO-1, its reduce-scatter launched during backward, its all-gather waited for by
     # the next forward.
     (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
+    # FSDP2 (ZeRO-3) over DP 2 of TP 2 shards, with sequence parallelism.
+    (4, ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 ])
 def test_torchrun_layout_matches_one_process(single, nproc, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
