@@ -21,8 +21,11 @@ and reduces gradients in fp32 under --accumulate-allreduce-grads-in-fp32 (no sep
 main copy exists). Gradients are summed over DP, not averaged (the loss is already divided
 by the global batch's token count, see train_step.py), and only after the last micro-batch
 (`set_requires_gradient_sync`). A tied embedding used on the same stage as the output layer
-stays in the chunk's own unit, which is not resharded between its forward and backward.
+stays in the chunk's own unit (gathered for the whole forward of the chunk): as its own unit
+it would be resharded after the embedding lookup, before the output layer reads it.
 """
+
+import warnings
 
 import torch
 from torch import nn
@@ -43,6 +46,9 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
     """Shard every model chunk (GPTModel) over `dp_group` in place; returns `chunks`.
     The chunks' parameters must be fp32 (the main copy); `param_dtype` is the dtype of
     the gathered compute parameters, `reduce_dtype` that of the gradient reduction."""
+    # The last stage returns its per-token losses transposed, a view: FSDP2 warns that an
+    # in-place op on it would skip its backward hook; the executor never modifies it.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     mesh = DeviceMesh.from_group(dp_group, device.type)
     kwargs = dict(mesh=mesh, reshard_after_forward=strategy == ZERO3,
                   # Inputs stay as they are: activations already have the compute
@@ -54,7 +60,7 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
                   if cpu_offload else OffloadPolicy())
     for chunk in chunks:
         tags = {name: dict(vars(p)) for name, p in chunk.named_parameters()}
-        for module in _units(chunk):
+        for module in fsdp_units(chunk):
             fully_shard(module, **kwargs)
         fully_shard(chunk, **kwargs)
         for name, p in chunk.named_parameters():
@@ -68,7 +74,7 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
     return chunks
 
 
-def _units(chunk: nn.Module) -> list[nn.Module]:
+def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
     """The submodules of a chunk that become their own FSDP unit, in forward order."""
     units = []
     tied_here = chunk.embedding is not None and chunk.output_layer is None and \
