@@ -6,6 +6,7 @@ without (FSDP2 and ZeRO-1)."""
 
 import contextlib
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -114,6 +115,16 @@ def reference_name(name: str, param) -> str:
     return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name
 
 
+@functools.cache
+def single_process(tied: bool):
+    """The reference run (per process, once per tying): per-step (loss, grad norm) and
+    the final parameters by single-process name."""
+    config = dataclasses.replace(BASE, untie_embeddings_and_output_weights=not tied)
+    reference = torch.nn.ModuleList([GPTModel(config, seed=9)])
+    steps = run(config, reference, None)
+    return steps, dict(reference[0].named_parameters())
+
+
 def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
     state = ParallelState(RankGrid(tp * pp * dp, tp, pp), rank)
     ref_config = dataclasses.replace(BASE, untie_embeddings_and_output_weights=not tied)
@@ -122,9 +133,8 @@ def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
     if mode.endswith("+recompute"):
         config = dataclasses.replace(config, recompute_granularity="full",
                                      recompute_method="uniform", recompute_num_layers=1)
-    reference = torch.nn.ModuleList([GPTModel(ref_config, seed=9)])
+    ref_steps, ref_params = single_process(tied)
     chunks = build_model_chunks(config, 9, state.pp_rank, pp, v, state.tp_group)
-    ref_steps = run(ref_config, reference, None)
     steps = run(config, chunks, state, mode)
     problems = []
     last_stage = state.pp_rank == pp - 1
@@ -132,7 +142,6 @@ def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
         if (last_stage and abs(loss - ref_loss) > 1e-5 * ref_loss) or \
                 abs(norm - ref_norm) > 1e-5 * ref_norm:
             problems.append(f"step {i}: loss {loss} vs {ref_loss}, norm {norm} vs {ref_norm}")
-    ref_params = dict(reference[0].named_parameters())
     for name, param in chunks.named_parameters():
         ref = ref_params[reference_name(name, param)].detach()
         full = gather_tensor_parallel(full_tensor(param.detach()), param, state.tp_group)
