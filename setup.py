@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
     # torch >= 2.6 for torch.load(weights_only=True) on our checkpoints.
-    install_requires=["torch>=2.6", "numpy", "sentencepiece", "tensorboard"],
+    install_requires=["torch>=2.6", "numpy", "sentencepiece", "tensorboard", "PyYAML"],
     extras_require={
         "flash": ["flash-attn>=2.5"],
         "hf": ["tokenizers>=0.15", "transformers>=4.45"],

@@ -24,21 +24,13 @@ mkdir -p "$DATA"
 # A context-free model cannot beat the unigram entropy; the validation loss below should.
 "$PYTHON" tools/dataset_stats.py --data-path "$DATA/stdlib_text_document"
 
-"$PYTHON" pretrain_gpt.py \
+"$PYTHON" pretrain_gpt.py --yaml-cfg examples/configs/quickstart.yaml \
     --data-path "$DATA/stdlib_text_document" --split 98,2,0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model" \
-    --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
-    --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
-    --attention-dropout 0 --hidden-dropout 0 \
-    --micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
-    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
-    --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 \
-    --log-interval 20 --log-throughput --eval-interval 100 --eval-iters 10 \
-    --tensorboard-dir runs/quickstart --save runs/quickstart/checkpoints
+    --train-iters "$TRAIN_ITERS"
 
 # What the model writes: a sample from the checkpoint just saved (KV-cached decoding).
-"$PYTHON" tools/generate.py --load runs/quickstart/checkpoints \
+"$PYTHON" tools/generate.py --yaml-cfg examples/configs/quickstart.yaml \
+    --load runs/quickstart/checkpoints \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model" \
-    --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \
-    --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
     --prompt "def " --max-new-tokens 96 --top-k 40 --temperature 0.8 --seed 1

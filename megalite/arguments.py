@@ -8,6 +8,7 @@ rejects combinations that cannot work. Nothing here is read as a global.
 import argparse
 
 from megalite.data.tokenizer import TOKENIZER_TYPES
+from megalite.run_file import parse_with_run_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,11 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
                       _data, _checkpointing, _logging, _distributed):
         add_group(parser)
     _add_fsdp_args(parser)
+    parser.add_argument("--yaml-cfg", default=None, metavar="FILE",
+                        help="A run file: YAML whose keys are these flags' names (grouped or "
+                             "flat); flags on the command line override it. Megatron's flag "
+                             "name; megalite's meaning (Megatron's file has its own schema).")
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    return parse_with_run_file(build_parser(), argv)
 
 
 def _model(parser):

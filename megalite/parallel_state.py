@@ -143,11 +143,3 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.grid.data_parallel_size
-
-    @property
-    def is_pipeline_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_pipeline_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.arguments import parse_args
+from megalite.arguments import build_parser, parse_args
 from megalite.config import Config, OptimizerKind
 from megalite.data.datasets import build_datasets
 from megalite.data.loader import microbatches
@@ -34,6 +34,7 @@ from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.run_file import dump_run_file, write_run_file
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
@@ -78,7 +79,8 @@ def pretrain(argv=None) -> int:
         p = config.parallel
         state = ParallelState(RankGrid(world_size, p.tensor_model_parallel_size,
                                        p.pipeline_model_parallel_size), rank)
-        run_training(config, state, device, tokenizer.eod if tokenizer else None)
+        run_training(config, state, device, tokenizer.eod if tokenizer else None,
+                     dump_run_file(args, build_parser()))
         return 0
     except MegaliteError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
@@ -133,7 +135,9 @@ def build_optimizer(model: nn.Module, config: Config,
 
 
 def run_training(config: Config, state: ParallelState, device: torch.device,
-                 eod: int | None) -> TrainState:
+                 eod: int | None, run_file: str | None = None) -> TrainState:
+    """`run_file`: the run's flags as YAML (run_file.dump_run_file), kept beside the
+    TensorBoard events and in each checkpoint so the run can be repeated from either."""
     set_seed(config.training.seed)
     rng_tracker = build_rng_tracker(config.training.seed, state.tp_rank, device)
     model = build_model(config, state, device, rng_tracker)
@@ -156,13 +160,15 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
 
     def save(iteration: int):
         save_checkpoint(config.checkpoint.save, iteration, model, optimizer, scheduler, state,
-                        config, progress, rng_tracker)
+                        config, progress, rng_tracker, run_file)
         print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
                      f"{config.checkpoint.save}")
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
     tensorboard = TensorBoardLogger(config.logging.tensorboard_dir if is_last else None)
+    if is_last and config.logging.tensorboard_dir and run_file:
+        write_run_file(config.logging.tensorboard_dir, run_file)
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({state.tp_rank}, {state.pp_rank}): {sum(p.numel() for p in model.parameters())}",

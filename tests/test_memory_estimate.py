@@ -496,13 +496,13 @@ def example_plan(script: str, tmp_path, capsys, **env) -> str:
 
 @pytest.mark.parametrize("script", EXAMPLES)
 def test_example_script_states_its_planned_memory(script, tmp_path, capsys):
-    """Each example's header states its layout, global batch and the planner's total per
+    """Each example's run file states its layout, global batch and the planner's total per
     GPU; the planner run on the script's own flags must agree and fit an 80 GiB GPU."""
-    text = (ROOT / "examples" / script).read_text()
+    text = (ROOT / "examples" / "configs" / script.replace(".sh", ".yaml")).read_text()
     header = re.search(r"Expected memory per GPU .*?: ([\d.]+) GiB total", text)
     batch = re.search(r"Global batch: (\d+) sequences", text)
     assert header and batch and "# Layout:" in text
-    assert f"--global-batch-size {batch.group(1)} " in text
+    assert f"global-batch-size: {batch.group(1)}\n" in text
     out = example_plan(script, tmp_path, capsys)
     total = re.search(r"most loaded: PP rank \d+, total ([\d.]+) GiB of 80 GiB", out)
     assert total and total.group(1) == header.group(1), out

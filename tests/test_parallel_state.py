@@ -63,7 +63,6 @@ def test_single_process_degenerates(tmp_path):
         state = ParallelState(RankGrid(1), 0)
         assert (state.tp_rank, state.dp_rank, state.pp_rank) == (0, 0, 0)
         assert (state.tp_size, state.dp_size, state.pp_size) == (1, 1, 1)
-        assert state.is_pipeline_first_stage and state.is_pipeline_last_stage
         for group in (state.tp_group, state.dp_group, state.pp_group, state.mp_group,
                       state.embedding_group):
             assert dist.get_world_size(group) == 1

@@ -10,10 +10,21 @@ r"""Convert between megalite checkpoints and HuggingFace transformers models.
     python tools/convert_checkpoint.py --import-hf hf_dir --save ckpt
     python pretrain_gpt.py --load ckpt --finetune <printed model flags> ...
 
+    # A Megatron-LM save directory (torch_dist or legacy torch, any TP/PP) -> a megalite
+    # checkpoint at the same iteration (model flags given here are checked against its args;
+    # pretrain_gpt.py --load also reads a Megatron directory directly):
+    python tools/convert_checkpoint.py --import-megatron megatron_ckpt --save ckpt \
+        [--ckpt-format torch|torch_dist] [--vocab-size N] [model flags to check]
+    # ... and back, at a chosen Megatron TP/PP:
+    python tools/convert_checkpoint.py --load ckpt --export-megatron megatron_out \
+        --ckpt-format torch_dist --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
+
 Export reassembles every parameter's full single-process tensor from the saved shards
 (megalite/checkpointing/loading.py), so the layout it was trained at does not matter.
-Import writes the files a one-process run (TP 1, PP 1, DP 1) writes, without optimizer and
-RNG states, which a load at any layout reshards. The weight mapping and the styles HF has
+Import writes the files a one-process run (TP 1, PP 1, DP 1) writes, without RNG states
+(and without optimizer state, except Adam's from a legacy Megatron checkpoint of the
+non-distributed optimizer), which a load at any layout reshards. The Megatron side is
+megalite/megatron_checkpoint/. The weight mapping and the styles HF has
 a counterpart for are megalite/hf_convert.py's. Outputs appear complete or not at all:
 the export is staged and renamed by export_to_hf, the checkpoint by storage.commit.
 """
@@ -41,12 +52,19 @@ from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
+from megalite.megatron_checkpoint import convert as megatron_convert  # noqa: E402
+from megalite.megatron_checkpoint.writer import write_checkpoint as write_megatron  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EMBEDDING = "embedding.word_embeddings.weight"
-# The flags of one direction only (args attributes); each defaults to None or False.
-EXPORT_FLAGS = ("load", "iteration", "dtype", "overwrite")
-IMPORT_FLAGS = ("save", "make_vocab_size_divisible_by")
+# The flags each direction takes (args attributes); each defaults to None or False.
+DIRECTION_FLAGS = {
+    "export_hf": ("load", "iteration", "dtype", "overwrite"),
+    "import_hf": ("save", "make_vocab_size_divisible_by"),
+    "export_megatron": ("load", "iteration", "overwrite", "ckpt_format",
+                        "target_tensor_parallel_size", "target_pipeline_parallel_size",
+                        "make_vocab_size_divisible_by"),
+    "import_megatron": ("save", "ckpt_format", "vocab_size")}
 # What a single-process run records as its layout (saving.layout_of for one rank).
 SINGLE_PROCESS_LAYOUT = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                          "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 1,
@@ -208,6 +226,37 @@ def import_(args) -> Path:
     return final
 
 
+# --- Megatron-LM: megalite <-> megatron.core GPTModel checkpoints ----------------------------
+
+def export_megatron(args) -> Path:
+    iteration, directory, meta = find_checkpoint(args.load, args.iteration)
+    config, state = full_state_dict(directory, meta)
+    tp, pp = args.target_tensor_parallel_size or 1, args.target_pipeline_parallel_size or 1
+    fmt = args.ckpt_format or "torch_dist"
+    out = write_megatron(args.export_megatron, config, state, iteration, fmt, tp, pp,
+                         args.make_vocab_size_divisible_by,
+                         {"consumed_train_samples": meta["consumed_train_samples"],
+                          "consumed_valid_samples": meta["consumed_valid_samples"]},
+                         overwrite=args.overwrite)
+    print(f"exported iteration {iteration} of {args.load} to {out} (Megatron --ckpt-format "
+          f"{fmt}, TP {tp}, PP {pp}); the optimizer is not exported: Megatron starts it "
+          f"fresh (load with --no-load-optim --no-load-rng)")
+    return out
+
+
+def import_megatron(args) -> Path:
+    _check_empty(args.save)
+    final = megatron_convert.import_megatron(args.import_megatron, args.save, args.ckpt_format,
+                                             megatron_convert.shape_flags_given(args),
+                                             args.vocab_size)
+    meta = read_metadata(final)
+    config = GPTConfig(**meta["model"], padded_vocab_size=meta["model"]["vocab_size"])
+    print(f"imported {args.import_megatron} as {final} (iteration {meta['iteration']}); "
+          f"continue from it with\n  python pretrain_gpt.py --load {shlex.quote(args.save)} "
+          f"--vocab-size {config.vocab_size} {' '.join(load_flags(config))}")
+    return final
+
+
 # --- command line --------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -229,6 +278,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="pad the vocabulary to a multiple of this (default 128; "
                         "pretrain_gpt.py repads to its own TP size on load)")
+    megatron_convert.add_megatron_args(parser)
     args = parser.parse_args(argv)
     _check_flags(parser, args)
     if args.make_vocab_size_divisible_by is None:
@@ -236,26 +286,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+DIRECTIONS = {"export_hf": "--export-hf", "import_hf": "--import-hf",
+              "export_megatron": "--export-megatron", "import_megatron": "--import-megatron"}
+
+
 def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """Exactly one direction, with its own flags only (parser.error exits with 2)."""
-    exporting = args.export_hf is not None
-    if exporting == (args.import_hf is not None):
-        parser.error("pass exactly one of --export-hf (with --load) and --import-hf "
-                     "(with --save)")
+    chosen = [d for d in DIRECTIONS if getattr(args, d) is not None]
+    if len(chosen) != 1:
+        parser.error("pass exactly one of --export-hf or --export-megatron (with --load), "
+                     "--import-hf or --import-megatron (with --save)")
+    direction = chosen[0]
+    exporting = direction.startswith("export")
     if exporting and args.load is None:
-        parser.error("--export-hf needs --load (the megalite save directory)")
+        parser.error(f"{DIRECTIONS[direction]} needs --load (the megalite save directory)")
     if not exporting and args.save is None:
-        parser.error("--import-hf needs --save (the megalite save directory to write)")
-    wrong = [_flag(name) for name in (IMPORT_FLAGS if exporting else EXPORT_FLAGS)
+        parser.error(f"{DIRECTIONS[direction]} needs --save (the megalite save directory "
+                     f"to write)")
+    others = {f for d, flags in DIRECTION_FLAGS.items() for f in flags}
+    wrong = [_flag(name) for name in sorted(others - set(DIRECTION_FLAGS[direction]))
              if getattr(args, name) not in (None, False)]
+    if direction != "import_megatron":
+        wrong += [_flag(n) for n in megatron_convert.shape_flags_given(args)]
     if wrong:
-        parser.error(f"not used with {'--export-hf' if exporting else '--import-hf'}: "
-                     f"{', '.join(wrong)}")
+        parser.error(f"not used with {DIRECTIONS[direction]}: {', '.join(wrong)}")
     if args.iteration is not None and args.iteration < 0:
         parser.error(f"--iteration must be >= 0, got {args.iteration}")
-    if args.make_vocab_size_divisible_by is not None and args.make_vocab_size_divisible_by <= 0:
-        parser.error(f"--make-vocab-size-divisible-by must be positive, got "
-                     f"{args.make_vocab_size_divisible_by}")
+    for name in ("make_vocab_size_divisible_by", "target_tensor_parallel_size",
+                 "target_pipeline_parallel_size", "vocab_size"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            parser.error(f"{_flag(name)} must be positive, got {getattr(args, name)}")
 
 
 def _flag(name: str) -> str:
@@ -267,8 +327,12 @@ def main(argv=None) -> int:
     try:
         if args.export_hf is not None:
             export(args)
-        else:
+        elif args.import_hf is not None:
             import_(args)
+        elif args.export_megatron is not None:
+            export_megatron(args)
+        else:
+            import_megatron(args)
     except (MegaliteError, ImportError) as e:  # ImportError: transformers is not installed
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -26,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.arguments import build_parser  # noqa: E402
+from megalite.run_file import parse_with_run_file  # noqa: E402
 from megalite.config import Config  # noqa: E402
 from megalite.data.tokenizer import build_tokenizer  # noqa: E402
 from megalite.errors import ConfigError, MegaliteError  # noqa: E402
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     g.add_argument("--top-p", type=float, default=1.0,
                    help="Sample from the smallest set of tokens with this much probability "
                         "(1: all).")
-    return parser.parse_args(argv)
+    return parse_with_run_file(parser, argv)
 
 
 def build_config(args) -> tuple[Config, object]:

@@ -141,6 +141,11 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     """Restore everything a checkpoint holds that the flags ask for. Returns the
     iteration and consumed samples to continue from, or None when `load` holds no
     checkpoint at all (a fresh start)."""
+    # Megatron-LM's own directory, read without conversion (imported here: it imports us).
+    from megalite.megatron_checkpoint import load as megatron, reader as megatron_reader
+    if megatron_reader.is_megatron_checkpoint(load):
+        return megatron.load_megatron_checkpoint(load, chunks, optimizer, scheduler, state,
+                                                 config)
     found = find_checkpoint_to_load(load)
     ckpt = config.checkpoint
     if found is None:

@@ -101,8 +101,10 @@ def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> lis
 # --- saving --------------------------------------------------------------------------------
 
 def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer, scheduler,
-                    state: ParallelState, config, train_state, rng_tracker=None) -> Path:
-    """Every rank calls this at the same iteration; returns the published directory."""
+                    state: ParallelState, config, train_state, rng_tracker=None,
+                    run_file: str | None = None) -> Path:
+    """Every rank calls this at the same iteration; returns the published directory.
+    `run_file`: the run's flags as YAML (megalite/run_file.py), kept in the metadata."""
     optimizer.finish_param_gather()
     zero = optimizer.sharded
     layout = layout_of(state, chunks, zero)
@@ -137,7 +139,7 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                     "consumed_valid_samples": train_state.consumed_valid_samples,
                     "scheduler": scheduler.state_dict(),
                     "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                    "config": _jsonable(dataclasses.asdict(config))}
+                    "config": _jsonable(dataclasses.asdict(config)), "run_file": run_file}
         final = commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
         apply_retention(save, ckpt.keep_last)
     dist.barrier()

@@ -43,24 +43,19 @@ def parse_data_path(values: Sequence[str]) -> Tuple[List[float], List[str]]:
     if _as_weight(values[0]) is None:
         numeric = [v for v in values if _as_weight(v) is not None]
         if numeric:
-            raise ConfigError(
-                f"--data-path: {numeric[0]!r} looks like a weight, but the list does not start "
-                f"with one; write weight-prefix pairs 'w1 p1 w2 p2 ...' or prefixes only"
-            )
+            raise ConfigError(f"--data-path: {numeric[0]!r} looks like a weight, but the list "
+                              "does not start with one; write weight-prefix pairs "
+                              "'w1 p1 w2 p2 ...' or prefixes only")
         return normalize_weights([1.0] * len(values)), values
     if len(values) % 2 != 0:
-        raise ConfigError(
-            f"--data-path: {len(values)} values; a weighted list needs weight-prefix pairs "
-            f"'w1 p1 w2 p2 ...'"
-        )
+        raise ConfigError(f"--data-path: {len(values)} values; a weighted list needs "
+                          "weight-prefix pairs 'w1 p1 w2 p2 ...'")
     weights = []
     for position, text in enumerate(values[0::2]):
         weight = _as_weight(text)
         if weight is None:
-            raise ConfigError(
-                f"--data-path: expected a weight before prefix {values[2 * position + 1]!r}, "
-                f"got {text!r}"
-            )
+            raise ConfigError(f"--data-path: expected a weight before prefix "
+                              f"{values[2 * position + 1]!r}, got {text!r}")
         weights.append(weight)
     return normalize_weights(weights), values[1::2]
 
@@ -69,8 +64,8 @@ def normalize_weights(weights: Sequence[float]) -> List[float]:
     """Weights divided by their sum (in float64, as Megatron's `normalize`); each must be > 0."""
     for weight in weights:
         if not (math.isfinite(weight) and weight > 0):
-            raise ConfigError(
-                f"--data-path: every weight must be a finite number > 0, got {weight}")
+            raise ConfigError(f"--data-path: every weight must be a finite number > 0, "
+                              f"got {weight}")
     array = np.array(weights, dtype=np.float64)
     return (array / np.sum(array)).tolist()
 
@@ -117,20 +112,11 @@ class BlendedDataset(torch.utils.data.Dataset):
     `cache_dir`, `is_builder` and `barrier` work as in GPTDataset.
     """
 
-    def __init__(
-        self,
-        datasets: Sequence,
-        weights: Sequence[float],
-        num_samples: int,
-        *,
-        cache_dir: Optional[str] = None,
-        is_builder: bool = True,
-        barrier: Callable[[], None] = lambda: None,
-    ):
+    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, *,
+                 cache_dir: Optional[str] = None, is_builder: bool = True,
+                 barrier: Callable[[], None] = lambda: None):
         if len(datasets) != len(weights) or not datasets:
-            raise ConfigError(
-                f"--data-path: {len(weights)} weights for {len(datasets)} datasets"
-            )
+            raise ConfigError(f"--data-path: {len(weights)} weights for {len(datasets)} datasets")
         if len(datasets) >= np.iinfo(np.int16).max:
             raise ConfigError(
                 f"--data-path: at most {np.iinfo(np.int16).max - 1} datasets can be blended")
@@ -139,19 +125,14 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights)
         self.description = {
-            "class": "BlendedDataset",
-            "format_version": INDEX_FORMAT_VERSION,
+            "class": "BlendedDataset", "format_version": INDEX_FORMAT_VERSION,
             "datasets": [description_hash(d.description) for d in self.datasets],
-            "weights": self.weights,
-            "num_samples": num_samples,
-        }
+            "weights": self.weights, "num_samples": num_samples}
         self.description_hash = description_hash(self.description)
         arrays, self.cache_prefix = build_or_load_indices(
-            self.description,
-            ["dataset_index", "dataset_sample_index"],
+            self.description, ["dataset_index", "dataset_sample_index"],
             lambda: build_blending_indices(self.weights, num_samples),
-            cache_dir, is_builder, barrier,
-        )
+            cache_dir, is_builder, barrier)
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
         self._check_components_large_enough()
@@ -161,10 +142,9 @@ class BlendedDataset(torch.utils.data.Dataset):
         for j, dataset in enumerate(self.datasets):
             if counts[j] > len(dataset):
                 name = dataset.description.get("name", f"dataset {j}")
-                raise DataError(
-                    f"blend needs {counts[j]} samples from {name} (weight {self.weights[j]:.4g}) "
-                    f"but it holds {len(dataset)}; build it with component_num_samples()"
-                )
+                raise DataError(f"blend needs {counts[j]} samples from {name} (weight "
+                                f"{self.weights[j]:.4g}) but it holds {len(dataset)}; build it "
+                                "with component_num_samples()")
 
     def __len__(self) -> int:
         return self.dataset_index.shape[0]

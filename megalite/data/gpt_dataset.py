@@ -47,9 +47,7 @@ SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 _SAMPLE_INDEX_CHUNK = 1 << 22
 
 
-# --------------------------------------------------------------------------------------
-# --split
-# --------------------------------------------------------------------------------------
+# --- --split ---
 
 def parse_split(split: str) -> List[float]:
     """`--split "969,30,1"` (or "98/2/0", or "100") -> three weights normalised to sum 1."""
@@ -60,15 +58,12 @@ def parse_split(split: str) -> List[float]:
     except ValueError:
         weights = None
     if not weights or len(weights) > 3:
-        raise ConfigError(
-            f"--split {split!r}: expected up to three comma-separated numbers "
-            f"(train,valid,test), e.g. 969,30,1"
-        )
+        raise ConfigError(f"--split {split!r}: expected up to three comma-separated numbers "
+                          f"(train,valid,test), e.g. 969,30,1")
     weights += [0.0] * (3 - len(weights))
     if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(
-            f"--split {split!r}: weights must be finite, >= 0 and not all zero, got {weights}"
-        )
+        raise ConfigError(f"--split {split!r}: weights must be finite, >= 0 and not all "
+                          f"zero, got {weights}")
     total = sum(weights)
     return [w / total for w in weights]
 
@@ -90,9 +85,7 @@ def split_documents(num_documents: int, split: str = "969,30,1") -> List[Tuple[i
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
-# --------------------------------------------------------------------------------------
-# Index cache: built once by the builder rank, read by everyone
-# --------------------------------------------------------------------------------------
+# --- Index cache: built once by the builder rank, read by everyone ---
 
 def description_hash(description: dict) -> str:
     """sha256 of the canonical JSON of everything that determines a set of indices."""
@@ -116,14 +109,10 @@ def _save_atomic(path: str, write: Callable) -> None:
             os.remove(tmp)
 
 
-def build_or_load_indices(
-    description: dict,
-    names: Sequence[str],
-    build: Callable[[], Dict[str, np.ndarray]],
-    cache_dir: Optional[str],
-    is_builder: bool,
-    barrier: Callable[[], None],
-) -> Tuple[Dict[str, np.ndarray], Optional[str]]:
+def build_or_load_indices(description: dict, names: Sequence[str],
+                          build: Callable[[], Dict[str, np.ndarray]], cache_dir: Optional[str],
+                          is_builder: bool, barrier: Callable[[], None],
+                          ) -> Tuple[Dict[str, np.ndarray], Optional[str]]:
     """Return the arrays `names` for `description`, and the cache file prefix (or None).
 
     With no `cache_dir` every process builds in memory. Otherwise the builder builds on a
@@ -157,24 +146,20 @@ def build_or_load_indices(
         return arrays, prefix
 
     if not complete():
-        raise DataError(
-            f"index cache {prefix}-*.npy is missing after the builder rank's turn: is the data "
-            f"cache directory {cache_dir!r} on a filesystem every rank can see?"
-        )
+        raise DataError(f"index cache {prefix}-*.npy is missing after the builder rank's "
+                        f"turn: is the data cache directory {cache_dir!r} on a filesystem "
+                        "every rank can see?")
     loaded = {}
     for name, path in paths.items():
         try:
             loaded[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:
-            raise DataError(
-                f"cannot read index cache file {path}: {err}; delete it to rebuild"
-            ) from err
+            raise DataError(f"cannot read index cache file {path}: {err}; delete it to "
+                            "rebuild") from err
     return loaded, prefix
 
 
-# --------------------------------------------------------------------------------------
-# The three indices (pure functions of lengths, documents, sizes and seed)
-# --------------------------------------------------------------------------------------
+# --- The three indices (pure functions of lengths, documents, sizes and seed) ---
 
 def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:
     """Smallest number of epochs whose tokens give `num_samples` samples of seq_length+1."""
@@ -275,9 +260,7 @@ def build_gpt_indices(sequence_lengths, document_ids, num_samples, seq_length, s
             "shuffle_index": shuffle_index}
 
 
-# --------------------------------------------------------------------------------------
-# The dataset
-# --------------------------------------------------------------------------------------
+# --- The dataset ---
 
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of `seq_length` input tokens from documents `document_ids` of an indexed dataset.
@@ -297,21 +280,11 @@ class GPTDataset(torch.utils.data.Dataset):
             builder has written; e.g. `torch.distributed.barrier`.
     """
 
-    def __init__(
-        self,
-        indexed_dataset,
-        document_ids,
-        num_samples: Optional[int],
-        seq_length: int,
-        seed: int,
-        *,
-        name: str = "",
-        eod_token: Optional[int] = None,
-        eod_mask_loss: bool = False,
-        cache_dir: Optional[str] = None,
-        is_builder: bool = True,
-        barrier: Callable[[], None] = lambda: None,
-    ):
+    def __init__(self, indexed_dataset, document_ids, num_samples: Optional[int],
+                 seq_length: int, seed: int, *, name: str = "",
+                 eod_token: Optional[int] = None, eod_mask_loss: bool = False,
+                 cache_dir: Optional[str] = None, is_builder: bool = True,
+                 barrier: Callable[[], None] = lambda: None):
         if seq_length < 1:
             raise ConfigError(f"--seq-length must be >= 1, got {seq_length}")
         if num_samples is not None and num_samples < 0:
@@ -329,33 +302,23 @@ class GPTDataset(torch.utils.data.Dataset):
         if int(np.sum(lengths[document_ids], dtype=np.int64)) == 0:
             raise DataError(f"{name}: the split's {document_ids.size} documents hold no tokens")
 
-        self.indexed_dataset = indexed_dataset
-        self.seq_length = seq_length
-        self.eod_token = eod_token
-        self.eod_mask_loss = eod_mask_loss
+        self.indexed_dataset, self.seq_length = indexed_dataset, seq_length
+        self.eod_token, self.eod_mask_loss = eod_token, eod_mask_loss
         self.description = {
-            "class": "GPTDataset",
-            "format_version": INDEX_FORMAT_VERSION,
-            "name": name,
+            "class": "GPTDataset", "format_version": INDEX_FORMAT_VERSION, "name": name,
             "dataset_num_sequences": int(len(lengths)),
             "dataset_num_tokens": int(np.sum(lengths, dtype=np.int64)),
             "dataset_lengths_sha256": array_digest(np.asarray(lengths, dtype=np.int32)),
             "num_documents": int(document_ids.size),
             "document_ids_sha256": array_digest(document_ids.astype(np.int64)),
-            "num_samples": num_samples,
-            "seq_length": seq_length,
-            "seed": seed,
-        }
+            "num_samples": num_samples, "seq_length": seq_length, "seed": seed}
         self.description_hash = description_hash(self.description)
         arrays, self.cache_prefix = build_or_load_indices(
-            self.description,
-            ["document_index", "sample_index", "shuffle_index"],
+            self.description, ["document_index", "sample_index", "shuffle_index"],
             lambda: build_gpt_indices(lengths, document_ids, num_samples, seq_length, seed),
-            cache_dir, is_builder, barrier,
-        )
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+            cache_dir, is_builder, barrier)
+        self.document_index, self.sample_index, self.shuffle_index = (
+            arrays[n] for n in ("document_index", "sample_index", "shuffle_index"))
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -378,8 +341,7 @@ class GPTDataset(torch.utils.data.Dataset):
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
         text = torch.from_numpy(self.sample_tokens(int(self.shuffle_index[idx])))
-        tokens = text[:-1].contiguous()
-        labels = text[1:].contiguous()
+        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
         loss_mask = torch.ones(self.seq_length, dtype=torch.float32)
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod_token] = 0.0

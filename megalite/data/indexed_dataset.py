@@ -26,16 +26,8 @@ import numpy as np
 
 from megalite.errors import DataError
 
-DTYPE_CODES = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+               7: np.float32, 8: np.uint16}
 _CODE_OF = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
 
 _MAGIC = b"MMIDIDX\x00\x00"

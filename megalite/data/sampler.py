@@ -25,45 +25,29 @@ class MicroBatchSampler:
     Use as `DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_samples)`.
     """
 
-    def __init__(
-        self,
-        total_samples: int,
-        consumed_samples: int,
-        micro_batch_size: int,
-        data_parallel_rank: int,
-        data_parallel_size: int,
-        global_batch_size: int,
-    ):
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, global_batch_size: int):
         if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size < 1:
-            raise ConfigError(
-                f"--micro-batch-size ({micro_batch_size}), data-parallel size "
-                f"({data_parallel_size}) and --global-batch-size ({global_batch_size}) "
-                f"must be >= 1"
-            )
+            raise ConfigError(f"--micro-batch-size ({micro_batch_size}), data-parallel size "
+                              f"({data_parallel_size}) and --global-batch-size "
+                              f"({global_batch_size}) must be >= 1")
         if global_batch_size % (micro_batch_size * data_parallel_size) != 0:
-            raise ConfigError(
-                f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
-                f"{micro_batch_size} x data-parallel size {data_parallel_size}"
-            )
+            raise ConfigError(f"--global-batch-size {global_batch_size} is not a multiple of "
+                              f"--micro-batch-size {micro_batch_size} x data-parallel size "
+                              f"{data_parallel_size}")
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ConfigError(
-                f"data-parallel rank {data_parallel_rank} not in [0, {data_parallel_size})"
-            )
+            raise ConfigError(f"data-parallel rank {data_parallel_rank} not in "
+                              f"[0, {data_parallel_size})")
         if consumed_samples < 0 or consumed_samples % global_batch_size != 0:
-            raise ConfigError(
-                f"consumed samples {consumed_samples} (from the checkpoint) is not a whole number "
-                f"of global batches of --global-batch-size {global_batch_size}; resume with the "
-                f"global batch size the checkpoint was trained with"
-            )
+            raise ConfigError(f"consumed samples {consumed_samples} (from the checkpoint) is not "
+                              f"a whole number of global batches of --global-batch-size "
+                              f"{global_batch_size}; resume with the global batch size the "
+                              "checkpoint was trained with")
         if consumed_samples > total_samples:
-            raise ConfigError(
-                f"consumed samples {consumed_samples} (from the checkpoint) exceed the "
-                f"{total_samples} samples of the dataset"
-            )
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.global_batch_size = global_batch_size
+            raise ConfigError(f"consumed samples {consumed_samples} (from the checkpoint) exceed "
+                              f"the {total_samples} samples of the dataset")
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.local_batch_size = global_batch_size // data_parallel_size
         self.local_start = data_parallel_rank * self.local_batch_size
 

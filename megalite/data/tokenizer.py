@@ -23,13 +23,8 @@ import os
 
 from megalite.errors import ConfigError, DataError
 
-TOKENIZER_TYPES = (
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "HuggingFaceTokenizer",
-    "GPT2BPETokenizer",
-    "NullTokenizer",
-)
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 
 def build_tokenizer(tokenizer_type, *, tokenizer_model=None, vocab_file=None,
@@ -149,10 +144,8 @@ class GPT2BPETokenizer:
         self._tok = tokenizers.Tokenizer(bpe)
         self._tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = tokenizers.decoders.ByteLevel()
-        self.vocab_size = len(vocab)
-        self.eod = vocab["<|endoftext|>"]
-        self.bos = None
-        self.pad = None
+        self.vocab_size, self.eod = len(vocab), vocab["<|endoftext|>"]
+        self.bos = self.pad = None
 
     def tokenize(self, text):
         return self._tok.encode(text).ids
@@ -165,10 +158,8 @@ class NullTokenizer:
     def __init__(self, vocab_size):
         if int(vocab_size) < 1:
             raise ConfigError(f"--vocab-size expected >= 1 for NullTokenizer, got {vocab_size}")
-        self.vocab_size = int(vocab_size) + 1
-        self.eod = int(vocab_size)
-        self.bos = None
-        self.pad = None
+        self.vocab_size, self.eod = int(vocab_size) + 1, int(vocab_size)
+        self.bos = self.pad = None
 
     def tokenize(self, text):
         try:

@@ -78,122 +78,76 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group, op: str) -> torch.Tensor:
     return out
 
 
+def _operator(name: str, forward, backward):
+    """An autograd operator: `forward(x, group)` on the way in, `backward(grad, group)` on
+    its gradient. Each pair below is a collective and its conjugate."""
+    def fwd(ctx, x, group):
+        ctx.group = group
+        return forward(x, group)
+
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)}).apply
+
+
+def _identity(x, group):
+    return x
+
+
+def _splitter(dim: int, op: str):
+    return lambda x, group: _split(x, dim, group, op)
+
+
+def _reduce_scatterer(op: str):
+    return lambda x, group: _reduce_scatter_first_dim(x, group, op)
+
+
 # Tensor-parallel region (Megatron-LM §3): f, g and the last-dim scatter/gather.
 
-class _CopyToTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+copy_to_tensor_model_parallel_region = _operator(
+    "CopyToTensorModelParallelRegion", _identity, _all_reduce)
+"""f: identity forward, all-reduce backward (before a column-parallel layer)."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+reduce_from_tensor_model_parallel_region = _operator(
+    "ReduceFromTensorModelParallelRegion", _all_reduce, _identity)
+"""g: all-reduce forward, identity backward (after a row-parallel layer)."""
 
+scatter_to_tensor_model_parallel_region = _operator(
+    "ScatterToTensorModelParallelRegion",
+    _splitter(-1, "scatter_to_tensor_model_parallel_region"), _all_gather_last_dim)
+"""Keep this rank's chunk of the last dim; backward all-gathers the last dim."""
 
-class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group, "scatter_to_tensor_model_parallel_region")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_last_dim(grad, ctx.group), None
-
-
-class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, -1, ctx.group, "gather_from_tensor_model_parallel_region"), None
-
-
-def copy_to_tensor_model_parallel_region(x, group):
-    """f: identity forward, all-reduce backward (before a column-parallel layer)."""
-    return _CopyToTensorModelParallelRegion.apply(x, group)
-
-
-def reduce_from_tensor_model_parallel_region(x, group):
-    """g: all-reduce forward, identity backward (after a row-parallel layer)."""
-    return _ReduceFromTensorModelParallelRegion.apply(x, group)
-
-
-def scatter_to_tensor_model_parallel_region(x, group):
-    """Keep this rank's chunk of the last dim; backward all-gathers the last dim."""
-    return _ScatterToTensorModelParallelRegion.apply(x, group)
-
-
-def gather_from_tensor_model_parallel_region(x, group):
-    """All-gather the last dim; backward keeps this rank's chunk."""
-    return _GatherFromTensorModelParallelRegion.apply(x, group)
+gather_from_tensor_model_parallel_region = _operator(
+    "GatherFromTensorModelParallelRegion", _all_gather_last_dim,
+    _splitter(-1, "gather_from_tensor_model_parallel_region"))
+"""All-gather the last dim; backward keeps this rank's chunk."""
 
 
 # Sequence-parallel region (Korthikanti et al. 2022): the same along dim 0 (sequence).
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, 0, group, "scatter_to_sequence_parallel_region")
+scatter_to_sequence_parallel_region = _operator(
+    "ScatterToSequenceParallelRegion",
+    _splitter(0, "scatter_to_sequence_parallel_region"), _all_gather_first_dim)
+"""Keep this rank's chunk of dim 0 (sequence); backward all-gathers dim 0."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_first_dim(grad, ctx.group), None
+reduce_scatter_to_sequence_parallel_region = _operator(
+    "ReduceScatterToSequenceParallelRegion",
+    _reduce_scatterer("reduce_scatter_to_sequence_parallel_region"), _all_gather_first_dim)
+"""Reduce-scatter dim 0 (sequence); backward all-gathers dim 0."""
 
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group = group
-        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _all_gather_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        op = "gather_from_sequence_parallel_region"
-        if ctx.tensor_parallel_output_grad:
-            # The consumer is tensor-parallel: each rank holds a partial gradient.
-            return _reduce_scatter_first_dim(grad, ctx.group, op), None, None
-        return _split(grad, 0, ctx.group, op), None, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first_dim(x, group, "reduce_scatter_to_sequence_parallel_region")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_first_dim(grad, ctx.group), None
-
-
-def scatter_to_sequence_parallel_region(x, group):
-    """Keep this rank's chunk of dim 0 (sequence); backward all-gathers dim 0."""
-    return _ScatterToSequenceParallelRegion.apply(x, group)
+_GATHER_SP = "gather_from_sequence_parallel_region"
+# A gathered tensor feeding a tensor-parallel layer gets a partial gradient on each rank.
+_gather_sp_partial_grads = _operator("GatherFromSequenceParallelRegion", _all_gather_first_dim,
+                                     _reduce_scatterer(_GATHER_SP))
+_gather_sp_whole_grads = _operator("GatherFromSequenceParallelRegionSplitGrad",
+                                   _all_gather_first_dim, _splitter(0, _GATHER_SP))
 
 
 def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
     """All-gather dim 0 (sequence); backward reduce-scatters dim 0 when the gathered tensor
     feeds a tensor-parallel layer (partial grads per rank), else keeps this rank's chunk."""
-    return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    """Reduce-scatter dim 0 (sequence); backward all-gathers dim 0."""
-    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+    if tensor_parallel_output_grad:
+        return _gather_sp_partial_grads(x, group)
+    return _gather_sp_whole_grads(x, group)

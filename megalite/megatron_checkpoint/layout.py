@@ -1,0 +1,155 @@
+"""What a Megatron-LM GPT checkpoint means in megalite's terms: its args, names and shards.
+
+megalite's parameter names are megatron.core GPTModel's (local layer spec), so the names
+map one to one, except:
+- Megatron's `_extra_state` entries (None in the local spec) carry no weights;
+- torch_dist and the Transformer Engine spec fuse each pre-norm into the linear that
+  follows it: `self_attention.linear_qkv.layer_norm_{weight,bias}` is the input norm and
+  `mlp.linear_fc1.layer_norm_{weight,bias}` the pre-MLP norm (FUSED_NORMS).
+Shards follow the same rules in both codebases (megalite/tensor_parallel/params.py, read
+off a model built on the meta device so the rule has one place): QKV and fc1 are
+column-parallel, QKV grouped per query group and SwiGLU's fc1 stacked [gate; up] per TP
+rank; linear_proj and fc2 row-parallel; the embedding and output layer split the padded
+vocabulary; norms, row-parallel biases and learned positions are replicated.
+"""
+
+import argparse
+import dataclasses
+
+import torch
+from torch import nn
+
+from megalite.checkpointing.storage import CheckpointError
+from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
+from megalite.validation import pad_vocab_size
+
+FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+               "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+LAYER_PREFIX = "decoder.layers."
+
+# Megatron args -> GPTConfig fields megalite reads, with Megatron's defaults.
+_ARG_DEFAULTS = dict(position_embedding_type="learned_absolute", rotary_base=10000,
+                     rotary_percent=1.0, normalization="LayerNorm", norm_epsilon=1e-5,
+                     swiglu=False, add_bias_linear=True,
+                     untie_embeddings_and_output_weights=False, init_method_std=0.02)
+# Megatron features megalite's model does not have (set in args: refused).
+_UNSUPPORTED = ("qk_layernorm", "num_experts", "rotary_interleaved", "squared_relu",
+                "openai_gelu", "apply_residual_connection_post_layernorm",
+                "multi_latent_attention", "use_rope_scaling",
+                "rotary_seq_len_interpolation_factor", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers", "num_layers_per_virtual_pipeline_stage")
+
+
+def config_from_args(args: argparse.Namespace, where: str) -> GPTConfig:
+    """The model a Megatron run's `args` describes (dropout 0: the run's flags set it)."""
+    missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                           "padded_vocab_size") if getattr(args, n, None) is None]
+    if missing:
+        raise CheckpointError(f"Megatron checkpoint {where}: its args lack {missing}")
+    differing = [f"{n}={getattr(args, n)!r}" for n in _UNSUPPORTED if getattr(args, n, None)]
+    if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
+        differing.append("add_qkv_bias=True with add_bias_linear=False")
+    if differing:
+        raise CheckpointError(f"Megatron checkpoint {where} uses features megalite's GPT "
+                              f"does not have: {', '.join(differing)}")
+    heads, hidden = args.num_attention_heads, args.hidden_size
+    groups = (getattr(args, "num_query_groups", None) or heads
+              if getattr(args, "group_query_attention", False) else heads)
+    ffn = getattr(args, "ffn_hidden_size", None) or 4 * hidden
+    fields = {n: (getattr(args, n, None) if getattr(args, n, None) is not None else d)
+              for n, d in _ARG_DEFAULTS.items()}
+    if getattr(args, "norm_epsilon", None) is None:  # Megatron's name before norm_epsilon
+        fields["norm_epsilon"] = getattr(args, "layernorm_epsilon", None) or 1e-5
+    return GPTConfig(num_layers=args.num_layers, hidden_size=hidden, ffn_hidden_size=ffn,
+                     num_attention_heads=heads, num_query_groups=groups,
+                     kv_channels=getattr(args, "kv_channels", None) or hidden // heads,
+                     seq_length=args.seq_length,
+                     max_position_embeddings=getattr(args, "max_position_embeddings", None)
+                     or args.seq_length, padded_vocab_size=args.padded_vocab_size,
+                     vocab_size=getattr(args, "vocab_size", None), attention_dropout=0.0,
+                     hidden_dropout=0.0, **fields)
+
+
+def args_for(config: GPTConfig, tp: int, pp: int, divisible_by: int,
+             extra: dict | None = None) -> argparse.Namespace:
+    """The args Namespace a Megatron run of `config` at TP `tp`, PP `pp` records."""
+    c = config
+    return argparse.Namespace(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        group_query_attention=c.num_query_groups != c.num_attention_heads,
+        num_query_groups=c.num_query_groups, kv_channels=c.kv_channels,
+        seq_length=c.seq_length, max_position_embeddings=c.max_position_embeddings,
+        position_embedding_type=c.position_embedding_type, rotary_base=c.rotary_base,
+        rotary_percent=c.rotary_percent, normalization=c.normalization,
+        norm_epsilon=c.norm_epsilon, swiglu=c.swiglu, add_bias_linear=c.add_bias_linear,
+        untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
+        init_method_std=c.init_method_std, vocab_size=c.vocab_size,
+        make_vocab_size_divisible_by=divisible_by,
+        padded_vocab_size=pad_vocab_size(c.vocab_size or c.padded_vocab_size, divisible_by, tp),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32, **(extra or {}))
+
+
+def meta_params(config: GPTConfig) -> dict[str, nn.Parameter]:
+    """The single-process model's parameters on the meta device: names, full shapes and
+    TP tags (params.partition_dim / partition_stride), without allocating a weight."""
+    with torch.device("meta"):
+        model = GPTModel(dataclasses.replace(config, compile_layers=False), seed=0)
+    return dict(model.named_parameters())
+
+
+def megalite_name(name: str) -> str | None:
+    """megalite's name for a Megatron state-dict key; None for `_extra_state`."""
+    if name.rsplit(".", 1)[-1].startswith("_extra_state"):
+        return None
+    for fused, plain in FUSED_NORMS.items():
+        if fused in name:
+            return name.replace(fused, plain)
+    return name
+
+
+def fused_name(name: str) -> str:
+    """torch_dist's name for a megalite norm (FUSED_NORMS inverted)."""
+    for fused, plain in FUSED_NORMS.items():
+        if plain in name:
+            return name.replace(plain, fused)
+    return name
+
+
+def check_state(state: dict[str, torch.Tensor], config: GPTConfig, where: str) -> None:
+    """The names and full shapes of megalite's single-process model, or a CheckpointError
+    naming the tensors that differ (before anything is written)."""
+    params = meta_params(config)
+    expected = set(params) - ({OUTPUT} if not config.untie_embeddings_and_output_weights
+                              else set())
+    if set(state) != expected:
+        raise CheckpointError(f"Megatron checkpoint {where} does not hold the model its args "
+                              f"describe: missing {sorted(expected - set(state))}, unexpected "
+                              f"{sorted(set(state) - expected)}")
+    wrong = [f"{n}: {tuple(t.shape)}, expected {tuple(params[n].shape)}"
+             for n, t in state.items() if t.shape != params[n].shape]
+    if wrong:
+        raise CheckpointError(f"Megatron checkpoint {where} holds tensors of the wrong shape "
+                              f"for its args: {'; '.join(wrong)}")
+
+
+def stage_layers(num_layers: int, pp: int, where: str) -> list[range]:
+    """Megatron's even split of the layers over `pp` pipeline stages."""
+    if num_layers % pp:
+        raise CheckpointError(f"{where}: {num_layers} layers do not split evenly over "
+                              f"pipeline size {pp}")
+    per = num_layers // pp
+    return [range(s * per, (s + 1) * per) for s in range(pp)]
+
+
+def local_layer_name(name: str, offset: int) -> str:
+    """Legacy files number each stage's layers from 0: global index -> local (offset > 0)
+    or local -> global (offset < 0)."""
+    if not name.startswith(LAYER_PREFIX):
+        return name
+    index, rest = name[len(LAYER_PREFIX):].split(".", 1)
+    return f"{LAYER_PREFIX}{int(index) - offset}.{rest}"

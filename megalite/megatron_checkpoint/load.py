@@ -1,0 +1,82 @@
+"""`pretrain_gpt.py --load DIR` on a Megatron-LM save directory, without a conversion step.
+
+Every rank reads the checkpoint (reader.py: full single-process tensors) and keeps its own
+TP shard of each parameter (loading.local_shard: the same cut as a megalite checkpoint), at
+any megalite layout. The model must be the one the flags describe (the fields
+storage.check_model_compatible compares, named when they differ). Training continues at
+the saved iteration, consumed samples and learning-rate step, or at 0 with --finetune, as
+in Megatron. Adam's state is carried over where it maps one to one (optimizer_state.py);
+otherwise a message says the optimizer starts fresh.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.checkpointing.loading import local_shard
+from megalite.checkpointing.saving import canonical_name, model_fields
+from megalite.checkpointing.storage import MODEL_FIELDS, CheckpointError, check_model_compatible
+from megalite.megatron_checkpoint.optimizer_state import adam_state
+from megalite.megatron_checkpoint.reader import MegatronCheckpoint, read_checkpoint
+from megalite.parallel_state import ParallelState
+
+
+def check_compatible(ckpt: MegatronCheckpoint, model_config) -> None:
+    """Refuses a checkpoint of another model, naming the differing fields. Megatron's args
+    record the padded vocabulary but not always the tokenizer's: then only the rows must
+    hold this run's vocabulary."""
+    fields = MODEL_FIELDS
+    if ckpt.config.vocab_size is None:
+        fields = tuple(f for f in MODEL_FIELDS if f != "vocab_size")
+        vocab = model_config.vocab_size or model_config.padded_vocab_size
+        if vocab > ckpt.config.padded_vocab_size:
+            raise CheckpointError(f"Megatron checkpoint {ckpt.directory} has "
+                                  f"{ckpt.config.padded_vocab_size} vocabulary rows, fewer "
+                                  f"than this run's vocabulary of {vocab}")
+    check_model_compatible(model_fields(ckpt.config), model_fields(model_config), fields,
+                           checkpoint=ckpt.directory)
+
+
+def load_megatron_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
+                             state: ParallelState, config) -> dict:
+    """loading.load_checkpoint's counterpart for a Megatron directory: same return."""
+    ckpt = read_checkpoint(load)
+    check_compatible(ckpt, config.model)
+    with torch.no_grad():
+        for name, param in chunks.named_parameters():
+            name = canonical_name(name, param)
+            param.copy_(local_shard(ckpt.state[name], param, name, state.tp_rank,
+                                    state.tp_size))
+    optimizer.reload_main_params()
+    finetune = config.checkpoint.finetune
+    if config.checkpoint.load_optim and not finetune:
+        _load_optimizer(ckpt, optimizer, chunks, state)
+    if finetune:
+        return {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
+    consumed = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
+    steps = ckpt.common.get("opt_param_scheduler", {}).get("num_steps", consumed)
+    scheduler.load_state_dict({"num_steps": steps})
+    return {"iteration": ckpt.iteration, "consumed_train_samples": consumed,
+            "consumed_valid_samples": int(getattr(ckpt.args, "consumed_valid_samples", 0)
+                                          or 0)}
+
+
+def _load_optimizer(ckpt: MegatronCheckpoint, optimizer, chunks: nn.ModuleList,
+                    state: ParallelState) -> None:
+    adam, reason = adam_state(ckpt)
+    if adam is None:
+        if dist.get_rank() == 0:
+            print(f" > {ckpt.directory}: {reason}; the optimizer starts fresh (Adam moments "
+                  f"zero, step 0)", flush=True)
+        return
+    names = {id(p): canonical_name(n, p) for n, p in chunks.named_parameters()}
+    with torch.no_grad():
+        for s in optimizer.segments:
+            name = names[id(s.param)]
+            values = {k: local_shard(adam.tensors[name][k], s.param, name, state.tp_rank,
+                                     state.tp_size).reshape(-1)[s.start:s.end]
+                      for k in ("main", "exp_avg", "exp_avg_sq")}
+            s.main.copy_(values.pop("main").view_as(s.main))
+            optimizer.restore_state(s, adam.step, values)
+    if dist.get_rank() == 0:
+        print(f" > {ckpt.directory}: Adam state carried over (step {adam.step})", flush=True)

@@ -1,0 +1,276 @@
+"""Reading a Megatron-LM checkpoint directory, in either format, at any TP/PP layout.
+
+`<load>/latest_checkpointed_iteration.txt` names `iter_XXXXXXX/` (or `release/`), which is:
+- torch_dist (Megatron's default): a torch.distributed.checkpoint directory (`.metadata`,
+  `__*_*.distcp`, Megatron's `metadata.json`). Every tensor is stored as its global,
+  TP- and PP-independent value, the layers stacked on a leading dimension; the common
+  state (`iteration`, `args`, ...) is a pickled object in it (or `common.pt` beside it).
+  It is read with torch.distributed.checkpoint's own FileSystemReader and load, in one
+  process, with the pickled parts unpickled by safe_pickle.
+- torch (legacy): `mp_rank_TT[_PPP]/model_optim_rng.pt` per (TP, PP) rank, a torch.save
+  of {"model", "iteration", "args", "checkpoint_version", ...} whose tensors are that
+  rank's shards (layers numbered from 0 on each stage); merged as Megatron shards them.
+Either way the result is megalite's single-process state dict (layout.py's names) and the
+GPTConfig the checkpoint's args describe, checked against each other.
+"""
+
+import io
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+from megalite.checkpointing.storage import RELEASE, TRACKER_FILENAME, CheckpointError
+from megalite.megatron_checkpoint import layout
+from megalite.megatron_checkpoint.safe_pickle import load_dcp_metadata, torch_load
+from megalite.model.config import GPTConfig
+from megalite.tensor_parallel.params import partition_dim, partition_stride, tp_unshard
+
+FORMATS = ("torch", "torch_dist")
+LEGACY_FILE = "model_optim_rng.pt"
+_MP_RANK = re.compile(r"mp_rank_(\d\d)(?:_(\d\d\d))?")
+
+
+@dataclass
+class MegatronCheckpoint:
+    directory: Path
+    """The iteration directory read."""
+    ckpt_format: str
+    iteration: int
+    args: object
+    """The run's argparse.Namespace."""
+    config: GPTConfig
+    state: dict[str, torch.Tensor]
+    """megalite's single-process state dict (padded vocabulary rows as saved)."""
+    common: dict
+    """Everything else of the common state (iteration, opt_param_scheduler, ...)."""
+    optimizer_shards: dict = field(default_factory=dict)
+    """Legacy format: (tp, pp) -> (parameter names in saved order, their shard shapes, the
+    file's `optimizer` entry), for optimizer_state.py."""
+
+
+def iteration_dir(load: str | Path) -> tuple[int, Path] | None:
+    """(iteration, directory) the Megatron tracker in `load` names; None without one."""
+    load = Path(load)
+    tracker = load / TRACKER_FILENAME
+    if not tracker.is_file():
+        return None
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"checkpoint tracker {tracker} is unreadable: {error}") from error
+    if text == RELEASE:
+        return 0, load / RELEASE
+    if not text.isdigit():
+        raise CheckpointError(f"checkpoint tracker {tracker} is garbled: {text[:50]!r}")
+    return int(text), load / f"iter_{int(text):07d}"
+
+
+def formats_present(directory: Path) -> list[str]:
+    """The Megatron formats `directory` holds, torch_dist first (none: e.g. megalite's)."""
+    found = ["torch_dist"] if (directory / ".metadata").is_file() else []
+    if directory.is_dir() and any(_MP_RANK.fullmatch(p.name) for p in directory.iterdir()):
+        found.append("torch")
+    return found
+
+
+def is_megatron_checkpoint(load: str | Path) -> bool:
+    """Whether the tracker in `load` names a Megatron-format directory (a garbled tracker
+    is not: megalite's own checkpoint loading names what is wrong with it)."""
+    try:
+        found = iteration_dir(load)
+    except (CheckpointError, OSError, UnicodeDecodeError):
+        return False
+    return found is not None and bool(formats_present(found[1]))
+
+
+def read_checkpoint(load: str | Path, ckpt_format: str | None = None) -> MegatronCheckpoint:
+    """The checkpoint the tracker in `load` names; `ckpt_format` forces a format."""
+    found = iteration_dir(load)
+    if found is None:
+        raise CheckpointError(f"{load} is not a Megatron checkpoint directory: no "
+                              f"{TRACKER_FILENAME}")
+    iteration, directory = found
+    if not directory.is_dir():
+        raise CheckpointError(f"Megatron checkpoint {directory}, named by the tracker in "
+                              f"{load}, does not exist")
+    present = formats_present(directory)
+    if not present:
+        raise CheckpointError(f"{directory} is neither Megatron format: no torch_dist "
+                              f".metadata and no mp_rank_* directories")
+    fmt = ckpt_format or present[0]
+    if fmt not in present:
+        raise CheckpointError(f"{directory} is not a --ckpt-format {fmt} checkpoint (it "
+                              f"holds {' and '.join(present)})")
+    ckpt = _read_torch_dist(directory) if fmt == "torch_dist" else _read_legacy(directory)
+    if directory.name != RELEASE and ckpt.iteration != iteration:
+        raise CheckpointError(f"Megatron checkpoint {directory} records iteration "
+                              f"{ckpt.iteration}, the tracker says {iteration}")
+    return ckpt
+
+
+# --- legacy torch -------------------------------------------------------------------------
+
+def legacy_rank_dir(tp: int, pp: int, pp_size: int) -> str:
+    return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+
+
+def _read_legacy(directory: Path) -> MegatronCheckpoint:
+    present = sorted(p.name for p in directory.iterdir() if _MP_RANK.fullmatch(p.name))
+    first = torch_load(directory / present[0] / LEGACY_FILE, f"{directory / present[0]}/"
+                                                             f"{LEGACY_FILE}")
+    args = _field(first, "args", directory / present[0] / LEGACY_FILE)
+    config = layout.config_from_args(args, str(directory))
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    expected = [legacy_rank_dir(t, p, pp) for p in range(pp) for t in range(tp)]
+    missing = [d for d in expected if not (directory / d / LEGACY_FILE).is_file()]
+    if missing:
+        raise CheckpointError(f"Megatron checkpoint {directory} (TP {tp}, PP {pp}) is missing "
+                              f"shards: {[f'{d}/{LEGACY_FILE}' for d in missing]}")
+    stages = layout.stage_layers(config.num_layers, pp, str(directory))
+    shards: dict[str, list[torch.Tensor]] = {}
+    optimizer_shards = {}
+    for p in range(pp):
+        for t in range(tp):
+            path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
+            record = first if (t, p) == (0, 0) else torch_load(path, str(path))
+            names, shapes = [], {}
+            for name, tensor in _field(record, "model", path).items():
+                name = layout.megalite_name(name)
+                if name is None:
+                    continue  # extra state
+                name = layout.local_layer_name(name, -stages[p].start)
+                names.append(name)
+                shapes[name] = tensor.shape
+                if name == layout.OUTPUT and not config.untie_embeddings_and_output_weights:
+                    continue  # a tied output layer (PP > 1) is the embedding's copy
+                shards.setdefault(name, []).append(tensor)
+            if "optimizer" in record:
+                optimizer_shards[t, p] = (names, shapes, record["optimizer"])
+    state = _merge_tensor_parallel(shards, config, tp, str(directory))
+    common = {k: v for k, v in first.items() if k not in ("model", "args", "optimizer")}
+    return MegatronCheckpoint(directory, "torch", int(first.get("iteration", 0)), args, config,
+                              state, common, optimizer_shards)
+
+
+def _field(record, key: str, path: Path):
+    if not isinstance(record, dict) or key not in record:
+        raise CheckpointError(f"{path} is not a Megatron checkpoint file: no {key!r} entry")
+    return record[key]
+
+
+def _merge_tensor_parallel(shards: dict[str, list[torch.Tensor]], config: GPTConfig, tp: int,
+                           where: str) -> dict[str, torch.Tensor]:
+    """Full tensors from each name's TP shards (params.tp_unshard, Megatron's split)."""
+    params = layout.meta_params(config)
+    state = {}
+    for name, pieces in shards.items():
+        param = params.get(name)
+        if param is None:
+            state[name] = pieces[0]  # layout.check_state names it as unexpected
+            continue
+        dim = partition_dim(param)
+        if len(pieces) != tp:
+            raise CheckpointError(f"Megatron checkpoint {where}: {name} is in {len(pieces)} "
+                                  f"of {tp} TP shards")
+        try:
+            state[name] = tp_unshard(pieces, dim, partition_stride(param))
+        except RuntimeError as error:
+            raise CheckpointError(f"Megatron checkpoint {where}: the TP shards of {name} do "
+                                  f"not fit together ({[tuple(p.shape) for p in pieces]}): "
+                                  f"{error}") from error
+    layout.check_state(state, config, where)
+    return state
+
+
+# --- torch_dist ---------------------------------------------------------------------------
+
+class _SafeReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` is unpickled with an allow-list."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = load_dcp_metadata(Path(self.path) / ".metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _RawBytesPlanner(DefaultLoadPlanner):
+    """Keeps pickled objects as bytes: the default planner unpickles them unrestricted."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = value.getvalue()
+
+
+def _is_model_key(key: str) -> bool:
+    return key.startswith(("embedding.", "decoder.", "output_layer.")) and \
+        "_extra_state" not in key
+
+
+def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
+    metadata = load_dcp_metadata(directory / ".metadata")
+    entries = metadata.state_dict_metadata
+    common_keys = [k for k in entries if k.startswith("common_state")]
+    template = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()
+                if isinstance(m, TensorStorageMetadata) and _is_model_key(k)}
+    template.update({k: b"" for k in common_keys})
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        raise CheckpointError(f"torch_dist checkpoint {directory} is incomplete: its .metadata "
+                              f"lists {files}, missing {missing}")
+    planner = _RawBytesPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(template, storage_reader=_SafeReader(directory), planner=planner,
+                     no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as error:  # e.g. a truncated .distcp file
+        reason = str(error).strip().splitlines()[-1]
+        raise CheckpointError(f"torch_dist checkpoint {directory} is unreadable: "
+                              f"{reason}") from error
+    common = _common_state(directory, common_keys, planner.state_dict)
+    args = _field(common, "args", directory)
+    config = layout.config_from_args(args, str(directory))
+    state = {}
+    for key in template:
+        if key in common_keys:
+            continue
+        tensor, name = planner.state_dict[key], layout.megalite_name(key)
+        if key.startswith(layout.LAYER_PREFIX):  # stacked: [num_layers, ...]
+            rest = name[len(layout.LAYER_PREFIX):]
+            for i, layer in enumerate(tensor.unbind(0)):
+                state[f"{layout.LAYER_PREFIX}{i}.{rest}"] = layer.clone()
+        else:
+            state[name] = tensor
+    layout.check_state(state, config, str(directory))
+    iteration = int(common.get("iteration", 0))
+    rest = {k: v for k, v in common.items() if k != "args"}
+    return MegatronCheckpoint(directory, "torch_dist", iteration, args, config, state, rest)
+
+
+def _common_state(directory: Path, keys: list[str], loaded: dict) -> dict:
+    """Megatron's common state: a pickled [dict] in the DCP, or common.pt beside it."""
+    if (directory / "common.pt").is_file():
+        common = torch_load(directory / "common.pt", str(directory / "common.pt"))
+    elif keys:
+        common = torch_load(loaded[keys[0]], f"{directory} ({keys[0]})")
+        common = common[0] if isinstance(common, list) and len(common) == 1 else common
+    else:
+        raise CheckpointError(f"torch_dist checkpoint {directory} has no common state "
+                              f"(no common.pt and no common_state entry)")
+    if not isinstance(common, dict):
+        raise CheckpointError(f"torch_dist checkpoint {directory}: its common state is a "
+                              f"{type(common).__name__}, not a dict")
+    return common

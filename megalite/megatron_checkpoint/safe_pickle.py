@@ -1,0 +1,114 @@
+"""Reading Megatron's pickles without running them (DESIGN.md §8: never a plain unpickle).
+
+Megatron's files are pickles of more than tensors: the legacy `model_optim_rng.pt` and the
+torch_dist common state hold the run's `argparse.Namespace` (with torch dtypes, and in
+recent versions Megatron enums), the legacy RNG state holds NumPy arrays, and the
+torch_dist `.metadata` is a plain pickle of torch.distributed.checkpoint's own dataclasses.
+Each is read by an unpickler that builds only the globals on an explicit allow-list; any
+other global is refused with a CheckpointError naming the file and the global, before
+anything in the file runs.
+"""
+
+import argparse
+import io
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megalite.checkpointing.storage import CheckpointError
+
+
+class MegatronEnum:
+    """Stands in for a Megatron enum member in a pickled args Namespace (e.g.
+    `attention_backend=AttnBackend.auto`): enums pickle as `Class(value)`, and megalite
+    needs only the value, never Megatron itself."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return f"MegatronEnum({self.value!r})"
+
+
+# Enums a Megatron args Namespace is known to hold, each read as a MegatronEnum.
+_MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend",
+                   "megatron.core.transformer.enums.AttnMaskType",
+                   "megatron.core.enums.ModelType",
+                   "megatron.core.transformer.enums.ModelType")
+
+# torch.load(weights_only=True) already builds tensors, torch dtypes and plain containers;
+# these are the extra globals a Megatron checkpoint holds.
+TORCH_LOAD_ALLOWED = [argparse.Namespace, io.BytesIO,
+                      getattr(np, "_core", None) and np._core.multiarray._reconstruct
+                      or np.core.multiarray._reconstruct,
+                      np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                      *[(MegatronEnum, name) for name in _MEGATRON_ENUMS]]
+
+# The globals of a torch.distributed.checkpoint `.metadata` pickle (its dataclasses).
+_DCP = "torch.distributed.checkpoint."
+DCP_METADATA_ALLOWED = {
+    (_DCP + "metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    (_DCP + "planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                    "TensorWriteData")} | {
+    (_DCP + "filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization",
+                                                              "_get_layout"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath")} | {
+    ("torch", str(d).removeprefix("torch.")) for d in (
+        torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def torch_load(source, what: str):
+    """torch.load(weights_only=True) of `source` (a path or bytes) with
+    TORCH_LOAD_ALLOWED; `what` names it in errors."""
+    stream = io.BytesIO(source) if isinstance(source, bytes) else source
+    if isinstance(stream, (str, Path)) and not Path(stream).is_file():
+        raise CheckpointError(f"Megatron checkpoint file {what} does not exist")
+    try:
+        with torch.serialization.safe_globals(TORCH_LOAD_ALLOWED):
+            return torch.load(stream, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"Megatron checkpoint file {what} holds a global that megalite "
+                              f"does not load (nothing in it was run): "
+                              f"{_unsupported_global(error)}") from error
+    except Exception as error:
+        raise CheckpointError(f"Megatron checkpoint file {what} is unreadable (corrupt or not "
+                              f"written by torch.save): {error!r}") from error
+
+
+def _unsupported_global(error: Exception) -> str:
+    text = str(error)
+    for marker in ("Unsupported global: GLOBAL ", "Unsupported global: "):
+        if marker in text:
+            return text.split(marker, 1)[1].split()[0].rstrip(".,")
+    return text.splitlines()[0] if text else repr(error)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in DCP_METADATA_ALLOWED:
+            raise CheckpointError(f"torch_dist metadata {self.path} holds the global "
+                                  f"{module}.{name}, which megalite does not load (nothing in "
+                                  f"it was run)")
+        return super().find_class(module, name)
+
+
+def load_dcp_metadata(path: Path):
+    """The torch.distributed.checkpoint Metadata pickled in `path` (`.metadata`)."""
+    if not path.is_file():
+        raise CheckpointError(f"torch_dist checkpoint {path.parent} has no {path.name}")
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f, path).load()
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise CheckpointError(f"torch_dist metadata {path} is unreadable: {error!r}") from error

@@ -1,0 +1,169 @@
+"""Writing megalite's single-process weights as a Megatron-LM checkpoint at a chosen TP/PP.
+
+The output is what megatron.core's GPTModel (local spec) saves, so Megatron's --load reads
+it (reader.py's module docstring describes both formats):
+- torch: `iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`, each {"model": that rank's
+  shards with per-stage layer numbers and `_extra_state` None per linear, "iteration",
+  "checkpoint_version": 3.0, "args"}; a tied output layer's copy on the last stage of
+  PP > 1, as Megatron keeps it there.
+- torch_dist: global tensors with the layers stacked and the norms under their fused
+  names, `_extra_state/shard_{layer}_{layers}` objects and `common_state/shard_0_1`
+  ({"iteration", "checkpoint_version", "args"}), written by torch.distributed.checkpoint
+  in one process, plus Megatron's metadata.json.
+Vocabulary rows are padded to Megatron's padded size for the target TP. The directory is
+written under a temporary name and renamed when complete.
+"""
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from megalite.checkpointing.storage import TRACKER_FILENAME, CheckpointError
+from megalite.errors import ConfigError
+from megalite.megatron_checkpoint import layout
+from megalite.megatron_checkpoint.reader import FORMATS, LEGACY_FILE, legacy_rank_dir
+from megalite.model.config import GPTConfig
+from megalite.tensor_parallel.params import VOCAB_PARAMS, pad_vocab_rows, tp_shard
+
+CHECKPOINT_VERSION = 3.0
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+           "mlp.linear_fc2")
+# A layer's modules in megatron.core's registration order (its state-dict order).
+LAYER_MODULES = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
+                 "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
+BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+
+
+def check_target_layout(config: GPTConfig, tp: int, pp: int) -> None:
+    c = config
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"target TP and PP must be >= 1, got TP {tp}, PP {pp}")
+    for what, value in (("num_query_groups", c.num_query_groups),
+                        ("num_attention_heads", c.num_attention_heads),
+                        ("ffn_hidden_size", c.ffn_hidden_size)):
+        if value % tp:
+            raise ConfigError(f"--target-tensor-parallel-size {tp} does not divide {what} "
+                              f"{value}")
+    if c.num_layers % pp:
+        raise ConfigError(f"--target-pipeline-parallel-size {pp} does not divide "
+                          f"num_layers {c.num_layers}")
+
+
+def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.Tensor],
+                     iteration: int, ckpt_format: str, tp: int = 1, pp: int = 1,
+                     divisible_by: int = 128, extra_args: dict | None = None,
+                     overwrite: bool = False) -> Path:
+    """`out` as a Megatron save directory holding `iteration` (tracker included)."""
+    if ckpt_format not in FORMATS:
+        raise ConfigError(f"--ckpt-format must be one of {FORMATS}, got {ckpt_format!r}")
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--export-megatron {out} already exists; pass --overwrite to "
+                          f"replace it")
+    check_target_layout(config, tp, pp)
+    layout.check_state(state, config, "to export")
+    args = layout.args_for(config, tp, pp, divisible_by, extra_args)
+    state = {n: pad_vocab_rows(t, args.padded_vocab_size) if n.endswith(VOCAB_PARAMS) else t
+             for n, t in state.items()}
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        directory = staging / f"iter_{iteration:07d}"
+        directory.mkdir(parents=True)
+        common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                  "args": args}
+        if ckpt_format == "torch":
+            _write_legacy(directory, config, state, common, tp, pp)
+        else:
+            _write_torch_dist(directory, config, state, common)
+        (staging / TRACKER_FILENAME).write_text(str(iteration))
+        if out.exists():
+            os.rename(out, aside)
+        os.rename(staging, out)
+    except OSError as error:
+        raise CheckpointError(f"cannot write Megatron checkpoint {out}: {error}") from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+    return out
+
+
+def _write_legacy(directory: Path, config: GPTConfig, state: dict, common: dict, tp: int,
+                  pp: int) -> None:
+    params = layout.meta_params(config)
+    stages = layout.stage_layers(config.num_layers, pp, "export")
+    for p, layers in enumerate(stages):
+        for t in range(tp):
+            model = {}
+            for name in _stage_names(config, layers, p == 0, p == pp - 1):
+                if name.endswith("._extra_state"):
+                    model[layout.local_layer_name(name, layers.start)] = None
+                    continue
+                source = layout.EMBEDDING if name not in state else name
+                # tp_shard's rule is megalite's TP split, which is Megatron's (layout.py);
+                # no name: the vocabulary rows are padded for the target TP already.
+                shard = tp_shard(state[source], params[source], "", t, tp)
+                model[layout.local_layer_name(name, layers.start)] = shard.clone()
+            path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
+            path.parent.mkdir()
+            torch.save({"model": model, **common}, path)
+
+
+def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> list[str]:
+    """Megatron's state-dict keys of one pipeline stage (global layer numbers)."""
+    names = []
+    if first:
+        names.append(layout.EMBEDDING)
+        if config.position_embedding_type == "learned_absolute":
+            names.append("embedding.position_embeddings.weight")
+    kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    norm_kinds = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
+    for i in layers:
+        prefix = f"{layout.LAYER_PREFIX}{i}."
+        for module in LAYER_MODULES:
+            if module in LINEARS:
+                names += [f"{prefix}{module}.{k}" for k in kinds]
+                names.append(f"{prefix}{module}._extra_state")
+            else:
+                names += [f"{prefix}{module}.{k}" for k in norm_kinds]
+    if last:
+        names += [f"decoder.final_layernorm.{k}" for k in norm_kinds]
+        # Tied on one stage: the embedding is the output weight; on PP > 1 the last stage
+        # keeps its own copy (Megatron syncs it at start).
+        if config.untie_embeddings_and_output_weights or not first:
+            names.append(layout.OUTPUT)
+        names.append("output_layer._extra_state")
+    return names
+
+
+def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: dict) -> None:
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    flat = {}
+    for name, tensor in state.items():
+        if name.startswith(layout.LAYER_PREFIX):
+            index, rest = name[len(layout.LAYER_PREFIX):].split(".", 1)
+            key = layout.LAYER_PREFIX + layout.fused_name(rest)
+            stacked.setdefault(key, {})[int(index)] = tensor
+        else:
+            flat[name] = tensor.contiguous()
+    layers = config.num_layers
+    flat.update({n: torch.stack([per_layer[i] for i in range(layers)])
+                 for n, per_layer in stacked.items()})
+    for linear in LINEARS:
+        for i in range(layers):
+            # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.
+            flat[f"{layout.LAYER_PREFIX}{linear}._extra_state/shard_{i}_{layers}"] = [None]
+    flat["common_state/shard_0_1"] = [common]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.save(flat, storage_writer=FileSystemWriter(str(directory)),
+                 planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    (directory / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
