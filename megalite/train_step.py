@@ -20,7 +20,8 @@ from megalite.distributed.fsdp import compute_dtype, is_fully_sharded, set_gradi
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.optimizer.optimizer import Optimizer
-from megalite.parallel_state import ParallelState, all_gather_into, group_size
+from megalite.parallel_state import (ParallelState, all_gather_into, all_reduce_anywhere,
+                                     group_size)
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
@@ -155,7 +156,7 @@ class StepRunner:
             for p in params:
                 grad = main_grad(p)
                 if is_shared_embedding(p) and grad is not None:
-                    dist.all_reduce(grad, group=group)
+                    all_reduce_anywhere(grad, group)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:
