@@ -10,7 +10,7 @@ Bytes are counted from the tensors themselves after a real training step
 (megalite.train_step.StepRunner). Under FSDP2 the fp32 parameter shards are the main copy
 (params column, 4 B), the gradient shards fp32 (4 B), the optimizer column Adam's moments
 (8 B): 16Ψ/N, the paper's ZeRO-3 total. "gathered" is the most bf16 compute parameters
-seen gathered at once during the step (transient; the planner's count beside it), "host"
+alive at once during the step (transient; the planner's count beside it), "host"
 what --optimizer-cpu-offload keeps in host memory (on the CPU, the same memory).
 
 Data-parallel traffic is counted at the collectives (every all-reduce, reduce-scatter and
@@ -31,7 +31,6 @@ import argparse
 import os
 import sys
 import tempfile
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,6 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.config import OptimizerConfig, PrecisionConfig  # noqa: E402
@@ -116,19 +114,22 @@ def build(mode: str, state, device):
 
 
 def track_gathered(chunks, peak: dict):
-    """Record the most bytes of gathered (non-DTensor) FSDP2 parameters seen at any FSDP
-    unit's forward or backward boundary. A unit FSDP2 prefetches for the backward shows
-    as gathered only once waited for, so this misses it; the planner counts it."""
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    def record(*_):
-        peak["bytes"] = max(peak["bytes"], sum(
-            p.numel() * p.element_size() for p in chunks.parameters()
-            if not isinstance(p, DTensor)))
-    for module in chunks.modules():
-        if isinstance(module, FSDPModule):
-            module.register_forward_pre_hook(record)
-            module.register_full_backward_pre_hook(record)
-            module.register_forward_hook(record)
+    """Record the most bytes of gathered FSDP2 compute parameters alive at once: at each
+    all-gather, the units already gathered (or gathered and not yet copied out, as a
+    prefetched one is) plus the one being gathered. Reads FSDP2's per-unit state
+    (private attributes of torch 2.13: this is a measurement, not a dependency)."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in chunks.modules()
+              if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
+    original = dist.all_gather_single
+
+    def gathering(output_tensor, *args, **kwargs):
+        alive = sum(sum(fp.sharded_param.numel() for fp in g.fsdp_params) * 2
+                    for g in groups if g.is_unsharded or g._all_gather_result is not None)
+        peak["bytes"] = max(peak["bytes"],
+                            alive + output_tensor.numel() * output_tensor.element_size())
+        return original(output_tensor, *args, **kwargs)
+    dist.all_gather_single = gathering
 
 
 def worker(rank, world, mode, store, out, device_type):
@@ -138,10 +139,10 @@ def worker(rank, world, mode, store, out, device_type):
     runner = StepRunner(chunks, optimizer, PrecisionConfig(bf16=True), 1, (64, 2, 128), device,
                         state, grad_buffer)
     counter, peak = {"bytes": 0.0}, {"bytes": 0}
-    count_collectives(counter, world)
     fsdp = grad_buffer is None
     if fsdp:
         track_gathered(chunks, peak)
+    count_collectives(counter, world)
     batch = {"tokens": torch.randint(0, 1024, (2, 64), device=device),
              "labels": torch.randint(0, 1024, (2, 64), device=device),
              "loss_mask": torch.ones(2, 64, device=device)}

@@ -1,8 +1,9 @@
 """FSDP2 (--use-torch-fsdp2, ZeRO-2 and ZeRO-3) at data-, tensor- and pipeline-parallel
 layouts against the single-process model (DESIGN.md §3, §6): the same per-step losses and
 grad norms for 6 steps, with gradient accumulation over micro-batches and clipping, and the
-same parameters after the last step; and optimizer CPU offload against the same run
-without (FSDP2 and ZeRO-1)."""
+same parameters after the last step; optimizer CPU offload (FSDP2 and ZeRO-1) against the
+same reference; bf16 and fp16 FSDP2 against the ZeRO-1 run of the same precision; and the
+memory planner's FSDP2 bytes against the tensors of a step."""
 
 import contextlib
 import dataclasses
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+import megalite.memory_estimate as me
+from megalite.arguments import parse_args
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp, full_tensor
 from megalite.distributed.grad_buffer import GradBuffer
@@ -23,11 +26,13 @@ from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.params import is_embedding_copy
+from megalite.memory_estimate.fsdp import fsdp_weights
 from megalite.train_step import StepRunner
-from megalite.validation import pad_vocab_size
+from megalite.training import build_model, build_optimizer
+from megalite.validation import pad_vocab_size, validate_args
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import gather_tensor_parallel, tiny_gpt_config
+from tests.helpers import BASE_FLAGS, gather_tensor_parallel, tiny_gpt_config
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 6
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
@@ -56,7 +61,7 @@ def batches(generator, state):
     return all_batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
 
 
-def build_optimizer(chunks, state, mode):
+def layout_optimizer(chunks, state, mode):
     """(optimizer, grad buffer) for `mode`; FSDP2 shards `chunks` in place first."""
     if state is None:
         return Optimizer(chunks, OPTIMIZER), None
@@ -73,7 +78,7 @@ def build_optimizer(chunks, state, mode):
 
 def run(config, chunks, state, mode=ZERO3):
     """STEPS steps; returns the per-step (loss, grad norm)."""
-    optimizer, grad_buffer = build_optimizer(chunks, state, mode)
+    optimizer, grad_buffer = layout_optimizer(chunks, state, mode)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
     shape = activation_shape(config, MICRO, state.tp_size if state else 1)
     runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
@@ -160,6 +165,7 @@ def fsdp_equivalence(rank, world_size):
                for tp, pp, v, dp, mode, tied in LAYOUTS[world_size]}
     if world_size == 2:
         results.update(half_precision_equivalence(rank, world_size))
+        results.update(planner_against_tensors(rank, world_size))
     return results
 
 
@@ -224,4 +230,48 @@ def half_precision_equivalence(rank, world_size) -> dict[str, list[str]]:
                 diff = (value.float() - zero_params[name].float()).abs().max().item()
                 problems.append(f"final {name}: max diff {diff:.3g}")
         out[f"FSDP2 {dtype} vs ZeRO-1 {dtype}"] = problems
+    return out
+
+
+# ------------------------------------------------------------- the memory planner
+
+def planner_against_tensors(rank, world_size) -> dict[str, list[str]]:
+    """pretrain_gpt.py's model and optimizer (--bf16) for ZeRO-2, ZeRO-3 and ZeRO-3 +
+    offload after one step of one micro-batch: the bytes of the fp32 shards, their
+    gradients and Adam's moments against the planner's persistent bytes (on the CPU the
+    "host" of offload is the same memory: the planner's host bytes are checked against
+    the same tensors); ZeRO-2's gathered copies against all the parameters in bf16."""
+    out = {}
+    for name, extra in (("ZeRO-2", ["--data-parallel-sharding-strategy", "optim_grads"]),
+                        ("ZeRO-3", []), ("ZeRO-3 + offload", ["--optimizer-cpu-offload"])):
+        config = validate_args(parse_args([*BASE_FLAGS, "--bf16", "--use-torch-fsdp2",
+                                           *extra]), world_size)
+        state = ParallelState(RankGrid(world_size), rank)
+        model = build_model(config, state, torch.device("cpu"), None)
+        optimizer, _ = build_optimizer(model, config, state)
+        t, m = config.training, config.model
+        runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
+                            activation_shape(m, t.micro_batch_size, 1), torch.device("cpu"),
+                            state, None)
+        tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length),
+                               generator=torch.Generator().manual_seed(0))
+        runner.train_step([{"tokens": tokens, "labels": tokens.roll(-1, 1),
+                            "loss_mask": torch.ones(tokens.shape)}] * t.num_microbatches)
+        params = list(model.parameters())
+        shards = sum(p.to_local().numel() * 4 for p in params)
+        measured = {"parameters": shards,
+                    "gradients": sum(p.grad.to_local().numel() * 4 for p in params),
+                    "optimizer_state": optimizer.optimizer_state_bytes() - shards}
+        plan = me.estimate_rank_memory(config, 0, "cpu")
+        gathered = fsdp_weights(config, 0, 2)["gathered"]
+        # The planner's parameters include the gathered compute copies (transient).
+        planned = {"parameters": plan.parameters - gathered, "gradients": plan.gradients,
+                   "optimizer_state": plan.optimizer_state}
+        if extra == ["--optimizer-cpu-offload"]:
+            planned, measured = {"host": plan.host}, {"host": sum(measured.values())}
+        problems = [f"{k}: planned {planned[k]}, measured {v}" for k, v in measured.items()
+                    if planned[k] != v]
+        if name == "ZeRO-2" and gathered != 2 * sum(p.numel() for p in params):
+            problems.append(f"ZeRO-2 gathers every parameter, planned {gathered} bytes")
+        out[f"planner, FSDP2 {name}"] = problems
     return out
