@@ -1,17 +1,24 @@
 """Per-rank memory of parameters, gradients and optimizer state, and data-parallel bytes
-per step, for DP = 1, 2, 4 with and without ZeRO-1, next to the ZeRO paper's formulas.
+per step, for DP = 1, 2, 4 with plain DP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP2) and ZeRO-3 with
+optimizer CPU offload, next to the ZeRO paper's formulas and megalite's memory planner.
 
-Mixed-precision Adam as in Rajbhandari et al. 2020 (§3.1): Ψ parameters in bf16 (2Ψ
+Mixed-precision Adam as in Rajbhandari et al. 2020 (§3.1, §5): Ψ parameters in bf16 (2Ψ
 bytes), their gradients in bf16 (2Ψ), and K = 12 bytes per parameter of optimizer state
-(fp32 main copy, Adam's two moments). Plain DP holds (2 + 2 + 12)Ψ on every rank;
-ZeRO-1 (P_os) holds (2 + 2 + 12/N)Ψ. Bytes are counted from the tensors themselves
-after a real training step (megalite.train_step.StepRunner).
+(fp32 main copy, Adam's two moments). Per rank: plain DP (2 + 2 + 12)Ψ; ZeRO-1 (P_os)
+(2 + 2 + 12/N)Ψ; ZeRO-2 (P_os+g) (2 + (2 + 12)/N)Ψ; ZeRO-3 (P_os+g+p) (2 + 2 + 12)Ψ/N.
+Bytes are counted from the tensors themselves after a real training step
+(megalite.train_step.StepRunner). Under FSDP2 the fp32 parameter shards are the main copy
+(params column, 4 B), the gradient shards fp32 (4 B), the optimizer column Adam's moments
+(8 B): 16Ψ/N, the paper's ZeRO-3 total. "gathered" is the most bf16 compute parameters
+alive at once during the step (transient; the planner's count beside it), "host"
+what --optimizer-cpu-offload keeps in host memory (on the CPU, the same memory).
 
 Data-parallel traffic is counted at the collectives (every all-reduce, reduce-scatter and
 all-gather of more than one element; the scalar loss, token-count and norm reductions
 are left out) as ring wire bytes per rank: 2(N-1)/N x the tensor for an all-reduce,
-(N-1)/N for a reduce-scatter or all-gather. Closed form for both: 2(N-1)/N x the gradient
-bytes (ZeRO-1's reduce-scatter + all-gather move what one all-reduce moves).
+(N-1)/N for a reduce-scatter or all-gather. Closed form: 2(N-1)/N x the bf16 gradient
+bytes for plain DP, ZeRO-1 and ZeRO-2, 3(N-1)/N for ZeRO-3 (1.5x: the parameters are
+all-gathered again for the backward).
 
     python benchmarks/zero_memory.py [--device cpu|cuda]
 
@@ -21,7 +28,6 @@ skipped with a note. On the CPU the ranks run over gloo.
 """
 
 import argparse
-
 import os
 import sys
 import tempfile
@@ -32,13 +38,20 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+
+from megalite.arguments import parse_args  # noqa: E402
 from megalite.config import OptimizerConfig, PrecisionConfig  # noqa: E402
+from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp  # noqa: E402
 from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
 from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import build_model_chunks  # noqa: E402
+from megalite.memory_estimate import weights_and_optimizer  # noqa: E402
+from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer  # noqa: E402
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
+from megalite.validation import validate_model_args  # noqa: E402
 from rank_setup import add_device_flag, describe, init_rank  # noqa: E402
 
 CONFIG = GPTConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
@@ -51,8 +64,10 @@ WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n 
 
 def count_collectives(counter: dict, world: int):
     """Wrap torch.distributed's collectives to add their ring wire bytes to counter."""
-    names = {"all_reduce": 0, "reduce_scatter_tensor": 1, "reduce_scatter_single": 1,
-             "all_gather_into_tensor": 0, "all_gather_single": 0}
+    # (position, keyword) of the full-size tensor: FSDP2 passes keywords.
+    names = {"all_reduce": (0, "tensor"), "reduce_scatter_tensor": (1, "input"),
+             "reduce_scatter_single": (1, "input"), "all_gather_into_tensor": (0, "output_tensor"),
+             "all_gather_single": (0, "output_tensor")}
     for name, full_arg in names.items():
         original = getattr(dist, name, None)
         if original is None:
@@ -60,62 +75,152 @@ def count_collectives(counter: dict, world: int):
         kind = next(k for k in WIRE if name.startswith(k))
 
         def wrapped(*args, _original=original, _kind=kind, _full=full_arg, **kwargs):
-            tensor = args[_full]
+            position, keyword = _full
+            tensor = args[position] if len(args) > position else kwargs[keyword]
             if tensor.numel() > 1:
                 counter["bytes"] += WIRE[_kind](world) * tensor.numel() * tensor.element_size()
             return _original(*args, **kwargs)
         setattr(dist, name, wrapped)
 
 
-def worker(rank, world, zero, store, out, device_type):
-    device = init_rank(rank, world, store, device_type)
-    state = ParallelState(RankGrid(world), rank)
+MODES = ["plain", "zero1", "zero2", "zero3", "zero3+offload"]
+PLANNER_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "512",
+                 "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "1024",
+                 "--make-vocab-size-divisible-by", "1", "--micro-batch-size", "2",
+                 # fp16, not bf16: the same 2-byte parameters, and no forced fp32 gradient
+                 # buffer (--bf16 implies one), like this benchmark's bf16 buffer.
+                 "--fp16", "--attention-backend", "sdpa"]
+MODE_FLAGS = {"plain": [], "zero1": ["--use-distributed-optimizer"],
+              "zero2": ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads"],
+              "zero3": ["--use-torch-fsdp2"],
+              "zero3+offload": ["--use-torch-fsdp2", "--optimizer-cpu-offload"]}
+
+
+def build(mode: str, state, device):
+    """(chunks, optimizer, grad buffer) of `mode`: bf16 parameters and gradients."""
     chunks = build_model_chunks(CONFIG, 1).to(device=device, dtype=torch.bfloat16)
-    grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, 10 ** 9, shard=zero)
+    if mode.startswith("zero") and mode != "zero1":
+        apply_fsdp(chunks.float(), state.dp_group, device,
+                   strategy=ZERO2 if mode == "zero2" else ZERO3, param_dtype=torch.bfloat16,
+                   reduce_dtype=torch.bfloat16, cpu_offload=mode.endswith("offload"))
+        optimizer = FullyShardedOptimizer(chunks, OptimizerConfig(lr=1e-3), None, None, None,
+                                          state.dp_group)
+        return chunks, optimizer, None
+    grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, 10 ** 9,
+                             shard=mode == "zero1")
     optimizer = MixedPrecisionOptimizer(chunks, OptimizerConfig(lr=1e-3), None, None, None,
                                         grad_buffer)
-    precision = PrecisionConfig(bf16=True)
-    runner = StepRunner(chunks, optimizer, precision, 1, (64, 2, 128), device, state,
-                        grad_buffer)
-    counter = {"bytes": 0.0}
+    return chunks, optimizer, grad_buffer
+
+
+def track_gathered(chunks, peak: dict):
+    """Record the most bytes of gathered FSDP2 compute parameters alive at once: at each
+    all-gather, the units already gathered (or gathered and not yet copied out, as a
+    prefetched one is) plus the one being gathered. Reads FSDP2's per-unit state
+    (private attributes of torch 2.13: this is a measurement, not a dependency)."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in chunks.modules()
+              if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
+    original = dist.all_gather_single
+
+    def gathering(output_tensor, *args, **kwargs):
+        alive = sum(sum(fp.sharded_param.numel() for fp in g.fsdp_params) * 2
+                    for g in groups if g.is_unsharded or g._all_gather_result is not None)
+        peak["bytes"] = max(peak["bytes"],
+                            alive + output_tensor.numel() * output_tensor.element_size())
+        return original(output_tensor, *args, **kwargs)
+    dist.all_gather_single = gathering
+
+
+def worker(rank, world, mode, store, out, device_type):
+    device = init_rank(rank, world, store, device_type)
+    state = ParallelState(RankGrid(world), rank)
+    chunks, optimizer, grad_buffer = build(mode, state, device)
+    runner = StepRunner(chunks, optimizer, PrecisionConfig(bf16=True), 1, (64, 2, 128), device,
+                        state, grad_buffer)
+    counter, peak = {"bytes": 0.0}, {"bytes": 0}
+    fsdp = grad_buffer is None
+    if fsdp:
+        track_gathered(chunks, peak)
     count_collectives(counter, world)
     batch = {"tokens": torch.randint(0, 1024, (2, 64), device=device),
              "labels": torch.randint(0, 1024, (2, 64), device=device),
              "loss_mask": torch.ones(2, 64, device=device)}
     runner.train_step([batch])
     params = list(chunks.parameters())
-    row = [sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
-           sum(b.flat.numel() * b.flat.element_size() for b in grad_buffer.buckets),
-           optimizer.optimizer_state_bytes(), counter["bytes"]]
+    if fsdp:  # the fp32 shards (the main copy), their fp32 gradient shards, the moments
+        local = [p.to_local() for p in params]
+        param_bytes = sum(t.numel() * t.element_size() for t in local)
+        grad_bytes = sum(p.grad.to_local().numel() * 4 for p in params)
+        optim_bytes = optimizer.optimizer_state_bytes() - param_bytes
+        psi = sum(p.numel() for p in params)
+    else:
+        psi = sum(p.numel() for p in params)
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        grad_bytes = sum(b.flat.numel() * b.flat.element_size() for b in grad_buffer.buckets)
+        optim_bytes = optimizer.optimizer_state_bytes()
+    on_host = mode.endswith("offload")
+    row = [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], counter["bytes"], on_host]
     torch.save(row, f"{out}.{rank}")
     dist.destroy_process_group()
+
+
+def paper_bytes(mode: str, psi: int, n: int) -> float:
+    """Rajbhandari et al. 2020 §5 with K = 12: per-rank model-state bytes."""
+    return {"plain": 16 * psi, "zero1": (4 + 12 / n) * psi, "zero2": (2 + 14 / n) * psi,
+            "zero3": 16 * psi / n, "zero3+offload": 16 * psi / n}[mode]
+
+
+def closed_traffic(mode: str, n: int, psi_bf16: float) -> float:
+    """Ring wire bytes per rank per step (the ZeRO paper's §7): plain DP and ZeRO-1 move
+    2(N-1)/N x the bf16 gradients; ZeRO-2 one all-gather of the parameters and one
+    reduce-scatter of the gradients, the same; ZeRO-3 all-gathers every unit again in
+    backward: 3(N-1)/N, 1.5x."""
+    return (3 if mode.startswith("zero3") else 2) * (n - 1) / n * psi_bf16
+
+
+def planner(mode: str, dp: int):
+    config = validate_model_args(parse_args(PLANNER_FLAGS + MODE_FLAGS[mode]), dp)
+    return weights_and_optimizer(config, 0)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_flag(p)
     device = p.parse_args().device
-    print(f"bf16 parameters and gradients, fp32 Adam state; MiB per rank (rank 0); on "
-          f"{describe(device)}")
-    print(f"{'DP':>2} {'ZeRO-1':>6} {'params':>7} {'grads':>7} {'optim':>7} {'total':>7} "
-          f"{'paper':>7} | {'DP MiB/step':>11} {'2(N-1)/N x grads':>16} {'ratio':>5}")
+    print(f"bf16 compute parameters and gradients, fp32 Adam state; MiB per rank (rank 0); "
+          f"on {describe(device)}")
+    print(f"{'DP':>2} {'mode':>13} {'params':>7} {'grads':>7} {'optim':>7} {'total':>7} "
+          f"{'paper':>7} {'planner':>7} {'gathered':>8} {'planned':>8} {'host':>7} | "
+          f"{'DP MiB/step':>11} "
+          f"{'closed':>7} {'ratio':>5} {'x plain':>7}")
     mib = 2.0 ** 20
     for dp in (1, 2, 4):
         if device == "cuda" and dp > torch.cuda.device_count():
             print(f"{dp:>2} skipped: needs {dp} GPUs (one rank per GPU under NCCL)")
             continue
-        for zero in (False, True):
+        plain_traffic = None
+        for mode in MODES:
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "row")
-                mp.spawn(worker, args=(dp, zero, os.path.join(tmp, "store"), out, device),
+                mp.spawn(worker, args=(dp, mode, os.path.join(tmp, "store"), out, device),
                          nprocs=dp)
-                psi, params, grads, optim, traffic = torch.load(f"{out}.0")
-            paper = (2 + 2 + 12 / (dp if zero else 1)) * psi
-            closed = 2 * (dp - 1) / dp * grads
+                psi, params, grads, optim, gathered, traffic, on_host = torch.load(f"{out}.0")
+            plan = planner(mode, dp)
+            host = params + grads + optim if on_host else 0
+            total = params + grads + optim
+            # The planner's persistent bytes (GPU + host), less the transient gathers.
+            planned = plan["parameters"] + plan["gradients"] + plan["optimizer_state"] + \
+                plan.get("host", 0) - plan.get("gathered", 0)
+            closed = closed_traffic(mode, dp, 2 * psi)
+            plain_traffic = traffic if mode == "plain" else plain_traffic
             ratio = f"{traffic / closed:5.3f}" if closed else "  -  "
-            print(f"{dp:>2} {'yes' if zero else 'no':>6} {params / mib:7.3f} {grads / mib:7.3f} "
-                  f"{optim / mib:7.3f} {(params + grads + optim) / mib:7.3f} {paper / mib:7.3f} | "
-                  f"{traffic / mib:11.3f} {closed / mib:16.3f} {ratio}")
+            vs = f"{traffic / plain_traffic:7.3f}" if plain_traffic else "    -  "
+            print(f"{dp:>2} {mode:>13} {params / mib:7.3f} {grads / mib:7.3f} "
+                  f"{optim / mib:7.3f} {total / mib:7.3f} {paper_bytes(mode, psi, dp) / mib:7.3f} "
+                  f"{planned / mib:7.3f} {gathered / mib:8.3f} "
+                  f"{plan.get('gathered', 0) / mib:8.3f} {host / mib:7.3f} | "
+                  f"{traffic / mib:11.3f} {closed / mib:7.3f} {ratio} {vs}")
     print(f"Ψ = {psi:,} parameters")
 
 

@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                       _data, _checkpointing, _logging, _distributed):
         add_group(parser)
     _add_monitoring_args(parser)
+    _add_fsdp_args(parser)
     parser.add_argument("--yaml-cfg", default=None, metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
                              "flat); flags on the command line override it. Megatron's flag "
@@ -133,6 +134,23 @@ def _add_context_parallel_args(g):
                    help="How attention sees the other CP ranks' keys and values: p2p (ring "
                         "attention, overlapped with compute) or all_gather (all K/V "
                         "gathered; cheap with GQA). Megatron's a2a is not implemented.")
+
+
+def _add_fsdp_args(parser):
+    g = parser.add_argument_group("fully sharded data parallelism")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="Shard parameters, gradients and optimizer state over data-parallel "
+                        "ranks with torch's FSDP2 (fully_shard per transformer layer). Unlike "
+                        "Megatron, megalite composes it with TP, PP (also interleaved, tied "
+                        "embeddings), fp16, and loads any checkpoint layout.")
+    g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                   choices=["optim_grads", "optim_grads_params"],
+                   help="With --use-torch-fsdp2: optim_grads = ZeRO-2 (parameters kept "
+                        "gathered from forward to backward), optim_grads_params = ZeRO-3.")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="fp32 main parameters and Adam moments in host memory, the optimizer "
+                        "step on the host: with --use-torch-fsdp2 or "
+                        "--use-distributed-optimizer (this rank's shard).")
 
 
 def _training(parser):

@@ -45,6 +45,14 @@ class ParallelConfig:
     def data_context_parallel_size(self) -> int:
         """DP x CP: the ranks gradients are summed over and ZeRO-1 shards its state over."""
         return self.data_parallel_size * self.context_parallel_size
+    use_torch_fsdp2: bool = False
+    """ZeRO-2/3 with torch's fully_shard over DP (--use-torch-fsdp2)."""
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    """FSDP2: "optim_grads" (ZeRO-2) or "optim_grads_params" (ZeRO-3)
+    (--data-parallel-sharding-strategy)."""
+    optimizer_cpu_offload: bool = False
+    """fp32 main parameters, Adam moments and the step on the host
+    (--optimizer-cpu-offload)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,9 @@ class OptimizerKind(enum.Enum):
     """fp32 main copies of bf16/fp16 parameters, not sharded."""
     SHARDED_FP32_MAIN_PARAMS = "sharded_fp32_main_params"
     """fp32 main copies and Adam moments sharded over DP (ZeRO-1)."""
+    FULLY_SHARDED = "fully_sharded"
+    """fp32 parameters sharded over DP by FSDP2 (ZeRO-2/3): each rank's shard is the main
+    copy, its Adam moments beside it; bf16/fp16 copies only while gathered."""
 
     @property
     def has_main_params(self) -> bool:
@@ -87,7 +98,8 @@ class OptimizerKind(enum.Enum):
 
     @property
     def sharded(self) -> bool:
-        return self is OptimizerKind.SHARDED_FP32_MAIN_PARAMS
+        """Optimizer state split over DP (one checkpoint file per DP rank)."""
+        return self in (OptimizerKind.SHARDED_FP32_MAIN_PARAMS, OptimizerKind.FULLY_SHARDED)
 
 
 @dataclass(frozen=True)
@@ -274,6 +286,8 @@ class Config:
     def optimizer_kind(self) -> OptimizerKind:
         """ZeRO-1 shards fp32 main parameters over DP (fp32 models too, as in Megatron);
         bf16/fp16 parameters get unsharded fp32 main copies; fp32 ones plain AdamW."""
+        if self.parallel.use_torch_fsdp2:
+            return OptimizerKind.FULLY_SHARDED
         if self.parallel.use_distributed_optimizer:
             return OptimizerKind.SHARDED_FP32_MAIN_PARAMS
         if self.precision.bf16 or self.precision.fp16:

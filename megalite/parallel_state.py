@@ -104,6 +104,17 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def all_reduce_anywhere(tensor: torch.Tensor, group):
+    """dist.all_reduce, also of a host tensor over NCCL (--optimizer-cpu-offload keeps
+    gradients on the host): reduced in a copy on this rank's GPU, copied back."""
+    if tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        on_device = tensor.to(torch.cuda.current_device())
+        dist.all_reduce(on_device, group=group)
+        tensor.copy_(on_device)
+    else:
+        dist.all_reduce(tensor, group=group)
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
     """All-gather x from every rank into out (concatenated along dim 0). x may be this
     rank's own block of out (in place). Returns the work handle when async_op."""

@@ -16,11 +16,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import PrecisionConfig
+from megalite.distributed.fsdp import compute_dtype, is_fully_sharded, set_gradient_sync
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer
-from megalite.parallel_state import ParallelState, all_gather_into, group_size
+from megalite.parallel_state import (ParallelState, all_gather_into, all_reduce_anywhere,
+                                     group_size)
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
@@ -68,9 +70,10 @@ class StepRunner:
         self.check_for_nan = check_for_nan
         self.timers = timers
         self.num_microbatches, self.device = num_microbatches, device
-        if grad_buffer is None and state is not None and state.dp_cp_size > 1:
-            raise ValueError("data and context parallelism need a GradBuffer to reduce "
-                             "the gradients")
+        self.fsdp = is_fully_sharded(chunks)
+        if grad_buffer is None and state is not None and state.dp_cp_size > 1 and not self.fsdp:
+            raise ValueError("data and context parallelism need a GradBuffer (or FSDP) to "
+                             "reduce the gradients")
         self.grad_buffer = grad_buffer
         self.state = state
         pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
@@ -84,7 +87,7 @@ class StepRunner:
         self.comm = None
         if pp > 1:
             # Activations travel in the parameters' dtype (bf16/fp16 or fp32).
-            dtype = next(chunks.parameters()).dtype
+            dtype = compute_dtype(chunks)
             self.comm = PipelineCommunicator(state, activation_shape, dtype, device)
 
     def _autocast(self):
@@ -104,7 +107,8 @@ class StepRunner:
         with timers("forward-backward"):
             loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
-                                self.optimizer.scale_loss, self._autocast, timers=timers)
+                                self.optimizer.scale_loss, self._autocast, timers=timers,
+                                before_backward=self._before_backward if self.fsdp else None)
         with timers("all-grads-sync"):
             self.finalize_grads()
         check = (lambda squares: self._stop_on_nonfinite(loss, squares)) \
@@ -114,6 +118,11 @@ class StepRunner:
         with timers("loss-all-reduce"):
             loss = self._sum_over_data_parallel(loss).item()
         return StepResult(loss, not updated, grad_norm)
+
+    def _before_backward(self, microbatch: int, chunk: int):
+        # FSDP2 reduce-scatters a chunk's gradients only in its last micro-batch's
+        # backward (every schedule runs a chunk's backwards in micro-batch order).
+        set_gradient_sync(self.chunks[chunk], microbatch == self.num_microbatches - 1)
 
     def _stop_on_nonfinite(self, loss: torch.Tensor, squares: torch.Tensor):
         """Inside the optimizer step, before any parameter changes, so a NaN never reaches
@@ -166,7 +175,7 @@ class StepRunner:
                 for p in params:
                     grad = main_grad(p)
                     if is_shared_embedding(p) and grad is not None:
-                        dist.all_reduce(grad, group=group)
+                        all_reduce_anywhere(grad, group)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:

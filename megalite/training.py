@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.arguments import build_parser, parse_args
-from megalite.config import Config
+from megalite.config import Config, OptimizerKind
 from megalite.data.datasets import build_datasets
 from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
+from megalite.distributed.fsdp import fully_shard_model
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
@@ -28,6 +29,7 @@ from megalite.initialize import initialize_distributed, set_seed, world_size_fro
 from megalite.model.attention_backends import resolve_backend
 from megalite.model.gpt import activation_shape, build_model_chunks
 from megalite.monitoring.monitor import Monitor
+from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
@@ -101,20 +103,27 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     # Megatron's --bf16/--fp16: the model's parameters (and so its activations) in half
     # precision, built on `device` in that dtype (initial values drawn there in fp32 and
     # rounded); the optimizer keeps fp32 main copies.
-    return build_model_chunks(
+    chunks = build_model_chunks(
         model_config, seed, state.pp_rank, state.pp_size,
         config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
         rng_tracker, device=device, dtype=dtype, cp_group=state.cp_group)
+    if config.parallel.use_torch_fsdp2:
+        fully_shard_model(chunks, config, state.dp_group, device)
+    return chunks
 
 
 def build_optimizer(model: nn.Module, config: Config,
-                    state: ParallelState) -> tuple[Optimizer, GradBuffer]:
+                    state: ParallelState) -> tuple[Optimizer, GradBuffer | None]:
     """The gradient buffer (reduced over DP x CP: all-reduce, or reduce-scatter for ZeRO-1,
-    whose shards are laid over DP x CP as Megatron's are) and
+    whose shards are laid over DP x CP as Megatron's are; none under FSDP2, which reduces
+    its own gradients) and
     the optimizer reading it: ZeRO-1 with --use-distributed-optimizer; fp32 main
     parameters (unsharded) for bf16/fp16 model parameters; plain AdamW otherwise."""
     scaler = build_grad_scaler(config.precision)
     p = config.parallel
+    if config.optimizer_kind is OptimizerKind.FULLY_SHARDED:  # FSDP2 reduces the gradients
+        return FullyShardedOptimizer(model, config.optimizer, scaler, state.tp_group,
+                                     state.mp_group, state.dp_group), None
     params = [q for q in model.parameters() if q.requires_grad]
     grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
@@ -122,7 +131,8 @@ def build_optimizer(model: nn.Module, config: Config,
                              else None)
     if config.optimizer_kind.has_main_params:
         optimizer = MixedPrecisionOptimizer(model, config.optimizer, scaler, state.tp_group,
-                                            state.mp_group, grad_buffer, p.overlap_param_gather)
+                                            state.mp_group, grad_buffer, p.overlap_param_gather,
+                                            cpu_offload=p.optimizer_cpu_offload)
     else:
         optimizer = Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group)
     return optimizer, grad_buffer

@@ -104,6 +104,7 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
     cp = _validate_context_parallel(args)
     dp = RankGrid(world_size, tp, pp, cp).data_parallel_size
     _check_positive(args, "ddp_bucket_size")
+    fsdp, strategy, offload = _validate_fsdp(args)
     if args.overlap_param_gather and not (args.use_distributed_optimizer
                                           and args.overlap_grad_reduce):
         # As in Megatron: only ZeRO-1 gathers parameters, and the overlap of the gather
@@ -117,7 +118,9 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
     fp32_grads = args.accumulate_allreduce_grads_in_fp32 or args.bf16
     return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp, args.use_distributed_optimizer,
                           args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce,
-                          args.overlap_param_gather, fp32_grads, context_parallel_size=cp)
+                          args.overlap_param_gather, fp32_grads, context_parallel_size=cp,
+                          use_torch_fsdp2=fsdp, data_parallel_sharding_strategy=strategy,
+                          optimizer_cpu_offload=offload)
 
 
 def _validate_context_parallel(args) -> int:
@@ -155,6 +158,39 @@ def _validate_pipeline_schedule(args, parallel: ParallelConfig,
     validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
                            parallel.virtual_pipeline_model_parallel_size or 1, schedule)
     return dataclasses.replace(parallel, pipeline_schedule=schedule)
+
+
+def _validate_fsdp(args) -> tuple[bool, str, bool]:
+    """(use_torch_fsdp2, data_parallel_sharding_strategy, optimizer_cpu_offload)."""
+    fsdp, strategy = args.use_torch_fsdp2, args.data_parallel_sharding_strategy
+    offload = args.optimizer_cpu_offload
+    if fsdp and args.use_distributed_optimizer:
+        raise ConfigError("--use-torch-fsdp2 (ZeRO-2/3) and --use-distributed-optimizer "
+                          "(ZeRO-1) both shard the optimizer state: choose one")
+    if fsdp and args.overlap_param_gather:
+        # FSDP2 always overlaps its all-gathers (prefetching the next unit) and its
+        # reduce-scatters (during the backward of earlier layers).
+        raise ConfigError("--overlap-param-gather is ZeRO-1's; under --use-torch-fsdp2 FSDP2 "
+                          "prefetches the next layer's parameters itself: drop the flag")
+    if fsdp and args.context_parallel_size > 1:
+        # FSDP2 shards and reduces over the DP group; CP's gradients need DP x CP.
+        raise ConfigError(f"--use-torch-fsdp2 with --context-parallel-size="
+                          f"{args.context_parallel_size} is not supported yet: use "
+                          "--use-distributed-optimizer (ZeRO-1 shards over DP x CP)")
+    if fsdp and args.pipeline_schedule == "zb-h1":
+        # FSDP2 reduce-scatters a layer's gradients when its backward ends, before a
+        # deferred W pass has computed the weight gradients.
+        raise ConfigError("--pipeline-schedule zb-h1 defers weight gradients past the "
+                          "backward, where --use-torch-fsdp2 reduces them: use "
+                          "--pipeline-schedule 1f1b or gpipe with FSDP2")
+    if fsdp and args.check_weight_hash_across_dp_replicas_interval:
+        raise ConfigError("--check-weight-hash-across-dp-replicas-interval compares what DP "
+                          "replicas hold alike; under --use-torch-fsdp2 each rank holds its own "
+                          "shard of every parameter, so there is nothing to compare")
+    if offload and not (fsdp or args.use_distributed_optimizer):
+        raise ConfigError("--optimizer-cpu-offload needs --use-torch-fsdp2 or "
+                          "--use-distributed-optimizer (got neither)")
+    return fsdp, strategy, offload
 
 
 def _virtual_stages(args, pp: int) -> int | None:

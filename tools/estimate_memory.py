@@ -97,12 +97,22 @@ def describe(config: Config) -> list[str]:
         f"PP {p.pipeline_model_parallel_size} x DP {p.data_parallel_size}"
         f"{cp}; "
         f"sequence parallel {'on' if m.sequence_parallel else 'off'}; "
-        f"ZeRO-1 {'on' if p.use_distributed_optimizer else 'off'}; schedule {schedule}",
+        f"{_sharding(config)}; schedule {schedule}",
         f"batch: micro-batch {t.micro_batch_size} x seq {m.seq_length}, "
         f"{t.num_microbatches} micro-batches per step per DP rank, global batch "
         f"{t.global_batch_size}; {dtype} parameters, {grads} gradient buffer; "
         f"recompute {recompute}",
     ]
+
+
+def _sharding(config: Config) -> str:
+    p = config.parallel
+    if p.use_torch_fsdp2:
+        zero = "ZeRO-3" if p.data_parallel_sharding_strategy == "optim_grads_params" else "ZeRO-2"
+        text = f"FSDP2 {zero} ({p.data_parallel_sharding_strategy})"
+    else:
+        text = f"ZeRO-1 {'on' if p.use_distributed_optimizer else 'off'}"
+    return text + ("; optimizer state offloaded to the host" if p.optimizer_cpu_offload else "")
 
 
 def format_table(config: Config, ranks: list[RankMemory], gpu_gib: float,
@@ -129,6 +139,8 @@ def format_table(config: Config, ranks: list[RankMemory], gpu_gib: float,
               f"activations of one micro-batch on that rank: "
               f"{_gib(worst.activations_per_microbatch)} GiB; p2p buffers held to the end of "
               f"the step: {_gib(worst.p2p_buffers)} GiB"]
+    if worst.host:
+        lines.append(f"host memory per GPU (--optimizer-cpu-offload): {_gib(worst.host)} GiB")
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, m
 from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
                                             find_checkpoint_to_load, load_tensor_file,
                                             read_metadata)
+from megalite.distributed.fsdp import copy_into
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.params import tp_shard, tp_unshard
 
@@ -158,7 +159,8 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     with torch.no_grad():
         for name, param in chunks.named_parameters():
             name = canonical_name(name, param)
-            param.copy_(local_shard(saved.param(name), param, name, state.tp_rank, state.tp_size))
+            copy_into(param, local_shard(saved.param(name), param, name, state.tp_rank,
+                                         state.tp_size))
     optimizer.reload_main_params()
     load_optim = ckpt.load_optim and not ckpt.finetune and meta["has_optimizer"]
     if ckpt.load_optim and not ckpt.finetune and not meta["has_optimizer"] and \

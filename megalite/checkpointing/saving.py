@@ -37,6 +37,7 @@ import megalite
 from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, checkpoint_dir,
                                            commit, prepare_staging, save_tensor_file,
                                            staging_dir)
+from megalite.distributed.fsdp import full_tensor, is_fully_sharded
 from megalite.parallel_state import ParallelState, group_rank
 from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
 
@@ -129,11 +130,13 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
     staging = staging_dir(save, iteration)
     params = saved_params(chunks)
     owns_model_file = state.dp_rank == 0 and state.cp_rank == 0
-    if owns_model_file:
+    # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
+    if owns_model_file or is_fully_sharded(chunks):
         # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
         # torch.save would write the whole buffer.
-        save_tensor_file({"params": {n: _cpu_copy(p) for n, p in params.items()},
-                          **shard_layout(params)},
+        values = {n: _cpu_copy(full_tensor(p.detach())) for n, p in params.items()}
+    if owns_model_file:
+        save_tensor_file({"params": values, **shard_layout(params)},
                          staging / model_file(state.tp_rank, state.pp_rank))
     if ckpt.save_optim and (zero or owns_model_file):
         names = {id(p): n for n, p in params.items()}

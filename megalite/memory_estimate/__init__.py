@@ -36,6 +36,9 @@ class RankMemory:
     """Most micro-batches whose backward has not run, in units of all v chunks."""
     p2p_buffers: int = 0
     """Part of `activations`: sent activations and gradients held until the step ends."""
+    host: int = 0
+    """Bytes in host memory, not in `total` (--optimizer-cpu-offload: the optimizer's
+    shards of main parameters, moments and gradients)."""
 
     @property
     def weights_and_optimizer(self) -> int:
@@ -66,4 +69,4 @@ def estimate_rank_memory(config: Config, pp_rank: int, device: str = "cuda") -> 
                                        par.pipeline_schedule) / v
     return RankMemory(pp_rank, state["num_parameters"], state["parameters"],
                       state["gradients"], state["optimizer_state"], state["main_grads"],
-                      peak, per_mb, in_flight, p2p)
+                      peak, per_mb, in_flight, p2p, state.get("host", 0))

@@ -8,8 +8,9 @@ Nothing here restates the model or the buffer: the parameter list is the model's
 import torch
 from torch import nn
 
-from megalite.config import Config
+from megalite.config import Config, OptimizerKind
 from megalite.distributed.grad_buffer import bucket_layout, padded_size
+from megalite.memory_estimate.fsdp import fsdp_weights
 from megalite.model.gpt import build_model_chunks
 from megalite.tensor_parallel.params import (is_embedding_copy, is_shared_embedding,
                                              is_tensor_parallel)
@@ -64,6 +65,8 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     pbytes = param_bytes_per_element(config)
     gbytes = 4 if config.parallel.accumulate_allreduce_grads_in_fp32 else pbytes
     kind = config.optimizer_kind
+    if kind is OptimizerKind.FULLY_SHARDED:
+        return fsdp_weights(config, pp_rank, pbytes)
     main_params, sharded = kind.has_main_params, kind.sharded
     if not main_params:  # plain AdamW: the parameters are the main copy, two fp32 moments
         return dict(num_parameters=num, parameters=pbytes * num, gradients=gbytes * padded,
@@ -71,5 +74,11 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     shards = config.parallel.data_context_parallel_size if sharded else 1
     # DP rank 0 owns the first 1/shards of every bucket, all of it real parameters.
     owned = sum(min(real, n // shards) for real, n in layout)
-    return dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,
-                optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned)
+    state = dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,
+                 optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned)
+    if config.parallel.optimizer_cpu_offload:
+        # The owned main parameters, moments and the fp32 gradient copies on the host
+        # (mixed_precision.HostOffload).
+        state["host"] = 12 * owned + 4 * owned
+        state["optimizer_state"] = state["main_grads"] = 0
+    return state

@@ -43,9 +43,11 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler,
                  tp_group, model_parallel_group, grad_buffer: GradBuffer,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, cpu_offload: bool = False):
         self.grad_buffer = grad_buffer
         self.sharded = grad_buffer.shard
+        # --optimizer-cpu-offload: main parameters, moments and the step on the host.
+        self.host = HostOffload(grad_buffer) if cpu_offload else None
         self.dp_group = grad_buffer.group
         self.param_buffers = [_adopt_params(b) for b in grad_buffer.buckets]
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group)
@@ -73,6 +75,8 @@ class MixedPrecisionOptimizer(Optimizer):
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
                     main = p.detach().reshape(-1)[start - offset:end - offset].float().clone()
+                    if self.host is not None:
+                        main = self.host.tensor_like(main)
                     segments.append(Segment(p, start - offset, end - offset, main, index, start))
         return segments
 
@@ -90,9 +94,10 @@ class MixedPrecisionOptimizer(Optimizer):
         """One fp32 conversion per bucket of the owned range (a view when the buffer is
         fp32: unscaling and clipping then act in place), each main's .grad a view of it."""
         owned = []
-        for bucket in self.grad_buffer.buckets:
+        for i, bucket in enumerate(self.grad_buffer.buckets):
             lo, hi = self._owned_range(bucket)
-            owned.append((lo, bucket.flat[lo:hi].float()))
+            grads = bucket.flat[lo:hi]
+            owned.append((lo, grads.float() if self.host is None else self.host.grads(i, grads)))
         for s in self.segments:
             lo, grads = owned[s.bucket]
             s.main.grad = grads[s.flat_start - lo:s.flat_start - lo + s.end - s.start]
@@ -133,6 +138,34 @@ class MixedPrecisionOptimizer(Optimizer):
         state: bf16 values, widened)."""
         torch._foreach_copy_([s.main for s in self.segments],
                              [s.param.detach().reshape(-1)[s.start:s.end] for s in self.segments])
+
+
+class HostOffload:
+    """ZeRO-1 under --optimizer-cpu-offload: this rank's owned shard of the fp32 main
+    parameters and Adam moments (made like them by AdamW) in host memory, so the step
+    runs on the host. The reduced gradient shard of each bucket comes down into a host
+    buffer (pinned when the model is on a GPU, so the copy is a DMA), and the updated main
+    parameters go back up through the parameter views. On a CPU model the host is the
+    model's own device: only the copies remain."""
+
+    def __init__(self, grad_buffer: GradBuffer):
+        self.pin = grad_buffer.buckets[0].flat.is_cuda if grad_buffer.buckets else False
+        self._grads: dict[int, torch.Tensor] = {}
+
+    def tensor_like(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
+        return host.copy_(t)
+
+    def grads(self, bucket: int, shard: torch.Tensor) -> torch.Tensor:
+        """fp32 host copy of a bucket's owned gradient shard."""
+        if bucket not in self._grads:
+            self._grads[bucket] = torch.empty(shard.numel(), dtype=torch.float32,
+                                              device="cpu", pin_memory=self.pin)
+        host = self._grads[bucket]
+        host.copy_(shard, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.current_stream(shard.device).synchronize()
+        return host
 
 
 def _adopt_params(bucket: Bucket) -> torch.Tensor:

@@ -114,6 +114,10 @@ class Optimizer:
         """The groups whose ranks hold different gradients of one model replica."""
         return [self.model_parallel_group]
 
+    def _comm_device(self) -> torch.device:
+        """Where this rank's collectives run: the model's device."""
+        return self.params[0].device if self.params else torch.device("cpu")
+
     def zero_grad(self):
         for p in self.params:
             p.grad = None
@@ -149,7 +153,9 @@ class Optimizer:
             if before_update is not None:
                 before_update(squares)
             with self.timers("grad-norm-all-reduce"):
-                squares = squares.clone()
+                # A copy on the collectives' device (the host step of --optimizer-cpu-offload
+                # computes it on the CPU; NCCL reduces only device tensors).
+                squares = squares.to(self._comm_device(), copy=True)
                 for group in groups:  # each rank's squares are disjoint: DP shards, TP pieces
                     dist.all_reduce(squares, group=group)
                 grad_norm = squares.sqrt().item()
@@ -168,6 +174,7 @@ class Optimizer:
         found_inf = torch.zeros((), device=grads[0].device if grads else "cpu")
         inv_scale = torch.full((), 1.0 / self.grad_scaler.scale, device=found_inf.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        found_inf = found_inf.to(self._comm_device())
         for group in groups:  # max over DP shards and model-parallel pieces
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         overflow = bool(found_inf.item())

@@ -20,12 +20,14 @@ from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_g
 def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
                  comm: PipelineCommunicator | None, loss_fn: Callable, backward_scale: Callable,
                  autocast: Callable, forward_only: bool = False,
-                 timers: Timers = NO_TIMERS) -> torch.Tensor:
+                 timers: Timers = NO_TIMERS,
+                 before_backward: Callable | None = None) -> torch.Tensor:
     """Returns the sum of loss_fn(per-token losses, microbatch) over the microbatches (on
     the last pipeline stage; zero elsewhere). `backward_scale` maps that loss to what
     backward starts from (the fp16 loss scale). Without pipelining `comm` is None: the
     one stage is both first and last and the plan sends nothing. `timers` times (and
-    names for the profiler) the compute and the send/recv waits."""
+    names for the profiler) the compute and the send/recv waits. `before_backward(
+    microbatch, chunk)`, if given, runs before each backward (FSDP's gradient sync)."""
     saved: dict[tuple[int, int], tuple] = {}
     split = any(a.kind == WEIGHT for a in plan.actions)
     deferred: dict[tuple[int, int], WeightGradStore] = {}  # B run, W not yet
@@ -56,6 +58,8 @@ def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
                 saved[key] = (x, out)
         elif action.kind == BACKWARD:
             x, out = saved.pop(key)
+            if before_backward is not None:
+                before_backward(action.microbatch, action.chunk)
             context = contextlib.nullcontext()
             if split:
                 deferred[key] = WeightGradStore()

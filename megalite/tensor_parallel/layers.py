@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.errors import ConfigError
-from megalite.parallel_state import group_rank, group_size
+from megalite.parallel_state import all_reduce_anywhere, group_rank, group_size
 from megalite.tensor_parallel.params import (is_sequence_parallel, main_grad,
                                              mark_sequence_parallel, mark_tensor_parallel)
 from megalite.tensor_parallel.mappings import (
@@ -167,6 +167,6 @@ def allreduce_sequence_parallel_grads(params, group):
             by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
+        all_reduce_anywhere(flat, group)
         for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(summed.view_as(g))

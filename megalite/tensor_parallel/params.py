@@ -18,6 +18,7 @@ initialisation and checkpoint loading share; `tp_unshard` joins the blocks of al
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Parameters whose first dimension is the vocabulary, padded per TP size (DESIGN.md §4).
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -58,10 +59,19 @@ def is_embedding_copy(param: nn.Parameter) -> bool:
     return getattr(param, "embedding_copy", False)
 
 
+def copy_tags(tags: dict, param: nn.Parameter):
+    """Set on `param` the tags (and any other attributes) in `tags`, another parameter
+    object's `vars()`: FSDP2 replaces each parameter by a new DTensor one."""
+    for key, value in tags.items():
+        setattr(param, key, value)
+
+
 def main_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The gradient the optimizer and the model-parallel reductions read: the gradient
-    buffer's view (distributed/grad_buffer.py) when the parameter has one, else .grad."""
-    return getattr(param, "main_grad", param.grad)
+    buffer's view (distributed/grad_buffer.py) when the parameter has one, else .grad;
+    of an FSDP2 (DTensor) gradient, this rank's DP shard, in place."""
+    grad = getattr(param, "main_grad", param.grad)
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def pad_vocab_rows(full: torch.Tensor, rows: int) -> torch.Tensor:

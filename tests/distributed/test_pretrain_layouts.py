@@ -57,6 +57,9 @@ def single():
     # Context parallelism: each rank reads its chunks of every sequence; ring attention
     # with the default flags (--attention-backend auto picks its block kernel).
     (2, ["--context-parallel-size", "2"]),
+
+    # FSDP2 (ZeRO-3) over DP 2 of TP 2 shards, with sequence parallelism.
+    (4, ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 ])
 def test_torchrun_layout_matches_one_process(single, nproc, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -1,0 +1,155 @@
+"""Fully sharded data parallelism with torch's FSDP2 (`fully_shard`): ZeRO-2 and ZeRO-3
+(Rajbhandari et al. 2020, "P_os+g" and "P_os+g+p"), --use-torch-fsdp2.
+
+Each transformer layer, the embedding, the output layer and then the model chunk itself
+become one FSDP unit over a 1-D DeviceMesh of megalite's own data-parallel group. A unit's
+parameters are DTensors sharded along dim 0 over DP; what is sharded is this rank's tensor-
+parallel shard (TP layers keep their plain TP tensors, FSDP knows nothing of TP), so DP rank
+r holds rows [r*c, (r+1)*c) of its TP shard, c = ceil(rows / DP) (torch.chunk's rule).
+A unit all-gathers its parameters before its forward and again before its backward, and
+reduce-scatters their gradients after it:
+
+- ZeRO-3 (--data-parallel-sharding-strategy optim_grads_params, the default): parameters
+  are freed after the forward (reshard_after_forward=True): per rank (2+2+12)Psi/N bytes,
+  one more all-gather per step than ZeRO-2, 1.5x plain DP's traffic;
+- ZeRO-2 (optim_grads): parameters kept gathered from the forward to the backward
+  (reshard_after_forward=False), gradients and optimizer state sharded.
+
+The sharded fp32 parameters are the optimizer's main copy (optimizer/fsdp_optimizer.py):
+with --bf16/--fp16 FSDP's MixedPrecisionPolicy gathers them in half precision for compute
+and reduces gradients in fp32 under --accumulate-allreduce-grads-in-fp32 (no separate fp32
+main copy exists). Gradients are summed over DP, not averaged (the loss is already divided
+by the global batch's token count, see train_step.py), and only after the last micro-batch
+(`set_requires_gradient_sync`). A tied embedding used on the same stage as the output layer
+stays in the chunk's own unit (gathered for the whole forward of the chunk): as its own unit
+it would be resharded after the embedding lookup, before the output layer reads it.
+"""
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
+from torch.distributed.tensor import DTensor
+
+from megalite.tensor_parallel.params import copy_tags
+
+ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
+"""--data-parallel-sharding-strategy values (Megatron-FSDP's names)."""
+
+
+def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strategy: str = ZERO3,
+               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+               cpu_offload: bool = False) -> nn.ModuleList:
+    """Shard every model chunk (GPTModel) over `dp_group` in place; returns `chunks`.
+    The chunks' parameters must be fp32 (the main copy); `param_dtype` is the dtype of
+    the gathered compute parameters, `reduce_dtype` that of the gradient reduction."""
+    # The last stage returns its per-token losses transposed, a view: FSDP2 warns that an
+    # in-place op on it would skip its backward hook; the executor never modifies it.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+    mesh = DeviceMesh.from_group(dp_group, device.type)
+    kwargs = dict(mesh=mesh, reshard_after_forward=strategy == ZERO3,
+                  # Inputs stay as they are: activations already have the compute
+                  # dtype, and the fp32 RoPE table must not be rounded (see gpt.py).
+                  mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                 reduce_dtype=reduce_dtype,
+                                                 cast_forward_inputs=False),
+                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
+                  if cpu_offload else OffloadPolicy())
+    for chunk in chunks:
+        tags = {name: dict(vars(p)) for name, p in chunk.named_parameters()}
+        for module in fsdp_units(chunk):
+            fully_shard(module, **kwargs)
+        fully_shard(chunk, **kwargs)
+        for name, p in chunk.named_parameters():
+            copy_tags(tags[name], p)
+        for module in chunk.modules():
+            if isinstance(module, FSDPModule):
+                # Sum over DP (FSDP2 averages by default), with a plain SUM collective
+                # (a factor of 1 would otherwise be NCCL's PreMulSum, which gloo lacks).
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+    return chunks
+
+
+def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
+    """The submodules of a chunk that become their own FSDP unit, in forward order."""
+    units = []
+    tied_here = chunk.embedding is not None and chunk.output_layer is None and \
+        chunk.post_process
+    if chunk.embedding is not None and not tied_here:
+        units.append(chunk.embedding)
+    units += list(chunk.decoder.layers.values())
+    if chunk.output_layer is not None:
+        units.append(chunk.output_layer)
+    return units
+
+
+def is_fully_sharded(chunks: nn.ModuleList) -> bool:
+    return any(isinstance(chunk, FSDPModule) for chunk in chunks)
+
+
+def set_gradient_sync(chunk: nn.Module, sync: bool):
+    """Whether the next backward of `chunk` reduce-scatters its gradients (the last
+    micro-batch) or accumulates them unsharded with no communication (the others)."""
+    if isinstance(chunk, FSDPModule):
+        chunk.set_requires_gradient_sync(sync)
+
+
+def compute_dtype(chunks: nn.ModuleList) -> torch.dtype:
+    """The dtype forward runs in: FSDP's gathered-parameter dtype, else the parameters'."""
+    for chunk in chunks:
+        if isinstance(chunk, FSDPModule):
+            policy = chunk._get_fsdp_state()._mp_policy
+            if policy.param_dtype is not None:
+                return policy.param_dtype
+    return next(chunks.parameters()).dtype
+
+
+def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
+    """[start, end) of this rank's FSDP shard within the flattened (TP-shard) parameter:
+    whole rows, as torch.chunk splits dim 0; the whole tensor when not a DTensor."""
+    if not isinstance(param, DTensor):
+        return 0, param.numel()
+    local = param.to_local()
+    rows, dp = param.shape[0], param.device_mesh.size()
+    rank = param.device_mesh.get_local_rank()
+    per_rank = -(-rows // dp)
+    first = min(rank * per_rank, rows)
+    if local.shape[0] != min(per_rank, rows - first):
+        raise RuntimeError(f"FSDP shard of {tuple(param.shape)} on DP rank {rank}: "
+                           f"{local.shape[0]} rows, expected {min(per_rank, rows - first)}")
+    row = param[0].numel() if rows else 0
+    return first * row, first * row + local.numel()
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole (TP-shard) value: all-gathered over DP for an FSDP parameter (every DP
+    rank must call it), the tensor itself otherwise."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def copy_into(param: torch.Tensor, value: torch.Tensor):
+    """Set a parameter from its whole (TP-shard) value: an FSDP parameter keeps its rows."""
+    if isinstance(param, DTensor):
+        start, end = local_shard_range(param)
+        local = param.to_local()
+        local.copy_(value.reshape(-1)[start:end].view_as(local))
+    else:
+        param.copy_(value)
+
+
+def fully_shard_model(chunks: nn.ModuleList, config, dp_group,
+                      device: torch.device) -> nn.ModuleList:
+    """--use-torch-fsdp2 on the chunks build_model made. Under --bf16/--fp16 they were
+    built (and rounded) in half precision: widened to fp32 here they are the main copy a
+    ZeRO-1 run starts from, value for value, and FSDP gathers them in half precision."""
+    p, par = config.precision, config.parallel
+    half = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
+    return apply_fsdp(chunks.float(), dp_group, device,
+                      strategy=par.data_parallel_sharding_strategy, param_dtype=half,
+                      reduce_dtype=torch.float32 if par.accumulate_allreduce_grads_in_fp32
+                      else half, cpu_offload=par.optimizer_cpu_offload)

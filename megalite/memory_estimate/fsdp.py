@@ -1,0 +1,62 @@
+"""Parameters, gradients and optimizer state of one pipeline rank under FSDP2 (ZeRO-2/3,
+megalite/distributed/fsdp.py) and under --optimizer-cpu-offload (docs/memory.md).
+
+With N = DP and P this rank's (TP-shard) parameters, a rank keeps P/N of everything
+(torch.chunk rows of each parameter): fp32 parameter shards, which are the main copy (4
+bytes each), fp32 gradient shards (4) and Adam's two moments (8): (2+2+12)P/N bytes, the
+ZeRO paper's P_os+g+p total, held as 4+4+8. On top, at the peak of the step:
+- gathered compute parameters (the parameters' dtype): ZeRO-2 keeps every unit gathered
+  from its forward to its backward, all P of them; ZeRO-3 per chunk its own (root) unit,
+  gathered for the whole forward, and in backward the unit running and the one FSDP2
+  prefetches: the root plus the two largest units;
+- with more than one micro-batch per step, the gradients accumulated unsharded (in the
+  reduction dtype) until the last micro-batch reduce-scatters them: P elements.
+Offload moves the shards (parameters, gradients, moments) to the host; the gathered
+parameters and accumulated gradients stay on the GPU.
+"""
+
+import torch
+
+from megalite.config import Config
+from megalite.distributed.fsdp import ZERO3, fsdp_units
+from megalite.model.gpt import build_model_chunks
+from megalite.tensor_parallel.params import partition_dim
+
+
+def _shard_numel(param, t: int, dp: int) -> int:
+    """One DP rank's rows of one TP rank's shard of `param` (a whole meta parameter)."""
+    rows = param.shape[0] // t if partition_dim(param) == 0 else param.shape[0]
+    numel = param.numel() // t if partition_dim(param) is not None else param.numel()
+    return -(-rows // dp) * (numel // rows)
+
+
+def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
+    """weights.weights_and_optimizer's dict for --use-torch-fsdp2, plus "host" bytes."""
+    par = config.parallel
+    t, dp = par.tensor_model_parallel_size, par.data_parallel_size
+    with torch.device("meta"):
+        chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
+                                    par.virtual_pipeline_model_parallel_size or 1)
+
+    def local(params) -> int:  # elements of one TP rank's shard
+        return sum(q.numel() // t if partition_dim(q) is not None else q.numel()
+                   for q in params)
+    params = list(chunks.parameters())
+    num = local(params)
+    shard = sum(_shard_numel(q, t, dp) for q in params)
+    if par.data_parallel_sharding_strategy == ZERO3:
+        gathered = 0
+        for chunk in chunks:
+            units = fsdp_units(chunk)
+            in_units = {id(q) for u in units for q in u.parameters()}
+            root = local(q for q in chunk.parameters() if id(q) not in in_units)
+            gathered += root + sum(sorted(local(u.parameters()) for u in units)[-2:])
+    else:
+        gathered = num
+    rbytes = 4 if par.accumulate_allreduce_grads_in_fp32 else pbytes
+    accumulated = rbytes * num if config.training.num_microbatches > 1 else 0
+    host = 16 * shard if par.optimizer_cpu_offload else 0
+    on_gpu = 0 if par.optimizer_cpu_offload else 1
+    return dict(num_parameters=num, parameters=pbytes * gathered + on_gpu * 4 * shard,
+                gradients=accumulated + on_gpu * 4 * shard, optimizer_state=on_gpu * 8 * shard,
+                main_grads=0, host=host, gathered=pbytes * gathered)

@@ -1,0 +1,64 @@
+"""AdamW on FSDP2's sharded parameters (ZeRO-2/3, megalite/distributed/fsdp.py).
+
+Each DP rank steps only its rows of every parameter: the fp32 local shard of the DTensor,
+which is at once the model's parameter (FSDP gathers it, in bf16/fp16 under mixed
+precision, for the next forward) and the main copy, so AdamW updates it in place and no
+copy back exists. Its gradient is the local shard of the reduce-scattered DTensor gradient.
+The grad norm and fp16 overflow are agreed over DP (the shards are disjoint) and the
+model-parallel group, as under ZeRO-1. Working on the plain local tensors keeps every
+kernel the foreach one of optimizer.py and every collective explicit.
+
+Under --optimizer-cpu-offload FSDP's CPUOffloadPolicy keeps these shards (and so the Adam
+state made like them) and their gradients in host memory: the step runs on the host.
+
+Each shard is a Segment [start, end) of the flattened TP-shard parameter, exactly what a
+ZeRO-1 rank owns of it, so checkpoints hold the same per-DP-rank optimizer files.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from megalite.distributed.fsdp import local_shard_range
+from megalite.optimizer.optimizer import Optimizer, Segment
+
+
+class FullyShardedOptimizer(Optimizer):
+    sharded = True
+
+    def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group,
+                 dp_group):
+        self.dp_group = dp_group
+        super().__init__(model, config, grad_scaler, tp_group, model_parallel_group)
+
+    def _owned_segments(self) -> list[Segment]:
+        segments = []
+        for p in self.params:
+            start, end = local_shard_range(p)
+            # A detached alias of FSDP's sharded storage: updating it updates the model.
+            segments.append(Segment(p, start, end, p.to_local().detach()))
+        return segments
+
+    def _comm_device(self) -> torch.device:
+        # The mesh's device: under CPU offload the shards themselves are on the host.
+        param = self.params[0] if self.params else None
+        return torch.device(param.device_mesh.device_type) if isinstance(param, DTensor) \
+            else super()._comm_device()
+
+    def _reduce_groups(self) -> list:
+        return [self.dp_group, self.model_parallel_group]
+
+    def _load_main_grads(self):
+        for s in self.segments:
+            grad = s.param.grad
+            s.main.grad = None if grad is None else grad.to_local()
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of fp32 main parameters (the shards themselves) and Adam moments."""
+        total = 0
+        for s in self.segments:
+            total += s.main.numel() * s.main.element_size()
+            for value in self.adam.state.get(s.main, {}).values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
