@@ -52,13 +52,3 @@ class FullyShardedOptimizer(Optimizer):
         for s in self.segments:
             grad = s.param.grad
             s.main.grad = None if grad is None else grad.to_local()
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of fp32 main parameters (the shards themselves) and Adam moments."""
-        total = 0
-        for s in self.segments:
-            total += s.main.numel() * s.main.element_size()
-            for value in self.adam.state.get(s.main, {}).values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
-        return total

@@ -80,16 +80,6 @@ class MixedPrecisionOptimizer(Optimizer):
                     segments.append(Segment(p, start - offset, end - offset, main, index, start))
         return segments
 
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of fp32 main parameters and Adam moments held by this rank."""
-        total = 0
-        for s in self.segments:
-            total += s.main.numel() * s.main.element_size()
-            for value in self.adam.state.get(s.main, {}).values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
-        return total
-
     def _load_main_grads(self):
         """One fp32 conversion per bucket of the owned range (a view when the buffer is
         fp32: unscaling and clipping then act in place), each main's .grad a view of it."""

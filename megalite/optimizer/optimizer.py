@@ -114,6 +114,17 @@ class Optimizer:
         """The groups whose ranks hold different gradients of one model replica."""
         return [self.model_parallel_group]
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the main parameters this rank's optimizer steps (fp32 copies or shards;
+        the parameters themselves for plain fp32 AdamW) and of their Adam moments."""
+        total = 0
+        for s in self.segments:
+            total += s.main.numel() * s.main.element_size()
+            for value in self.adam.state.get(s.main, {}).values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
     def _comm_device(self) -> torch.device:
         """Where this rank's collectives run: the model's device."""
         return self.params[0].device if self.params else torch.device("cpu")

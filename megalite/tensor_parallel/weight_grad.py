@@ -20,7 +20,6 @@ Parameters outside linear layers (norms, embeddings, biases) get their gradients
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 # The store of the B pass running now, or None. A plain module variable, not a
 # thread-local: on a GPU autograd runs backward functions on its own device thread.
@@ -70,9 +69,20 @@ def weight_grad(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+        # Fold the leading dims as F.linear's matmul does (a copy when x is not contiguous,
+        # e.g. the attention output) and keep the folded input, as F.linear keeps it: the
+        # same tensors saved, so the memory planner's counts hold for both.
+        x2d = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        # Written through a 2-D view into a tensor of its own: a returned view could not be
+        # modified in place (the vocab-parallel loss does that to the logits).
+        y = x2d.new_empty(*x.shape[:-1], weight.shape[0])
+        if bias is None:
+            torch.mm(x2d, weight.t(), out=y.view(-1, weight.shape[0]))
+        else:
+            torch.addmm(bias, x2d, weight.t(), out=y.view(-1, weight.shape[0]))
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -36,8 +36,10 @@ STRAGGLER = re.compile(r"slowest rank (\d+) \((\S+)\) ([\d.]+) ms \| fastest ran
 
 
 def run_with_slow_rank(nproc: int, slow_rank: int, *flags) -> str:
+    # The wrapper runs from tests/distributed/: megalite comes from the checkout.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGALITE_TEST_SLOW_RANK=str(slow_rank),
-               MEGALITE_TEST_SLOW_SECONDS="0.15")
+               MEGALITE_TEST_SLOW_SECONDS="0.15", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", str(nproc),
                            "tests/distributed/slow_rank_pretrain.py", *FLAGS, *flags],
