@@ -165,7 +165,7 @@ def save_single_process_checkpoint(save: str, config: GPTConfig,
                 "has_optimizer": False, "has_rng": False, "consumed_train_samples": 0,
                 "consumed_valid_samples": 0, "scheduler": {"num_steps": 0},
                 "grad_scaler": None,
-                "config": {"converted_from_hf": source}}
+                "config": {"converted_from_hf": source}, "run_file": None}
     return commit(save, 0, metadata,
                   saving.expected_files(layout, save_optim=False, save_rng=False))
 

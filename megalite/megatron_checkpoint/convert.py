@@ -125,6 +125,6 @@ def write_megalite_checkpoint(save: str, config, state: dict[str, torch.Tensor],
                 "has_optimizer": adam is not None, "has_rng": False,
                 "consumed_train_samples": consumed, "consumed_valid_samples": 0,
                 "scheduler": {"num_steps": scheduler_steps}, "grad_scaler": None,
-                "config": origin}
+                "config": origin, "run_file": None}
     return commit(save, iteration, metadata, saving.expected_files(
         SINGLE_PROCESS_LAYOUT, save_optim=adam is not None, save_rng=False))
