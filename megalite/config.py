@@ -2,7 +2,7 @@
 
 Each field says what it is, its unit and the flag it comes from. Every fact is stored
 once: the model's shape (sequence length, vocabulary, sequence parallelism) lives in
-`GPTConfig` (megalite/model/config.py) and nowhere else. megalite/validation.py builds
+`GPTConfig` (megalite/model/config.py) and nowhere else. megalite/validation/ builds
 these from the parsed flags and derives what is derived (global batch, micro-batches,
 schedule lengths in samples, padded vocabulary) there and only there.
 """

@@ -104,7 +104,10 @@ def test_memory_on_the_log_line_and_in_tensorboard(level_2):
         it = int(log["it"])
         assert float(log["mem_rss"]) == pytest.approx(rss[it] / MIB, abs=0.06)
         assert float(log["mem_max_rss"]) == pytest.approx(max_rss[it] / MIB, abs=0.06)
-        assert 50 * MIB < rss[it] <= max_rss[it] <= peak_after
+        # The kernel raises its high-water mark (ru_maxrss) lazily, so an RSS read during the
+        # run may pass the mark read afterwards by the pages touched since its last update
+        # (94 KiB seen here): a small slack, far below what a wrong unit would give.
+        assert 50 * MIB < rss[it] <= max_rss[it] <= peak_after + 4 * MIB
 
 
 def test_timers_mfu_and_statistics_in_tensorboard(level_2):

@@ -4,7 +4,8 @@ Megatron's derived defaults are applied here, each once: ffn size, kv channels, 
 groups, padded vocabulary, data-parallel size, global batch (micro-batch x DP when unset)
 and everything counted in samples from it (run length, warm-up, decay). Two entry points:
 `validate_args` for training, `validate_model_args` for the tools, which need the model,
-the parallel layout and the batch but no optimizer, schedule or data source.
+the parallel layout and the batch but no optimizer, schedule or data source. The parallel
+layout and the batch are checked in layout.py, the checks all parts share in checks.py.
 """
 
 import dataclasses
@@ -13,12 +14,11 @@ import math
 from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedConfig,
                              LoggingConfig, MonitoringConfig, OptimizerConfig, ParallelConfig,
                              PrecisionConfig, SchedulerConfig, TrainingConfig)
-from megalite.context_parallel import cp_backend_check
-from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
 from megalite.errors import ConfigError
 from megalite.model.config import GPTConfig
-from megalite.parallel_state import RankGrid
-from megalite.pipeline_parallel.schedules import validate_schedule_args
+from megalite.validation.checks import check_fraction, check_positive, flag, require
+from megalite.validation.layout import (batch, parallel_config, ring_backend,
+                                        validate_pipeline_schedule)
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
@@ -27,7 +27,7 @@ def validate_args(args, world_size: int = 1,
                   tokenizer_vocab_size: int | None = None) -> Config:
     """The training configuration. `tokenizer_vocab_size` is the vocabulary of the
     tokenizer --tokenizer-type built (None without one). Raises ConfigError."""
-    _require(args, *MODEL_FLAGS, "micro_batch_size", "lr")
+    require(args, *MODEL_FLAGS, "micro_batch_size", "lr")
     _check_data_source(args)
     config = validate_model_args(args, world_size, tokenizer_vocab_size)
     global_batch = config.training.global_batch_size
@@ -48,13 +48,13 @@ def validate_model_args(args, world_size: int = 1,
     --micro-batch-size), checkpoint and distributed flags only: for
     tools/estimate_memory.py and tools/generate.py. No optimizer, scheduler or data
     (None), no run length. Raises ConfigError."""
-    _require(args, *MODEL_FLAGS)
-    _check_positive(args, *MODEL_FLAGS, "micro_batch_size", "log_interval", "eval_interval",
+    require(args, *MODEL_FLAGS)
+    check_positive(args, *MODEL_FLAGS, "micro_batch_size", "log_interval", "eval_interval",
                     "make_vocab_size_divisible_by", "tensor_model_parallel_size",
                     "pipeline_model_parallel_size", "distributed_timeout_minutes")
-    parallel = _parallel_config(args, world_size)
-    micro, global_batch, num_micro = _batch(args, parallel)
-    parallel = _validate_pipeline_schedule(args, parallel, num_micro)
+    parallel = parallel_config(args, world_size)
+    micro, global_batch, num_micro = batch(args, parallel)
+    parallel = validate_pipeline_schedule(args, parallel, num_micro)
     return Config(
         model=_model_config(args, parallel, _vocab_size(args, tokenizer_vocab_size)),
         parallel=parallel,
@@ -74,156 +74,6 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _require(args, *names):
-    missing = [_flag(n) for n in names if getattr(args, n) is None]
-    if missing:
-        raise ConfigError(f"missing required flag(s): {', '.join(missing)}")
-
-
-def _check_positive(args, *names):
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{_flag(name)} must be positive, got {value}")
-
-
-def _check_fraction(args, *names):
-    for name in names:
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise ConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
-
-
-# Parallel layout and batch.
-
-def _parallel_config(args, world_size: int) -> ParallelConfig:
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = _validate_context_parallel(args)
-    dp = RankGrid(world_size, tp, pp, cp).data_parallel_size
-    _check_positive(args, "ddp_bucket_size")
-    fsdp, strategy, offload = _validate_fsdp(args)
-    if args.overlap_param_gather and not (args.use_distributed_optimizer
-                                          and args.overlap_grad_reduce):
-        # As in Megatron: only ZeRO-1 gathers parameters, and the overlap of the gather
-        # is only worth having together with the overlap of the reduction.
-        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and "
-                          f"--overlap-grad-reduce (got --use-distributed-optimizer="
-                          f"{args.use_distributed_optimizer}, --overlap-grad-reduce="
-                          f"{args.overlap_grad_reduce})")
-    # Megatron forces fp32 gradient accumulation and reduction under --bf16: summing
-    # micro-batches and ranks in 8 mantissa bits loses the small updates.
-    fp32_grads = args.accumulate_allreduce_grads_in_fp32 or args.bf16
-    return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp, args.use_distributed_optimizer,
-                          args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce,
-                          args.overlap_param_gather, fp32_grads, context_parallel_size=cp,
-                          use_torch_fsdp2=fsdp, data_parallel_sharding_strategy=strategy,
-                          optimizer_cpu_offload=offload)
-
-
-def _validate_context_parallel(args) -> int:
-    """Each sequence is cut into 2 x CP equal chunks (load balancing), and under sequence
-    parallelism each CP rank's s / CP rows are split again over TP."""
-    cp, seq, tp = args.context_parallel_size, args.seq_length, args.tensor_model_parallel_size
-    if cp <= 0:
-        raise ConfigError(f"--context-parallel-size must be positive, got {cp}")
-    if cp == 1:
-        return cp
-    if seq % (2 * cp):
-        raise ConfigError(f"--context-parallel-size={cp} cuts each sequence into 2 x {cp} "
-                          f"chunks: --seq-length={seq} is not divisible by {2 * cp}")
-    if args.sequence_parallel and (seq // cp) % tp:
-        raise ConfigError(f"--sequence-parallel splits each context-parallel rank's "
-                          f"--seq-length={seq} / --context-parallel-size={cp} = {seq // cp} "
-                          f"rows over --tensor-model-parallel-size={tp}: not divisible")
-    # Before any process starts: sdpa and flash cannot run the ring.
-    backend = _ring_backend(args, "flash" if args.use_flash_attn else args.attention_backend)
-    cp_backend_check(backend, args.cp_comm_type, args.attention_dropout)
-    return cp
-
-
-def _validate_pipeline_schedule(args, parallel: ParallelConfig,
-                                num_microbatches: int) -> ParallelConfig:
-    """--pipeline-schedule: gpipe and zb-h1 run one model chunk per pipeline rank; zb-h1's
-    split backward is not traced by torch.compile."""
-    schedule = args.pipeline_schedule
-    if schedule == "zb-h1" and args.compile_layers:
-        # A compiled layer's backward is traced once, whole: its linear layers would compute
-        # their weight gradients in B and leave W nothing to do.
-        raise ConfigError("--pipeline-schedule zb-h1 splits each linear layer's backward "
-                          "into B and W, which a torch.compile'd layer does not; drop "
-                          "--compile-layers or use --pipeline-schedule 1f1b")
-    validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
-                           parallel.virtual_pipeline_model_parallel_size or 1, schedule)
-    return dataclasses.replace(parallel, pipeline_schedule=schedule)
-
-
-def _validate_fsdp(args) -> tuple[bool, str, bool]:
-    """(use_torch_fsdp2, data_parallel_sharding_strategy, optimizer_cpu_offload)."""
-    fsdp, strategy = args.use_torch_fsdp2, args.data_parallel_sharding_strategy
-    offload = args.optimizer_cpu_offload
-    if fsdp and args.use_distributed_optimizer:
-        raise ConfigError("--use-torch-fsdp2 (ZeRO-2/3) and --use-distributed-optimizer "
-                          "(ZeRO-1) both shard the optimizer state: choose one")
-    if fsdp and args.overlap_param_gather:
-        # FSDP2 always overlaps its all-gathers (prefetching the next unit) and its
-        # reduce-scatters (during the backward of earlier layers).
-        raise ConfigError("--overlap-param-gather is ZeRO-1's; under --use-torch-fsdp2 FSDP2 "
-                          "prefetches the next layer's parameters itself: drop the flag")
-    if fsdp and args.context_parallel_size > 1:
-        # FSDP2 shards and reduces over the DP group; CP's gradients need DP x CP.
-        raise ConfigError(f"--use-torch-fsdp2 with --context-parallel-size="
-                          f"{args.context_parallel_size} is not supported yet: use "
-                          "--use-distributed-optimizer (ZeRO-1 shards over DP x CP)")
-    if fsdp and args.pipeline_schedule == "zb-h1":
-        # FSDP2 reduce-scatters a layer's gradients when its backward ends, before a
-        # deferred W pass has computed the weight gradients.
-        raise ConfigError("--pipeline-schedule zb-h1 defers weight gradients past the "
-                          "backward, where --use-torch-fsdp2 reduces them: use "
-                          "--pipeline-schedule 1f1b or gpipe with FSDP2")
-    if fsdp and args.check_weight_hash_across_dp_replicas_interval:
-        raise ConfigError("--check-weight-hash-across-dp-replicas-interval compares what DP "
-                          "replicas hold alike; under --use-torch-fsdp2 each rank holds its own "
-                          "shard of every parameter, so there is nothing to compare")
-    if offload and not (fsdp or args.use_distributed_optimizer):
-        raise ConfigError("--optimizer-cpu-offload needs --use-torch-fsdp2 or "
-                          "--use-distributed-optimizer (got neither)")
-    return fsdp, strategy, offload
-
-
-def _virtual_stages(args, pp: int) -> int | None:
-    """Layers split evenly over p stages, and with --num-layers-per-virtual-pipeline-stage
-    k each rank holds v = L / (p k) chunks of k layers."""
-    layers, per_virtual = args.num_layers, args.num_layers_per_virtual_pipeline_stage
-    if layers % pp:
-        raise ConfigError(f"--num-layers={layers} is not divisible by "
-                          f"--pipeline-model-parallel-size={pp}")
-    if per_virtual is None:
-        return None
-    if per_virtual <= 0 or layers % (pp * per_virtual):
-        raise ConfigError(f"--num-layers={layers} is not divisible by "
-                          f"--pipeline-model-parallel-size={pp} x "
-                          f"--num-layers-per-virtual-pipeline-stage={per_virtual}")
-    return layers // (pp * per_virtual)
-
-
-def _batch(args, parallel: ParallelConfig) -> tuple[int, int, int]:
-    """(micro-batch, global batch, micro-batches per DP rank per step). An unset global
-    batch is one micro-batch per DP rank, as in Megatron."""
-    micro, dp = args.micro_batch_size or 1, parallel.data_parallel_size
-    global_batch = args.global_batch_size or micro * dp
-    if global_batch % (micro * dp):
-        raise ConfigError(
-            f"--global-batch-size={global_batch} is not divisible by --micro-batch-size={micro} "
-            f"x data-parallel size {dp}")
-    num_microbatches = global_batch // (micro * dp)
-    validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
-                           parallel.virtual_pipeline_model_parallel_size or 1)
-    return micro, global_batch, num_microbatches
-
-
 # Model.
 
 def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
@@ -241,8 +91,8 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
                           f"--num-query-groups={groups}")
     _check_tensor_parallel_split(args, heads, groups, tp)
     _check_positions(args, kv_channels)
-    _check_fraction(args, "attention_dropout", "hidden_dropout")
-    _check_positive(args, "init_method_std")
+    check_fraction(args, "attention_dropout", "hidden_dropout")
+    check_positive(args, "init_method_std")
     return GPTConfig(
         num_layers=args.num_layers, hidden_size=hidden, ffn_hidden_size=_ffn_size(args, tp),
         num_attention_heads=heads, num_query_groups=groups, kv_channels=kv_channels,
@@ -296,7 +146,7 @@ def _recompute(args) -> dict:
         raise ConfigError(f"--recompute-method/--recompute-num-layers apply to "
                           f"--recompute-granularity full only (got --recompute-granularity="
                           f"{granularity})")
-    _check_positive(args, "recompute_num_layers")
+    check_positive(args, "recompute_num_layers")
     return dict(recompute_granularity=granularity, recompute_method=method,
                 recompute_num_layers=n or 1)
 
@@ -328,14 +178,7 @@ def _attention_backend(args, kv_channels: int) -> str:
         raise ConfigError(f"--attention-backend flash (flash-attn) needs a head size "
                           f"(--kv-channels, default --hidden-size / --num-attention-heads) "
                           f"<= 256 and a multiple of 8, got {kv_channels}")
-    return _ring_backend(args, backend)
-
-
-def _ring_backend(args, backend: str) -> str:
-    """Ring attention merges its blocks by their log-sum-exp, which only megalite's fp32
-    block kernel ("unfused") returns: "auto", the fastest that can run, is that kernel."""
-    ring = args.context_parallel_size > 1 and args.cp_comm_type == "p2p"
-    return "unfused" if ring and backend == "auto" else backend
+    return ring_backend(args, backend)
 
 
 def _vocab_size(args, tokenizer_vocab_size: int | None) -> int:
@@ -366,7 +209,7 @@ def _run_length(args, global_batch: int) -> tuple[int, int]:
     if (args.train_iters is None) == (args.train_samples is None):
         raise ConfigError("pass exactly one of --train-iters and --train-samples "
                           f"(got {args.train_iters} and {args.train_samples})")
-    _check_positive(args, "train_iters", "train_samples", "exit_interval")
+    check_positive(args, "train_iters", "train_samples", "exit_interval")
     if args.eval_iters < 0:
         raise ConfigError(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.train_iters is not None:
@@ -378,10 +221,10 @@ def _run_length(args, global_batch: int) -> tuple[int, int]:
 
 
 def _optimizer_config(args) -> OptimizerConfig:
-    _check_positive(args, "lr")
+    check_positive(args, "lr")
     if not 0.0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min-lr={args.min_lr} must be in [0, --lr={args.lr}]")
-    _check_fraction(args, "adam_beta1", "adam_beta2")
+    check_fraction(args, "adam_beta1", "adam_beta2")
     if args.clip_grad < 0 or args.weight_decay < 0 or args.adam_eps <= 0:
         raise ConfigError(f"need --clip-grad >= 0, --weight-decay >= 0, --adam-eps > 0; got "
                           f"{args.clip_grad}, {args.weight_decay}, {args.adam_eps}")
@@ -405,7 +248,7 @@ def _scheduler_config(args, global_batch: int, train_samples: int) -> SchedulerC
         if warmup:
             raise ConfigError("pass only one of --lr-warmup-fraction and "
                               "--lr-warmup-iters/--lr-warmup-samples")
-        _check_fraction(args, "lr_warmup_fraction")
+        check_fraction(args, "lr_warmup_fraction")
         warmup = int(args.lr_warmup_fraction * decay)
     if decay <= 0 or warmup < 0 or (warmup >= decay and args.lr_decay_style != "constant"):
         raise ConfigError(f"learning-rate warm-up ({warmup} samples) must be shorter than the "
@@ -424,13 +267,13 @@ def _reject_flags(args, unit: str):
     named = [n for n in (f"lr_decay_{unit}", f"lr_wsd_decay_{unit}")
              if getattr(args, n) is not None]
     for name in named + ([f"lr_warmup_{unit}"] if getattr(args, f"lr_warmup_{unit}") else []):
-        raise ConfigError(f"{_flag(name)} goes with --train-{unit}, not --train-{other}")
+        raise ConfigError(f"{flag(name)} goes with --train-{unit}, not --train-{other}")
 
 
 def _precision_config(args) -> PrecisionConfig:
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive")
-    _check_positive(args, "loss_scale")
+    check_positive(args, "loss_scale")
     if args.min_loss_scale <= 0 or args.initial_loss_scale < args.min_loss_scale:
         raise ConfigError(f"need 0 < --min-loss-scale={args.min_loss_scale} <= "
                           f"--initial-loss-scale={args.initial_loss_scale}")
@@ -442,7 +285,7 @@ def _precision_config(args) -> PrecisionConfig:
 
 
 def _checkpoint_config(args) -> CheckpointConfig:
-    _check_positive(args, "save_interval", "exit_duration_in_mins")
+    check_positive(args, "save_interval", "exit_duration_in_mins")
     if args.save_interval is not None and args.save is None:
         raise ConfigError(f"--save-interval={args.save_interval} needs --save (where to write)")
     if args.keep_last_n_checkpoints < 0:
@@ -458,7 +301,7 @@ def _checkpoint_config(args) -> CheckpointConfig:
 
 
 def _validate_monitoring(args, world_size: int) -> MonitoringConfig:
-    _check_positive(args, "peak_tflops", "check_weight_hash_across_dp_replicas_interval")
+    check_positive(args, "peak_tflops", "check_weight_hash_across_dp_replicas_interval")
     if args.profile:
         if not 0 <= args.profile_step_start < args.profile_step_end:
             raise ConfigError("--profile needs 0 <= --profile-step-start < --profile-step-end, "

@@ -1,0 +1,27 @@
+"""The checks every part of the validation shares: required and positive flags, fractions,
+and the flag's name as the user typed it."""
+
+from megalite.errors import ConfigError
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def require(args, *names):
+    missing = [flag(n) for n in names if getattr(args, n) is None]
+    if missing:
+        raise ConfigError(f"missing required flag(s): {', '.join(missing)}")
+
+
+def check_positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag(name)} must be positive, got {value}")
+
+
+def check_fraction(args, *names):
+    for name in names:
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ConfigError(f"{flag(name)} must be in [0, 1), got {getattr(args, name)}")
