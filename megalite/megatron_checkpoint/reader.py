@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
-from megalite.checkpointing.storage import RELEASE, TRACKER_FILENAME, CheckpointError
+from megalite.checkpointing.storage import (RELEASE, TRACKER_FILENAME, CheckpointError,
+                                            checkpoint_dir)
 from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.safe_pickle import load_dcp_metadata, torch_load
 from megalite.model.config import GPTConfig
@@ -70,7 +71,7 @@ def iteration_dir(load: str | Path) -> tuple[int, Path] | None:
         return 0, load / RELEASE
     if not text.isdigit():
         raise CheckpointError(f"checkpoint tracker {tracker} is garbled: {text[:50]!r}")
-    return int(text), load / f"iter_{int(text):07d}"
+    return int(text), checkpoint_dir(load, int(text))  # Megatron's iter_XXXXXXX too
 
 
 def formats_present(directory: Path) -> list[str]:

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from megalite.checkpointing.storage import TRACKER_FILENAME, CheckpointError
+from megalite.checkpointing.storage import TRACKER_FILENAME, CheckpointError, checkpoint_dir
 from megalite.errors import ConfigError
 from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.reader import FORMATS, LEGACY_FILE, legacy_rank_dir
@@ -76,7 +76,7 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
     aside = out.with_name(f".{out.name}.old-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        directory = staging / f"iter_{iteration:07d}"
+        directory = checkpoint_dir(staging, iteration)  # Megatron's iter_XXXXXXX too
         directory.mkdir(parents=True)
         common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
                   "args": args}
