@@ -247,7 +247,11 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         stats.add(loss, skipped, elapsed)
         monitor.after_step(progress.iteration)
         logging = progress.iteration % log.log_interval == 0
-        scalars = progress.iteration % log.tensorboard_log_interval == 0
+        # Decided alike on every rank (the statistics are collectives), and only where
+        # events are written: --log-params-norm must not cost a norm every iteration
+        # without TensorBoard.
+        scalars = (log.tensorboard_dir is not None
+                   and progress.iteration % log.tensorboard_log_interval == 0)
         extra = monitor.statistics() if logging or scalars else {}
         if scalars:
             tensorboard.scalars(progress.iteration, {
