@@ -176,3 +176,18 @@ def tensor_problem(what: str, mine, param, expected, tp_group, atol: float) -> l
     if torch.allclose(full[:rows], expected[:rows], rtol=1e-4, atol=atol):
         return []
     return [f"{what}: max diff {(full[:rows] - expected[:rows]).abs().max().item():.3g}"]
+
+
+def random_batches(generator, vocab: int, micro: int, seq: int, num_micro: int,
+                   state=None) -> list[dict]:
+    """A global batch of `num_micro` random micro-batches (tokens, labels, a loss mask that
+    drops about a fifth), drawn in the same order whatever the layout; under `state` its
+    DP rank's contiguous slice of them."""
+    batches = [{"tokens": torch.randint(0, vocab, (micro, seq), generator=generator),
+                "labels": torch.randint(0, vocab, (micro, seq), generator=generator),
+                "loss_mask": (torch.rand(micro, seq, generator=generator) > 0.2).float()}
+               for _ in range(num_micro)]
+    if state is None:
+        return batches
+    per_rank = num_micro // state.dp_size
+    return batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]

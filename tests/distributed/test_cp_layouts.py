@@ -21,7 +21,7 @@ from megalite.train_step import StepRunner
 from megalite.validation import pad_vocab_size
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import (reference_name, step_problems, tensor_problem,
+from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
@@ -63,20 +63,13 @@ LAYOUTS = {
 }
 
 
-def global_batches(generator) -> list[dict]:
-    return [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-             "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-             "loss_mask": (torch.rand(MICRO, SEQ, generator=generator) > 0.2).float()}
-            for _ in range(NUM_MICRO)]
 
 
-def rank_batches(batches: list[dict], state: ParallelState | None) -> list[dict]:
+def rank_batches(generator, state: ParallelState | None) -> list[dict]:
     """A DP rank's contiguous slice of the micro-batches, cut to its CP rank's chunks."""
-    if state is None:
-        return batches
-    per_rank = NUM_MICRO // state.dp_size
-    mine = batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
-    return [shard_batch(mb, state.cp_size, state.cp_rank) for mb in mine]
+    mine = random_batches(generator, VOCAB, MICRO, SEQ, NUM_MICRO, state)
+    return mine if state is None else [shard_batch(mb, state.cp_size, state.cp_rank)
+                                       for mb in mine]
 
 
 def run(config, chunks, state, zero=False):
@@ -102,9 +95,9 @@ def run(config, chunks, state, zero=False):
     generator = torch.Generator().manual_seed(3)
     steps = []
     for _ in range(STEPS):
-        result = runner.train_step(rank_batches(global_batches(generator), state))
+        result = runner.train_step(rank_batches(generator, state))
         steps.append((result.loss, result.grad_norm))
-    evaluation = runner.evaluate(rank_batches(global_batches(generator), state))
+    evaluation = runner.evaluate(rank_batches(generator, state))
     return steps, evaluation
 
 

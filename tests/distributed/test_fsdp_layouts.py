@@ -32,7 +32,8 @@ from megalite.training import build_model, build_optimizer
 from megalite.validation import pad_vocab_size, validate_args
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import BASE_FLAGS, gather_tensor_parallel, tiny_gpt_config
+from tests.helpers import (BASE_FLAGS, gather_tensor_parallel, random_batches,
+                           tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 6
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
@@ -49,16 +50,6 @@ LAYOUTS = {2: [(1, 1, 1, 2, ZERO3, True), (1, 1, 1, 2, ZERO2, False),
                (1, 2, 2, 2, ZERO3, True), (1, 2, 2, 2, ZERO2, True)]}
 
 
-def batches(generator, state):
-    """The global batch's micro-batches; a DP rank takes its contiguous slice of them."""
-    all_batches = [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-                    "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-                    "loss_mask": (torch.rand(MICRO, SEQ, generator=generator) > 0.2).float()}
-                   for _ in range(NUM_MICRO)]
-    if state is None:
-        return all_batches
-    per_rank = NUM_MICRO // state.dp_size
-    return all_batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
 
 
 def layout_optimizer(chunks, state, mode):
@@ -87,7 +78,8 @@ def run(config, chunks, state, mode=ZERO3):
     steps = []
     for _ in range(STEPS):
         with count_reduce_scatters(state.dp_group if state else None) as calls:
-            result = runner.train_step(batches(generator, state))
+            result = runner.train_step(random_batches(generator, VOCAB, MICRO, SEQ,
+                                                      NUM_MICRO, state))
         steps.append((result.loss, result.grad_norm))
         units = sum(isinstance(m, FSDPModule) for m in chunks.modules())
         if isinstance(optimizer, FullyShardedOptimizer) and not 0 < len(calls) <= units:
@@ -206,7 +198,7 @@ def run_half(state, dtype, fsdp: bool):
     steps = []
     for _ in range(STEPS):
         loss_scale = optimizer.loss_scale
-        result = runner.train_step(batches(generator, state))
+        result = runner.train_step(random_batches(generator, VOCAB, MICRO, SEQ, NUM_MICRO, state))
         steps.append((result.loss, result.grad_norm, loss_scale))
     return steps, {n: full_tensor(p.detach()).to(dtype) for n, p in chunks.named_parameters()}
 

@@ -18,7 +18,7 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import (reference_name, step_problems, tensor_problem,
+from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO = 101, 16, 2, 4
@@ -39,16 +39,6 @@ LAYOUTS = {2: [(1, 2, 1, 1, "plain"), (1, 2, 2, 1, "plain"), (1, 1, 1, 2, "plain
            8: [(2, 2, 2, 2, "zero"), (2, 2, 2, 2, "zero-overlap")]}
 
 
-def batches(generator, state):
-    """The global batch's micro-batches; a DP rank takes its contiguous slice of them."""
-    all_batches = [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-                    "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-                    "loss_mask": (torch.rand(MICRO, SEQ, generator=generator) > 0.2).float()}
-                   for _ in range(NUM_MICRO)]
-    if state is None:
-        return all_batches
-    per_rank = NUM_MICRO // state.dp_size
-    return all_batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
 
 
 def run(config, chunks, state, mode="plain"):
@@ -74,7 +64,7 @@ def run(config, chunks, state, mode="plain"):
     generator = torch.Generator().manual_seed(3)
     steps, first_grads = [], None
     for step in range(10):
-        result = runner.train_step(batches(generator, state))
+        result = runner.train_step(random_batches(generator, VOCAB, MICRO, SEQ, NUM_MICRO, state))
         steps.append((result.loss, result.grad_norm))
         if overlap:
             # Every bucket's reduction was started by the backward itself, not at the end.
@@ -84,7 +74,7 @@ def run(config, chunks, state, mode="plain"):
                                      "backward")
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in chunks.named_parameters()}
-    evaluation = runner.evaluate(batches(generator, state))
+    evaluation = runner.evaluate(random_batches(generator, VOCAB, MICRO, SEQ, NUM_MICRO, state))
     if zero and overlap and any(work is not None for work in optimizer._gathers):
         # The evaluation's forward must itself have waited for every deferred gather.
         raise AssertionError("a parameter all-gather was not waited for by the forward")

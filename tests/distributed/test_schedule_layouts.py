@@ -25,7 +25,7 @@ from megalite.train_step import StepRunner
 from megalite.validation import pad_vocab_size
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import (reference_name, step_problems, tensor_problem,
+from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
@@ -42,14 +42,6 @@ LAYOUTS = {2: [(1, 2, 1, "gpipe", "plain", False), (1, 2, 1, "zb-h1", "plain", F
                (2, 2, 1, "zb-h1", "plain", False), (1, 2, 2, "zb-h1", "zero-overlap", False)]}
 
 
-def batches(generator, dp_rank=0, dp_size=1):
-    """The global batch's micro-batches; a DP rank takes its contiguous slice of them."""
-    all_batches = [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-                    "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
-                    "loss_mask": (torch.rand(MICRO, SEQ, generator=generator) > 0.2).float()}
-                   for _ in range(NUM_MICRO)]
-    per_rank = NUM_MICRO // dp_size
-    return all_batches[dp_rank * per_rank:(dp_rank + 1) * per_rank]
 
 
 def run(config, chunks, state=None, schedule="1f1b", mode="plain"):
@@ -67,14 +59,14 @@ def run(config, chunks, state=None, schedule="1f1b", mode="plain"):
                                              state.mp_group, grad_buffer) if zero else
                      Optimizer(chunks, opt_config, tp_group=state.tp_group,
                                model_parallel_group=state.mp_group))
-    dp_rank, dp = (state.dp_rank, state.dp_size) if state else (0, 1)
+    dp = state.dp_size if state else 1
     runner = StepRunner(chunks, optimizer, PrecisionConfig(), NUM_MICRO // dp,
                         activation_shape(config, MICRO, state.tp_size if state else 1),
                         torch.device("cpu"), state, grad_buffer, pipeline_schedule=schedule)
     generator = torch.Generator().manual_seed(3)
     steps, first_grads = [], None
     for step in range(STEPS):
-        result = runner.train_step(batches(generator, dp_rank, dp))
+        result = runner.train_step(random_batches(generator, VOCAB, MICRO, SEQ, NUM_MICRO, state))
         steps.append((result.loss, result.grad_norm))
         if zero and grad_buffer.launched_during_backward != len(grad_buffer.buckets):
             raise AssertionError(f"{grad_buffer.launched_during_backward} of "
