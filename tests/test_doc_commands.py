@@ -34,8 +34,9 @@ def page_commands(page: Path) -> list[str]:
             if line.strip() and not line.strip().startswith("#")]
 
 
-COMMANDS = [(page.name, command) for page in sorted(DOCS.glob("*.md"))
-            if page.name not in CHECKED_ELSEWHERE for command in page_commands(page)]
+COMMANDS = [(page.name, i, command) for page in sorted(DOCS.glob("*.md"))
+            if page.name not in CHECKED_ELSEWHERE
+            for i, command in enumerate(page_commands(page))]
 
 
 def test_every_fenced_block_is_labelled():
@@ -46,7 +47,7 @@ def test_every_fenced_block_is_labelled():
 
 def test_the_pages_show_commands():
     """The extraction finds the benchmark commands (a regex gone wrong would pass nothing)."""
-    pages = {page for page, _ in COMMANDS}
+    pages = {page for page, _, _ in COMMANDS}
     assert "benchmarks.md" in pages and len(COMMANDS) >= 20, COMMANDS
 
 
@@ -56,8 +57,8 @@ def untracked() -> set[str]:
     return set(out.stdout.splitlines()) if out.returncode == 0 else set()
 
 
-@pytest.mark.parametrize("page,command", COMMANDS,
-                         ids=[f"{p}:{i}" for i, (p, _) in enumerate(COMMANDS)])
+@pytest.mark.parametrize("page,command", [(p, c) for p, _, c in COMMANDS],
+                         ids=[f"{p}:{i}" for p, i, _ in COMMANDS])
 def test_command_runs(page, command, tmp_path):
     before = untracked()
     env = dict(os.environ, SMOKE="1", OUT=str(tmp_path / "out"), TMPDIR=str(tmp_path),
