@@ -69,3 +69,27 @@ def test_command_runs(page, command, tmp_path):
     output = done.stdout[-6000:] + done.stderr[-4000:]
     assert done.returncode == 0, f"{page}: {command}\n{output}"
     assert untracked() == before, f"{page}: {command} left files in the checkout"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_pages_resolve():
+    """Every relative link of README.md and docs/ names a file that exists and, with a
+    #fragment, a heading of that file."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: outside the repo
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            headings = ({anchor(h) for h in re.findall(r"^#+ (.+)$", linked.read_text(),
+                                                          re.M)}
+                        if linked.suffix == ".md" and linked.exists() else set())
+            if not linked.exists() or (fragment and fragment not in headings):
+                broken.append(f"{page.name}: {target}")
+    assert not broken, broken
