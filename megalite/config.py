@@ -10,6 +10,8 @@ schedule lengths in samples, padded vocabulary) there and only there.
 import enum
 from dataclasses import dataclass
 
+import torch
+
 from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
 from megalite.model.config import GPTConfig
 
@@ -160,6 +162,12 @@ class PrecisionConfig:
     """Dynamic scaling: clean steps before the scale doubles (--loss-scale-window)."""
     hysteresis: int = 2
     """Dynamic scaling: overflows tolerated before the scale halves (--hysteresis)."""
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The dtype of the model's parameters, activations and pipeline sends (Megatron's
+        params_dtype); the optimizer's main copies are fp32 whatever it is."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
 @dataclass(frozen=True)

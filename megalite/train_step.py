@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import PrecisionConfig
-from megalite.distributed.fsdp import compute_dtype, is_fully_sharded, set_gradient_sync
+from megalite.distributed.fsdp import is_fully_sharded, set_gradient_sync
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.monitoring.timers import NO_TIMERS, Timers
@@ -36,8 +36,7 @@ def autocast(precision: PrecisionConfig, device: torch.device):
     softmax) in fp32."""
     if not (precision.bf16 or precision.fp16):
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision.bf16 else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=precision.params_dtype)
 
 
 @dataclass
@@ -86,9 +85,10 @@ class StepRunner:
             [forward_only(pp, r, num_microbatches, v) for r in range(pp)], v)[pp_rank]
         self.comm = None
         if pp > 1:
-            # Activations travel in the parameters' dtype (bf16/fp16 or fp32).
-            dtype = compute_dtype(chunks)
-            self.comm = PipelineCommunicator(state, activation_shape, dtype, device)
+            # Activations travel in the compute dtype (under FSDP2 the gathered
+            # parameters', not the fp32 shards').
+            self.comm = PipelineCommunicator(state, activation_shape, precision.params_dtype,
+                                             device)
 
     def _autocast(self):
         return autocast(self.precision, self.device)

@@ -95,8 +95,7 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
                 rng_tracker) -> nn.ModuleList:
     """This rank's model chunks (one per virtual pipeline stage), each its TP shard, on
     `device`, with the attention kernel resolved."""
-    p = config.precision
-    dtype = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
+    dtype = config.precision.params_dtype
     model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
         config.model.attention_backend, device, dtype))
     seed = config.training.seed

@@ -98,16 +98,6 @@ def set_gradient_sync(chunk: nn.Module, sync: bool):
         chunk.set_requires_gradient_sync(sync)
 
 
-def compute_dtype(chunks: nn.ModuleList) -> torch.dtype:
-    """The dtype forward runs in: FSDP's gathered-parameter dtype, else the parameters'."""
-    for chunk in chunks:
-        if isinstance(chunk, FSDPModule):
-            policy = chunk._get_fsdp_state()._mp_policy
-            if policy.param_dtype is not None:
-                return policy.param_dtype
-    return next(chunks.parameters()).dtype
-
-
 def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     """[start, end) of this rank's FSDP shard within the flattened (TP-shard) parameter:
     whole rows, as torch.chunk splits dim 0; the whole tensor when not a DTensor."""
@@ -148,8 +138,7 @@ def fully_shard_model(chunks: nn.ModuleList, config, dp_group,
     built (and rounded) in half precision: widened to fp32 here they are the main copy a
     ZeRO-1 run starts from, value for value, and FSDP gathers them in half precision."""
     p, par = config.precision, config.parallel
-    half = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else None
     return apply_fsdp(chunks.float(), dp_group, device,
-                      strategy=par.data_parallel_sharding_strategy, param_dtype=half,
+                      strategy=par.data_parallel_sharding_strategy, param_dtype=p.params_dtype,
                       reduce_dtype=torch.float32 if par.accumulate_allreduce_grads_in_fp32
-                      else half, cpu_offload=par.optimizer_cpu_offload)
+                      else p.params_dtype, cpu_offload=par.optimizer_cpu_offload)
