@@ -26,7 +26,7 @@ class ParallelConfig:
     """Model chunks per pipeline rank, None without interleaving (derived from
     --num-layers-per-virtual-pipeline-stage)."""
     data_parallel_size: int = 1
-    """DP: world size / (TP x PP) (derived)."""
+    """DP: world size / (TP x CP x PP) (derived)."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: optimizer state sharded over DP (--use-distributed-optimizer)."""
     ddp_bucket_size: int = DEFAULT_BUCKET_SIZE
@@ -42,11 +42,6 @@ class ParallelConfig:
     """1f1b (interleaved with several chunks), gpipe or zb-h1 (--pipeline-schedule)."""
     context_parallel_size: int = 1
     """CP: ranks each sequence is split over (--context-parallel-size)."""
-
-    @property
-    def data_context_parallel_size(self) -> int:
-        """DP x CP: the ranks gradients are summed over and ZeRO-1 shards its state over."""
-        return self.data_parallel_size * self.context_parallel_size
     use_torch_fsdp2: bool = False
     """ZeRO-2/3 with torch's fully_shard over DP (--use-torch-fsdp2)."""
     data_parallel_sharding_strategy: str = "optim_grads_params"
@@ -55,6 +50,11 @@ class ParallelConfig:
     optimizer_cpu_offload: bool = False
     """fp32 main parameters, Adam moments and the step on the host
     (--optimizer-cpu-offload)."""
+
+    @property
+    def data_context_parallel_size(self) -> int:
+        """DP x CP: the ranks gradients are summed over and ZeRO-1 shards its state over."""
+        return self.data_parallel_size * self.context_parallel_size
 
 
 @dataclass(frozen=True)
