@@ -19,6 +19,8 @@ torch.cuda.max_memory_allocated minus the memory allocated before the call.
 
     python benchmarks/attention_memory.py [--seqs 512 1024 2048 4096] [--repeats 3]
     python benchmarks/attention_memory.py --device cuda     # the GPU rows only
+
+SMOKE=1 (benchmarks/smoke.py): seqs 128 and 256, one run each, not a measurement.
 """
 
 import argparse
@@ -31,6 +33,7 @@ import time
 import torch
 
 from megalite.model.attention_backends import core_attention, flash_attn_available
+from smoke import shrink
 
 HEADS, HEAD_DIM = 8, 64
 MiB = 2**20
@@ -98,6 +101,7 @@ def main():
         backend, seq, repeats = args.child[0], int(args.child[1]), int(args.child[2])
         print(json.dumps(cpu_case(backend, seq, repeats)))
         return
+    shrink(args, seqs=[128, 256], repeats=1)  # in the parent: the child's stdout is its JSON
 
     print(f"causal attention fwd+bwd, batch 1, {HEADS} heads, head_dim {HEAD_DIM}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")

@@ -21,6 +21,8 @@ copies back: what a training job pays.
 
     python benchmarks/checkpoint_throughput.py [--dir DIR --num-layers 8 --hidden-size 768]
     python benchmarks/checkpoint_throughput.py --device cpu
+
+SMOKE=1 (benchmarks/smoke.py): a 2-layer hidden-64 model, one round, under $TMPDIR.
 """
 
 import argparse
@@ -45,6 +47,7 @@ from megalite.optimizer.lr_scheduler import LRScheduler  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
 from megalite.training import TrainState, build_model, build_optimizer  # noqa: E402
+from smoke import shrink  # noqa: E402
 
 CHUNK = 64 * 2 ** 20
 REPO = Path(__file__).resolve().parents[1]
@@ -248,7 +251,8 @@ def main():
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
                    help="Where the model and optimizer live (default cuda:0 when a GPU is "
                         "visible).")
-    args = p.parse_args()
+    args = shrink(p.parse_args(), dir=tempfile.gettempdir(), num_layers=2, hidden_size=64,
+                  vocab_size=512, repeat=1)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

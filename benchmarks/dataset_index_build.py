@@ -8,6 +8,9 @@ size of the indices. The blending loop is timed next to an empty Python loop.
 
     python benchmarks/dataset_index_build.py [--documents 2000000] [--seq-length 2048]
         [--epochs 1 10] [--blend-samples 10000000]
+
+SMOKE=1 (benchmarks/smoke.py): 2,000 documents, 1,000 blend samples. An index size off its
+closed form, or a blend share more than one sample off its weight, exits non-zero.
 """
 
 import argparse
@@ -24,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megalite.data.blended_dataset import build_blending_indices  # noqa: E402
 from megalite.data.gpt_dataset import GPTDataset, build_gpt_indices  # noqa: E402
+from smoke import shrink  # noqa: E402
 
 
 class LengthsOnly:
@@ -65,8 +69,8 @@ def bench_gpt(lengths, document_ids, seq_length, epochs, seed=1234):
     seconds, arrays = timed(build)
     peak = peak_traced(build)
     index_bytes = sum(a.nbytes for a in arrays.values())
-    closed_form = (len(arrays["document_index"]) * 4 + (len(arrays["shuffle_index"]) + 1) * 2 * 4
-                   + len(arrays["shuffle_index"]) * 4)
+    # int32 document index of every epoch, int32 (document, offset) pairs, int32 shuffle
+    closed_form = 4 * len(lengths) * epochs + 8 * (num_samples + 1) + 4 * num_samples
 
     doc_index = arrays["document_index"]
     cumsum_s, _ = timed(lambda: np.cumsum(lengths[doc_index].astype(np.int64)), repeat=3)
@@ -92,6 +96,9 @@ def bench_gpt(lengths, document_ids, seq_length, epochs, seed=1234):
           f"4*docs*epochs + 8*(samples+1) + 4*samples = {closed_form * mib:.1f} MiB)")
     print(f"GPTDataset(), cache miss (build+hash+write) {miss_s:8.3f} s")
     print(f"GPTDataset(), cache hit  (hash+mmap load)   {hit_s:8.3f} s")
+    if index_bytes != closed_form:
+        raise SystemExit(f"{epochs} epoch(s): indices {index_bytes:,} bytes != closed form "
+                         f"{closed_form:,}")
 
 
 def bench_blend(num_samples, weights):
@@ -103,6 +110,10 @@ def bench_blend(num_samples, weights):
           f"  output {num_samples * 10 / 2**20:.1f} MiB (10 B/sample)")
     print(f"  ref: empty Python loop {empty_s:8.3f} s")
     print(f"  achieved shares {np.round(achieved, 6).tolist()}")
+    off = np.abs(achieved - np.array(weights)) * num_samples
+    if off.max() > 1:  # the greedy pick keeps every dataset within one sample of its share
+        raise SystemExit(f"blend of {num_samples:,} over {weights}: shares {achieved.tolist()} "
+                         f"are up to {off.max():.1f} samples off")
 
 
 def main():
@@ -112,7 +123,8 @@ def main():
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--epochs", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--blend-samples", type=int, default=10_000_000)
-    args = parser.parse_args()
+    args = shrink(parser.parse_args(), documents=2000, seq_length=128, epochs=[1, 3],
+                  blend_samples=1000)
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 2 * args.mean_length, size=args.documents).astype(np.int32)

@@ -12,6 +12,7 @@ each reports its mean time per iteration after the first log interval (start-up)
     python benchmarks/nanogpt_baseline.py [--iters 400] [--rounds 3] [--threads 2]
 
 Prints each run's tokens/s, the median of each side, and megalite / plain.
+SMOKE=1 (benchmarks/smoke.py): one round of 4 iterations per side, 1 thread, not a measurement.
 """
 
 import argparse
@@ -27,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from smoke import shrink
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, HEADS, WIDTH, BLOCK, BATCH, VOCAB = 4, 4, 128, 64, 12, 65
@@ -152,7 +155,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="megalite + plain pairs (default 3)")
     p.add_argument("--threads", type=int, default=2, help="OMP threads per run (default 2)")
     p.add_argument("--plain-loop", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = shrink(p.parse_args(), iters=4, rounds=1, threads=1)
     interval = max(1, args.iters // 4)
     if args.plain_loop:  # a child process: print the mean ms/iteration after start-up
         print(statistics.mean(plain_loop(args.iters, interval)[1:]))

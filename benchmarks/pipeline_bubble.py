@@ -16,9 +16,12 @@ bubble with more activations in flight, GPipe holds all m, ZB-H1 as many as 1F1B
     python benchmarks/pipeline_bubble.py [--pp 2 4 8 --chunks 1 2 4 --m-per-stage 1 2 4]
 
 The measured step time of each schedule is benchmarks/pipeline_schedules_measured.py.
+A simulated bubble that differs from its closed form exits non-zero (SMOKE=1 changes nothing:
+the simulation already takes a fraction of a second).
 """
 
 import argparse
+from fractions import Fraction
 
 from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule
 from megalite.pipeline_parallel.simulate import simulate
@@ -33,22 +36,33 @@ def peak_in_flight(schedule) -> int:
     return peak
 
 
-def closed_form(schedule: str, p: int, m: int, v: int, F, B, W) -> float:
+def closed_form(schedule: str, p: int, m: int, v: int, F, B, W) -> Fraction:
     if schedule == "zb-h1":  # Qi et al. 2024 §3.1; m < p: only m-1 Ws fill the first wait
-        return ((p - 1) * (F + B) - (min(m, p) - 1) * W) / (m * (F + B + W))
-    return (p - 1) / (v * m)
+        return Fraction((p - 1) * (F + B) - (min(m, p) - 1) * W, m * (F + B + W))
+    return Fraction(p - 1, v * m)
+
+
+def check(name: str, p: int, m: int, v: int, measured: Fraction, formula: Fraction, F, B, W):
+    """The closed form is exact; ZB-H1's holds only where W fits in F's and B's gaps."""
+    if name == "zb-h1" and W > min(F, B):
+        return
+    if measured != formula:
+        raise SystemExit(f"{name} p={p} m={m} v={v}: simulated bubble {measured} "
+                         f"!= closed form {formula}")
 
 
 def row(schedule: str, p: int, m: int, v: int, F, B, W) -> str:
     schedules = [build_schedule(p, r, m, v, schedule) for r in range(p)]
     sim = simulate(schedules, v, F, B, W)
     formula = closed_form(schedule, p, m, v, F, B, W)
-    measured = float(sim.bubble_fraction)
+    measured = sim.bubble_fraction
     peak = peak_in_flight(schedules[0])
-    ratio = f"{measured / formula:5.3f}" if formula else "    -"
+    ratio = f"{float(measured / formula):5.3f}" if formula else "    -"
     name = "interleaved" if schedule == "1f1b" and v > 1 else schedule
-    return (f"{name:>11} {p:>2} {m:>3} {v:>2}  {sim.makespan:>8} {sim.busy:>6}  "
-            f"{measured:>8.4f} {formula:>8.4f}  {ratio}  {peak:>5} {peak / v:>5.2f}")
+    line = (f"{name:>11} {p:>2} {m:>3} {v:>2}  {sim.makespan:>8} {sim.busy:>6}  "
+            f"{float(measured):>8.4f} {float(formula):>8.4f}  {ratio}  {peak:>5} {peak / v:>5.2f}")
+    check(name, p, m, v, measured, formula, F, B, W)
+    return line
 
 
 def main():

@@ -14,6 +14,7 @@ by v at the price of v times the boundaries (Narayanan et al. 2021, §2.2).
 On GPUs (--device cuda, the default when one is visible) each rank drives its own GPU over
 NCCL (NCCL refuses two ranks on one GPU), so a row needs p GPUs; rows needing more than
 the visible GPUs are skipped with a note. On the CPU the ranks run over gloo.
+Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/smoke.py): p = 2 only.
 """
 
 import argparse
@@ -35,6 +36,7 @@ from megalite.optimizer.optimizer import Optimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
 from rank_setup import add_device_flag, describe, init_rank  # noqa: E402
+from smoke import shrink  # noqa: E402
 
 SEQ, MICRO, HIDDEN, NUM_MICRO = 64, 2, 64, 8
 
@@ -65,12 +67,15 @@ def worker(rank, world, pp, v, store, out, device_type):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_flag(p)
-    device = p.parse_args().device
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes p")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2], help="chunks per rank v")
+    args = shrink(p.parse_args(), pp=[2])
+    device = args.device
     print(f"micro-batch [s={SEQ}, b={MICRO}, h={HIDDEN}] fp32, m={NUM_MICRO} micro-batches, "
           f"8 layers, on {describe(device)}")
     print(f"{'p':>2} {'v':>2} {'stages':>6} {'measured bytes':>15} {'closed form':>15} "
           f"{'ratio':>6}")
-    for pp, v in ((2, 1), (2, 2), (4, 1), (4, 2)):
+    for pp, v in ((pp, v) for pp in args.pp for v in args.chunks):
         if device == "cuda" and pp > torch.cuda.device_count():
             print(f"{pp:>2} {v:>2} skipped: needs {pp} GPUs (one rank per GPU under NCCL)")
             continue
@@ -81,6 +86,8 @@ def main():
             measured = int(open(out).read())
         closed = 2 * NUM_MICRO * (pp * v - 1) * SEQ * MICRO * HIDDEN * 4
         print(f"{pp:>2} {v:>2} {pp * v:>6} {measured:>15,} {closed:>15,} {measured / closed:>6.3f}")
+        if measured != closed:
+            raise SystemExit(f"p={pp} v={v}: {measured:,} bytes sent, closed form {closed:,}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ every document in one process (json.loads + encode_as_ids, no output) -- the wor
 worker does, without the reading, ordering and writing around it.
 
     python benchmarks/preprocess_throughput.py [--workers 1 2] [--repeat 2]
-        [--tokenizer-model tok.model] [--vocab-size 8000] [--workdir DIR]
+        [--tokenizer-model tok.model] [--vocab-size 8000] [--workdir DIR] [--max-documents N]
+
+SMOKE=1 (benchmarks/smoke.py): 50 documents, a 500-piece tokenizer, one run each.
+Outputs that differ between worker counts exit non-zero.
 """
 
 import argparse
@@ -23,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 from build_stdlib_corpus import build_corpus  # noqa: E402
+from smoke import shrink  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
@@ -94,7 +98,8 @@ def main():
     parser.add_argument("--tokenizer-model", help="skip training; use this SentencePiece model")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--workdir", help="keep corpus and outputs here (default: a temp dir)")
-    args = parser.parse_args()
+    parser.add_argument("--max-documents", type=int, help="the first N (default: all)")
+    args = shrink(parser.parse_args(), max_documents=50, vocab_size=500, repeat=1)
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or tmp
         os.makedirs(work, exist_ok=True)
@@ -103,7 +108,7 @@ def main():
 
 def report(args, work):
     corpus = os.path.join(work, "stdlib.jsonl")
-    docs = build_corpus(corpus)
+    docs = build_corpus(corpus, args.max_documents)
     mb = os.path.getsize(corpus) / 2**20
     print(f"corpus: {docs} documents, {mb:.1f} MiB ({sys.version.split()[0]} stdlib)")
     model = args.tokenizer_model
@@ -133,6 +138,8 @@ def report(args, work):
                             for ext in (".bin", ".idx")]
     same = all(out == next(iter(outputs.values())) for out in outputs.values())
     print(f"outputs identical across --workers {args.workers}: {same}")
+    if not same:
+        raise SystemExit(f"preprocess_data.py outputs differ between --workers {args.workers}")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,14 @@ Closed form per layer per step:
   weight gradient, so backward does no extra all-gather (Megatron re-gathers: +2 per layer).
 
     python benchmarks/tp_communication.py [--batch 2 --seq 64 --hidden 64 --heads 8 --tp 2 4]
+
+Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/smoke.py): b=1, s=16, h=32.
 """
 
 import argparse
 import functools
 import json
+import math
 import os
 import tempfile
 from collections import Counter
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from smoke import shrink
 
 # torch >= 2.13 names the last two all_gather_single / reduce_scatter_single (the old names
 # are deprecated aliases); the mappings call whichever exists, so both are wrapped.
@@ -137,6 +141,10 @@ def report(tp, key, records, args):
     print(f"    tensor bytes {tensor:>9,d} / closed form {theory_tensor:>9,d} = "
           f"{tensor / theory_tensor:.3f}    wire bytes per rank {wire:>11,.0f} / closed form "
           f"{theory_wire:>11,.0f} = {wire / theory_wire:.3f}")
+    if tensor != theory_tensor or not math.isclose(wire, theory_wire, rel_tol=1e-12):
+        raise SystemExit(f"TP={tp} SP={'on' if sp else 'off'}: tensor bytes {tensor:,} "
+                         f"(closed form {theory_tensor:,}), wire bytes {wire:,.0f} "
+                         f"(closed form {theory_wire:,.0f})")
 
 
 def main():
@@ -146,7 +154,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    args = parser.parse_args()
+    args = shrink(parser.parse_args(), batch=1, seq=16, hidden=32, heads=4)
     print(f"per transformer layer, one forward + backward, micro-batch b={args.batch} "
           f"s={args.seq} h={args.hidden}, fp32: b*s*h*e = "
           f"{args.batch * args.seq * args.hidden * 4:,d} bytes")

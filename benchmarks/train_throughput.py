@@ -9,6 +9,8 @@ pretrain_gpt.py (megalite.initialize.allow_tf32), and every timing ends in a syn
 
     python benchmarks/train_throughput.py [--hidden-size 256 --num-layers 4 ...]
     python benchmarks/train_throughput.py --device cpu
+
+SMOKE=1 (benchmarks/smoke.py): a tiny model, two steps and 0.1 s matmuls, not a measurement.
 """
 
 import argparse
@@ -22,6 +24,7 @@ from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training_log import num_floating_point_operations
+from smoke import shrink
 
 
 # Defaults per device: small enough for a 2-core CPU; a GPU-sized model on GPUs.
@@ -36,8 +39,7 @@ def synchronize(device: torch.device):
         torch.accelerator.synchronize(device)
 
 
-def matmul_flops(n: int, dtype: torch.dtype, device: torch.device,
-                 seconds: float = 2.0) -> float:
+def matmul_flops(n: int, dtype: torch.dtype, device: torch.device, seconds: float) -> float:
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
     a @ b  # warm-up
     synchronize(device)
@@ -87,10 +89,14 @@ def main():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None,
                        help=f"default {CPU_MODEL[key]} on a CPU, {GPU_MODEL[key]} on a GPU")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--matmul-seconds", type=float, default=2.0,
+                   help="How long each reference matmul is timed.")
     p.add_argument("--bf16", action="store_true",
                    help="Also time bf16 autocast (always on a GPU; slow on CPUs without "
                         "AVX512-BF16/AMX).")
-    args = p.parse_args()
+    args = shrink(p.parse_args(), num_layers=2, hidden_size=64, num_attention_heads=4,
+                  seq_length=32, micro_batch_size=2, vocab_size=512, matmul_size=128, steps=2,
+                  matmul_seconds=0.1)
     device = torch.device(args.device)
     on_gpu = device.type != "cpu"
     for key, value in (GPU_MODEL if on_gpu else CPU_MODEL).items():
@@ -114,11 +120,11 @@ def main():
     n32 = args.matmul_size
     n16 = n32 if on_gpu else 512  # bf16 on most CPUs is emulated: slow
     fp32 = "fp32 (TF32)" if on_gpu else "fp32"
-    peak32 = matmul_flops(n32, torch.float32, device)
+    peak32 = matmul_flops(n32, torch.float32, device, args.matmul_seconds)
     print(f"reference: {fp32} matmul {n32}^3 {peak32 / 1e9:10.1f} GFLOP/s")
     runs = [(fp32, False, peak32)]
     if args.bf16:
-        peak16 = matmul_flops(n16, torch.bfloat16, device)
+        peak16 = matmul_flops(n16, torch.bfloat16, device, args.matmul_seconds)
         print(f"reference: bf16 matmul {n16}^3 {peak16 / 1e9:10.1f} GFLOP/s")
         runs.append(("bf16 autocast", True, peak16))
     for name, bf16, peak in runs:
