@@ -4,15 +4,16 @@ training shapes, the RNG tracker, and activation recompute reproducing dropout."
 import os
 import sys
 import time
-import types
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
 from megalite.model.attention_backends import core_attention, flash_attn_available  # noqa: E402
+from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, build_rng_tracker  # noqa: E402
 from megalite.train_step import autocast  # noqa: E402
 from megalite.training import build_model  # noqa: E402
@@ -131,10 +132,18 @@ BASE = ["--mock-data", "--vocab-size", "512", "--num-layers", "4", "--hidden-siz
         "--hidden-dropout", "0.1", "--position-embedding-type", "rope"]
 
 
+def one_process_state():
+    """The ParallelState pretrain() builds for one process (the real one, not a stand-in
+    that misses the groups added since), on a one-process group made once."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return ParallelState(RankGrid(1), 0)
+
+
 def grads(extra):
     config = validate_args(parse_args(BASE + extra), 1)
-    state = types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None, tp_rank=0, tp_size=1)
-    model = build_model(config, state, dev, build_rng_tracker(1234, 0, dev))[0]
+    model = build_model(config, one_process_state(), dev, build_rng_tracker(1234, 0, dev))[0]
     tokens = torch.randint(0, 512, (4, SEQ), generator=torch.Generator().manual_seed(3)).to(dev)
     torch.manual_seed(11)
     with autocast(config.precision, dev):
