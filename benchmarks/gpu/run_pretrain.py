@@ -2,7 +2,7 @@
 planner's figure, and optionally a torch.profiler profile of one step.
 
     python benchmarks/gpu/run_pretrain.py [--profile-step N] [--trace FILE.json.gz] \\
-        [--deterministic] -- PRETRAIN_GPT_FLAGS...
+        [--deterministic] [--compile-backend NAME] -- PRETRAIN_GPT_FLAGS...
 
 It runs megalite's own pretrain() (the same code path as pretrain_gpt.py) and wraps
 StepRunner.train_step, so nothing in megalite needs a profiler flag. The profiled step
@@ -12,6 +12,7 @@ Lines starting with ">>" are the results.
 """
 
 import argparse
+import functools
 import gzip
 import os
 import shutil
@@ -131,7 +132,14 @@ def main():
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(True): no atomics in backward "
                         "(set CUBLAS_WORKSPACE_CONFIG=:4096:8 as well on a GPU).")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile's backend for --compile-layers (default torch's, "
+                        "inductor); SMOKE=1 uses aot_eager: the same graph capture and "
+                        "AOTAutograd, eager kernels, no minute of C++ compiling on a CPU.")
     args = p.parse_args(own)
+    if args.compile_backend and "--compile-layers" in flags:
+        torch.compile = functools.partial(torch.compile, backend=args.compile_backend)
+        print(f">> torch.compile backend: {args.compile_backend}", flush=True)
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
     instrument(args.profile_step, args.trace)
