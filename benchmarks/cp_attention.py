@@ -15,6 +15,9 @@ selective recompute, which reruns the attention forward).
 
     python benchmarks/cp_attention.py [--batch 1 --seq 2048 --heads 16 --kv-heads 16 4
                                        --head-dim 64 --cp 2 4]
+
+A count that differs from the closed form stops the run non-zero. SMOKE=1: s=64, 4 heads,
+d=8, the same CP degrees, comm types and kv-head ratio.
 """
 
 import argparse
@@ -29,6 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megalite.context_parallel import COMM_TYPES, context_parallel_attention, cp_comm_bytes
+from rank_setup import start_method
+from smoke import shrink
 
 ALL_GATHER = ("all_gather_single", "all_gather_into_tensor")          # new, old torch names
 REDUCE_SCATTER = ("reduce_scatter_single", "reduce_scatter_tensor")
@@ -96,6 +101,10 @@ def report(cp, kv_heads, comm_type, records, args):
           f"{total / closed.total:.3f} | "
           + ", ".join(f"{phase} {n} x {name}" for (phase, name), n in calls)
           + " |")
+    for phase in ("forward", "backward"):
+        if measured[phase] != getattr(closed, phase):
+            raise SystemExit(f"CP {cp}, kv heads {kv_heads}, {comm_type}: {phase} moved "
+                             f"{measured[phase]:,d} bytes, closed form {getattr(closed, phase):,d}")
 
 
 def main():
@@ -106,7 +115,7 @@ def main():
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[16, 4])
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    args = parser.parse_args()
+    args = shrink(parser.parse_args(), seq=64, heads=4, kv_heads=[4, 1], head_dim=8)
     print(f"per transformer layer, one micro-batch forward + backward, b={args.batch} "
           f"s={args.seq} heads={args.heads} d={args.head_dim}, fp32; bytes each CP rank "
           f"receives")
@@ -115,7 +124,8 @@ def main():
     print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for cp in args.cp:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_worker, args=(cp, args, os.path.join(tmp, "rendezvous"), tmp), nprocs=cp)
+            mp.start_processes(_worker, nprocs=cp, start_method=start_method("cpu"),
+                               args=(cp, args, os.path.join(tmp, "rendezvous"), tmp))
             per_rank = []
             for rank in range(cp):
                 with open(os.path.join(tmp, f"rank{rank}.json")) as f:

@@ -14,6 +14,8 @@ simulated makespan of every rank's list with those costs (sends free; 1F1B and G
 B+W for their unsplit backward).
 
     python benchmarks/pipeline_schedules_measured.py [--device cpu|cuda] [--steps 3]
+
+SMOKE=1: one timed round per schedule and one timed pass each of F, B, W (CPU ranks forked).
 """
 
 import argparse
@@ -41,7 +43,8 @@ from megalite.pipeline_parallel.simulate import simulate  # noqa: E402
 from megalite.tensor_parallel.weight_grad import (  # noqa: E402
     WeightGradStore, defer_weight_grads)
 from megalite.train_step import StepRunner  # noqa: E402
-from rank_setup import add_device_flag, describe, init_rank  # noqa: E402
+from rank_setup import add_device_flag, describe, init_rank, start_method  # noqa: E402
+from smoke import shrink  # noqa: E402
 
 PP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 4, 256, 128, 4, 8, 512
 
@@ -132,13 +135,14 @@ def main():
     add_device_flag(parser)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
     parser.add_argument("--reps", type=int, default=10, help="timed passes for F, B, W")
-    args = parser.parse_args()
+    args = shrink(parser.parse_args(), steps=1, reps=1)
     if args.device == "cuda" and torch.cuda.device_count() < PP:
         raise SystemExit(f"--device cuda needs {PP} GPUs (one rank per GPU under NCCL)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(PP, os.path.join(tmp, "store"), out, args.device, args.steps,
-                               args.reps), nprocs=PP)
+        mp.start_processes(worker, nprocs=PP, start_method=start_method(args.device),
+                           args=(PP, os.path.join(tmp, "store"), out, args.device, args.steps,
+                                 args.reps))
         with open(out) as f:
             result = json.load(f)
     F, B, W = result["costs"]

@@ -5,6 +5,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from smoke import ON as SMOKE
+
 
 def add_device_flag(parser: argparse.ArgumentParser):
     parser.add_argument("--device", choices=["cpu", "cuda"],
@@ -14,6 +16,13 @@ def add_device_flag(parser: argparse.ArgumentParser):
 def describe(device_type: str) -> str:
     gpus = torch.cuda.device_count() if device_type == "cuda" else 0
     return f"{gpus} GPU(s), NCCL" if gpus else "the CPU, gloo"
+
+
+def start_method(device_type: str) -> str:
+    """How torch.multiprocessing starts the ranks: "fork" in SMOKE mode on the CPU, where
+    "spawn" would re-import torch in every rank of every launch (seconds each on a shared
+    2-core machine); "spawn" otherwise, as the measured runs were made (CUDA cannot fork)."""
+    return "fork" if SMOKE and device_type == "cpu" else "spawn"
 
 
 def init_rank(rank: int, world: int, store: str, device_type: str) -> torch.device:

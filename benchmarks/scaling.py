@@ -22,6 +22,8 @@ the backend), --bf16 and a bigger default model.
     python benchmarks/scaling.py                              # every layout that fits
     python benchmarks/scaling.py --layouts 1 dp2 tp2 pp2 --iters 20
     python benchmarks/scaling.py --layouts 1 tp2-pp2-dp2 --scaling weak --nproc-max 8
+
+SMOKE=1: the 2-process layouts (1, dp2, tp2, pp2) of a tiny model, 3 iterations each.
 """
 
 import argparse
@@ -34,6 +36,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from smoke import shrink
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
@@ -236,7 +240,9 @@ def parse_args():
                    help="Train in bf16 (default: on GPUs only).")
     for key, value in (GPU_MODEL if on_gpu() else CPU_MODEL).items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=value)
-    args = p.parse_args()
+    args = shrink(p.parse_args(), nproc_max=2, iters=3, warmup=1, matmul_size=64,
+                  matmul_seconds=0.1, num_layers=2, hidden_size=64, num_attention_heads=2,
+                  seq_length=32, vocab_size=128, micro_batch_size=2, global_batch_size=4)
     if args.bf16 is None:
         args.bf16 = on_gpu()
     if args.nproc_max is None:

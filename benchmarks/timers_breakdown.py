@@ -7,6 +7,8 @@ communication (and waiting for peers) and the rest, for the last log interval.
 The reference is the step's wall time on the same log line: the top-level phases must add
 up to at most it (what they leave is the loop's own bookkeeping). Tensor-parallel
 collectives run inside forward-compute and backward-compute and are counted there.
+
+SMOKE=1: 3 iterations (one per log interval), the same 8 ranks and model.
 """
 
 import argparse
@@ -20,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megalite.monitoring.timers import COMMUNICATION, PHASES  # noqa: E402
+from smoke import shrink  # noqa: E402
 
 LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
           "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
@@ -35,7 +38,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--nproc", type=int, default=8)
-    args = parser.parse_args()
+    # All 8 ranks even in smoke mode: at DP 1 ZeRO-1 has no params-all-gather to time.
+    args = shrink(parser.parse_args(), iters=3)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(args.nproc), "pretrain_gpt.py", *MODEL, *LAYOUT,
                "--train-iters", str(args.iters), "--log-interval", str(args.iters // 3),

@@ -22,6 +22,9 @@ all-gathered again for the backward).
 
     python benchmarks/zero_memory.py [--device cpu|cuda]
 
+Each row's closed-form claims are checked: a mismatch stops the run non-zero. SMOKE=1 (as
+tests/test_doc_commands.py runs it) forks the CPU ranks instead of spawning them.
+
 On GPUs (--device cuda, the default when one is visible) each rank drives its own GPU over
 NCCL (NCCL refuses two ranks on one GPU): rows with more ranks than visible GPUs are
 skipped with a note. On the CPU the ranks run over gloo.
@@ -52,7 +55,7 @@ from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer  # noqa: 
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
 from megalite.validation import validate_model_args  # noqa: E402
-from rank_setup import add_device_flag, describe, init_rank  # noqa: E402
+from rank_setup import add_device_flag, describe, init_rank, start_method  # noqa: E402
 
 CONFIG = GPTConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                    num_query_groups=4, kv_channels=32, seq_length=64, max_position_embeddings=64,
@@ -179,6 +182,28 @@ def closed_traffic(mode: str, n: int, psi_bf16: float) -> float:
     return (3 if mode.startswith("zero3") else 2) * (n - 1) / n * psi_bf16
 
 
+def check(row: str, name: str, expected: float, actual: float, tolerance: float = 1e-9):
+    """Stop non-zero when a measured figure breaks the claim docs/benchmarks.md makes of it."""
+    if abs(actual - expected) > tolerance * max(abs(expected), 1.0):
+        raise SystemExit(f"{row}: {name} is {actual:,.1f}, expected {expected:,.1f}")
+
+
+def check_row(dp: int, mode: str, psi: int, measured: dict):
+    """The doc's claims: persistent bytes are the paper's (ZeRO-2: 16Ψ/N, FSDP2 reshards
+    after the backward), the planner's equal them, its gathered bytes equal the measured
+    peak wherever FSDP2 gathers, the traffic is the closed form, ZeRO-3 moves 1.5x plain."""
+    row = f"DP {dp} {mode}"
+    paper = paper_bytes("zero3" if mode == "zero2" else mode, psi, dp)
+    check(row, "total bytes against the paper", paper, measured["total"])
+    check(row, "planner bytes against measured", measured["total"], measured["planned"])
+    if dp > 1:
+        check(row, "gathered bytes against planned", measured["planned gathered"],
+              measured["gathered"])
+        check(row, "DP bytes/step against closed form", measured["closed"], measured["traffic"])
+        check(row, "DP bytes/step x plain", 1.5 if mode.startswith("zero3") else 1.0,
+              measured["traffic"] / measured["plain traffic"])
+
+
 def planner(mode: str, dp: int):
     config = validate_model_args(parse_args(PLANNER_FLAGS + MODE_FLAGS[mode]), dp)
     return weights_and_optimizer(config, 0)
@@ -203,8 +228,8 @@ def main():
         for mode in MODES:
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "row")
-                mp.spawn(worker, args=(dp, mode, os.path.join(tmp, "store"), out, device),
-                         nprocs=dp)
+                mp.start_processes(worker, nprocs=dp, start_method=start_method(device),
+                                   args=(dp, mode, os.path.join(tmp, "store"), out, device))
                 psi, params, grads, optim, gathered, traffic, on_host = torch.load(f"{out}.0")
             plan = planner(mode, dp)
             host = params + grads + optim if on_host else 0
@@ -221,6 +246,10 @@ def main():
                   f"{planned / mib:7.3f} {gathered / mib:8.3f} "
                   f"{plan.get('gathered', 0) / mib:8.3f} {host / mib:7.3f} | "
                   f"{traffic / mib:11.3f} {closed / mib:7.3f} {ratio} {vs}")
+            check_row(dp, mode, psi, {"total": total, "planned": planned, "gathered": gathered,
+                                      "planned gathered": plan.get("gathered", 0),
+                                      "traffic": traffic, "closed": closed,
+                                      "plain traffic": plain_traffic})
     print(f"Ψ = {psi:,} parameters")
 
 
