@@ -25,16 +25,13 @@ stays in the chunk's own unit (gathered for the whole forward of the chunk): as 
 it would be resharded after the embedding lookup, before the output layer reads it.
 """
 
+import sys
 import warnings
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                    OffloadPolicy, fully_shard)
-from torch.distributed.tensor import DTensor
 
-from megalite.tensor_parallel.params import copy_tags
+from megalite.tensor_parallel.params import copy_tags, is_dtensor
 
 ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
 """--data-parallel-sharding-strategy values (Megatron-FSDP's names)."""
@@ -49,6 +46,10 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
     # The last stage returns its per-token losses transposed, a view: FSDP2 warns that an
     # in-place op on it would skip its backward hook; the executor never modifies it.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+    # Imported here, not at the top: it loads DTensor (see params.is_dtensor).
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
+                                        OffloadPolicy, fully_shard)
     mesh = DeviceMesh.from_group(dp_group, device.type)
     kwargs = dict(mesh=mesh, reshard_after_forward=strategy == ZERO3,
                   # Inputs stay as they are: activations already have the compute
@@ -66,7 +67,7 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
         for name, p in chunk.named_parameters():
             copy_tags(tags[name], p)
         for module in chunk.modules():
-            if isinstance(module, FSDPModule):
+            if is_fsdp_module(module):
                 # Sum over DP (FSDP2 averages by default), with a plain SUM collective
                 # (a factor of 1 would otherwise be NCCL's PreMulSum, which gloo lacks).
                 module.set_gradient_divide_factor(1.0)
@@ -87,21 +88,28 @@ def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
     return units
 
 
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether fully_shard made `module` an FSDP unit (never, before torch.distributed.fsdp
+    is imported: apply_fsdp imports it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
 def is_fully_sharded(chunks: nn.ModuleList) -> bool:
-    return any(isinstance(chunk, FSDPModule) for chunk in chunks)
+    return any(is_fsdp_module(chunk) for chunk in chunks)
 
 
 def set_gradient_sync(chunk: nn.Module, sync: bool):
     """Whether the next backward of `chunk` reduce-scatters its gradients (the last
     micro-batch) or accumulates them unsharded with no communication (the others)."""
-    if isinstance(chunk, FSDPModule):
+    if is_fsdp_module(chunk):
         chunk.set_requires_gradient_sync(sync)
 
 
 def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     """[start, end) of this rank's FSDP shard within the flattened (TP-shard) parameter:
     whole rows, as torch.chunk splits dim 0; the whole tensor when not a DTensor."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return 0, param.numel()
     local = param.to_local()
     rows, dp = param.shape[0], param.device_mesh.size()
@@ -118,13 +126,13 @@ def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The whole (TP-shard) value: all-gathered over DP for an FSDP parameter (every DP
     rank must call it), the tensor itself otherwise."""
-    return param.full_tensor() if isinstance(param, DTensor) else param
+    return param.full_tensor() if is_dtensor(param) else param
 
 
 @torch.no_grad()
 def copy_into(param: torch.Tensor, value: torch.Tensor):
     """Set a parameter from its whole (TP-shard) value: an FSDP parameter keeps its rows."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         start, end = local_shard_range(param)
         local = param.to_local()
         local.copy_(value.reshape(-1)[start:end].view_as(local))

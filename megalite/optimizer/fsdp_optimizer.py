@@ -17,10 +17,10 @@ ZeRO-1 rank owns of it, so checkpoints hold the same per-DP-rank optimizer files
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from megalite.distributed.fsdp import local_shard_range
 from megalite.optimizer.optimizer import Optimizer, Segment
+from megalite.tensor_parallel.params import is_dtensor
 
 
 class FullyShardedOptimizer(Optimizer):
@@ -42,7 +42,7 @@ class FullyShardedOptimizer(Optimizer):
     def _comm_device(self) -> torch.device:
         # The mesh's device: under CPU offload the shards themselves are on the host.
         param = self.params[0] if self.params else None
-        return torch.device(param.device_mesh.device_type) if isinstance(param, DTensor) \
+        return torch.device(param.device_mesh.device_type) if is_dtensor(param) \
             else super()._comm_device()
 
     def _reduce_groups(self) -> list:

@@ -16,9 +16,10 @@ through the predicates below, never with `getattr(p, "<tag>")` of its own:
 initialisation and checkpoint loading share; `tp_unshard` joins the blocks of all ranks.
 """
 
+import sys
+
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 # Parameters whose first dimension is the vocabulary, padded per TP size (DESIGN.md §4).
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -71,7 +72,15 @@ def main_grad(param: nn.Parameter) -> torch.Tensor | None:
     buffer's view (distributed/grad_buffer.py) when the parameter has one, else .grad;
     of an FSDP2 (DTensor) gradient, this rank's DP shard, in place."""
     grad = getattr(param, "main_grad", param.grad)
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    return grad.to_local() if is_dtensor(grad) else grad
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether `tensor` is a DTensor (an FSDP2 shard). torch.distributed.tensor costs most
+    of a second of every process's start, so only a run that shards imports it
+    (distributed/fsdp.py); until then nothing can be a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def pad_vocab_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
