@@ -208,7 +208,9 @@ mfu() {
 mfu_llama_1b() { mfu LLAMA1B llama_1b profile; }
 mfu_gpt_1b3() { mfu GPT13B gpt_1b3; }
 mfu_llama_1b_compiled() {  # the same 1.1B run with each layer under torch.compile (inductor)
-    EXTRA_PERF_FLAGS="$EXTRA_PERF_FLAGS --compile-layers" mfu LLAMA1B llama_1b_compiled
+    local extra="$EXTRA_PERF_FLAGS"  # once, even when the caller's flags already compile
+    [[ " $extra " == *" --compile-layers "* ]] || extra="$extra --compile-layers"
+    EXTRA_PERF_FLAGS="$extra" mfu LLAMA1B llama_1b_compiled
 }
 
 # resume_case NAME EXTRA_FLAGS...: straight N vs N/2 + save + load + N/2. Deterministic

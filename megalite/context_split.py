@@ -4,14 +4,14 @@ A sequence of s tokens is cut into 2 x CP chunks of s / (2 CP); CP rank i holds 
 and 2 CP - 1 - i (megalite.context_parallel.load_balanced_chunks), so under the causal
 mask every rank attends over the same number of (query, key) pairs. Everything indexed by
 position follows the chunks: the data loader's tokens, labels and loss mask
-(`shard_batch`, in the loader's workers) and the positions the model embeds or rotates
-(`local_positions`, read by the embedding and the RoPE table).
+(`shard_batch`, in the loader's workers: data/sampler.CollateContextShard) and the
+positions the model embeds or rotates (`local_positions`, read by the embedding and the
+RoPE table).
 """
 
 import torch
 
 from megalite.context_parallel import load_balanced_chunks
-from megalite.data.sampler import collate_samples
 
 
 def local_positions(seq_length: int, cp_size: int, cp_rank: int,
@@ -31,13 +31,3 @@ def shard_batch(batch: dict[str, torch.Tensor], cp_size: int,
     positions = local_positions(seq, cp_size, cp_rank)
     return {key: value[:, positions] for key, value in batch.items()}
 
-
-class CollateContextShard:
-    """collate_fn of the data loader: stack the micro-batch's samples, keep this CP rank's
-    columns (a class, not a closure: the loader's workers unpickle it)."""
-
-    def __init__(self, cp_size: int, cp_rank: int):
-        self.cp_size, self.cp_rank = cp_size, cp_rank
-
-    def __call__(self, samples) -> dict[str, torch.Tensor]:
-        return shard_batch(collate_samples(samples), self.cp_size, self.cp_rank)

@@ -4,7 +4,8 @@ against its closed form: CP rank i holds chunks i and 2 CP - 1 - i of 2 CP."""
 import pytest
 import torch
 
-from megalite.context_split import CollateContextShard, local_positions, shard_batch
+from megalite.context_split import local_positions, shard_batch
+from megalite.data.sampler import CollateContextShard
 
 
 def test_positions_closed_form():

@@ -6,8 +6,7 @@ import signal
 import torch
 
 from megalite.config import Config
-from megalite.context_split import CollateContextShard
-from megalite.data.sampler import MicroBatchSampler
+from megalite.data.sampler import CollateContextShard, MicroBatchSampler
 from megalite.parallel_state import ParallelState
 
 

@@ -16,6 +16,8 @@ from typing import Dict, Iterator, List, Sequence
 
 import torch
 
+from megalite.context_split import shard_batch
+
 from megalite.errors import ConfigError
 
 
@@ -72,3 +74,14 @@ def collate_samples(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, tor
             raise ValueError(f"samples of one micro-batch differ in keys: "
                              f"{sorted(keys)} vs {sorted(sample.keys())}")
     return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
+
+
+class CollateContextShard:
+    """collate_fn of the data loader: stack the micro-batch's samples, keep this CP rank's
+    columns (a class, not a closure: the loader's workers unpickle it)."""
+
+    def __init__(self, cp_size: int, cp_rank: int):
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+
+    def __call__(self, samples) -> dict[str, torch.Tensor]:
+        return shard_batch(collate_samples(samples), self.cp_size, self.cp_rank)
