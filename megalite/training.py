@@ -101,13 +101,16 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     seed = config.training.seed
     # Megatron's --bf16/--fp16: the model's parameters (and so its activations) in half
     # precision, built on `device` in that dtype (initial values drawn there in fp32 and
-    # rounded); the optimizer keeps fp32 main copies.
+    # rounded); the optimizer keeps fp32 main copies. FSDP2 builds on `meta` and gives
+    # each rank's shards the same values after sharding (fully_shard_model).
+    fsdp = config.parallel.use_torch_fsdp2
     chunks = build_model_chunks(
         model_config, seed, state.pp_rank, state.pp_size,
         config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
-        rng_tracker, device=device, dtype=dtype, cp_group=state.cp_group)
-    if config.parallel.use_torch_fsdp2:
-        fully_shard_model(chunks, config, state.dp_group, device)
+        rng_tracker, device="meta" if fsdp else device, dtype=torch.float32 if fsdp else dtype,
+        cp_group=state.cp_group)
+    if fsdp:
+        fully_shard_model(chunks, config, state, device)
     return chunks
 
 

@@ -25,12 +25,14 @@ stays in the chunk's own unit (gathered for the whole forward of the chunk): as 
 it would be resharded after the embedding lookup, before the output layer reads it.
 """
 
+import contextlib
 import sys
 import warnings
 
 import torch
 from torch import nn
 
+from megalite.model.gpt import initialize_parameters
 from megalite.tensor_parallel.params import copy_tags, is_dtensor
 
 ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
@@ -60,12 +62,10 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
                   offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
                   if cpu_offload else OffloadPolicy())
     for chunk in chunks:
-        tags = {name: dict(vars(p)) for name, p in chunk.named_parameters()}
-        for module in fsdp_units(chunk):
-            fully_shard(module, **kwargs)
-        fully_shard(chunk, **kwargs)
-        for name, p in chunk.named_parameters():
-            copy_tags(tags[name], p)
+        with keeping_tags(chunk):
+            for module in fsdp_units(chunk):
+                fully_shard(module, **kwargs)
+            fully_shard(chunk, **kwargs)
         for module in chunk.modules():
             if is_fsdp_module(module):
                 # Sum over DP (FSDP2 averages by default), with a plain SUM collective
@@ -73,6 +73,16 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
     return chunks
+
+
+@contextlib.contextmanager
+def keeping_tags(module: nn.Module):
+    """megalite's parameter tags (tensor_parallel/params.py) across an operation that
+    replaces the parameter objects or their attributes (fully_shard, to_empty)."""
+    tags = {name: dict(vars(p)) for name, p in module.named_parameters()}
+    yield
+    for name, p in module.named_parameters():
+        copy_tags(tags[name], p)
 
 
 def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
@@ -140,13 +150,33 @@ def copy_into(param: torch.Tensor, value: torch.Tensor):
         param.copy_(value)
 
 
-def fully_shard_model(chunks: nn.ModuleList, config, dp_group,
+def fully_shard_model(chunks: nn.ModuleList, config, state,
                       device: torch.device) -> nn.ModuleList:
-    """--use-torch-fsdp2 on the chunks build_model made. Under --bf16/--fp16 they were
-    built (and rounded) in half precision: widened to fp32 here they are the main copy a
-    ZeRO-1 run starts from, value for value, and FSDP gathers them in half precision."""
+    """--use-torch-fsdp2 on the chunks build_model made on `meta` (shapes and tags, no
+    storage), then their values: no rank ever holds its whole model, only its shards and
+    one parameter's full value at a time (torchtitan's meta-device init)."""
     p, par = config.precision, config.parallel
-    return apply_fsdp(chunks.float(), dp_group, device,
-                      strategy=par.data_parallel_sharding_strategy, param_dtype=p.params_dtype,
-                      reduce_dtype=torch.float32 if par.accumulate_allreduce_grads_in_fp32
-                      else p.params_dtype, cpu_offload=par.optimizer_cpu_offload)
+    apply_fsdp(chunks, state.dp_group, device, strategy=par.data_parallel_sharding_strategy,
+               param_dtype=p.params_dtype,
+               reduce_dtype=torch.float32 if par.accumulate_allreduce_grads_in_fp32
+               else p.params_dtype, cpu_offload=par.optimizer_cpu_offload)
+    # Offloaded shards live on the host (CPUOffloadPolicy); FSDP moves them for compute.
+    with keeping_tags(chunks):
+        chunks.to_empty(device="cpu" if par.optimizer_cpu_offload else device)
+    initialize_sharded(chunks, config.training.seed, p.params_dtype, state.tp_rank,
+                       state.tp_size, device)
+    return chunks
+
+
+@torch.no_grad()
+def initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype, tp_rank: int,
+                       tp_size: int, device: torch.device):
+    """The values of sharded chunks: each parameter drawn whole on `device`, as a model
+    built there draws it, rounded to `dtype` as a model built in it is (widened back to
+    fp32, the main copy a ZeRO-1 run starts from, value for value); this rank keeps its
+    rows of its TP block."""
+    def assign(param, block):
+        copy_into(param, block.to(dtype).float())
+    for chunk in chunks:
+        initialize_parameters(chunk, chunk.config, seed, tp_rank, tp_size, device, assign)
+        chunk.reset_padded_vocab_mask(device)

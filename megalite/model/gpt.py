@@ -192,6 +192,12 @@ class GPTModel(nn.Module):
             return None
         return torch.arange(first, first + shard) >= vocab
 
+    def reset_padded_vocab_mask(self, device: torch.device):
+        """Recompute the mask on `device`: to_empty gives a model built on `meta` storage
+        but no values."""
+        if self.padded_vocab_mask is not None:
+            self.padded_vocab_mask = self._padded_vocab_mask().to(device)
+
     def output_weight(self) -> torch.Tensor:
         if self.output_layer is None:
             return self.embedding.word_embeddings.weight
@@ -311,32 +317,37 @@ def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int,
 
 
 def full_initial_value(name: str, param: nn.Parameter, config: GPTConfig, seed: int,
-                       tp_size: int) -> torch.Tensor:
-    """The full tensor of `param`. SwiGLU's fused [gate; up] fc1 draws its two blocks as
-    the separate gate and up projections did (`linear_fc1_gate.*`, `linear_fc1.*`), so
-    the initial weights did not change when the two were fused."""
+                       tp_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """The full tensor of `param`, drawn on `device` (default the parameter's). SwiGLU's
+    fused [gate; up] fc1 draws its two blocks as the separate gate and up projections did
+    (`linear_fc1_gate.*`, `linear_fc1.*`), so the initial weights did not change when the
+    two were fused."""
     shape, dim = list(param.shape), partition_dim(param)
+    device = device or param.device
     if dim is not None:
         shape[dim] *= tp_size
     if partition_stride(param) == 1:
-        return initial_value(name, torch.Size(shape), config, seed, param.device)
+        return initial_value(name, torch.Size(shape), config, seed, device)
     shape[dim] //= 2
     return torch.cat([initial_value(name.replace("linear_fc1", "linear_fc1_gate"),
-                                    torch.Size(shape), config, seed, param.device),
-                      initial_value(name, torch.Size(shape), config, seed, param.device)],
+                                    torch.Size(shape), config, seed, device),
+                      initial_value(name, torch.Size(shape), config, seed, device)],
                      dim=dim)
 
 
 @torch.no_grad()
 def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_rank: int = 0,
-                          tp_size: int = 1):
-    """Every parameter from its full single-process value, drawn on the parameter's device:
-    a tensor-parallel shard takes its block of the full tensor, so any TP size starts from
-    the same weights. Parameters on `meta` (a model built only to be measured) are left."""
+                          tp_size: int = 1, device: torch.device | None = None,
+                          assign=torch.Tensor.copy_):
+    """Every parameter from its full single-process value, drawn on `device` (default the
+    parameter's): a tensor-parallel shard takes its block of the full tensor, so any TP
+    size starts from the same weights. `assign(param, block)` stores it (FSDP2 keeps its
+    rows of the block: distributed/fsdp.py). Parameters on `meta` (a model built only to
+    be measured, or to be sharded first) are left."""
     for name, param in model.named_parameters():
         if param.is_meta:
             continue
         if is_shared_embedding(param):
             name = "embedding.word_embeddings.weight"  # a tied output layer starts equal
-        full = full_initial_value(name, param, config, seed, tp_size)
-        param.copy_(tp_shard(full, param, name, tp_rank, tp_size))
+        full = full_initial_value(name, param, config, seed, tp_size, device)
+        assign(param, tp_shard(full, param, name, tp_rank, tp_size))

@@ -1,7 +1,8 @@
 """FSDP2 (--use-torch-fsdp2, ZeRO-2 and ZeRO-3) at data-, tensor- and pipeline-parallel
 layouts against the single-process model (DESIGN.md §3, §6): the same per-step losses and
 grad norms for 6 steps, with gradient accumulation over micro-batches and clipping, and the
-same parameters after the last step; optimizer CPU offload (FSDP2 and ZeRO-1) against the
+same parameters after the last step; pretrain's model built on `meta` and initialised
+shard by shard, against the single-process initial values; optimizer CPU offload (FSDP2 and ZeRO-1) against the
 same reference; bf16 and fp16 FSDP2 against the ZeRO-1 run of the same precision; and the
 memory planner's FSDP2 bytes against the tensors of a step."""
 
@@ -158,6 +159,8 @@ def fsdp_equivalence(rank, world_size):
     if world_size == 2:
         results.update(half_precision_equivalence(rank, world_size))
         results.update(planner_against_tensors(rank, world_size))
+    else:
+        results.update(initial_values(rank, world_size))
     return results
 
 
@@ -167,6 +170,43 @@ def test_fsdp_gpt_equals_single_process(world_size):
     failures = {f"rank {rank}, {layout}": problems for rank, result in enumerate(results)
                 for layout, problems in result.items() if problems}
     assert not failures, failures
+
+
+# ------------------------------------------------------------- start-up on the meta device
+
+def initial_values(rank, world_size) -> dict[str, list[str]]:
+    """pretrain's FSDP2 model (built on `meta`, sharded, then given values shard by shard)
+    against the single-process model's initial values: fp32 at TP 2 + SP x DP 2 (SwiGLU's
+    stacked fc1, a padded vocabulary), and bf16 at PP 2 interleaved x DP 2 with the output
+    layer tied across stages (the values rounded to bf16, as a model built in bf16 is)."""
+    out = {}
+    for name, extra in (("TP 2 + SP x DP 2, fp32",
+                         ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                        ("PP 2 interleaved x DP 2, bf16, tied",
+                         ["--pipeline-model-parallel-size", "2", "--bf16",
+                          "--num-layers-per-virtual-pipeline-stage", "1",
+                          "--micro-batch-size", "2"])):
+        config = validate_args(parse_args([*BASE_FLAGS, "--num-layers", "4", "--swiglu",
+                                           "--seed", "5", "--use-torch-fsdp2", *extra]),
+                               world_size)
+        par = config.parallel
+        state = ParallelState(RankGrid(world_size, par.tensor_model_parallel_size,
+                                       par.pipeline_model_parallel_size), rank)
+        chunks = build_model(config, state, torch.device("cpu"), None)
+        one_process = GPTModel(dataclasses.replace(config.model, sequence_parallel=False),
+                               seed=5)
+        reference = dict(one_process.named_parameters())
+        problems = []
+        for pname, param in chunks.named_parameters():
+            ref = reference[reference_name(pname, param)].detach().to(
+                config.precision.params_dtype).float()
+            full = gather_tensor_parallel(full_tensor(param.detach()), param, state.tp_group)
+            rows = min(full.shape[0], ref.shape[0])  # vocabulary paddings differ with TP
+            if full.dtype != torch.float32 or not torch.equal(full[:rows], ref[:rows]):
+                problems.append(f"{pname}: {full.dtype}, max diff "
+                                f"{(full[:rows].float() - ref[:rows]).abs().max().item():.3g}")
+        out[f"initial values, FSDP2 {name}"] = problems
+    return out
 
 
 # ------------------------------------------------------------- mixed precision vs ZeRO-1
