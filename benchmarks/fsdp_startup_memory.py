@@ -1,0 +1,103 @@
+"""Start-up memory of pretrain's model under FSDP2 against plain DP: what build_model adds
+to each rank's peak resident memory, next to the closed forms.
+
+Plain DP builds its whole model on every rank: 4Ψ bytes in fp32. FSDP2 builds it on the
+meta device, shards it, and gives each rank its shards' values one parameter at a time:
+4Ψ/N plus, at the peak, one parameter's full value (the largest: the embedding) and the
+block it is cut from. Each rank is a fresh process (spawned, so nothing is inherited) on
+the CPU over gloo; the figure is the rise of its peak RSS (getrusage) across build_model.
+
+    python benchmarks/fsdp_startup_memory.py [--dp 2 4] [--num-layers 8 --hidden-size 1024]
+        [--vocab-size 8192]
+
+Peak RSS moves by tens of MiB between runs (allocator, gloo's threads), so the figures
+are measurements to read next to the closed forms, not checked against them.
+SMOKE=1 (benchmarks/smoke.py): 4 layers, hidden 512, vocabulary 1024, DP 2 only.
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megalite.arguments import parse_args  # noqa: E402
+from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
+from megalite.training import build_model  # noqa: E402
+from megalite.validation import validate_args  # noqa: E402
+from rank_setup import init_rank  # noqa: E402
+from smoke import shrink  # noqa: E402
+
+MiB = 2 ** 20
+
+
+def flags(args, fsdp: bool) -> list[str]:
+    return ["--mock-data", "--vocab-size", str(args.vocab_size),
+            "--num-layers", str(args.num_layers),
+            "--hidden-size", str(args.hidden_size), "--num-attention-heads", "4",
+            "--seq-length", "1024", "--micro-batch-size", "1", "--train-iters", "1",
+            "--lr", "1e-4", *(["--use-torch-fsdp2"] if fsdp else [])]
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def worker(rank, world, store, out, argv, fsdp):
+    init_rank(rank, world, store, "cpu")
+    args = argparse.Namespace(**json.loads(argv))
+    # A tiny model first: the imports and FSDP2's first allocations are not the model.
+    warm = argparse.Namespace(num_layers=1, hidden_size=64, vocab_size=128)
+    build_model(validate_args(parse_args(flags(warm, fsdp)), world),
+                ParallelState(RankGrid(world), rank), torch.device("cpu"), None)
+    config = validate_args(parse_args(flags(args, fsdp)), world)
+    before = peak_rss()
+    model = build_model(config, ParallelState(RankGrid(world), rank), torch.device("cpu"),
+                        None)
+    rise = peak_rss() - before
+    # Whole (TP-shard) numbers of elements: DTensor shapes are the unsharded ones.
+    sizes = [p.numel() for p in model.parameters()]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"rise": rise, "psi": sum(sizes), "largest": max(sizes)}, f)
+    dist.destroy_process_group()
+
+
+def launch(dp: int, args, fsdp: bool) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        # Spawned even under SMOKE: a forked rank's RSS counts the parent's pages it touches.
+        mp.start_processes(worker, nprocs=dp, start_method="spawn",
+                           args=(dp, os.path.join(tmp, "store"), out,
+                                 json.dumps(vars(args)), fsdp))
+        return [json.load(open(f"{out}.{r}")) for r in range(dp)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    args = shrink(parser.parse_args(), dp=[2], num_layers=4, hidden_size=512, vocab_size=1024)
+    print("| DP | Ψ | plain DP: rise, MiB | 4Ψ | FSDP2: rise, MiB (max over ranks) "
+          "| 4Ψ/N + 8·largest | FSDP2 / plain |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for dp in args.dp:
+        plain_ranks, fsdp_ranks = launch(dp, args, False), launch(dp, args, True)
+        psi, largest = plain_ranks[0]["psi"], plain_ranks[0]["largest"]
+        plain = max(r["rise"] for r in plain_ranks)
+        fsdp = max(r["rise"] for r in fsdp_ranks)
+        closed = 4 * psi / dp + 8 * largest  # shards + a full value and its block
+        print(f"| {dp} | {psi:,} | {plain / MiB:.1f} | {4 * psi / MiB:.1f} | "
+              f"{fsdp / MiB:.1f} | {closed / MiB:.1f} | {fsdp / plain:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
