@@ -57,8 +57,9 @@ def flags(seq: int, cp: int, comm: str) -> list[str]:
 def layer_saved_bytes(config, chunk) -> int:
     layer = chunk.decoder.layers["0"]
     own = {t.untyped_storage().data_ptr() for t in chunk.parameters()}
-    if chunk.rope_table is not None:
-        own.add(chunk.rope_table.untyped_storage().data_ptr())
+    rope_table = chunk.rope_table(torch.device("cpu"))
+    if rope_table is not None:
+        own.add(rope_table.untyped_storage().data_ptr())
     saved = {}
 
     def pack(t):
@@ -70,7 +71,7 @@ def layer_saved_bytes(config, chunk) -> int:
     x = torch.randn(m.seq_length // cp, config.training.micro_batch_size, m.hidden_size,
                     requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, chunk.rope_table)
+        layer(x, rope_table)
     return sum(saved.values())
 
 

@@ -237,7 +237,8 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
     m, b = config.model, config.training.micro_batch_size
     chunk.train()
     # The model's own tensors (RoPE's cached angles too) are not activations.
-    rotary = [chunk.rope_table] if getattr(chunk, "rope_table", None) is not None else []
+    rope_table = chunk.rope_table(CPU)
+    rotary = [rope_table] if rope_table is not None else []
     exclude = ptrs(list(chunk.parameters()) + list(chunk.buffers()) + rotary)
     saved = []
     g = torch.Generator().manual_seed(1)
@@ -351,7 +352,7 @@ def test_cuda_activations_match_allocated_memory(flags):
     groups = types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None, cp_group=None)
     chunk = build_model(config, groups, cuda, None)[0]
     chunk.train()
-    _ = chunk.rope_table  # the model's cached RoPE angles are not activations
+    _ = chunk.rope_table(cuda)  # the model's cached RoPE angles are not activations
     tokens = torch.randint(0, 32000, (2, 1024), device=cuda)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

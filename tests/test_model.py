@@ -148,9 +148,9 @@ def test_rope_table_stay_fp32_in_a_bf16_model():
                              position_embedding_type="rope", attention_dropout=0.1,
                              hidden_dropout=0.1)
     model = GPTModel(config, seed=0).to(torch.bfloat16)
-    table = model.rope_table
+    table = model.rope_table(torch.device("cpu"))
     angles = rotary_frequencies(4096, 8, config.rotary_base)
     assert table.dtype == angles.dtype == torch.float32
     assert torch.equal(table[:, 0], angles.cos()) and torch.equal(table[:, 1], angles.sin())
     assert angles[4001, 0] - angles[4000, 0] == 1.0  # distinct positions, distinct angles
-    assert model.rope_table is table  # computed once, read by every layer
+    assert model.rope_table(torch.device("cpu")) is table  # computed once, read by every layer

@@ -210,7 +210,7 @@ def test_attention_forks_the_rng_only_to_draw_dropout(dropout, forks):
     tracker = CountingTracker()
     model = GPTModel(config(attention_dropout=dropout), seed=0, rng_tracker=tracker)
     attention = model.decoder.layers["0"].self_attention
-    attention(torch.randn(16, 2, H), model.rope_table)
+    attention(torch.randn(16, 2, H), model.rope_table(torch.device("cpu")))
     assert tracker.forks == forks
 
 

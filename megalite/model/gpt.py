@@ -159,17 +159,16 @@ class GPTModel(nn.Module):
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
         initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
 
-    @property
-    def rope_table(self) -> torch.Tensor | None:
+    def rope_table(self, device: torch.device) -> torch.Tensor | None:
         """RoPE's cos/sin table [seq_length, 2, rotary dim] (rotary.rotary_table), computed
-        once on the parameters' device and read by every layer; under CP only the rows of
-        this rank's positions (context_split.local_positions). fp32, and not a buffer:
+        once on `device`, the activations' (not the parameters': FSDP2 with CPU offload
+        keeps their shards on the host), and read by every layer; under CP only the rows
+        of this rank's positions (context_split.local_positions). fp32, and not a buffer:
         .to(bfloat16) would round it, and bf16 angles of neighbouring positions above 256
         are equal."""
         c = self.config
         if c.position_embedding_type != "rope":
             return None
-        device = next(self.parameters()).device
         if self._rotary is None or self._rotary.device != device:
             self._rotary = rotary_table(rotary_frequencies(
                 c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base,
@@ -215,7 +214,7 @@ class GPTModel(nn.Module):
         last position only, [batch, 1, padded vocab] (no [seq, vocab] matrix for a prompt)."""
         offset = 0 if kv_cache is None else kv_cache.length
         x = self.embedding(inputs, offset) if self.pre_process else inputs
-        table = self.rope_table
+        table = self.rope_table(x.device)
         x = self.decoder(x, table if table is None else table[offset:], kv_cache)
         if not self.post_process:
             return x

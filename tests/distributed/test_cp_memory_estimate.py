@@ -37,8 +37,9 @@ def saved_bytes(config, chunk) -> int:
     """Distinct storages autograd saves in one forward; parameters and RoPE's table are
     the model's own, not activations."""
     own = {t.untyped_storage().data_ptr() for t in [*chunk.parameters(), *chunk.buffers()]}
-    if chunk.rope_table is not None:
-        own.add(chunk.rope_table.untyped_storage().data_ptr())
+    rope_table = chunk.rope_table(torch.device("cpu"))
+    if rope_table is not None:
+        own.add(rope_table.untyped_storage().data_ptr())
     saved = {}
 
     def pack(t):
