@@ -35,7 +35,7 @@ from megalite.model.gpt import build_model_chunks  # noqa: E402
 from megalite.optimizer.optimizer import Optimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
-from rank_setup import add_device_flag, describe, init_rank  # noqa: E402
+from rank_setup import add_device_flag, describe, init_rank, start_method  # noqa: E402
 from smoke import shrink  # noqa: E402
 
 SEQ, MICRO, HIDDEN, NUM_MICRO = 64, 2, 64, 8
@@ -81,8 +81,8 @@ def main():
             continue
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "bytes")
-            mp.spawn(worker, args=(pp, pp, v, os.path.join(tmp, "store"), out, device),
-                     nprocs=pp)
+            mp.start_processes(worker, nprocs=pp, start_method=start_method(device),
+                               args=(pp, pp, v, os.path.join(tmp, "store"), out, device))
             measured = int(open(out).read())
         closed = 2 * NUM_MICRO * (pp * v - 1) * SEQ * MICRO * HIDDEN * 4
         print(f"{pp:>2} {v:>2} {pp * v:>6} {measured:>15,} {closed:>15,} {measured / closed:>6.3f}")

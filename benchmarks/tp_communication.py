@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from rank_setup import start_method
 from smoke import shrink
 
 # torch >= 2.13 names the last two all_gather_single / reduce_scatter_single (the old names
@@ -160,7 +161,8 @@ def main():
           f"{args.batch * args.seq * args.hidden * 4:,d} bytes")
     for tp in args.tp:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_worker, args=(tp, args, os.path.join(tmp, "rendezvous"), tmp), nprocs=tp)
+            mp.start_processes(_worker, nprocs=tp, start_method=start_method("cpu"),
+                               args=(tp, args, os.path.join(tmp, "rendezvous"), tmp))
             per_rank = []
             for rank in range(tp):
                 with open(os.path.join(tmp, f"rank{rank}.json")) as f:
