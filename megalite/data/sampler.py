@@ -17,7 +17,6 @@ from typing import Dict, Iterator, List, Sequence
 import torch
 
 from megalite.context_split import shard_batch
-
 from megalite.errors import ConfigError
 
 

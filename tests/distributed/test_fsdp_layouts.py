@@ -2,9 +2,9 @@
 layouts against the single-process model (DESIGN.md §3, §6): the same per-step losses and
 grad norms for 6 steps, with gradient accumulation over micro-batches and clipping, and the
 same parameters after the last step; pretrain's model built on `meta` and initialised
-shard by shard, against the single-process initial values; optimizer CPU offload (FSDP2 and ZeRO-1) against the
-same reference; bf16 and fp16 FSDP2 against the ZeRO-1 run of the same precision; and the
-memory planner's FSDP2 bytes against the tensors of a step."""
+shard by shard, against the single-process initial values; optimizer CPU offload (FSDP2
+and ZeRO-1) against the same reference; bf16 and fp16 FSDP2 against the ZeRO-1 run of the
+same precision; and the memory planner's FSDP2 bytes against the tensors of a step."""
 
 import contextlib
 import dataclasses
