@@ -25,20 +25,23 @@ non-zero. SMOKE=1: sequences 64 and 128 against a 2 MiB budget (the CP ranks for
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import torch
 import torch.multiprocessing as mp
 
-import megalite.memory_estimate as me
-from megalite.arguments import parse_args
-from megalite.memory_estimate.activations import layer_activation_bytes
-from megalite.parallel_state import ParallelState, RankGrid
-from megalite.training import build_model
-from megalite.validation import validate_args
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.rank_setup import init_rank, start_method
-from smoke import shrink
+import megalite.memory_estimate as me  # noqa: E402
+from megalite.arguments import parse_args  # noqa: E402
+from megalite.memory_estimate.activations import layer_activation_bytes  # noqa: E402
+from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
+from megalite.training import build_model  # noqa: E402
+from megalite.validation import validate_args  # noqa: E402
+from rank_setup import init_rank, start_method  # noqa: E402
+from smoke import shrink  # noqa: E402
+from tests.helpers import saved_activation_bytes  # noqa: E402
 
 MiB = 2 ** 20
 MODEL = ["--mock-data", "--vocab-size", "512", "--num-layers", "1", "--hidden-size", "256",
@@ -55,24 +58,11 @@ def flags(seq: int, cp: int, comm: str) -> list[str]:
 
 
 def layer_saved_bytes(config, chunk) -> int:
-    layer = chunk.decoder.layers["0"]
-    own = {t.untyped_storage().data_ptr() for t in chunk.parameters()}
-    rope_table = chunk.rope_table(torch.device("cpu"))
-    if rope_table is not None:
-        own.add(rope_table.untyped_storage().data_ptr())
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
     m, cp = config.model, config.parallel.context_parallel_size
     x = torch.randn(m.seq_length // cp, config.training.micro_batch_size, m.hidden_size,
                     requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, rope_table)
-    return sum(saved.values())
+    return saved_activation_bytes(chunk, lambda: chunk.decoder.layers["0"](
+        x, chunk.rope_table(torch.device("cpu"))))
 
 
 def _worker(rank, cp, seq, comm, store, out):

@@ -61,9 +61,9 @@ def untracked() -> set[str]:
                          ids=[f"{p}:{i}" for p, i, _ in COMMANDS])
 def test_command_runs(page, command, tmp_path):
     before = untracked()
-    env = dict(os.environ, SMOKE="1", OUT=str(tmp_path / "out"), TMPDIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                        os.environ.get("PYTHONPATH")])))
+    # No PYTHONPATH: a reader runs the command in the checkout with megalite installed.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(SMOKE="1", OUT=str(tmp_path / "out"), TMPDIR=str(tmp_path))
     done = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     output = done.stdout[-6000:] + done.stderr[-4000:]

@@ -13,6 +13,7 @@ from megalite.training import build_model
 from megalite.validation import validate_args
 
 from tests.distributed.launcher import run_distributed
+from tests.helpers import saved_activation_bytes
 
 CP = 2
 FLAGS = ["--mock-data", "--vocab-size", "500", "--make-vocab-size-divisible-by", "64",
@@ -34,26 +35,15 @@ CASES = {
 
 
 def saved_bytes(config, chunk) -> int:
-    """Distinct storages autograd saves in one forward; parameters and RoPE's table are
-    the model's own, not activations."""
-    own = {t.untyped_storage().data_ptr() for t in [*chunk.parameters(), *chunk.buffers()]}
-    rope_table = chunk.rope_table(torch.device("cpu"))
-    if rope_table is not None:
-        own.add(rope_table.untyped_storage().data_ptr())
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
+    """What autograd saves in one forward of this CP rank's chunk of a micro-batch."""
     m = config.model
     tokens = torch.randint(0, m.vocab_size, (config.training.micro_batch_size,
                                              m.seq_length // CP))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+
+    def run():
         with autocast(config.precision, torch.device("cpu")):
             chunk(tokens, tokens)
-    return sum(saved.values())
+    return saved_activation_bytes(chunk, run)
 
 
 def measure(rank, world_size):
