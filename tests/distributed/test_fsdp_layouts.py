@@ -26,7 +26,6 @@ from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel.params import is_embedding_copy
 from megalite.memory_estimate.fsdp import fsdp_weights
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
@@ -34,7 +33,7 @@ from megalite.validation import pad_vocab_size, validate_args
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers import (BASE_FLAGS, gather_tensor_parallel, random_batches,
-                           tiny_gpt_config)
+                           reference_name, tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 6
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
@@ -106,11 +105,6 @@ def count_reduce_scatters(group):
         yield calls
     finally:
         dist.reduce_scatter_single = original
-
-
-def reference_name(name: str, param) -> str:
-    name = name.split(".", 1)[1]
-    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name
 
 
 @functools.cache
