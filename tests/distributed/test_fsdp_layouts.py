@@ -33,7 +33,7 @@ from megalite.validation import pad_vocab_size, validate_args
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers import (BASE_FLAGS, gather_tensor_parallel, random_batches,
-                           reference_name, tiny_gpt_config)
+                           reference_name, step_problems, tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 6
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
@@ -128,12 +128,7 @@ def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
     ref_steps, ref_params = single_process(tied)
     chunks = build_model_chunks(config, 9, state.pp_rank, pp, v, state.tp_group)
     steps = run(config, chunks, state, mode)
-    problems = []
-    last_stage = state.pp_rank == pp - 1
-    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps), start=1):
-        if (last_stage and abs(loss - ref_loss) > 1e-5 * ref_loss) or \
-                abs(norm - ref_norm) > 1e-5 * ref_norm:
-            problems.append(f"step {i}: loss {loss} vs {ref_loss}, norm {norm} vs {ref_norm}")
+    problems = step_problems(steps, ref_steps, state.pp_rank == pp - 1)
     for name, param in chunks.named_parameters():
         ref = ref_params[reference_name(name, param)].detach()
         full = gather_tensor_parallel(full_tensor(param.detach()), param, state.tp_group)
