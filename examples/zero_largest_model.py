@@ -10,7 +10,9 @@ batch 1 x 2048 tokens, full recompute (one layer's input kept per layer). Two gl
 batches: 8 sequences (one micro-batch per rank: no accumulation) and 512 (64 micro-batches
 per rank): FSDP2 then accumulates the gradients unsharded in fp32 until the last micro-
 batch reduce-scatters them (4 bytes per parameter per rank), so ZeRO-2/3 keep their
-advantage only with few micro-batches (or with TP/PP to cut the model first).
+advantage only with few micro-batches, with TP/PP to cut the model first, or with
+--fsdp-grad-reduce-every-micro-batch, which reduce-scatters every micro-batch's gradients
+into the shards (the "every micro-batch" rows).
 
     python examples/zero_largest_model.py [--gpu-memory-gib 80] [--host-memory-gib 224]
 
@@ -35,6 +37,11 @@ STRATEGIES = {"plain DP": [], "ZeRO-1": ["--use-distributed-optimizer"],
               "ZeRO-2 (FSDP2)": ["--use-torch-fsdp2", "--data-parallel-sharding-strategy",
                                  "optim_grads"],
               "ZeRO-3 (FSDP2)": ["--use-torch-fsdp2"],
+              "ZeRO-2, every micro-batch": ["--use-torch-fsdp2", "--data-parallel-sharding-"
+                                            "strategy", "optim_grads",
+                                            "--fsdp-grad-reduce-every-micro-batch"],
+              "ZeRO-3, every micro-batch": ["--use-torch-fsdp2",
+                                            "--fsdp-grad-reduce-every-micro-batch"],
               "ZeRO-3 + offload": ["--use-torch-fsdp2", "--optimizer-cpu-offload"]}
 
 

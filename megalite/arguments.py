@@ -147,6 +147,13 @@ def _add_fsdp_args(parser):
                    choices=["optim_grads", "optim_grads_params"],
                    help="With --use-torch-fsdp2: optim_grads = ZeRO-2 (parameters kept "
                         "gathered from forward to backward), optim_grads_params = ZeRO-3.")
+    g.add_argument("--fsdp-grad-reduce-every-micro-batch", action="store_true",
+                   help="With --use-torch-fsdp2 and several micro-batches per step: reduce-"
+                        "scatter the gradients after every micro-batch's backward into the "
+                        "sharded gradients (as Megatron-FSDP does), so no rank holds its "
+                        "model's whole gradients; m reduce-scatters per step for m micro-"
+                        "batches. Default: gradients accumulated unsharded, reduced once after "
+                        "the last micro-batch (megalite's option, beyond Megatron).")
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="fp32 main parameters and Adam moments in host memory, the optimizer "
                         "step on the host: with --use-torch-fsdp2 or "

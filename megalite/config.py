@@ -50,6 +50,9 @@ class ParallelConfig:
     optimizer_cpu_offload: bool = False
     """fp32 main parameters, Adam moments and the step on the host
     (--optimizer-cpu-offload)."""
+    fsdp_grad_reduce_every_micro_batch: bool = False
+    """FSDP2: reduce-scatter gradients after every micro-batch into the shards, not once
+    per step after accumulating them unsharded (--fsdp-grad-reduce-every-micro-batch)."""
 
     @property
     def data_context_parallel_size(self) -> int:

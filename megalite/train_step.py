@@ -57,19 +57,23 @@ class StepRunner:
     samples, a CP rank's chunks of them). `grad_buffer` holds the gradients and sums them
     over the data x context group (needed when DP x CP > 1). `timers` times the step's
     phases (monitoring/timers.py). `pipeline_schedule` is --pipeline-schedule
-    (schedules.SCHEDULES).
+    (schedules.SCHEDULES). FSDP2 chunks reduce-scatter their gradients in the last
+    micro-batch's backward, or in every one with `fsdp_reduce_every_micro_batch`
+    (--fsdp-grad-reduce-every-micro-batch).
     """
 
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
                  num_microbatches: int, activation_shape: tuple[int, ...],
                  device: torch.device, state: ParallelState | None = None,
                  grad_buffer: GradBuffer | None = None, check_for_nan: bool = False,
-                 timers: Timers = NO_TIMERS, pipeline_schedule: str = "1f1b"):
+                 timers: Timers = NO_TIMERS, pipeline_schedule: str = "1f1b",
+                 fsdp_reduce_every_micro_batch: bool = False):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
         self.check_for_nan = check_for_nan
         self.timers = timers
         self.num_microbatches, self.device = num_microbatches, device
         self.fsdp = is_fully_sharded(chunks)
+        self.fsdp_defer_grad_reduce = self.fsdp and not fsdp_reduce_every_micro_batch
         if grad_buffer is None and state is not None and state.dp_cp_size > 1 and not self.fsdp:
             raise ValueError("data and context parallelism need a GradBuffer (or FSDP) to "
                              "reduce the gradients")
@@ -108,7 +112,8 @@ class StepRunner:
             loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
                                 self.optimizer.scale_loss, self._autocast, timers=timers,
-                                before_backward=self._before_backward if self.fsdp else None)
+                                before_backward=self._before_backward
+                                if self.fsdp_defer_grad_reduce else None)
         with timers("all-grads-sync"):
             self.finalize_grads()
         check = (lambda squares: self._stop_on_nonfinite(loss, squares)) \

@@ -150,14 +150,15 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     model = build_model(config, state, device, rng_tracker)
     optimizer, grad_buffer = build_optimizer(model, config, state)
     monitor = Monitor(config, state, device, model, optimizer)
-    t, m = config.training, config.model
+    t, m, par = config.training, config.model, config.parallel
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
                         activation_shape(m, t.micro_batch_size, state.tp_size, state.cp_size),
                         device, state,
                         grad_buffer,
                         check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16,
                         timers=monitor.timers,
-                        pipeline_schedule=config.parallel.pipeline_schedule)
+                        pipeline_schedule=par.pipeline_schedule,
+                        fsdp_reduce_every_micro_batch=par.fsdp_grad_reduce_every_micro_batch)
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
     if config.checkpoint.load is not None:

@@ -1,5 +1,5 @@
-"""--use-torch-fsdp2, --data-parallel-sharding-strategy and --optimizer-cpu-offload: what
-they configure, and the combinations refused up front."""
+"""--use-torch-fsdp2, --data-parallel-sharding-strategy, --fsdp-grad-reduce-every-micro-batch
+and --optimizer-cpu-offload: what they configure, and the combinations refused up front."""
 
 import pytest
 
@@ -19,6 +19,9 @@ def test_fsdp_defaults_to_zero3_and_shards_the_optimizer():
     c = config("--use-torch-fsdp2")
     assert c.parallel.use_torch_fsdp2 and not c.parallel.optimizer_cpu_offload
     assert c.parallel.data_parallel_sharding_strategy == "optim_grads_params"
+    assert not c.parallel.fsdp_grad_reduce_every_micro_batch
+    assert config("--use-torch-fsdp2", "--fsdp-grad-reduce-every-micro-batch").parallel \
+        .fsdp_grad_reduce_every_micro_batch
     assert c.optimizer_kind is OptimizerKind.FULLY_SHARDED and c.optimizer_kind.sharded
     zero2 = config("--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads",
                    "--optimizer-cpu-offload", "--bf16")
@@ -43,6 +46,9 @@ def test_fsdp_defaults_to_zero3_and_shards_the_optimizer():
     # A deferred W pass runs after FSDP2 has reduce-scattered the layer's gradients.
     (["--use-torch-fsdp2", "--pipeline-schedule", "zb-h1"],
      ["--pipeline-schedule zb-h1", "--use-torch-fsdp2"]),
+    # Plain DP and ZeRO-1 have no per-micro-batch reduce-scatter to turn on.
+    (["--use-distributed-optimizer", "--fsdp-grad-reduce-every-micro-batch"],
+     ["--fsdp-grad-reduce-every-micro-batch", "--use-torch-fsdp2"]),
     # No parameter is replicated over DP under FSDP2.
     (["--use-torch-fsdp2", "--check-weight-hash-across-dp-replicas-interval", "5"],
      ["--check-weight-hash-across-dp-replicas-interval", "--use-torch-fsdp2"]),

@@ -109,7 +109,9 @@ def _sharding(config: Config) -> str:
     p = config.parallel
     if p.use_torch_fsdp2:
         zero = "ZeRO-3" if p.data_parallel_sharding_strategy == "optim_grads_params" else "ZeRO-2"
-        text = f"FSDP2 {zero} ({p.data_parallel_sharding_strategy})"
+        text = f"FSDP2 {zero} ({p.data_parallel_sharding_strategy}), gradients reduce-" + \
+            ("scattered every micro-batch" if p.fsdp_grad_reduce_every_micro_batch
+             else "scattered after the last micro-batch")
     else:
         text = f"ZeRO-1 {'on' if p.use_distributed_optimizer else 'off'}"
     return text + ("; optimizer state offloaded to the host" if p.optimizer_cpu_offload else "")

@@ -19,10 +19,16 @@ The sharded fp32 parameters are the optimizer's main copy (optimizer/fsdp_optimi
 with --bf16/--fp16 FSDP's MixedPrecisionPolicy gathers them in half precision for compute
 and reduces gradients in fp32 under --accumulate-allreduce-grads-in-fp32 (no separate fp32
 main copy exists). Gradients are summed over DP, not averaged (the loss is already divided
-by the global batch's token count, see train_step.py), and only after the last micro-batch
-(`set_requires_gradient_sync`). A tied embedding used on the same stage as the output layer
-stays in the chunk's own unit (gathered for the whole forward of the chunk): as its own unit
-it would be resharded after the embedding lookup, before the output layer reads it.
+by the global batch's token count, see train_step.py). With m micro-batches per step they
+are accumulated unsharded and reduce-scattered once, after the last micro-batch
+(`set_requires_gradient_sync`): P gradient elements per rank, one reduce-scatter per
+step. With --fsdp-grad-reduce-every-micro-batch each unit reduce-scatters after every
+micro-batch's backward and FSDP2 adds the result into the sharded gradients (Megatron-
+FSDP's way): a rank holds unsharded only the gradients of the unit whose backward runs,
+for m reduce-scatters per step. A tied embedding used on
+the same stage as the output layer stays in the chunk's own unit (gathered for the whole
+forward of the chunk): as its own unit it would be resharded after the embedding lookup,
+before the output layer reads it.
 """
 
 import contextlib

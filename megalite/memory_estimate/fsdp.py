@@ -10,7 +10,8 @@ ZeRO paper's P_os+g+p total, held as 4+4+8. On top, at the peak of the step:
   gathered for the whole forward, and in backward the unit running and the one FSDP2
   prefetches: the root plus the two largest units;
 - with more than one micro-batch per step, the gradients accumulated unsharded (in the
-  reduction dtype) until the last micro-batch reduce-scatters them: P elements.
+  reduction dtype) until the last micro-batch reduce-scatters them: P elements (none under
+  --fsdp-grad-reduce-every-micro-batch, which reduce-scatters each into the shards).
 Offload moves the shards (parameters, gradients, moments) to the host; the gathered
 parameters and accumulated gradients stay on the GPU.
 """
@@ -54,7 +55,9 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
     else:
         gathered = num
     rbytes = 4 if par.accumulate_allreduce_grads_in_fp32 else pbytes
-    accumulated = rbytes * num if config.training.num_microbatches > 1 else 0
+    deferred = config.training.num_microbatches > 1 and \
+        not par.fsdp_grad_reduce_every_micro_batch
+    accumulated = rbytes * num if deferred else 0
     host = 16 * shard if par.optimizer_cpu_offload else 0
     on_gpu = 0 if par.optimizer_cpu_offload else 1
     return dict(num_parameters=num, parameters=pbytes * gathered + on_gpu * 4 * shard,

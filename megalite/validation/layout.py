@@ -18,7 +18,7 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
     cp = _validate_context_parallel(args)
     dp = RankGrid(world_size, tp, pp, cp).data_parallel_size
     check_positive(args, "ddp_bucket_size")
-    fsdp, strategy, offload = _validate_fsdp(args)
+    fsdp_fields = _validate_fsdp(args)
     if args.overlap_param_gather and not (args.use_distributed_optimizer
                                           and args.overlap_grad_reduce):
         # As in Megatron: only ZeRO-1 gathers parameters, and the overlap of the gather
@@ -33,8 +33,7 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
     return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp, args.use_distributed_optimizer,
                           args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce,
                           args.overlap_param_gather, fp32_grads, context_parallel_size=cp,
-                          use_torch_fsdp2=fsdp, data_parallel_sharding_strategy=strategy,
-                          optimizer_cpu_offload=offload)
+                          **fsdp_fields)
 
 
 def _validate_context_parallel(args) -> int:
@@ -74,8 +73,8 @@ def validate_pipeline_schedule(args, parallel: ParallelConfig,
     return dataclasses.replace(parallel, pipeline_schedule=schedule)
 
 
-def _validate_fsdp(args) -> tuple[bool, str, bool]:
-    """(use_torch_fsdp2, data_parallel_sharding_strategy, optimizer_cpu_offload)."""
+def _validate_fsdp(args) -> dict:
+    """ParallelConfig's FSDP2 and offload fields."""
     fsdp, strategy = args.use_torch_fsdp2, args.data_parallel_sharding_strategy
     offload = args.optimizer_cpu_offload
     if fsdp and args.use_distributed_optimizer:
@@ -104,7 +103,14 @@ def _validate_fsdp(args) -> tuple[bool, str, bool]:
     if offload and not (fsdp or args.use_distributed_optimizer):
         raise ConfigError("--optimizer-cpu-offload needs --use-torch-fsdp2 or "
                           "--use-distributed-optimizer (got neither)")
-    return fsdp, strategy, offload
+    every_micro_batch = args.fsdp_grad_reduce_every_micro_batch
+    if every_micro_batch and not fsdp:
+        raise ConfigError("--fsdp-grad-reduce-every-micro-batch needs --use-torch-fsdp2 "
+                          "(plain DP and ZeRO-1 reduce once per step, after the last "
+                          "micro-batch)")
+    return dict(use_torch_fsdp2=fsdp, data_parallel_sharding_strategy=strategy,
+                optimizer_cpu_offload=offload,
+                fsdp_grad_reduce_every_micro_batch=every_micro_batch)
 
 
 def _virtual_stages(args, pp: int) -> int | None:

@@ -41,13 +41,16 @@ BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
                        position_embedding_type="rope", swiglu=True, normalization="RMSNorm")
 OPTIMIZER = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.5)
 # (TP, PP, virtual stages, DP, mode, tied): mode is the sharding strategy (ZeRO-2/3),
-# optionally with "+offload" (--optimizer-cpu-offload) or "+recompute" (full recompute);
-# "zero1+offload" is ZeRO-1 with its owned shard on the host. World size TP x PP x DP.
+# optionally with "+offload" (--optimizer-cpu-offload), "+recompute" (full recompute) or
+# "+every" (--fsdp-grad-reduce-every-micro-batch); "zero1+offload" is ZeRO-1 with its owned
+# shard on the host. World size TP x PP x DP.
 LAYOUTS = {2: [(1, 1, 1, 2, ZERO3, True), (1, 1, 1, 2, ZERO2, False),
-               (1, 1, 1, 2, ZERO3 + "+offload", False), (1, 1, 1, 2, "zero1+offload", True)],
+               (1, 1, 1, 2, ZERO3 + "+offload", False), (1, 1, 1, 2, "zero1+offload", True),
+               (1, 1, 1, 2, ZERO2 + "+every", True)],
            4: [(1, 1, 1, 4, ZERO3, False), (1, 1, 1, 4, ZERO2, True),
                (2, 1, 1, 2, ZERO3, False), (2, 1, 1, 2, ZERO2 + "+recompute", True),
-               (1, 2, 2, 2, ZERO3, True), (1, 2, 2, 2, ZERO2, True)]}
+               (1, 2, 2, 2, ZERO3, True), (1, 2, 2, 2, ZERO2, True),
+               (1, 2, 2, 2, ZERO3 + "+every", True)]}
 
 
 
@@ -72,8 +75,10 @@ def run(config, chunks, state, mode=ZERO3):
     optimizer, grad_buffer = layout_optimizer(chunks, state, mode)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
     shape = activation_shape(config, MICRO, state.tp_size if state else 1)
+    every = mode.endswith("+every")
     runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
-                        torch.device("cpu"), state, grad_buffer)
+                        torch.device("cpu"), state, grad_buffer,
+                        fsdp_reduce_every_micro_batch=every)
     generator = torch.Generator().manual_seed(3)
     steps = []
     for _ in range(STEPS):
@@ -81,13 +86,26 @@ def run(config, chunks, state, mode=ZERO3):
             result = runner.train_step(random_batches(generator, VOCAB, MICRO, SEQ,
                                                       NUM_MICRO, state))
         steps.append((result.loss, result.grad_norm))
-        units = sum(isinstance(m, FSDPModule) for m in chunks.modules())
-        if isinstance(optimizer, FullyShardedOptimizer) and not 0 < len(calls) <= units:
-            # Accumulation without communication: at most one reduce-scatter per FSDP
-            # unit per step, however many micro-batches (2 per rank here).
-            raise AssertionError(f"{len(calls)} reduce-scatters in a step of {units} units")
+        # One reduce-scatter per FSDP unit that owns parameters, per step (accumulation
+        # without communication) or, with "+every", per micro-batch (2 per rank here).
+        expected = owning_units(chunks) * (num_micro if every else 1)
+        if isinstance(optimizer, FullyShardedOptimizer) and len(calls) != expected:
+            raise AssertionError(f"{len(calls)} reduce-scatters in a step, expected "
+                                 f"{expected}")
     optimizer.finish_param_gather()
     return steps
+
+
+def owning_units(chunks) -> int:
+    """FSDP units holding parameters of their own (not only nested units'): each reduce-
+    scatters its gradients once per backward in which it syncs."""
+    units = [m for m in chunks.modules() if isinstance(m, FSDPModule)]
+    count = 0
+    for unit in units:
+        nested = {id(p) for inner in unit.modules() if inner is not unit and inner in units
+                  for p in inner.parameters()}
+        count += any(id(p) not in nested for p in unit.parameters())
+    return count
 
 
 @contextlib.contextmanager
