@@ -11,7 +11,9 @@ Bytes are counted from the tensors themselves after a real training step
 (params column, 4 B), the gradient shards fp32 (4 B), the optimizer column Adam's moments
 (8 B): 16Ψ/N, the paper's ZeRO-3 total. "gathered" is the most bf16 compute parameters
 alive at once during the step (transient; the planner's count beside it), "host"
-what --optimizer-cpu-offload keeps in host memory (on the CPU, the same memory).
+what --optimizer-cpu-offload keeps in host memory (on the CPU, the same memory). The
+largest FSDP2 reduction (a unit's bf16 gradients and the reduce-scatter input they are
+copied into, both alive during the copy) is checked against the planner's, not printed.
 
 Data-parallel traffic is counted at the collectives (every all-reduce, reduce-scatter and
 all-gather of more than one element; the scalar loss, token-count and norm reductions
@@ -135,16 +137,33 @@ def track_gathered(chunks, peak: dict):
     dist.all_gather_single = gathering
 
 
+def track_reduction(peak: dict):
+    """Record the most bytes of one FSDP2 reduction: the unit's unsharded gradients and the
+    reduce-scatter input they are copied into, both alive during the copy (FSDP2 frees the
+    gradients after it). Wraps FSDP2's copy-in function (private, torch 2.13: a
+    measurement, not a dependency)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    original = _fsdp_collectives.foreach_reduce_scatter_copy_in
+
+    def copy_in(unsharded_grads, reduce_scatter_input, *args, **kwargs):
+        alive = sum(g.numel() * g.element_size() for g in unsharded_grads) + \
+            reduce_scatter_input.numel() * reduce_scatter_input.element_size()
+        peak["bytes"] = max(peak["bytes"], alive)
+        return original(unsharded_grads, reduce_scatter_input, *args, **kwargs)
+    _fsdp_collectives.foreach_reduce_scatter_copy_in = copy_in
+
+
 def worker(rank, world, mode, store, out, device_type):
     device = init_rank(rank, world, store, device_type)
     state = ParallelState(RankGrid(world), rank)
     chunks, optimizer, grad_buffer = build(mode, state, device)
     runner = StepRunner(chunks, optimizer, PrecisionConfig(bf16=True), 1, (64, 2, 128), device,
                         state, grad_buffer)
-    counter, peak = {"bytes": 0.0}, {"bytes": 0}
+    counter, peak, reduction = {"bytes": 0.0}, {"bytes": 0}, {"bytes": 0}
     fsdp = grad_buffer is None
     if fsdp:
         track_gathered(chunks, peak)
+        track_reduction(reduction)
     count_collectives(counter, world)
     batch = {"tokens": torch.randint(0, 1024, (2, 64), device=device),
              "labels": torch.randint(0, 1024, (2, 64), device=device),
@@ -163,7 +182,8 @@ def worker(rank, world, mode, store, out, device_type):
         grad_bytes = sum(b.flat.numel() * b.flat.element_size() for b in grad_buffer.buckets)
         optim_bytes = optimizer.optimizer_state_bytes()
     on_host = mode.endswith("offload")
-    row = [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], counter["bytes"], on_host]
+    row = [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], counter["bytes"], on_host,
+           reduction["bytes"]]
     torch.save(row, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -199,6 +219,9 @@ def check_row(dp: int, mode: str, psi: int, measured: dict):
     if dp > 1:
         check(row, "gathered bytes against planned", measured["planned gathered"],
               measured["gathered"])
+        if measured["planned reducing"] is not None:
+            check(row, "reduction bytes against planned", measured["planned reducing"],
+                  measured["reducing"])
         check(row, "DP bytes/step against closed form", measured["closed"], measured["traffic"])
         check(row, "DP bytes/step x plain", 1.5 if mode.startswith("zero3") else 1.0,
               measured["traffic"] / measured["plain traffic"])
@@ -230,13 +253,15 @@ def main():
                 out = os.path.join(tmp, "row")
                 mp.start_processes(worker, nprocs=dp, start_method=start_method(device),
                                    args=(dp, mode, os.path.join(tmp, "store"), out, device))
-                psi, params, grads, optim, gathered, traffic, on_host = torch.load(f"{out}.0")
+                psi, params, grads, optim, gathered, traffic, on_host, reducing = \
+                    torch.load(f"{out}.0")
             plan = planner(mode, dp)
             host = params + grads + optim if on_host else 0
             total = params + grads + optim
-            # The planner's persistent bytes (GPU + host), less the transient gathers.
+            # The planner's persistent bytes (GPU + host), less the transient gathers and
+            # reduction.
             planned = plan["parameters"] + plan["gradients"] + plan["optimizer_state"] + \
-                plan.get("host", 0) - plan.get("gathered", 0)
+                plan.get("host", 0) - plan.get("gathered", 0) - plan.get("reducing", 0)
             closed = closed_traffic(mode, dp, 2 * psi)
             plain_traffic = traffic if mode == "plain" else plain_traffic
             ratio = f"{traffic / closed:5.3f}" if closed else "  -  "
@@ -248,6 +273,8 @@ def main():
                   f"{traffic / mib:11.3f} {closed / mib:7.3f} {ratio} {vs}")
             check_row(dp, mode, psi, {"total": total, "planned": planned, "gathered": gathered,
                                       "planned gathered": plan.get("gathered", 0),
+                                      "reducing": reducing,
+                                      "planned reducing": plan.get("reducing"),
                                       "traffic": traffic, "closed": closed,
                                       "plain traffic": plain_traffic})
     print(f"Ψ = {psi:,} parameters")

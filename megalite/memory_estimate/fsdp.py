@@ -11,9 +11,15 @@ ZeRO paper's P_os+g+p total, held as 4+4+8. On top, at the peak of the step:
   prefetches: the root plus the two largest units;
 - with more than one micro-batch per step, the gradients accumulated unsharded (in the
   reduction dtype) until the last micro-batch reduce-scatters them: P elements (none under
-  --fsdp-grad-reduce-every-micro-batch, which reduce-scatters each into the shards).
+  --fsdp-grad-reduce-every-micro-batch, which reduce-scatters each into the shards);
+- the reduction of one unit: FSDP2 copies the unit's unsharded gradients into one
+  reduce-scatter input in the reduction dtype (each parameter's rows padded to a multiple
+  of N) and frees the gradients only after that copy, so at that moment both exist, for
+  the largest unit: u (parameters' dtype) + u_padded (reduction dtype). Accumulating
+  unsharded, the copy reads the accumulated gradients (counted above) and a micro-batch's
+  new gradients are added into them: the larger of u and u_padded alone.
 Offload moves the shards (parameters, gradients, moments) to the host; the gathered
-parameters and accumulated gradients stay on the GPU.
+parameters, accumulated gradients and the reduction stay on the GPU.
 """
 
 import torch
@@ -32,7 +38,9 @@ def _shard_numel(param, t: int, dp: int) -> int:
 
 
 def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
-    """weights.weights_and_optimizer's dict for --use-torch-fsdp2, plus "host" bytes."""
+    """weights.weights_and_optimizer's dict for --use-torch-fsdp2, plus bytes "host" (not
+    on the GPU), "gathered" (compute parameters) and "reducing" (one unit's reduction),
+    the transient parts of parameters and gradients."""
     par = config.parallel
     t, dp = par.tensor_model_parallel_size, par.data_parallel_size
     with torch.device("meta"):
@@ -45,21 +53,31 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
     params = list(chunks.parameters())
     num = local(params)
     shard = sum(_shard_numel(q, t, dp) for q in params)
+    units = [_unit_parameters(chunk) for chunk in chunks]  # per chunk: root first
     if par.data_parallel_sharding_strategy == ZERO3:
-        gathered = 0
-        for chunk in chunks:
-            units = fsdp_units(chunk)
-            in_units = {id(q) for u in units for q in u.parameters()}
-            root = local(q for q in chunk.parameters() if id(q) not in in_units)
-            gathered += root + sum(sorted(local(u.parameters()) for u in units)[-2:])
+        gathered = sum(local(root) + sum(sorted(local(u) for u in rest)[-2:])
+                       for root, *rest in units)
     else:
         gathered = num
     rbytes = 4 if par.accumulate_allreduce_grads_in_fp32 else pbytes
     deferred = config.training.num_microbatches > 1 and \
         not par.fsdp_grad_reduce_every_micro_batch
     accumulated = rbytes * num if deferred else 0
+    # The reduction of the largest unit (module docstring).
+    sizes = [(pbytes * local(u), rbytes * dp * sum(_shard_numel(q, t, dp) for q in u))
+             for chunk_units in units for u in chunk_units]
+    reducing = max(max(pair) if deferred else sum(pair) for pair in sizes)
     host = 16 * shard if par.optimizer_cpu_offload else 0
     on_gpu = 0 if par.optimizer_cpu_offload else 1
     return dict(num_parameters=num, parameters=pbytes * gathered + on_gpu * 4 * shard,
-                gradients=accumulated + on_gpu * 4 * shard, optimizer_state=on_gpu * 8 * shard,
-                main_grads=0, host=host, gathered=pbytes * gathered)
+                gradients=accumulated + reducing + on_gpu * 4 * shard,
+                optimizer_state=on_gpu * 8 * shard, main_grads=0, host=host,
+                gathered=pbytes * gathered, reducing=reducing)
+
+
+def _unit_parameters(chunk) -> list[list]:
+    """The parameters of each FSDP unit of a chunk: the root's own first, then
+    fsdp_units' in forward order."""
+    units = [list(u.parameters()) for u in fsdp_units(chunk)]
+    in_units = {id(q) for u in units for q in u}
+    return [[q for q in chunk.parameters() if id(q) not in in_units], *units]

@@ -302,9 +302,12 @@ def planner_against_tensors(rank, world_size) -> dict[str, list[str]]:
                     "gradients": sum(p.grad.to_local().numel() * 4 for p in params),
                     "optimizer_state": optimizer.optimizer_state_bytes() - shards}
         plan = me.estimate_rank_memory(config, 0, "cpu")
-        gathered = fsdp_weights(config, 0, 2)["gathered"]
-        # The planner's parameters include the gathered compute copies (transient).
-        planned = {"parameters": plan.parameters - gathered, "gradients": plan.gradients,
+        transient = fsdp_weights(config, 0, 2)
+        gathered = transient["gathered"]
+        # The planner's parameters include the gathered compute copies, its gradients
+        # one unit's reduction (both transient).
+        planned = {"parameters": plan.parameters - gathered,
+                   "gradients": plan.gradients - transient["reducing"],
                    "optimizer_state": plan.optimizer_state}
         if extra == ["--optimizer-cpu-offload"]:
             planned, measured = {"host": plan.host}, {"host": sum(measured.values())}
