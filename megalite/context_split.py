@@ -1,4 +1,4 @@
-"""Context parallelism's load-balanced split of each sequence (DESIGN.md §10).
+"""Context parallelism's load-balanced split of each sequence (docs/design.md §10).
 
 A sequence of s tokens is cut into 2 x CP chunks of s / (2 CP); CP rank i holds chunks i
 and 2 CP - 1 - i (megalite.context_parallel.load_balanced_chunks), so under the causal

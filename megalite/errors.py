@@ -1,4 +1,4 @@
-"""Errors users see (DESIGN.md §9).
+"""Errors users see (docs/design.md §9).
 
 Each names the thing that is wrong (flag, file, rank, iteration) with the expected and
 actual values. Entry points catch `MegaliteError`, print its message and exit non-zero,

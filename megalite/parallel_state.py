@@ -1,4 +1,4 @@
-"""The rank grid (DESIGN.md §2) and its process groups, as one object passed down.
+"""The rank grid (docs/design.md §2) and its process groups, as one object passed down.
 
 Ranks are laid out TP fastest, then CP (context parallel), then DP, then PP (Megatron's
 order):

@@ -3,7 +3,7 @@
 A step runs this rank's pipeline schedule over its micro-batches (plain gradient
 accumulation without pipelining), finalises the gradients (the all-reduces that make
 every parameter's gradient the sum over all the places it was used), and takes one
-optimizer step. The loss is the token-weighted mean over the global batch (DESIGN.md §3):
+optimizer step. The loss is the token-weighted mean over the global batch (docs/design.md §3):
 each micro-batch's summed token losses are divided by the global batch's loss-token
 count, so the split into micro-batches and stages cannot change it.
 """

@@ -1,6 +1,6 @@
 """Checkpoints in one process, end to end through pretrain_gpt.py: exact resume (in a new
 process, with dropout), a crash in the middle of a save, retention, refused trackers,
-models and pickles, signals and the exit duration (DESIGN.md §8)."""
+models and pickles, signals and the exit duration (docs/design.md §8)."""
 
 import os
 import signal

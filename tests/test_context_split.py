@@ -1,4 +1,4 @@
-"""The load-balanced split of a sequence over context-parallel ranks (DESIGN.md §10),
+"""The load-balanced split of a sequence over context-parallel ranks (docs/design.md §10),
 against its closed form: CP rank i holds chunks i and 2 CP - 1 - i of 2 CP."""
 
 import pytest

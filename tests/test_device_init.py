@@ -1,4 +1,4 @@
-"""The model is built where it will live (DESIGN.md §3): on the target device, in the target
+"""The model is built where it will live (docs/design.md §3): on the target device, in the target
 dtype, never first as a whole fp32 copy on the host. Checked by recording every tensor an
 operator creates while the model is built."""
 

@@ -1,4 +1,4 @@
-"""Pipeline schedules without communication (DESIGN.md §5, issue 5).
+"""Pipeline schedules without communication (docs/design.md §5, issue 5).
 
 Every schedule is checked for coverage (each microbatch-chunk forward once, backward once,
 backward after forward), against orders written out by hand from the paper's rules, and

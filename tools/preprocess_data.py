@@ -1,4 +1,4 @@
-"""Tokenize a JSONL corpus into Megatron's indexed-dataset format (.bin/.idx, DESIGN.md §7).
+"""Tokenize a JSONL corpus into Megatron's indexed-dataset format (.bin/.idx, docs/design.md §7).
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model \\

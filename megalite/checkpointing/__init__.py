@@ -1,4 +1,4 @@
-"""Sharded checkpoints (DESIGN.md §8): storage.py makes directories visible atomically and
+"""Sharded checkpoints (docs/design.md §8): storage.py makes directories visible atomically and
 validates what it reads; saving.py writes each rank's shards; loading.py reads them back
 at any layout."""
 

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: what each rank writes and reads, at any layout (DESIGN.md §8).
+"""Sharded checkpoints: what each rank writes and reads, at any layout (docs/design.md §8).
 
 Files of `iter_0000100/` (made visible atomically by storage.py):
   model_tp{t}_pp{p}.pt      DP and CP rank 0 of each (TP, PP) pair: {"params": name -> this TP

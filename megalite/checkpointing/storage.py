@@ -1,4 +1,4 @@
-"""Where checkpoint files live and how they become visible (DESIGN.md §8).
+"""Where checkpoint files live and how they become visible (docs/design.md §8).
 
 Layout: `<save>/iter_0000100/` holds one file per shard plus `metadata.json`;
 `<save>/latest_checkpointed_iteration.txt` names the checkpoint to resume from. This module

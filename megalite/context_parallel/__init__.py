@@ -1,4 +1,4 @@
-"""Context parallelism: attention across the CP group (DESIGN.md §10).
+"""Context parallelism: attention across the CP group (docs/design.md §10).
 
 Each sequence is cut into 2·CP chunks and CP rank i holds chunks i and 2·CP-1-i
 (`load_balanced_chunks`); `context_parallel_attention` computes causal attention over the whole

@@ -13,7 +13,7 @@ chunks; that leaves 2·CP+1 pairs of c x c scores on every rank, in three cases:
   r comes before both, fully masked, skipped.
 While a block is computed the next K/V block is already on its way (one batch_isend_irecv:
 send to the next rank, receive from the previous, the order every rank agrees on, as NCCL
-needs; DESIGN.md §11). Partial outputs merge by their log-sum-exp (blocks.py).
+needs; docs/design.md §11). Partial outputs merge by their log-sum-exp (blocks.py).
 
 Backward walks the same ring: each rank recomputes its blocks from the saved q, k, v, out,
 lse (blocks.block_backward), adds the block's dK/dV to the accumulator that arrived with it

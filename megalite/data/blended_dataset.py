@@ -1,4 +1,4 @@
-"""Blending several datasets by weight (`--data-path w1 p1 w2 p2 ...`, DESIGN.md §7).
+"""Blending several datasets by weight (`--data-path w1 p1 w2 p2 ...`, docs/design.md §7).
 
 Sample i of the blend comes from the dataset furthest below its share so far: Megatron's
 greedy rule, `argmax_j(weight_j * max(i, 1) - count_j)`, ties to the lowest j (its C++

@@ -1,4 +1,4 @@
-"""GPT pretraining samples cut from an indexed dataset (DESIGN.md §7), Megatron-core style.
+"""GPT pretraining samples cut from an indexed dataset (docs/design.md §7), Megatron-core style.
 
 The documents of one split are repeated for as many epochs as `num_samples` needs, their
 order shuffled, and the resulting token stream cut into samples of `seq_length + 1` tokens

@@ -1,6 +1,6 @@
 """Megatron-compatible indexed dataset: a `.bin` of token ids and an `.idx` that locates them.
 
-Byte layout (DESIGN.md §7), identical to Megatron-LM's `MMapIndexedDataset`:
+Byte layout (docs/design.md §7), identical to Megatron-LM's `MMapIndexedDataset`:
 
     .bin  token ids of every sequence back to back, no header
     .idx  little-endian:

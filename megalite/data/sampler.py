@@ -1,4 +1,4 @@
-"""Which samples each data-parallel rank reads, step by step (DESIGN.md §3).
+"""Which samples each data-parallel rank reads, step by step (docs/design.md §3).
 
 Global batch b is samples [b*G, (b+1)*G) of the dataset, whatever the data-parallel size:
 DP rank r takes the contiguous slice [r*G/dp, (r+1)*G/dp) of it and cuts that into

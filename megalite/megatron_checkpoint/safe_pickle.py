@@ -1,4 +1,4 @@
-"""Reading Megatron's pickles without running them (DESIGN.md §8: never a plain unpickle).
+"""Reading Megatron's pickles without running them (docs/design.md §8: never a plain unpickle).
 
 Megatron's files are pickles of more than tensors: the legacy `model_optim_rng.pt` and the
 torch_dist common state hold the run's `argparse.Namespace` (with torch dtypes, and in

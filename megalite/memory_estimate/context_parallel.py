@@ -1,4 +1,4 @@
-"""What context parallelism changes in a layer's activations (issue 14; DESIGN.md §10).
+"""What context parallelism changes in a layer's activations (issue 14; docs/design.md §10).
 
 Every [s, b, h] activation of a CP rank has s / CP rows (activations.py's `s`); only the
 core attention differs, by --cp-comm-type (megalite/context_parallel/attention.py):

@@ -30,7 +30,7 @@ class SelfAttention(nn.Module):
         self.config = c
         self.rng_tracker = rng_tracker
         # Under context parallelism x holds this rank's chunks of each sequence; the core
-        # attention reaches the keys and values of the others (DESIGN.md §10).
+        # attention reaches the keys and values of the others (docs/design.md §10).
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
         self.num_groups = c.num_query_groups // tp
         self.heads_per_group = c.num_attention_heads // c.num_query_groups

@@ -3,7 +3,7 @@
 Activations are sequence-first, [seq, batch, hidden], as in Megatron: sequence
 parallelism then splits dim 0, which is contiguous. Under tensor parallelism the
 embedding and output layer split the (padded) vocabulary and the loss is the
-vocab-parallel cross-entropy, so the full logits are never gathered (DESIGN.md §4).
+vocab-parallel cross-entropy, so the full logits are never gathered (docs/design.md §4).
 """
 
 import contextlib
@@ -250,7 +250,7 @@ def build_model_chunks(config: GPTConfig, seed: int, pp_rank: int = 0, pp_size: 
                        device: torch.device | str | None = None,
                        dtype: torch.dtype | None = None, cp_group=None) -> nn.ModuleList:
     """This pipeline rank's model chunks, one per virtual stage (`chunk.stage`: where it
-    sits, DESIGN.md §5), built directly on `device` in `dtype` (default: the CPU, fp32).
+    sits, docs/design.md §5), built directly on `device` in `dtype` (default: the CPU, fp32).
     On `meta` the parameters get shapes and tags but no values (no initialisation)."""
     with _creating_parameters(device, dtype):
         return nn.ModuleList(GPTModel(config, seed, tp_group, rng_tracker, stage, cp_group)
@@ -291,7 +291,7 @@ def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int,
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """The full (unsharded) initial tensor of parameter `name`, in fp32 on `device`, drawn
     by a generator of that device (CPU and CUDA generators differ: the weights are the same
-    at every layout on one kind of device, DESIGN.md §3).
+    at every layout on one kind of device, docs/design.md §3).
 
     Megatron's init: biases 0, norm weights 1, everything else normal(0, std), except the
     projections that write into the residual stream (attention output, MLP down), whose

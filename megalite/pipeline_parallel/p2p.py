@@ -1,4 +1,4 @@
-"""Point-to-point communication between neighbouring pipeline stages (DESIGN.md §5, §11).
+"""Point-to-point communication between neighbouring pipeline stages (docs/design.md §5, §11).
 
 Stage s+1 lives on the next rank of the pipeline group (stages.py): activations go to the
 next rank, their gradients back to the previous one. Under NCCL a send completes only

@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure functions (DESIGN.md §5; Narayanan et al. 2021, §2.2;
+"""Pipeline schedules as pure functions (docs/design.md §5; Narayanan et al. 2021, §2.2;
 GPipe, Huang et al. 2019; zero bubble, Qi et al. 2024).
 
 A schedule is this rank's ordered list of `Action`s: forward, backward or weight-gradient

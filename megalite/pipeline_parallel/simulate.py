@@ -1,4 +1,4 @@
-"""Run every rank's schedule together on a clock, without communication (DESIGN.md §5).
+"""Run every rank's schedule together on a clock, without communication (docs/design.md §5).
 
 Each rank executes its action list in order; an action starts when the rank's previous
 action has finished and the action it depends on, on whichever rank, has finished. Sends

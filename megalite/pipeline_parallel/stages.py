@@ -1,4 +1,4 @@
-"""Where a model chunk sits in the pipeline (DESIGN.md §5): the one place for the
+"""Where a model chunk sits in the pipeline (docs/design.md §5): the one place for the
 arithmetic. With p pipeline ranks and v virtual stages, chunk c on rank r is global stage
 c*p + r and holds the L/(p*v) layers from c*L/v + r*L/(p*v)."""
 

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism (DESIGN.md §4): communication operators, sharded layers,
+"""Tensor and sequence parallelism (docs/design.md §4): communication operators, sharded layers,
 vocab-parallel cross-entropy and the dropout RNG tracker."""
 
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

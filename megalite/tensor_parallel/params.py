@@ -21,7 +21,7 @@ import sys
 import torch
 from torch import nn
 
-# Parameters whose first dimension is the vocabulary, padded per TP size (DESIGN.md §4).
+# Parameters whose first dimension is the vocabulary, padded per TP size (docs/design.md §4).
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 

@@ -1,4 +1,5 @@
-"""Indexed dataset writer and reader against the .idx/.bin bytes of DESIGN.md §7 written by hand."""
+"""Indexed dataset writer and reader against the .idx/.bin bytes of docs/design.md §7, written
+by hand."""
 
 import os
 import pickle

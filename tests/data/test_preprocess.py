@@ -17,7 +17,7 @@ TRAIN_TOKENIZER = ROOT / "tools" / "train_tokenizer.py"
 
 
 def megatron_files(documents, vocab_size):
-    """(.idx, .bin) bytes for documents given as lists of sequences, per DESIGN.md §7."""
+    """(.idx, .bin) bytes for documents given as lists of sequences, per docs/design.md §7."""
     code, fmt, size = (8, "H", 2) if vocab_size < 65500 else (4, "i", 4)
     sequences = [seq for doc in documents for seq in doc]
     lengths = [len(seq) for seq in sequences]

@@ -1,4 +1,4 @@
-"""Checkpoints of a context-parallel run under torchrun (DESIGN.md §8, §10): CP 2 with ZeRO-1
+"""Checkpoints of a context-parallel run under torchrun (docs/design.md §8, §10): CP 2 with ZeRO-1
 (optimizer state sharded over DP x CP, here the two CP ranks) resumes bit-exactly at its own
 layout, and its checkpoint loads at CP 1 and at another CP layout, continuing with the loss
 the saving run logged."""

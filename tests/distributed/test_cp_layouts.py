@@ -1,4 +1,4 @@
-"""Context parallelism against the single-process model (DESIGN.md §3, §10): CP 2 and 4 with
+"""Context parallelism against the single-process model (docs/design.md §3, §10): CP 2 and 4 with
 each --cp-comm-type, and CP composed with TP + SP, DP with ZeRO-1, interleaved PP and
 recompute, with RoPE and learned positions, GQA and plain multi-head attention. fp32,
 dropout 0: the same per-step losses and grad norms, the same evaluation loss and the same

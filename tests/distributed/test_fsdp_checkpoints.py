@@ -1,4 +1,4 @@
-"""FSDP2 checkpoints are megalite's one format (DESIGN.md §8): an FSDP2 run resumes bit for
+"""FSDP2 checkpoints are megalite's one format (docs/design.md §8): an FSDP2 run resumes bit for
 bit at its own layout, and FSDP2 -> ZeRO-1 -> FSDP2 hand a run on across layouts and
 sharding strategies with the losses of the uninterrupted run. One launch of 4 ranks runs
 every training through megalite.training.run_training, as pretrain_gpt.py does."""

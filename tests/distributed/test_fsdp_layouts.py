@@ -1,5 +1,5 @@
 """FSDP2 (--use-torch-fsdp2, ZeRO-2 and ZeRO-3) at data-, tensor- and pipeline-parallel
-layouts against the single-process model (DESIGN.md §3, §6): the same per-step losses and
+layouts against the single-process model (docs/design.md §3, §6): the same per-step losses and
 grad norms for 6 steps, with gradient accumulation over micro-batches and clipping, and the
 same parameters after the last step; pretrain's model built on `meta` and initialised
 shard by shard, against the single-process initial values; optimizer CPU offload (FSDP2

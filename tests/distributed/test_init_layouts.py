@@ -1,5 +1,5 @@
 """Initial weights at TP and PP layouts against the single-process model on the same device
-type (DESIGN.md §3): every parameter, its TP shards gathered, equals the single-process one
+type (docs/design.md §3): every parameter, its TP shards gathered, equals the single-process one
 exactly, vocabulary padding rows are zero, and a bf16 model holds the fp32 values rounded."""
 
 import dataclasses

@@ -1,7 +1,7 @@
 """The GPT at pipeline- and data-parallel layouts (1F1B and interleaved, alone and with TP
 and DP) against the single-process model: 10 steps of the same per-step losses and grad
 norms, the same gradients after the first step, the same parameters after the last, and
-the same evaluation loss (DESIGN.md §3, §5)."""
+the same evaluation loss (docs/design.md §3, §5)."""
 
 import dataclasses
 

@@ -3,7 +3,7 @@ linear layers under tensor and sequence parallelism.
 
 One launch per world size runs every layout of that size: a few steps of the same
 per-step losses and grad norms as one process, the same gradients after the first step
-and the same parameters after the last (DESIGN.md §3, §5). The single-process reference
+and the same parameters after the last (docs/design.md §3, §5). The single-process reference
 runs once, in the test process, and travels to the ranks. fp32, dropout 0.
 """
 

@@ -1,4 +1,4 @@
-"""The tensor-parallel GPT against the single-process model (DESIGN.md §3).
+"""The tensor-parallel GPT against the single-process model (docs/design.md §3).
 
 Each rank builds its TP shard and, in the same process, the unsharded TP=1 model from the
 same seed, and both see the same tokens: logits, loss, every gradient (TP shards gathered)
