@@ -23,14 +23,15 @@ from megalite.context_parallel import (
     context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks)
 from megalite.context_parallel import blocks, fused_blocks
 from megalite.context_parallel.blocks import block_backward, block_forward, merge
-from megalite.context_parallel.ring import ring_blocks
+from megalite.context_parallel.ring import block_kernels, ring_blocks
 from megalite.errors import ConfigError
 from tests.distributed.launcher import run_distributed
 
 B, S, D = 2, 16, 8                                # batch, whole sequence, head dim
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}            # (query heads, key/value heads)
 CASES = [("all_gather", "sdpa", "gqa"), ("all_gather", "unfused", "mha"),
-         ("p2p", "unfused", "mha"), ("p2p", "unfused", "gqa")]
+         ("p2p", "unfused", "mha"), ("p2p", "unfused", "gqa"), ("p2p", "sdpa", "mha"),
+         ("p2p", "sdpa", "gqa")]
 
 
 def full_inputs(kind: str, seed: int = 0, dtype=torch.float32):
@@ -271,13 +272,25 @@ def test_load_balanced_chunks():
 
 def test_cp_backend_check():
     for backend in ("auto", "flash", "sdpa", "unfused"):
-        cp_backend_check(backend, "all_gather", 0.1)
-    cp_backend_check("unfused", "p2p", 0.1)
-    for backend in ("auto", "flash", "sdpa"):
-        with pytest.raises(ConfigError, match="--cp-comm-type p2p.*--attention-backend"):
-            cp_backend_check(backend, "p2p", 0.0)
+        for comm_type in ("all_gather", "p2p"):
+            cp_backend_check(backend, comm_type, 0.1)
     with pytest.raises(ConfigError, match="--cp-comm-type a2a"):
         cp_backend_check("unfused", "a2a", 0.0)
+    with pytest.raises(ConfigError, match="--attention-backend fused"):
+        cp_backend_check("fused", "p2p", 0.0)
+
+
+def test_ring_block_kernels_follow_the_attention_backend():
+    """unfused and attention dropout run blocks.py; sdpa and flash torch's fused kernels
+    where they run (the CPU), else sdpa falls back to blocks.py and flash refuses by name."""
+    q = torch.zeros(1, 4, 2, 8)
+    assert block_kernels("unfused", q, 0.0) is blocks
+    assert block_kernels("sdpa", q, 0.0) is block_kernels("flash", q, 0.0) is fused_blocks
+    assert block_kernels("sdpa", q, 0.1) is block_kernels("flash", q, 0.1) is blocks
+    elsewhere = q.to("meta")  # a device without a fused kernel
+    assert block_kernels("sdpa", elsewhere, 0.0) is blocks
+    with pytest.raises(ConfigError, match="--attention-backend flash.*meta.*sdpa or unfused"):
+        block_kernels("flash", elsewhere, 0.0)
 
 
 def test_cp_size_one_is_core_attention():
