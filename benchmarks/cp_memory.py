@@ -14,7 +14,8 @@ beside it; it is transient, so saved-tensor hooks cannot see it.
 
 The sequence grows by doubling until CP 1 needs more than --budget-mib for the layer; the
 last rows show CP 2 and 4 still fitting. CP 1 runs plain attention (sdpa); --cp-comm-type
-all_gather uses sdpa as well, p2p (ring attention) the unfused block kernel it needs.
+all_gather uses sdpa as well, p2p (ring attention) the unfused block kernel (the ring saves
+the same tensors on torch's fused kernels, tests/distributed/test_cp_memory_estimate.py).
 
     python benchmarks/cp_memory.py [--seqs 1024 2048 4096 8192 16384] [--budget-mib 64]
 

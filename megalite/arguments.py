@@ -71,7 +71,11 @@ def _model(parser):
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash", "sdpa", "unfused"],
                    help="Attention kernel: flash-attn, torch SDPA, or the explicit reference; "
-                        "auto picks the fastest available.")
+                        "auto picks the fastest available. Under --cp-comm-type p2p the "
+                        "ring's blocks run on torch's fused flash kernels for sdpa and flash "
+                        "(CPU; CUDA fp16/bf16), on megalite's fp32 block kernel for unfused, "
+                        "with attention dropout, and where torch has no fused kernel (sdpa; "
+                        "flash then stops with an error).")
     g.add_argument("--use-flash-attn", action="store_true",
                    help="Alias of --attention-backend flash (flash-attn: head size <= 256 "
                         "and a multiple of 8).")
@@ -132,7 +136,8 @@ def _add_context_parallel_args(g):
                         "chunks; --seq-length must divide by 2 x CP).")
     g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather"],
                    help="How attention sees the other CP ranks' keys and values: p2p (ring "
-                        "attention, overlapped with compute) or all_gather (all K/V "
+                        "attention, overlapped with compute; its blocks on the "
+                        "--attention-backend's kernel, see there) or all_gather (all K/V "
                         "gathered; cheap with GQA). Megatron's a2a is not implemented.")
 
 

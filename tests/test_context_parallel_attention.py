@@ -6,7 +6,9 @@ forward and backward, and returns its rows; the parent puts the rows back in seq
 and compares output and the q/k/v gradients with torch's scaled_dot_product_attention over the
 whole sequence (fp32). The same launch counts the bytes passed to the collectives against
 cp_comm_bytes, and checks both kinds' backward with dropout by a directional derivative (fp64).
-The block merge is checked in one process against the same reference.
+The block merge is checked in one process against the same reference, with each block kernel
+(blocks.py, the unfused reference, and fused_blocks.py, torch's flash kernels), and the fused
+blocks against blocks.py block by block.
 """
 
 import functools
@@ -19,15 +21,17 @@ import torch.nn.functional as F
 
 from megalite.context_parallel import (
     context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks)
+from megalite.context_parallel import blocks, fused_blocks
 from megalite.context_parallel.blocks import block_backward, block_forward, merge
-from megalite.context_parallel.ring import ring_blocks
+from megalite.context_parallel.ring import block_kernels, ring_blocks
 from megalite.errors import ConfigError
 from tests.distributed.launcher import run_distributed
 
 B, S, D = 2, 16, 8                                # batch, whole sequence, head dim
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}            # (query heads, key/value heads)
 CASES = [("all_gather", "sdpa", "gqa"), ("all_gather", "unfused", "mha"),
-         ("p2p", "unfused", "mha"), ("p2p", "unfused", "gqa")]
+         ("p2p", "unfused", "mha"), ("p2p", "unfused", "gqa"), ("p2p", "sdpa", "mha"),
+         ("p2p", "sdpa", "gqa")]
 
 
 def full_inputs(kind: str, seed: int = 0, dtype=torch.float32):
@@ -153,9 +157,10 @@ def test_context_parallel_attention_matches_full_attention(cp):
 
 # ---------------------------------------------------------------- one process
 
+@pytest.mark.parametrize("kernels", [blocks, fused_blocks], ids=["blocks", "fused_blocks"])
 @pytest.mark.parametrize("kind", ["mha", "gqa"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_blocks_merge_to_full_attention(cp, kind):
+def test_ring_blocks_merge_to_full_attention(cp, kind, kernels):
     """Every rank's ring blocks, computed and merged here, give full attention forward and
     backward; the blocks cover each visible chunk pair exactly once (fully masked pairs
     skipped, diagonal pairs under a causal mask, the rest unmasked), the same work per rank."""
@@ -172,9 +177,9 @@ def test_ring_blocks_merge_to_full_attention(cp, kind):
         for src in range(cp):
             kidx = local_rows(cp, src)
             for rows, keys, causal in ring_blocks(cp, rank, src, c):
-                plan.append((rows, keys, causal, kidx))
-                o, l_, _ = block_forward(q[:, idx[rows]], k[:, kidx[keys]], v[:, kidx[keys]],
-                                         causal=causal, scale=scale)
+                o, l_, state = kernels.block_forward(q[:, idx[rows]], k[:, kidx[keys]],
+                                                     v[:, kidx[keys]], causal=causal, scale=scale)
+                plan.append((rows, keys, causal, kidx, state))
                 out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
                 pairs = [(chunks[a], load_balanced_chunks(cp, src)[j])  # (query, key) chunks
                          for a in range(rows.start // c, rows.stop // c)
@@ -189,16 +194,51 @@ def test_ring_blocks_merge_to_full_attention(cp, kind):
         assert work == 2 * cp + 1, (rank, work)
         torch.testing.assert_close(out, out_ref[:, idx], rtol=1e-5, atol=1e-5)
         dq = torch.zeros(B, 2 * c, q.shape[2], D)
-        for rows, keys, causal, kidx in plan:
-            dq_b, dk_b, dv_b = block_backward(dout[:, idx[rows]], q[:, idx[rows]],
-                                              k[:, kidx[keys]], v[:, kidx[keys]], out[:, rows],
-                                              lse[:, :, rows], causal=causal, scale=scale)
+        for rows, keys, causal, kidx, state in plan:
+            dq_b, dk_b, dv_b = kernels.block_backward(
+                dout[:, idx[rows]], q[:, idx[rows]], k[:, kidx[keys]], v[:, kidx[keys]],
+                out[:, rows], lse[:, :, rows], causal=causal, scale=scale, rng_state=state)
             dq[:, rows] += dq_b
             dk[:, kidx[keys]] += dk_b
             dv[:, kidx[keys]] += dv_b
         torch.testing.assert_close(dq, dq_ref[:, idx], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dk, dk_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dv, dv_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+def test_fused_blocks_equal_the_unfused_blocks(kind):
+    """Each kind of ring block (causal c x c, causal c x 2c aligned to the lower right,
+    unmasked c x 2c and 2c x c) on torch's flash kernels gives blocks.py's out and lse, and,
+    given a row's MERGED out and lse (here merged with another block of keys, so that they
+    differ from the block's own), blocks.py's dq, dk, dv; fp32."""
+    q, k, v, dout = full_inputs(kind)
+    c, scale = S // 4, D ** -0.5
+    _, other_k, other_v, _ = full_inputs(kind, seed=1)
+    for rows, keys, causal in ((slice(0, c), slice(0, c), True),
+                               (slice(c, 2 * c), slice(0, 2 * c), True),
+                               (slice(c, 2 * c), slice(0, 2 * c), False),
+                               (slice(0, 2 * c), slice(0, c), False)):
+        qb, kb, vb = q[:, rows], k[:, keys], v[:, keys]
+        ref_out, ref_lse, _ = block_forward(qb, kb, vb, causal=causal, scale=scale)
+        out, lse, state = fused_blocks.block_forward(qb, kb, vb, causal=causal, scale=scale)
+        case = f"{kind} rows {rows} keys {keys} causal={causal}"
+        for name, mine, ref in (("out", out, ref_out), ("lse", lse, ref_lse)):
+            torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5,
+                                       msg=lambda m: f"{case} {name}: {m}")
+        # The rows' other keys: c keys of another draw, unmasked.
+        o2, l2, _ = block_forward(qb, other_k[:, 3 * c:], other_v[:, 3 * c:], causal=False,
+                                  scale=scale)
+        merged_out, merged_lse = merge(ref_out, ref_lse, o2, l2)
+        assert (merged_lse - ref_lse).abs().min() > 1e-3  # the merge moved every row's lse
+        ref_grads = block_backward(dout[:, rows], qb, kb, vb, merged_out, merged_lse,
+                                   causal=causal, scale=scale)
+        grads = fused_blocks.block_backward(dout[:, rows], qb, kb, vb, merged_out, merged_lse,
+                                            causal=causal, scale=scale, rng_state=state)
+        for name, mine, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+            assert mine.shape == ref.shape and mine.dtype == ref.dtype, (case, name)
+            torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5,
+                                       msg=lambda m: f"{case} {name}: {m}")
 
 
 def test_block_backward_with_dropout_matches_autograd():
@@ -232,13 +272,25 @@ def test_load_balanced_chunks():
 
 def test_cp_backend_check():
     for backend in ("auto", "flash", "sdpa", "unfused"):
-        cp_backend_check(backend, "all_gather", 0.1)
-    cp_backend_check("unfused", "p2p", 0.1)
-    for backend in ("auto", "flash", "sdpa"):
-        with pytest.raises(ConfigError, match="--cp-comm-type p2p.*--attention-backend"):
-            cp_backend_check(backend, "p2p", 0.0)
+        for comm_type in ("all_gather", "p2p"):
+            cp_backend_check(backend, comm_type, 0.1)
     with pytest.raises(ConfigError, match="--cp-comm-type a2a"):
         cp_backend_check("unfused", "a2a", 0.0)
+    with pytest.raises(ConfigError, match="--attention-backend fused"):
+        cp_backend_check("fused", "p2p", 0.0)
+
+
+def test_ring_block_kernels_follow_the_attention_backend():
+    """unfused and attention dropout run blocks.py; sdpa and flash torch's fused kernels
+    where they run (the CPU), else sdpa falls back to blocks.py and flash refuses by name."""
+    q = torch.zeros(1, 4, 2, 8)
+    assert block_kernels("unfused", q, 0.0) is blocks
+    assert block_kernels("sdpa", q, 0.0) is block_kernels("flash", q, 0.0) is fused_blocks
+    assert block_kernels("sdpa", q, 0.1) is block_kernels("flash", q, 0.1) is blocks
+    elsewhere = q.to("meta")  # a device without a fused kernel
+    assert block_kernels("sdpa", elsewhere, 0.0) is blocks
+    with pytest.raises(ConfigError, match="--attention-backend flash.*meta.*sdpa or unfused"):
+        block_kernels("flash", elsewhere, 0.0)
 
 
 def test_cp_size_one_is_core_attention():

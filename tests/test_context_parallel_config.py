@@ -46,24 +46,20 @@ def test_flags_reach_the_config():
     assert default.training.global_batch_size == 4 * 2
 
 
-def test_auto_backend_under_the_ring_is_the_block_kernel():
-    """Ring attention needs each block's log-sum-exp; of the backends only the fp32 block
-    kernel ("unfused") returns it, so "auto" (the fastest that can run) picks it; without
-    the ring "auto" stays auto (sdpa or flash at start-up)."""
-    ring = config_of("--context-parallel-size", "2", world_size=2)
-    gather = config_of("--context-parallel-size", "2", "--cp-comm-type", "all_gather",
-                       world_size=2)
-    assert ring.model.attention_backend == "unfused"
-    assert gather.model.attention_backend == "auto" == config_of().model.attention_backend
+def test_every_backend_runs_the_ring():
+    """Ring attention runs each block on the chosen backend's kernel (torch's fused flash
+    kernels for sdpa and flash, the fp32 block kernel for unfused): the backend reaches the
+    model as chosen, "auto" resolved at start-up as without CP."""
+    for backend in ("auto", "sdpa", "unfused"):
+        config = config_of("--context-parallel-size", "2", "--attention-backend", backend,
+                           world_size=2)
+        assert (config.model.cp_comm_type, config.model.attention_backend) == ("p2p", backend)
+    assert config_of().model.attention_backend == "auto"
 
 
 @pytest.mark.parametrize("extra, world, words", [
     (["--context-parallel-size", "3", "--cp-comm-type", "all_gather"], 6,
      ["--context-parallel-size=3", "--seq-length=32", "6"]),
-    # Ring attention (the default --cp-comm-type) needs the log-sum-exp of each block,
-    # which --attention-backend sdpa does not return: refused up front.
-    (["--context-parallel-size", "2", "--attention-backend", "sdpa"], 2,
-     ["--cp-comm-type p2p", "--attention-backend sdpa", "unfused", "all_gather"]),
     (["--context-parallel-size", "0"], 1, ["--context-parallel-size", "positive"]),
     (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], 6,
      ["world size 6", "--context-parallel-size=4"]),

@@ -7,7 +7,6 @@ sequence for this rank's rows, by all-gathering K/V or by ring attention (`--cp-
 
 from megalite.context_parallel.attention import (
     COMM_TYPES,
-    RING_BACKENDS,
     CommBytes,
     context_parallel_attention,
     cp_backend_check,
@@ -15,5 +14,5 @@ from megalite.context_parallel.attention import (
     load_balanced_chunks,
 )
 
-__all__ = ["COMM_TYPES", "RING_BACKENDS", "CommBytes", "context_parallel_attention",
-           "cp_backend_check", "cp_comm_bytes", "load_balanced_chunks"]
+__all__ = ["COMM_TYPES", "CommBytes", "context_parallel_attention", "cp_backend_check",
+           "cp_comm_bytes", "load_balanced_chunks"]

@@ -14,7 +14,9 @@ Two ways to see the other ranks' keys and values (`--cp-comm-type`, Megatron's n
   prefix is what core_attention's lower-right causal alignment already does.
 - p2p: ring attention (ring.py): K/V blocks travel round the ring while the current block is
   computed, partial outputs are merged by their log-sum-exp, backward sends dK/dV round the
-  ring the same way. Needs a block kernel that returns the log-sum-exp (blocks.py).
+  ring the same way. Each block runs on a kernel that returns its log-sum-exp: torch's fused
+  flash kernels under sdpa and flash (fused_blocks.py), the explicit fp32 one under unfused
+  (blocks.py); ring.block_kernels.
 
 Communication per rank per call, B = bytes of this rank's K (or V) shard, b·(s/CP)·g·d·e
 (g = key/value heads on this rank), counted as the bytes a rank receives from the others
@@ -36,10 +38,6 @@ from megalite.model.attention_backends import BACKENDS, core_attention
 from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
 
 COMM_TYPES = ("p2p", "all_gather")
-# Backends whose block kernel returns the log-sum-exp the ring merge needs. The public
-# kernels of sdpa (torch's scaled_dot_product_attention) and flash (flash_attn_func, whose
-# backward cannot take another block's log-sum-exp) do not give the ring what it needs.
-RING_BACKENDS = ("unfused",)
 
 
 def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
@@ -50,8 +48,9 @@ def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
 
 
 def cp_backend_check(backend: str, comm_type: str, dropout_p: float) -> None:
-    """Raise a ConfigError when `--attention-backend backend` cannot run `--cp-comm-type
-    comm_type` (with attention dropout `dropout_p`)."""
+    """Raise a ConfigError when `--attention-backend backend`, `--cp-comm-type comm_type` or
+    attention dropout `dropout_p` is not one megalite's CP attention runs (every backend runs
+    both comm types; ring.block_kernels says which kernel the ring's blocks use)."""
     if comm_type not in COMM_TYPES:
         raise ConfigError(f"--cp-comm-type {comm_type}: expected one of {', '.join(COMM_TYPES)} "
                           "(Megatron's a2a and a2a+p2p are not implemented in megalite)")
@@ -59,14 +58,6 @@ def cp_backend_check(backend: str, comm_type: str, dropout_p: float) -> None:
         raise ConfigError(f"--attention-backend {backend}: expected one of {', '.join(BACKENDS)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ConfigError(f"--attention-dropout {dropout_p}: expected 0 <= p < 1")
-    if comm_type == "p2p" and backend not in RING_BACKENDS:
-        chosen = "auto (which picks sdpa or flash)" if backend == "auto" else backend
-        raise ConfigError(
-            f"--cp-comm-type p2p (ring attention) merges each block's partial output by its "
-            f"log-sum-exp, which --attention-backend {chosen} does not return; use "
-            f"--attention-backend {' or '.join(RING_BACKENDS)} (an explicit fp32 block kernel "
-            f"that returns it, any device, dropout included) or --cp-comm-type all_gather "
-            f"(every backend)")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
@@ -94,7 +85,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if comm_type == "all_gather":
         return _all_gather_attention(q, k, v, cp_group, backend, dropout_p, scale)
-    return ring_attention(q, k, v, cp_group, scale, dropout_p)
+    return ring_attention(q, k, v, cp_group, scale, dropout_p, backend)
 
 
 class CommBytes(NamedTuple):

@@ -15,16 +15,41 @@ While a block is computed the next K/V block is already on its way (one batch_is
 send to the next rank, receive from the previous, the order every rank agrees on, as NCCL
 needs; docs/design.md §11). Partial outputs merge by their log-sum-exp (blocks.py).
 
+Each block runs on one of two kernels with the same interface (`block_kernels`, following
+--attention-backend): unfused, blocks.py, the explicit fp32 reference that materialises the
+block's scores; sdpa and flash, fused_blocks.py, torch's flash kernels (CPU and CUDA), whose
+memory is linear in the block's rows. Attention dropout, and a device or dtype the fused
+kernels lack under sdpa, run blocks.py (exact either way).
+
 Backward walks the same ring: each rank recomputes its blocks from the saved q, k, v, out,
-lse (blocks.block_backward), adds the block's dK/dV to the accumulator that arrived with it
+lse (block_backward), adds the block's dK/dV to the accumulator that arrived with it
 and sends that on; after CP hops every accumulator is back home holding the sum over ranks.
 """
 
 import torch
 import torch.distributed as dist
 
-from megalite.context_parallel.blocks import block_backward, block_forward, merge
+from megalite.context_parallel import blocks, fused_blocks
+from megalite.context_parallel.blocks import merge
+from megalite.errors import ConfigError
 from megalite.parallel_state import group_rank, group_size
+
+
+def block_kernels(backend: str, q: torch.Tensor, dropout_p: float):
+    """The module (blocks or fused_blocks) whose block_forward / block_backward run the ring's
+    blocks for resolved `backend` (module docstring). flash asks for a fused kernel: where
+    torch's cannot run, a ConfigError says why rather than a silent O(c^2)-memory kernel."""
+    if backend == "unfused" or dropout_p > 0:
+        return blocks
+    reason = fused_blocks.unavailable_reason(q.device, q.dtype, q.shape[-1])
+    if reason is None:
+        return fused_blocks
+    if backend == "flash":
+        raise ConfigError(f"--attention-backend flash with --cp-comm-type p2p runs each ring "
+                          f"block on torch's flash kernel, which cannot run here: {reason}; "
+                          f"use --attention-backend sdpa or unfused (megalite's fp32 block "
+                          f"kernel), or --cp-comm-type all_gather")
+    return blocks
 
 
 def ring_blocks(cp_size: int, cp_rank: int, src: int, c: int) -> list[tuple[slice, slice, bool]]:
@@ -62,13 +87,14 @@ class _RingExchange:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Autocast is switched off inside: the block kernel's scores, probabilities and
-    accumulators are fp32 by design (bf16 scores would lose the log-sum-exp's precision)."""
+    """Autocast is switched off inside: the blocks' scores (blocks.py), log-sum-exps and
+    accumulators are fp32 by design (bf16 scores would lose the log-sum-exp's precision),
+    and the fused kernels take q, k, v in their own dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, dropout_p):
+    def forward(ctx, q, k, v, group, scale, dropout_p, kernels):
         with torch.autocast(q.device.type, enabled=False):
-            return _RingAttention._forward(ctx, q, k, v, group, scale, dropout_p)
+            return _RingAttention._forward(ctx, q, k, v, group, scale, dropout_p, kernels)
 
     @staticmethod
     def backward(ctx, dout):
@@ -76,7 +102,7 @@ class _RingAttention(torch.autograd.Function):
             return _RingAttention._backward(ctx, dout)
 
     @staticmethod
-    def _forward(ctx, q, k, v, group, scale, dropout_p):
+    def _forward(ctx, q, k, v, group, scale, dropout_p, kernels):
         cp, rank = group_size(group), group_rank(group)
         ring, c = _RingExchange(group), q.shape[1] // 2
         kv = torch.stack([k, v])  # one message per step for K and V
@@ -89,7 +115,7 @@ class _RingAttention(torch.autograd.Function):
         for t in range(cp):
             pending = ring.start(kv) if t < cp - 1 else None
             for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
-                block_out, block_lse, rng_state = block_forward(
+                block_out, block_lse, rng_state = kernels.block_forward(
                     q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=causal, scale=scale,
                     dropout_p=dropout_p)
                 rng_states.append(rng_state)
@@ -100,6 +126,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.dropout_p, ctx.rng_states = group, scale, dropout_p, rng_states
+        ctx.kernels = kernels
         return out
 
     @staticmethod
@@ -115,7 +142,7 @@ class _RingAttention(torch.autograd.Function):
             kv_pending = ring.start(kv) if t < cp - 1 else None
             grads = []
             for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
-                dq_b, dk_b, dv_b = block_backward(
+                dq_b, dk_b, dv_b = ctx.kernels.block_backward(
                     dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
                     lse[:, :, rows], causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
                     rng_state=next(rng_states))
@@ -131,10 +158,11 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 kv = ring.wait(kv_pending)
         dk, dv = ring.wait(dkv_pending)  # this rank's own block, home after CP hops
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
-def ring_attention(q, k, v, group, scale: float, dropout_p: float) -> torch.Tensor:
+def ring_attention(q, k, v, group, scale: float, dropout_p: float, backend: str) -> torch.Tensor:
     """Causal attention over the CP group's whole sequence for this rank's rows (attention.py
-    gives the layout); checked inputs, CP > 1."""
-    return _RingAttention.apply(q, k, v, group, scale, dropout_p)
+    gives the layout); checked inputs, CP > 1, `backend` resolved (block_kernels)."""
+    return _RingAttention.apply(q, k, v, group, scale, dropout_p,
+                                block_kernels(backend, q, dropout_p))

@@ -17,8 +17,7 @@ from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedCo
 from megalite.errors import ConfigError
 from megalite.model.config import GPTConfig
 from megalite.validation.checks import check_fraction, check_positive, flag, require
-from megalite.validation.layout import (batch, parallel_config, ring_backend,
-                                        validate_pipeline_schedule)
+from megalite.validation.layout import batch, parallel_config, validate_pipeline_schedule
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
@@ -178,7 +177,7 @@ def _attention_backend(args, kv_channels: int) -> str:
         raise ConfigError(f"--attention-backend flash (flash-attn) needs a head size "
                           f"(--kv-channels, default --hidden-size / --num-attention-heads) "
                           f"<= 256 and a multiple of 8, got {kv_channels}")
-    return ring_backend(args, backend)
+    return backend
 
 
 def _vocab_size(args, tokenizer_vocab_size: int | None) -> int:

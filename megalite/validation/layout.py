@@ -51,8 +51,7 @@ def _validate_context_parallel(args) -> int:
         raise ConfigError(f"--sequence-parallel splits each context-parallel rank's "
                           f"--seq-length={seq} / --context-parallel-size={cp} = {seq // cp} "
                           f"rows over --tensor-model-parallel-size={tp}: not divisible")
-    # Before any process starts: sdpa and flash cannot run the ring.
-    backend = ring_backend(args, "flash" if args.use_flash_attn else args.attention_backend)
+    backend = "flash" if args.use_flash_attn else args.attention_backend
     cp_backend_check(backend, args.cp_comm_type, args.attention_dropout)
     return cp
 
@@ -142,10 +141,3 @@ def batch(args, parallel: ParallelConfig) -> tuple[int, int, int]:
     validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
                            parallel.virtual_pipeline_model_parallel_size or 1)
     return micro, global_batch, num_microbatches
-
-
-def ring_backend(args, backend: str) -> str:
-    """Ring attention merges its blocks by their log-sum-exp, which only megalite's fp32
-    block kernel ("unfused") returns: "auto", the fastest that can run, is that kernel."""
-    ring = args.context_parallel_size > 1 and args.cp_comm_type == "p2p"
-    return "unfused" if ring and backend == "auto" else backend

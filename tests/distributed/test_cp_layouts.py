@@ -1,8 +1,9 @@
-"""Context parallelism against the single-process model (docs/design.md §3, §10): CP 2 and 4 with
-each --cp-comm-type, and CP composed with TP + SP, DP with ZeRO-1, interleaved PP and
-recompute, with RoPE and learned positions, GQA and plain multi-head attention. fp32,
-dropout 0: the same per-step losses and grad norms, the same evaluation loss and the same
-parameters after the last step. One process launch per world size runs all its layouts."""
+"""Context parallelism against the single-process model (docs/design.md §3, §10): CP 2 and 4
+with each --cp-comm-type (the ring on both block kernels), and CP composed with TP + SP, DP
+with ZeRO-1, interleaved PP and recompute, with RoPE and learned positions, GQA and plain
+multi-head attention. fp32, dropout 0: the same per-step losses and grad norms, the same
+evaluation loss and the same parameters after the last step. One process launch per world
+size runs all its layouts."""
 
 import dataclasses
 import functools
@@ -48,16 +49,20 @@ class Layout:
     dp: int = 1
     zero: bool = False
     recompute: str | None = None  # "selective" or "full" (uniform, one layer a group)
+    # p2p runs the ring's blocks on the unfused fp32 kernel (blocks.py) unless "sdpa" (torch's
+    # fused flash kernels, fused_blocks.py); all_gather and the reference run SDPA.
+    backend: str = "unfused"
 
     def __str__(self):
         return (f"CP={self.cp} {self.comm} TP={self.tp} PP={self.pp} v={self.v} DP={self.dp}"
-                f"{' zero' if self.zero else ''} {self.model} recompute={self.recompute}")
+                f"{' zero' if self.zero else ''} {self.model} recompute={self.recompute}"
+                f"{' ' + self.backend if self.comm == 'p2p' else ''}")
 
 
 LAYOUTS = {
     2: [Layout(2, "p2p"), Layout(2, "all_gather", recompute="full"),
         Layout(2, "p2p", "learned-mha", recompute="selective"),
-        Layout(2, "all_gather", "learned-mha")],
+        Layout(2, "all_gather", "learned-mha"), Layout(2, "p2p", backend="sdpa")],
     4: [Layout(4, "p2p"), Layout(4, "all_gather"), Layout(2, "p2p", tp=2),
         Layout(2, "all_gather", dp=2, zero=True), Layout(2, "p2p", pp=2, v=2)],
 }
@@ -107,10 +112,8 @@ def model_config(layout: Layout, tp: int):
         extra = dict(recompute_granularity="full", recompute_method="uniform")
     elif layout.recompute == "selective":
         extra = dict(recompute_granularity="selective")
-    # Ring attention merges blocks by their log-sum-exp, which only the unfused kernel
-    # returns (context_parallel.RING_BACKENDS); the reference runs SDPA.
     if layout.comm == "p2p":
-        extra["attention_backend"] = "unfused"
+        extra["attention_backend"] = layout.backend
     return dataclasses.replace(MODELS[layout.model], cp_comm_type=layout.comm,
                                padded_vocab_size=pad_vocab_size(VOCAB, 8, tp),
                                sequence_parallel=tp > 1, **extra)

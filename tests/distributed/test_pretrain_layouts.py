@@ -55,7 +55,8 @@ def single():
     # the next forward.
     (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
     # Context parallelism: each rank reads its chunks of every sequence; ring attention
-    # with the default flags (--attention-backend auto picks its block kernel).
+    # with the default flags (--attention-backend auto: sdpa on the CPU, its blocks on
+    # torch's fused flash kernel).
     (2, ["--context-parallel-size", "2"]),
 
     # FSDP2 (ZeRO-3) over DP 2 of TP 2 shards, with sequence parallelism.
