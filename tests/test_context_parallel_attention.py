@@ -241,6 +241,44 @@ def test_fused_blocks_equal_the_unfused_blocks(kind):
                                        msg=lambda m: f"{case} {name}: {m}")
 
 
+CUDA_FLASH = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+@pytest.mark.skipif(not CUDA_FLASH, reason="needs a CUDA GPU (sm80+) for torch's CUDA flash "
+                                            "kernel; the CPU kernel is tested above")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+def test_fused_blocks_on_cuda_equal_the_unfused_blocks(kind, dtype):
+    """The CUDA path of fused_blocks (torch's _scaled_dot_product_flash_attention and its
+    backward, the ring's kernel under --bf16/--fp16 on a GPU) against blocks.py on the same
+    half-precision inputs, every kind of ring block, given a merged out and lse: to the
+    rounding of the kernel's half-precision block output."""
+    device = torch.device("cuda")
+    q, k, v, dout = (t.to(device, dtype) for t in full_inputs(kind))
+    _, other_k, other_v, _ = (t.to(device, dtype) for t in full_inputs(kind, seed=1))
+    c, scale = S // 4, D ** -0.5
+    assert fused_blocks.unavailable_reason(device, dtype, D) is None
+    for rows, keys, causal in ((slice(0, c), slice(0, c), True),
+                               (slice(c, 2 * c), slice(0, 2 * c), True),
+                               (slice(0, 2 * c), slice(0, c), False)):
+        qb, kb, vb = q[:, rows], k[:, keys], v[:, keys]
+        ref_out, ref_lse, _ = block_forward(qb, kb, vb, causal=causal, scale=scale)
+        out, lse, state = fused_blocks.block_forward(qb, kb, vb, causal=causal, scale=scale)
+        assert lse.shape == ref_lse.shape, (lse.shape, ref_lse.shape)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-2)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-4)
+        o2, l2, _ = block_forward(qb, other_k[:, 3 * c:], other_v[:, 3 * c:], causal=False,
+                                  scale=scale)
+        merged_out, merged_lse = merge(ref_out, ref_lse, o2, l2)
+        ref_grads = block_backward(dout[:, rows], qb, kb, vb, merged_out, merged_lse,
+                                   causal=causal, scale=scale)
+        grads = fused_blocks.block_backward(dout[:, rows], qb, kb, vb, merged_out, merged_lse,
+                                            causal=causal, scale=scale, rng_state=state)
+        for name, mine, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+            torch.testing.assert_close(mine, ref, rtol=2e-2, atol=2e-2,
+                                       msg=lambda m: f"{rows} {keys} {causal} {name}: {m}")
+
+
 def test_block_backward_with_dropout_matches_autograd():
     """block_backward redraws the forward's dropout mask: its gradients equal autograd's
     through block_forward and merge of two key blocks."""
