@@ -40,9 +40,6 @@ def test_fsdp_defaults_to_zero3_and_shards_the_optimizer():
      ["--overlap-param-gather", "prefetches"]),
     (["--optimizer-cpu-offload"], ["--optimizer-cpu-offload", "--use-torch-fsdp2",
                                    "--use-distributed-optimizer"]),
-    # FSDP2 reduces over DP only; CP needs DP x CP.
-    (["--use-torch-fsdp2", "--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
-     ["--use-torch-fsdp2", "--context-parallel-size=2"]),
     # A deferred W pass runs after FSDP2 has reduce-scattered the layer's gradients.
     (["--use-torch-fsdp2", "--pipeline-schedule", "zb-h1"],
      ["--pipeline-schedule zb-h1", "--use-torch-fsdp2"]),

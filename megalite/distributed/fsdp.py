@@ -2,7 +2,8 @@
 (Rajbhandari et al. 2020, "P_os+g" and "P_os+g+p"), --use-torch-fsdp2.
 
 Each transformer layer, the embedding, the output layer and then the model chunk itself
-become one FSDP unit over a 1-D DeviceMesh of megalite's own data-parallel group. A unit's
+become one FSDP unit over a 1-D DeviceMesh of megalite's own data x context-parallel group
+(DP x CP ranks hold the same parameters; "DP" below means DP x CP, as for ZeRO-1). A unit's
 parameters are DTensors sharded along dim 0 over DP; what is sharded is this rank's tensor-
 parallel shard (TP layers keep their plain TP tensors, FSDP knows nothing of TP), so DP rank
 r holds rows [r*c, (r+1)*c) of its TP shard, c = ceil(rows / DP) (torch.chunk's rule).
@@ -162,7 +163,9 @@ def fully_shard_model(chunks: nn.ModuleList, config, state,
     storage), then their values: no rank ever holds its whole model, only its shards and
     one parameter's full value at a time (torchtitan's meta-device init)."""
     p, par = config.precision, config.parallel
-    apply_fsdp(chunks, state.dp_group, device, strategy=par.data_parallel_sharding_strategy,
+    # CP ranks hold the same parameters as DP ranks do: shard over DP x CP (as ZeRO-1 and
+    # Megatron-FSDP do), which also sums the gradients over both.
+    apply_fsdp(chunks, state.dp_cp_group, device, strategy=par.data_parallel_sharding_strategy,
                param_dtype=p.params_dtype,
                reduce_dtype=torch.float32 if par.accumulate_allreduce_grads_in_fp32
                else p.params_dtype, cpu_offload=par.optimizer_cpu_offload)

@@ -42,7 +42,8 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
     on the GPU), "gathered" (compute parameters) and "reducing" (one unit's reduction),
     the transient parts of parameters and gradients."""
     par = config.parallel
-    t, dp = par.tensor_model_parallel_size, par.data_parallel_size
+    # FSDP2 shards over DP x CP (distributed/fsdp.py).
+    t, dp = par.tensor_model_parallel_size, par.data_context_parallel_size
     with torch.device("meta"):
         chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
                                     par.virtual_pipeline_model_parallel_size or 1)

@@ -28,6 +28,7 @@ class FullyShardedOptimizer(Optimizer):
 
     def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group,
                  dp_group):
+        # The group FSDP2 shards over: DP, or DP x CP under context parallelism.
         self.dp_group = dp_group
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group)
 

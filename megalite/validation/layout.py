@@ -84,11 +84,6 @@ def _validate_fsdp(args) -> dict:
         # reduce-scatters (during the backward of earlier layers).
         raise ConfigError("--overlap-param-gather is ZeRO-1's; under --use-torch-fsdp2 FSDP2 "
                           "prefetches the next layer's parameters itself: drop the flag")
-    if fsdp and args.context_parallel_size > 1:
-        # FSDP2 shards and reduces over the DP group; CP's gradients need DP x CP.
-        raise ConfigError(f"--use-torch-fsdp2 with --context-parallel-size="
-                          f"{args.context_parallel_size} is not supported yet: use "
-                          "--use-distributed-optimizer (ZeRO-1 shards over DP x CP)")
     if fsdp and args.pipeline_schedule == "zb-h1":
         # FSDP2 reduce-scatters a layer's gradients when its backward ends, before a
         # deferred W pass has computed the weight gradients.

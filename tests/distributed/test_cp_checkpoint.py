@@ -1,7 +1,7 @@
 """Checkpoints of a context-parallel run under torchrun (docs/design.md §8, §10): CP 2 with ZeRO-1
 (optimizer state sharded over DP x CP, here the two CP ranks) resumes bit-exactly at its own
-layout, and its checkpoint loads at CP 1 and at another CP layout, continuing with the loss
-the saving run logged."""
+layout, and its checkpoint loads at CP 1, at another CP layout and at CP 2 under FSDP2,
+continuing with the loss the saving run logged."""
 
 import os
 import shutil
@@ -71,15 +71,18 @@ def test_resume_at_the_same_layout_is_bit_exact(saved, tmp_path):
     assert_identical(checkpoint_tensors(ckpt), checkpoint_tensors(resumed))
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (1, []),  # one process, CP 1, plain AdamW reading the DP x CP shards of ZeRO-1
+@pytest.mark.parametrize("nproc, layout, same_grid", [
+    (1, [], False),  # one process, CP 1, plain AdamW reading the DP x CP shards of ZeRO-1
     # CP 2 x DP 2 without ZeRO-1, all-gathered K/V
-    (4, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+    (4, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], False),
+    # CP 2 with FSDP2 ZeRO-3, its shards over DP x CP (here the two CP ranks): the same
+    # rank grid, so each rank's RNG state is restored
+    (2, ["--context-parallel-size", "2", "--use-torch-fsdp2"], True),
 ])
-def test_checkpoint_loads_at_another_layout(saved, tmp_path, nproc, layout):
+def test_checkpoint_loads_at_another_layout(saved, tmp_path, nproc, layout, same_grid):
     ckpt, _, logged = saved
     target = iteration_2(ckpt, tmp_path / "ckpt")
     out = run(nproc, *layout, "--train-iters", "3", "--load", str(target))
-    assert "not restoring RNG states" in out
+    assert ("not restoring RNG states" in out) != same_grid
     loss = losses(out)[3]
     assert abs(loss - logged[3]) <= 2e-6 * logged[3], (loss, logged[3])

@@ -1,9 +1,9 @@
 """Context parallelism against the single-process model (docs/design.md §3, §10): CP 2 and 4
 with each --cp-comm-type (the ring on both block kernels), and CP composed with TP + SP, DP
-with ZeRO-1, interleaved PP and recompute, with RoPE and learned positions, GQA and plain
-multi-head attention. fp32, dropout 0: the same per-step losses and grad norms, the same
-evaluation loss and the same parameters after the last step. One process launch per world
-size runs all its layouts."""
+with ZeRO-1, DP with FSDP2 (sharded over DP x CP), interleaved PP and recompute, with RoPE
+and learned positions, GQA and plain multi-head attention. fp32, dropout 0: the same
+per-step losses and grad norms, the same evaluation loss and the same parameters after the
+last step. One process launch per world size runs all its layouts."""
 
 import dataclasses
 import functools
@@ -13,8 +13,10 @@ import torch
 
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.context_split import shard_batch
+from megalite.distributed.fsdp import ZERO3, apply_fsdp, full_tensor
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
+from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
@@ -48,6 +50,7 @@ class Layout:
     v: int = 1
     dp: int = 1
     zero: bool = False
+    fsdp: str | None = None  # FSDP2's strategy (ZeRO-2/3), sharded over DP x CP
     recompute: str | None = None  # "selective" or "full" (uniform, one layer a group)
     # p2p runs the ring's blocks on the unfused fp32 kernel (blocks.py) unless "sdpa" (torch's
     # fused flash kernels, fused_blocks.py); all_gather and the reference run SDPA.
@@ -55,7 +58,8 @@ class Layout:
 
     def __str__(self):
         return (f"CP={self.cp} {self.comm} TP={self.tp} PP={self.pp} v={self.v} DP={self.dp}"
-                f"{' zero' if self.zero else ''} {self.model} recompute={self.recompute}"
+                f"{' zero' if self.zero else ''}{' FSDP2 ' + self.fsdp if self.fsdp else ''} "
+                f"{self.model} recompute={self.recompute}"
                 f"{' ' + self.backend if self.comm == 'p2p' else ''}")
 
 
@@ -64,7 +68,8 @@ LAYOUTS = {
         Layout(2, "p2p", "learned-mha", recompute="selective"),
         Layout(2, "all_gather", "learned-mha"), Layout(2, "p2p", backend="sdpa")],
     4: [Layout(4, "p2p"), Layout(4, "all_gather"), Layout(2, "p2p", tp=2),
-        Layout(2, "all_gather", dp=2, zero=True), Layout(2, "p2p", pp=2, v=2)],
+        Layout(2, "all_gather", dp=2, zero=True), Layout(2, "p2p", pp=2, v=2),
+        Layout(2, "p2p", dp=2, fsdp=ZERO3, backend="sdpa")],
 }
 
 
@@ -77,20 +82,24 @@ def rank_batches(generator, state: ParallelState | None) -> list[dict]:
                                        for mb in mine]
 
 
-def run(config, chunks, state, zero=False):
+def run(config, chunks, state, zero=False, fsdp=None):
     """STEPS steps; returns per-step (loss, grad norm) and the evaluation (sum, tokens)."""
     tp_group = state.tp_group if state else None
     mp_group = state.mp_group if state else None
     opt_config = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.5)
     grad_buffer = None
-    if state is not None:
+    if fsdp:  # pretrain's grouping: shards and gradient sums over DP x CP
+        apply_fsdp(chunks, state.dp_cp_group, torch.device("cpu"), strategy=fsdp)
+        optimizer = FullyShardedOptimizer(chunks, opt_config, None, tp_group, mp_group,
+                                          state.dp_cp_group)
+    elif state is not None:
         # Small buckets: several per model, parameters split across shard edges.
         grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_cp_group, 3000,
                                  shard=zero)
     if zero:
         optimizer = MixedPrecisionOptimizer(chunks, opt_config, None, tp_group, mp_group,
                                             grad_buffer)
-    else:
+    elif not fsdp:
         optimizer = Optimizer(chunks, opt_config, tp_group=tp_group, model_parallel_group=mp_group)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
     shape = activation_shape(config, MICRO, state.tp_size if state else 1,
@@ -134,7 +143,7 @@ def compare_layout(rank: int, layout: Layout) -> list[str]:
     chunks = build_model_chunks(config, 9, state.pp_rank, layout.pp, layout.v, state.tp_group,
                                 cp_group=state.cp_group)
     ref_steps, ref_eval, ref_params = reference(layout.model)
-    steps, evaluation = run(config, chunks, state, layout.zero)
+    steps, evaluation = run(config, chunks, state, layout.zero, layout.fsdp)
     last_stage = state.pp_rank == layout.pp - 1
     problems = step_problems(steps, ref_steps, last_stage)
     if last_stage and abs(evaluation[0] / evaluation[1] - ref_eval[0] / ref_eval[1]) > 1e-5:
@@ -144,8 +153,9 @@ def compare_layout(rank: int, layout: Layout) -> list[str]:
         # (the K bias, which softmax ignores; rarely seen vocabulary rows) becomes steps
         # of up to lr = 3e-3, and CP sums each gradient from partial sums in another
         # order. A layout bug moves values by ~lr; round-off stays below 5e-5.
-        problems += tensor_problem(f"final value of {name}", param.detach(), param,
-                                   ref_params[reference_name(name, param)], state.tp_group, 5e-5)
+        problems += tensor_problem(f"final value of {name}", full_tensor(param.detach()),
+                                   param, ref_params[reference_name(name, param)],
+                                   state.tp_group, 5e-5)
     return problems
 
 

@@ -61,6 +61,9 @@ def single():
 
     # FSDP2 (ZeRO-3) over DP 2 of TP 2 shards, with sequence parallelism.
     (4, ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # FSDP2 sharded over CP 2 (DP x CP), the ring on torch's fused kernels, with TP 2 + SP.
+    (4, ["--use-torch-fsdp2", "--context-parallel-size", "2", "--tensor-model-parallel-size",
+         "2", "--sequence-parallel"]),
 ])
 def test_torchrun_layout_matches_one_process(single, nproc, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
