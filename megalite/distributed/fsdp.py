@@ -26,10 +26,9 @@ are accumulated unsharded and reduce-scattered once, after the last micro-batch
 step. With --fsdp-grad-reduce-every-micro-batch each unit reduce-scatters after every
 micro-batch's backward and FSDP2 adds the result into the sharded gradients (Megatron-
 FSDP's way): a rank holds unsharded only the gradients of the unit whose backward runs,
-for m reduce-scatters per step. A tied embedding used on
-the same stage as the output layer stays in the chunk's own unit (gathered for the whole
-forward of the chunk): as its own unit it would be resharded after the embedding lookup,
-before the output layer reads it.
+for m reduce-scatters per step. A tied embedding used on the same stage as the output
+layer stays in the chunk's own unit (gathered for the whole forward of the chunk): as its
+own unit it would be resharded after the embedding lookup, before the output layer reads it.
 """
 
 import contextlib
