@@ -125,7 +125,7 @@ def build_optimizer(model: nn.Module, config: Config,
     p = config.parallel
     if config.optimizer_kind is OptimizerKind.FULLY_SHARDED:  # FSDP2 reduces the gradients
         return FullyShardedOptimizer(model, config.optimizer, scaler, state.tp_group,
-                                     state.mp_group, state.dp_cp_group), None
+                                     state.mp_group), None
     params = [q for q in model.parameters() if q.requires_grad]
     grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,

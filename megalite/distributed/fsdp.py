@@ -139,6 +139,12 @@ def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     return first * row, first * row + local.numel()
 
 
+def shard_group(module: nn.Module):
+    """The process group `module`'s FSDP2 parameters are sharded over (apply_fsdp's)."""
+    param = next(p for p in module.parameters() if is_dtensor(p))
+    return param.device_mesh.get_group()
+
+
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The whole (TP-shard) value: all-gathered over DP for an FSDP parameter (every DP
     rank must call it), the tensor itself otherwise."""

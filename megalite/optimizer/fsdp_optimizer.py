@@ -18,7 +18,7 @@ ZeRO-1 rank owns of it, so checkpoints hold the same per-DP-rank optimizer files
 import torch
 from torch import nn
 
-from megalite.distributed.fsdp import local_shard_range
+from megalite.distributed.fsdp import local_shard_range, shard_group
 from megalite.optimizer.optimizer import Optimizer, Segment
 from megalite.tensor_parallel.params import is_dtensor
 
@@ -26,10 +26,10 @@ from megalite.tensor_parallel.params import is_dtensor
 class FullyShardedOptimizer(Optimizer):
     sharded = True
 
-    def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group,
-                 dp_group):
-        # The group FSDP2 shards over: DP, or DP x CP under context parallelism.
-        self.dp_group = dp_group
+    def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group):
+        # The group the shards are disjoint over is the one apply_fsdp sharded over (DP, or
+        # DP x CP under context parallelism): read from the parameters, not passed again.
+        self.dp_group = shard_group(model)
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group)
 
     def _owned_segments(self) -> list[Segment]:

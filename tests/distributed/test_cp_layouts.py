@@ -90,8 +90,7 @@ def run(config, chunks, state, zero=False, fsdp=None):
     grad_buffer = None
     if fsdp:  # pretrain's grouping: shards and gradient sums over DP x CP
         apply_fsdp(chunks, state.dp_cp_group, torch.device("cpu"), strategy=fsdp)
-        optimizer = FullyShardedOptimizer(chunks, opt_config, None, tp_group, mp_group,
-                                          state.dp_cp_group)
+        optimizer = FullyShardedOptimizer(chunks, opt_config, None, tp_group, mp_group)
     elif state is not None:
         # Small buckets: several per model, parameters split across shard edges.
         grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_cp_group, 3000,

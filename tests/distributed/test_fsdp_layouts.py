@@ -66,8 +66,7 @@ def layout_optimizer(chunks, state, mode):
                                        grad_buffer, cpu_offload=extra == "offload"), grad_buffer
     apply_fsdp(chunks, state.dp_group, torch.device("cpu"), strategy=strategy,
                cpu_offload=extra == "offload")
-    return FullyShardedOptimizer(chunks, OPTIMIZER, None, state.tp_group, state.mp_group,
-                                 state.dp_group), None
+    return FullyShardedOptimizer(chunks, OPTIMIZER, None, state.tp_group, state.mp_group), None
 
 
 def run(config, chunks, state, mode=ZERO3):
@@ -231,7 +230,7 @@ def run_half(state, dtype, fsdp: bool):
     if fsdp:
         apply_fsdp(chunks.float(), state.dp_group, torch.device("cpu"), param_dtype=dtype,
                    reduce_dtype=torch.float32)
-        optimizer = FullyShardedOptimizer(chunks, OPTIMIZER, scaler, None, None, state.dp_group)
+        optimizer = FullyShardedOptimizer(chunks, OPTIMIZER, scaler, None, None)
         grad_buffer = None
     else:
         grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, 3000, shard=True,
