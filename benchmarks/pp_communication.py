@@ -29,8 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megalite.config import OptimizerConfig, PrecisionConfig  # noqa: E402
-from megalite.model.config import GPTConfig  # noqa: E402
+from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
 from megalite.model.gpt import build_model_chunks  # noqa: E402
 from megalite.optimizer.optimizer import Optimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402

@@ -18,9 +18,8 @@ import time
 
 import torch
 
-from megalite.config import OptimizerConfig
+from megalite.config import GPTConfig, OptimizerConfig
 from megalite.initialize import allow_tf32
-from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training_log import num_floating_point_operations

@@ -46,10 +46,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import OptimizerConfig, PrecisionConfig  # noqa: E402
+from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
 from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp  # noqa: E402
 from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
-from megalite.model.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import build_model_chunks  # noqa: E402
 from megalite.memory_estimate import weights_and_optimizer  # noqa: E402
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer  # noqa: E402

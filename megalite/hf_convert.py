@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from megalite.errors import ConfigError
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 
 STYLES = {
     "GPT-2": dict(normalization="LayerNorm", swiglu=False,

@@ -25,7 +25,7 @@ from megalite.checkpointing.saving import model_fields
 from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
                                             find_checkpoint_to_load, read_metadata)
 from megalite.errors import ConfigError
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel_state import group_rank, group_size
 

@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime
 
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 
 
 def num_floating_point_operations(config: GPTConfig, batch_size: int) -> float:

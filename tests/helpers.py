@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
 
 # ------------------------------------------------------------------------------ configs

@@ -11,7 +11,7 @@ from safetensors.torch import load_file  # noqa: E402  (a dependency of transfor
 from megalite.errors import ConfigError  # noqa: E402
 from megalite.hf_convert import (export_to_hf, hf_config_and_state_dict,  # noqa: E402
                                  import_from_hf, pad_vocab)
-from megalite.model.config import GPTConfig  # noqa: E402
+from megalite.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 
 from tests.helpers import LLAMA_STYLE as LLAMA, tiny_gpt_config  # noqa: E402

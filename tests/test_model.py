@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel, initial_value
 from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 

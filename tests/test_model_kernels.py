@@ -16,7 +16,7 @@ from megalite.checkpointing.loading import SavedCheckpoint, local_shard
 from megalite.checkpointing.saving import model_file, optim_file
 from megalite.checkpointing.storage import save_tensor_file
 from megalite.model import norms
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel, initial_value
 from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

@@ -50,7 +50,7 @@ from megalite.checkpointing.storage import (TRACKER_FILENAME, CheckpointError,  
 from megalite.validation import pad_vocab_size  # noqa: E402
 from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
-from megalite.model.config import GPTConfig  # noqa: E402
+from megalite.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.megatron_checkpoint import convert as megatron_convert  # noqa: E402
 from megalite.megatron_checkpoint.writer import write_checkpoint as write_megatron  # noqa: E402

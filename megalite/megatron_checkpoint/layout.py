@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from megalite.checkpointing.storage import CheckpointError
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.validation import pad_vocab_size
 

@@ -31,7 +31,7 @@ from megalite.checkpointing.storage import (RELEASE, TRACKER_FILENAME, Checkpoin
                                             checkpoint_dir)
 from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.safe_pickle import load_dcp_metadata, torch_load
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.tensor_parallel.params import partition_dim, partition_stride, tp_unshard
 
 FORMATS = ("torch", "torch_dist")

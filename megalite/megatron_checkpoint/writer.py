@@ -29,7 +29,7 @@ from megalite.checkpointing.storage import TRACKER_FILENAME, CheckpointError, ch
 from megalite.errors import ConfigError
 from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.reader import FORMATS, LEGACY_FILE, legacy_rank_dir
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.tensor_parallel.params import VOCAB_PARAMS, pad_vocab_rows, tp_shard
 
 CHECKPOINT_VERSION = 3.0

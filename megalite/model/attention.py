@@ -15,7 +15,7 @@ from torch import nn
 
 from megalite.context_parallel import context_parallel_attention
 from megalite.model.attention_backends import core_attention
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.model.rotary import apply_rotary
 from megalite.parallel_state import group_size
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.context_split import local_positions
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.model.rotary import rotary_frequencies, rotary_table
 from megalite.model.transformer import TransformerLayer

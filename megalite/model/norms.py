@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.tensor_parallel.params import mark_sequence_parallel
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.model.attention import SelfAttention
-from megalite.model.config import GPTConfig
+from megalite.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.params import mark_stacked

@@ -12,10 +12,9 @@ import dataclasses
 import math
 
 from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedConfig,
-                             LoggingConfig, MonitoringConfig, OptimizerConfig, ParallelConfig,
-                             PrecisionConfig, SchedulerConfig, TrainingConfig)
+                            GPTConfig, LoggingConfig, MonitoringConfig, OptimizerConfig,
+                            ParallelConfig, PrecisionConfig, SchedulerConfig, TrainingConfig)
 from megalite.errors import ConfigError
-from megalite.model.config import GPTConfig
 from megalite.validation.checks import check_fraction, check_positive, flag, require
 from megalite.validation.layout import batch, parallel_config, validate_pipeline_schedule
 

@@ -4,9 +4,8 @@ and values that do not fit together."""
 
 import dataclasses
 
-from megalite.config import ParallelConfig
+from megalite.config import DEFAULT_BUCKET_SIZE, ParallelConfig
 from megalite.context_parallel import cp_backend_check
-from megalite.distributed.data_parallel import DEFAULT_BUCKET_SIZE
 from megalite.errors import ConfigError
 from megalite.parallel_state import RankGrid
 from megalite.pipeline_parallel.schedules import validate_schedule_args
