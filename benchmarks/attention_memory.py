@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from megalite.model.attention_backends import core_attention, flash_attn_available
+from megalite.attention_backends import core_attention, flash_attn_available
 from smoke import shrink
 
 HEADS, HEAD_DIM = 8, 64

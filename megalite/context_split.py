@@ -1,7 +1,7 @@
 """Context parallelism's load-balanced split of each sequence (docs/design.md §10).
 
 A sequence of s tokens is cut into 2 x CP chunks of s / (2 CP); CP rank i holds chunks i
-and 2 CP - 1 - i (megalite.context_parallel.load_balanced_chunks), so under the causal
+and 2 CP - 1 - i (`load_balanced_chunks`), so under the causal
 mask every rank attends over the same number of (query, key) pairs. Everything indexed by
 position follows the chunks: the data loader's tokens, labels and loss mask
 (`shard_batch`, in the loader's workers: data/sampler.CollateContextShard) and the
@@ -11,7 +11,12 @@ RoPE table).
 
 import torch
 
-from megalite.context_parallel import load_balanced_chunks
+
+def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two of the 2·cp_size sequence chunks CP rank `cp_rank` holds, in local order."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"CP rank {cp_rank} is outside a CP group of {cp_size}")
+    return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
 def local_positions(seq_length: int, cp_size: int, cp_rank: int,

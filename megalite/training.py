@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.arguments import build_parser, parse_args
+from megalite.attention_backends import resolve_backend
 from megalite.config import Config, OptimizerKind
 from megalite.data.datasets import build_datasets
 from megalite.data.loader import microbatches
@@ -26,9 +27,9 @@ from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
-from megalite.model.attention_backends import resolve_backend
 from megalite.model.gpt import activation_shape, build_model_chunks
 from megalite.monitoring.monitor import Monitor
+from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
@@ -114,8 +115,8 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     return chunks
 
 
-def build_optimizer(model: nn.Module, config: Config,
-                    state: ParallelState) -> tuple[Optimizer, GradBuffer | None]:
+def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
+                    timers: Timers = NO_TIMERS) -> tuple[Optimizer, GradBuffer | None]:
     """The gradient buffer (reduced over DP x CP: all-reduce, or reduce-scatter for ZeRO-1,
     whose shards are laid over DP x CP as Megatron's are; none under FSDP2, which reduces
     its own gradients) and
@@ -125,7 +126,7 @@ def build_optimizer(model: nn.Module, config: Config,
     p = config.parallel
     if config.optimizer_kind is OptimizerKind.FULLY_SHARDED:  # FSDP2 reduces the gradients
         return FullyShardedOptimizer(model, config.optimizer, scaler, state.tp_group,
-                                     state.mp_group), None
+                                     state.mp_group, timers), None
     params = [q for q in model.parameters() if q.requires_grad]
     grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
@@ -134,9 +135,10 @@ def build_optimizer(model: nn.Module, config: Config,
     if config.optimizer_kind.has_main_params:
         optimizer = MixedPrecisionOptimizer(model, config.optimizer, scaler, state.tp_group,
                                             state.mp_group, grad_buffer, p.overlap_param_gather,
-                                            cpu_offload=p.optimizer_cpu_offload)
+                                            cpu_offload=p.optimizer_cpu_offload, timers=timers)
     else:
-        optimizer = Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group)
+        optimizer = Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group,
+                              timers)
     return optimizer, grad_buffer
 
 
@@ -148,15 +150,19 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     rng_tracker = build_rng_tracker(config.training.seed, state.tp_rank, device,
                                     state.cp_rank, state.tp_size)
     model = build_model(config, state, device, rng_tracker)
-    optimizer, grad_buffer = build_optimizer(model, config, state)
-    monitor = Monitor(config, state, device, model, optimizer)
+    # One set of phase timers for the step, the optimizer and the monitor that reports them
+    # (--log-straggler compares the compute phases across ranks).
+    mon = config.monitoring
+    timers = Timers(mon.timing_log_level, device, extra=COMPUTE if mon.log_straggler else ())
+    optimizer, grad_buffer = build_optimizer(model, config, state, timers)
+    monitor = Monitor(config, state, device, model, optimizer, timers)
     t, m, par = config.training, config.model, config.parallel
     runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
                         activation_shape(m, t.micro_batch_size, state.tp_size, state.cp_size),
                         device, state,
                         grad_buffer,
                         check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16,
-                        timers=monitor.timers,
+                        timers=timers,
                         pipeline_schedule=par.pipeline_schedule,
                         fsdp_reduce_every_micro_batch=par.fsdp_grad_reduce_every_micro_batch)
     scheduler = LRScheduler(optimizer, config.scheduler)
@@ -214,10 +220,9 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
 
 def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, train_ds,
           valid, tensorboard: TensorBoardLogger, device: torch.device, progress: TrainState,
-          save=None, monitor: Monitor | None = None) -> bool:
+          save, monitor: Monitor) -> bool:
     """Train from `progress` on (updating it); `save(iteration)` writes a checkpoint (None:
     no --save). Returns whether a signal or --exit-duration-in-mins stopped the run."""
-    monitor = monitor or Monitor(config, state, device, runner.chunks, runner.optimizer)
     t, log = config.training, config.logging
     exits = ExitConditions(config.checkpoint, device)
     saved_at = progress.iteration

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megalite.errors import ConfigError
-from megalite.model.attention_backends import (
+from megalite.attention_backends import (
     core_attention, flash_attn_available, resolve_backend)
 
 HAS_GPU = torch.accelerator.is_available()

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megalite.context_parallel import (
-    context_parallel_attention, cp_backend_check, cp_comm_bytes, load_balanced_chunks)
+from megalite.context_parallel import context_parallel_attention, cp_backend_check, cp_comm_bytes
 from megalite.context_parallel import blocks, fused_blocks
 from megalite.context_parallel.blocks import block_backward, block_forward, merge
 from megalite.context_parallel.ring import block_kernels, ring_blocks
+from megalite.context_split import load_balanced_chunks
 from megalite.errors import ConfigError
 from tests.distributed.launcher import run_distributed
 

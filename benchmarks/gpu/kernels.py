@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
-from megalite.model.attention_backends import core_attention, flash_attn_available  # noqa: E402
+from megalite.attention_backends import core_attention, flash_attn_available  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, build_rng_tracker  # noqa: E402
 from megalite.train_step import autocast  # noqa: E402

@@ -32,19 +32,13 @@ from typing import NamedTuple
 
 import torch
 
+from megalite.attention_backends import BACKENDS, core_attention
 from megalite.context_parallel.ring import ring_attention
+from megalite.context_split import load_balanced_chunks
 from megalite.errors import ConfigError
-from megalite.model.attention_backends import BACKENDS, core_attention
 from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
 
 COMM_TYPES = ("p2p", "all_gather")
-
-
-def load_balanced_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
-    """The two of the 2·cp_size sequence chunks CP rank `cp_rank` holds, in local order."""
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"CP rank {cp_rank} is outside a CP group of {cp_size}")
-    return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
 def cp_backend_check(backend: str, comm_type: str, dropout_p: float) -> None:

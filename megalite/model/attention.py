@@ -13,8 +13,8 @@ import contextlib
 import torch
 from torch import nn
 
+from megalite.attention_backends import core_attention
 from megalite.context_parallel import context_parallel_attention
-from megalite.model.attention_backends import core_attention
 from megalite.config import GPTConfig
 from megalite.model.rotary import apply_rotary
 from megalite.parallel_state import group_size

@@ -54,14 +54,12 @@ class IntervalReport:
 
 class Monitor:
     def __init__(self, config: Config, state: ParallelState, device: torch.device,
-                 model: nn.Module, optimizer):
+                 model: nn.Module, optimizer, timers: Timers):
         self.config, self.m = config, config.monitoring
         self.state, self.device = state, device
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.timers = Timers(self.m.timing_log_level, device,
-                             extra=COMPUTE if self.m.log_straggler else ())
-        optimizer.timers = self.timers
+        self.timers = timers
         self.peak_tflops = peak_tflops(device, compute_dtype(config.precision.bf16,
                                                              config.precision.fp16),
                                        self.m.peak_tflops)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from megalite.distributed.fsdp import local_shard_range, shard_group
+from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer, Segment
 from megalite.tensor_parallel.params import is_dtensor
 
@@ -26,11 +27,12 @@ from megalite.tensor_parallel.params import is_dtensor
 class FullyShardedOptimizer(Optimizer):
     sharded = True
 
-    def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group):
+    def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group,
+                 timers: Timers = NO_TIMERS):
         # The group the shards are disjoint over is the one apply_fsdp sharded over (DP, or
         # DP x CP under context parallelism): read from the parameters, not passed again.
         self.dp_group = shard_group(model)
-        super().__init__(model, config, grad_scaler, tp_group, model_parallel_group)
+        super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
 
     def _owned_segments(self) -> list[Segment]:
         segments = []

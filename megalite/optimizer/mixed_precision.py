@@ -32,6 +32,7 @@ from torch import nn
 
 from megalite.config import OptimizerConfig
 from megalite.distributed.grad_buffer import Bucket, GradBuffer
+from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer, Segment
 from megalite.parallel_state import all_gather_into
 
@@ -43,14 +44,15 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler,
                  tp_group, model_parallel_group, grad_buffer: GradBuffer,
-                 overlap_param_gather: bool = False, cpu_offload: bool = False):
+                 overlap_param_gather: bool = False, cpu_offload: bool = False,
+                 timers: Timers = NO_TIMERS):
         self.grad_buffer = grad_buffer
         self.sharded = grad_buffer.shard
         # --optimizer-cpu-offload: main parameters, moments and the step on the host.
         self.host = HostOffload(grad_buffer) if cpu_offload else None
         self.dp_group = grad_buffer.group
         self.param_buffers = [_adopt_params(b) for b in grad_buffer.buckets]
-        super().__init__(model, config, grad_scaler, tp_group, model_parallel_group)
+        super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
         self._param_views = [self.param_buffers[s.bucket][s.flat] for s in self.segments]
         self._gathers: list = [None] * len(self.param_buffers)
         self.overlap_param_gather = overlap_param_gather

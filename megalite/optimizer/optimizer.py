@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import OptimizerConfig
-from megalite.monitoring.timers import NO_TIMERS
+from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.parallel_state import group_rank, group_size
 from megalite.tensor_parallel.params import is_embedding_copy, is_tensor_parallel
 
@@ -77,12 +77,11 @@ class Optimizer:
 
     sharded = False
     """Whether each DP rank keeps only its shard of the optimizer state (ZeRO-1)."""
-    timers = NO_TIMERS
-    """The phase timers of the run (monitoring/timers.py); set by the training loop."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
-                 tp_group=None, model_parallel_group=None):
+                 tp_group=None, model_parallel_group=None, timers: Timers = NO_TIMERS):
         self.config = config
+        self.timers = timers
         self.grad_scaler = grad_scaler
         self.model_parallel_group = model_parallel_group
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -16,7 +16,6 @@ where they will live) and overwrites every one.
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
