@@ -18,5 +18,9 @@ class DataError(MegaliteError):
     """A missing, corrupt or inconsistent data file, or input text that cannot be used."""
 
 
+class CheckpointError(MegaliteError):
+    """A missing, corrupt, incomplete or incompatible checkpoint."""
+
+
 class NumericalError(MegaliteError):
     """The loss or a gradient became NaN or infinite (outside fp16 loss scaling)."""

@@ -20,14 +20,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.checkpointing.loading import SavedCheckpoint, local_shard
+from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.saving import model_fields
-from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
-                                            find_checkpoint_to_load, read_metadata)
-from megalite.errors import ConfigError
+from megalite.checkpointing.storage import (check_model_compatible, find_checkpoint_to_load,
+                                            read_metadata)
+from megalite.errors import CheckpointError, ConfigError
 from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.parallel_state import group_rank, group_size
+from megalite.tensor_parallel.params import local_shard
 
 
 # --- sampling ------------------------------------------------------------------------------

@@ -21,13 +21,15 @@ from megalite.config import Config, OptimizerKind
 from megalite.data.datasets import build_datasets
 from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
-from megalite.distributed.fsdp import fully_shard_model
+from megalite.distributed.fsdp import copy_into, fully_shard_model
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
-from megalite.model.gpt import activation_shape, build_model_chunks
+from megalite.megatron_checkpoint.load import load_megatron_checkpoint
+from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
+from megalite.model.gpt import activation_shape, build_model_chunks, initialize_parameters
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
@@ -112,7 +114,23 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
         cp_group=state.cp_group)
     if fsdp:
         fully_shard_model(chunks, config, state, device)
+        _initialize_sharded(chunks, seed, dtype, state, device)
     return chunks
+
+
+@torch.no_grad()
+def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
+                        state: ParallelState, device: torch.device):
+    """The values of sharded chunks: each parameter drawn whole on `device`, as a model
+    built there draws it, rounded to `dtype` as a model built in it is (widened back to
+    fp32, the main copy a ZeRO-1 run starts from, value for value); this rank keeps its
+    rows of its TP block."""
+    def assign(param, block):
+        copy_into(param, block.to(dtype).float())
+    for chunk in chunks:
+        initialize_parameters(chunk, chunk.config, seed, state.tp_rank, state.tp_size, device,
+                              assign)
+        chunk.reset_padded_vocab_mask(device)
 
 
 def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
@@ -142,6 +160,15 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     return optimizer, grad_buffer
 
 
+def load_any_format(load: str, chunks: nn.ModuleList, optimizer, scheduler,
+                    state: ParallelState, config: Config, rng_tracker=None) -> dict | None:
+    """--load: a megalite checkpoint (checkpointing/), or Megatron-LM's own directory read
+    without conversion (megatron_checkpoint/); the same return either way."""
+    if is_megatron_checkpoint(load):
+        return load_megatron_checkpoint(load, chunks, optimizer, scheduler, state, config)
+    return load_checkpoint(load, chunks, optimizer, scheduler, state, config, rng_tracker)
+
+
 def run_training(config: Config, state: ParallelState, device: torch.device,
                  eod: int | None, run_file: str | None = None) -> TrainState:
     """`run_file`: the run's flags as YAML (run_file.dump_run_file), kept beside the
@@ -168,7 +195,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
     if config.checkpoint.load is not None:
-        loaded = load_checkpoint(config.checkpoint.load, model, optimizer, scheduler, state,
+        loaded = load_any_format(config.checkpoint.load, model, optimizer, scheduler, state,
                                  config, rng_tracker)
         if loaded is not None:
             progress = TrainState(**loaded)

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from megalite.checkpointing import storage as cs
-from megalite.checkpointing.storage import CheckpointError
-from megalite.errors import MegaliteError
+from megalite.errors import CheckpointError, MegaliteError
 
 SHARDS = ["model_tp0_pp0.pt", "optim_dp0.pt"]
 

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import megalite.megatron_checkpoint.reader as reader
 from megalite.checkpointing.loading import SavedCheckpoint
-from megalite.checkpointing.storage import CheckpointError, find_checkpoint_to_load, read_metadata
+from megalite.checkpointing.storage import find_checkpoint_to_load, read_metadata
+from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
 from megalite.model.gpt import GPTModel
 
@@ -129,14 +130,14 @@ def test_megatron_tp2_checkpoint_imports_to_the_same_model(tmp_path):
 
 
 def _tp2_logits(rank, world_size, loads):
-    """pretrain_gpt.py's load path (checkpointing.load_checkpoint) at TP 2, per Megatron
+    """pretrain_gpt.py's load path (training.load_any_format) at TP 2, per Megatron
     directory: the logits of the loaded model and its iteration."""
     from megalite.arguments import parse_args
-    from megalite.checkpointing.loading import load_checkpoint
     from megalite.config import OptimizerConfig
     from megalite.model.gpt import build_model_chunks
     from megalite.optimizer.optimizer import Optimizer
     from megalite.parallel_state import ParallelState, RankGrid
+    from megalite.training import load_any_format
     from megalite.validation import validate_model_args
     state = ParallelState(RankGrid(world_size, 2, 1), rank)
     out = {}
@@ -149,7 +150,7 @@ def _tp2_logits(rank, world_size, loads):
         optimizer = Optimizer(chunks, OptimizerConfig(lr=1e-3), None, state.tp_group,
                               state.mp_group)
         scheduler = argparse.Namespace(load_state_dict=lambda s: None)
-        loaded = load_checkpoint(load, chunks, optimizer, scheduler, state, config)
+        loaded = load_any_format(load, chunks, optimizer, scheduler, state, config)
         adam = {n.split(".", 1)[1]: optimizer.adam.state.get(s.main, {})
                 for s in optimizer.segments for n, p in chunks.named_parameters()
                 if p is s.param}

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.checkpointing.loading import SavedCheckpoint, local_shard
+from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.saving import model_file, optim_file
 from megalite.checkpointing.storage import save_tensor_file
 from megalite.model import norms
@@ -20,7 +20,8 @@ from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel, initial_value
 from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.params import mark_stacked, mark_tensor_parallel, tp_shard
+from megalite.tensor_parallel.params import (local_shard, mark_stacked, mark_tensor_parallel,
+                                             tp_shard)
 
 from tests.helpers import tiny_gpt_config
 

@@ -44,11 +44,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import megalite  # noqa: E402
 from megalite.checkpointing import saving  # noqa: E402
 from megalite.checkpointing.loading import SavedCheckpoint  # noqa: E402
-from megalite.checkpointing.storage import (TRACKER_FILENAME, CheckpointError,  # noqa: E402
-                                            checkpoint_dir, commit, find_checkpoint_to_load,
+from megalite.checkpointing.storage import (TRACKER_FILENAME, checkpoint_dir,  # noqa: E402
+                                            commit, find_checkpoint_to_load,
                                             prepare_staging, read_metadata, save_tensor_file)
 from megalite.validation import pad_vocab_size  # noqa: E402
-from megalite.errors import ConfigError, MegaliteError  # noqa: E402
+from megalite.errors import CheckpointError, ConfigError, MegaliteError  # noqa: E402
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
 from megalite.config import GPTConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402

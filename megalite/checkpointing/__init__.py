@@ -4,6 +4,5 @@ at any layout."""
 
 from megalite.checkpointing.loading import load_checkpoint
 from megalite.checkpointing.saving import save_checkpoint
-from megalite.checkpointing.storage import CheckpointError
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "save_checkpoint"]

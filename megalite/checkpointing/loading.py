@@ -18,12 +18,12 @@ from torch import nn
 from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, model_fields,
                                            model_file, optim_file, optimizer_shards, rng_file,
                                            saved_layout)
-from megalite.checkpointing.storage import (CheckpointError, check_model_compatible,
-                                            find_checkpoint_to_load, load_tensor_file,
-                                            read_metadata)
+from megalite.checkpointing.storage import (check_model_compatible, find_checkpoint_to_load,
+                                            load_tensor_file, read_metadata)
 from megalite.distributed.fsdp import copy_into
+from megalite.errors import CheckpointError
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.params import tp_shard, tp_unshard
+from megalite.tensor_parallel.params import local_shard, tp_unshard
 
 # Before SwiGLU's gate and up were fused into linear_fc1 = [gate; up], the gate was saved
 # as its own parameter; such checkpoints still load (SavedCheckpoint._legacy_gate).
@@ -125,27 +125,11 @@ class SavedCheckpoint:
         return int(self._file(optim_file(0, 0, 0))["step"])
 
 
-def local_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int,
-                tp_size: int) -> torch.Tensor:
-    """This TP rank's block of a full tensor (params.tp_shard), checked against the model."""
-    full = tp_shard(full, param, name, tp_rank, tp_size)
-    if full.shape != param.shape:
-        raise CheckpointError(f"parameter {name}: the checkpoint gives shape "
-                              f"{tuple(full.shape)} for this rank, the model has "
-                              f"{tuple(param.shape)}")
-    return full
-
-
 def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
                     state: ParallelState, config, rng_tracker=None) -> dict | None:
     """Restore everything a checkpoint holds that the flags ask for. Returns the
     iteration and consumed samples to continue from, or None when `load` holds no
     checkpoint at all (a fresh start)."""
-    # Megatron-LM's own directory, read without conversion (imported here: it imports us).
-    from megalite.megatron_checkpoint import load as megatron, reader as megatron_reader
-    if megatron_reader.is_megatron_checkpoint(load):
-        return megatron.load_megatron_checkpoint(load, chunks, optimizer, scheduler, state,
-                                                 config)
     found = find_checkpoint_to_load(load)
     ckpt = config.checkpoint
     if found is None:

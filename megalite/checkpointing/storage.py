@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from megalite.errors import MegaliteError
+from megalite.errors import CheckpointError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
@@ -46,10 +46,6 @@ dropout, recompute, sequence parallelism), which is free to differ on load."""
 
 _ITER_DIR = re.compile(r"iter_(\d{7,})")
 _LEFTOVER_DIR = re.compile(r"iter_(\d{7,})\.(tmp|old)")
-
-
-class CheckpointError(MegaliteError):
-    """A missing, corrupt, incomplete or incompatible checkpoint."""
 
 
 def checkpoint_dir(save: str | Path, iteration: int) -> Path:

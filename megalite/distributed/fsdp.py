@@ -38,7 +38,6 @@ import warnings
 import torch
 from torch import nn
 
-from megalite.model.gpt import initialize_parameters
 from megalite.tensor_parallel.params import copy_tags, is_dtensor
 
 ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
@@ -165,8 +164,8 @@ def copy_into(param: torch.Tensor, value: torch.Tensor):
 def fully_shard_model(chunks: nn.ModuleList, config, state,
                       device: torch.device) -> nn.ModuleList:
     """--use-torch-fsdp2 on the chunks build_model made on `meta` (shapes and tags, no
-    storage), then their values: no rank ever holds its whole model, only its shards and
-    one parameter's full value at a time (torchtitan's meta-device init)."""
+    storage), then storage for this rank's shards only, left for the caller to initialise
+    (torchtitan's build -> shard -> initialise): no rank ever holds its whole model."""
     p, par = config.precision, config.parallel
     # CP ranks hold the same parameters as DP ranks do: shard over DP x CP (as ZeRO-1 and
     # Megatron-FSDP do), which also sums the gradients over both.
@@ -177,20 +176,4 @@ def fully_shard_model(chunks: nn.ModuleList, config, state,
     # Offloaded shards live on the host (CPUOffloadPolicy); FSDP moves them for compute.
     with keeping_tags(chunks):
         chunks.to_empty(device="cpu" if par.optimizer_cpu_offload else device)
-    initialize_sharded(chunks, config.training.seed, p.params_dtype, state.tp_rank,
-                       state.tp_size, device)
     return chunks
-
-
-@torch.no_grad()
-def initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype, tp_rank: int,
-                       tp_size: int, device: torch.device):
-    """The values of sharded chunks: each parameter drawn whole on `device`, as a model
-    built there draws it, rounded to `dtype` as a model built in it is (widened back to
-    fp32, the main copy a ZeRO-1 run starts from, value for value); this rank keeps its
-    rows of its TP block."""
-    def assign(param, block):
-        copy_into(param, block.to(dtype).float())
-    for chunk in chunks:
-        initialize_parameters(chunk, chunk.config, seed, tp_rank, tp_size, device, assign)
-        chunk.reset_padded_vocab_mask(device)

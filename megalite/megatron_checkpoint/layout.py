@@ -19,8 +19,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from megalite.checkpointing.storage import CheckpointError
 from megalite.config import GPTConfig
+from megalite.errors import CheckpointError
 from megalite.model.gpt import GPTModel
 from megalite.validation import pad_vocab_size
 

@@ -1,7 +1,7 @@
 """`pretrain_gpt.py --load DIR` on a Megatron-LM save directory, without a conversion step.
 
 Every rank reads the checkpoint (reader.py: full single-process tensors) and keeps its own
-TP shard of each parameter (loading.local_shard: the same cut as a megalite checkpoint), at
+TP shard of each parameter (params.local_shard: the same cut as a megalite checkpoint), at
 any megalite layout. The model must be the one the flags describe (the fields
 storage.check_model_compatible compares, named when they differ). Training continues at
 the saved iteration, consumed samples and learning-rate step, or at 0 with --finetune, as
@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpointing.loading import local_shard
 from megalite.checkpointing.saving import canonical_name, model_fields
-from megalite.checkpointing.storage import MODEL_FIELDS, CheckpointError, check_model_compatible
+from megalite.checkpointing.storage import MODEL_FIELDS, check_model_compatible
+from megalite.distributed.fsdp import copy_into
+from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint.optimizer_state import adam_state
 from megalite.megatron_checkpoint.reader import MegatronCheckpoint, read_checkpoint
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.params import local_shard
 
 
 def check_compatible(ckpt: MegatronCheckpoint, model_config) -> None:
@@ -45,8 +47,8 @@ def load_megatron_checkpoint(load: str, chunks: nn.ModuleList, optimizer, schedu
     with torch.no_grad():
         for name, param in chunks.named_parameters():
             name = canonical_name(name, param)
-            param.copy_(local_shard(ckpt.state[name], param, name, state.tp_rank,
-                                    state.tp_size))
+            copy_into(param, local_shard(ckpt.state[name], param, name, state.tp_rank,
+                                         state.tp_size))
     optimizer.reload_main_params()
     finetune = config.checkpoint.finetune
     if config.checkpoint.load_optim and not finetune:

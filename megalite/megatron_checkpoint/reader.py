@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
-from megalite.checkpointing.storage import (RELEASE, TRACKER_FILENAME, CheckpointError,
-                                            checkpoint_dir)
+from megalite.checkpointing.storage import RELEASE, TRACKER_FILENAME, checkpoint_dir
+from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.safe_pickle import load_dcp_metadata, torch_load
 from megalite.config import GPTConfig

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megalite.checkpointing.storage import CheckpointError
+from megalite.errors import CheckpointError
 
 
 class MegatronEnum:

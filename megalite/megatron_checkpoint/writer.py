@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from megalite.checkpointing.storage import TRACKER_FILENAME, CheckpointError, checkpoint_dir
-from megalite.errors import ConfigError
+from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
+from megalite.errors import CheckpointError, ConfigError
 from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.reader import FORMATS, LEGACY_FILE, legacy_rank_dir
 from megalite.config import GPTConfig

@@ -21,6 +21,8 @@ import sys
 import torch
 from torch import nn
 
+from megalite.errors import CheckpointError
+
 # Parameters whose first dimension is the vocabulary, padded per TP size (docs/design.md §4).
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -104,6 +106,18 @@ def tp_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int,
     blocks = [part.chunk(tp_size, dim=dim)[tp_rank]
               for part in full.chunk(partition_stride(param), dim=dim)]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
+
+
+def local_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int,
+                tp_size: int) -> torch.Tensor:
+    """This TP rank's block of a checkpoint's full tensor (tp_shard), checked against the
+    model's parameter."""
+    full = tp_shard(full, param, name, tp_rank, tp_size)
+    if full.shape != param.shape:
+        raise CheckpointError(f"parameter {name}: the checkpoint gives shape "
+                              f"{tuple(full.shape)} for this rank, the model has "
+                              f"{tuple(param.shape)}")
+    return full
 
 
 # Stacked parameters (Megatron's `partition_stride`): the full tensor is `parts` blocks
