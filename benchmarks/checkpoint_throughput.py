@@ -44,7 +44,7 @@ from megalite.arguments import parse_args  # noqa: E402
 from megalite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
 from megalite.optimizer.lr_scheduler import LRScheduler  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
+from megalite.parallel_state import ParallelState  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
 from megalite.training import TrainState, build_model, build_optimizer  # noqa: E402
 from smoke import shrink  # noqa: E402
@@ -264,8 +264,8 @@ def main():
         with tempfile.TemporaryDirectory(prefix="ckpt_bench_", dir=args.dir) as tmp:
             print(f"torch {torch.__version__}, {os.cpu_count()} cores, model on {device}, "
                   f"directory {tmp}")
-            saved = Run(build_config(args, os.path.join(tmp, "ckpt")),
-                        ParallelState(RankGrid(1), 0), device)
+            config = build_config(args, os.path.join(tmp, "ckpt"))
+            saved = Run(config, ParallelState(config.parallel.grid, 0), device)
             clock.time("one training step (b=1, s=32)", saved.train_step)
             for _ in range(args.repeat):
                 nbytes = measure_once(clock, saved, tmp)

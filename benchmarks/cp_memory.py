@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import megalite.memory_estimate as me  # noqa: E402
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.memory_estimate.activations import layer_activation_bytes  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
+from megalite.parallel_state import ParallelState  # noqa: E402
 from megalite.training import build_model  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
 from rank_setup import init_rank, start_method  # noqa: E402
@@ -69,7 +69,7 @@ def layer_saved_bytes(config, chunk) -> int:
 def _worker(rank, cp, seq, comm, store, out):
     init_rank(rank, cp, store, "cpu")
     config = validate_args(parse_args(flags(seq, cp, comm)), cp)
-    state = ParallelState(RankGrid(cp, 1, 1, cp), rank)
+    state = ParallelState(config.parallel.grid, rank)
     chunk = build_model(config, state, torch.device("cpu"), None)[0]
     with open(f"{out}.{rank}", "w") as f:
         json.dump(layer_saved_bytes(config, chunk), f)

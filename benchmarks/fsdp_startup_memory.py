@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.arguments import parse_args  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
+from megalite.parallel_state import ParallelState  # noqa: E402
 from megalite.training import build_model  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
 from rank_setup import init_rank  # noqa: E402
@@ -55,11 +55,12 @@ def worker(rank, world, store, out, argv, fsdp):
     args = argparse.Namespace(**json.loads(argv))
     # A tiny model first: the imports and FSDP2's first allocations are not the model.
     warm = argparse.Namespace(num_layers=1, hidden_size=64, vocab_size=128)
-    build_model(validate_args(parse_args(flags(warm, fsdp)), world),
-                ParallelState(RankGrid(world), rank), torch.device("cpu"), None)
+    warm_config = validate_args(parse_args(flags(warm, fsdp)), world)
+    build_model(warm_config, ParallelState(warm_config.parallel.grid, rank), torch.device("cpu"),
+                None)
     config = validate_args(parse_args(flags(args, fsdp)), world)
     before = peak_rss()
-    model = build_model(config, ParallelState(RankGrid(world), rank), torch.device("cpu"),
+    model = build_model(config, ParallelState(config.parallel.grid, rank), torch.device("cpu"),
                         None)
     rise = peak_rss() - before
     # Whole (TP-shard) numbers of elements: DTensor shapes are the unsharded ones.

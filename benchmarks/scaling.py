@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.parallel_state import RankGrid
 from smoke import shrink
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -62,38 +63,25 @@ LOG_FIELDS = {
 }
 
 
-@dataclass
-class Layout:
-    name: str
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    @property
-    def nproc(self) -> int:
-        return self.tp * self.pp * self.dp
-
-
-def parse_layout(name: str) -> Layout:
-    """'1', 'dp2', 'tp2-pp2-dp2', ... -> Layout."""
-    layout = Layout(name)
-    if name == "1":
-        return layout
-    for part in name.split("-"):
+def parse_layout(name: str) -> RankGrid:
+    """'1', 'dp2', 'tp2-pp2-dp2', ... -> the grid of TP x PP x DP processes."""
+    sizes = {"tp": 1, "pp": 1, "dp": 1}
+    for part in name.split("-") if name != "1" else []:
         match = re.fullmatch(r"(tp|pp|dp)([1-9][0-9]*)", part)
         if match is None:
             raise SystemExit(f"layout {name!r}: parts are tpN, ppN or dpN joined by '-'")
-        setattr(layout, match.group(1), int(match.group(2)))
-    return layout
+        sizes[match.group(1)] = int(match.group(2))
+    return RankGrid(sizes["tp"] * sizes["pp"] * sizes["dp"], sizes["tp"], sizes["pp"])
 
 
-def why_not(layout: Layout, args, global_batch: int) -> str | None:
-    """Why this model and batch cannot run at this layout, or None if it can."""
-    if args.num_attention_heads % layout.tp:
-        return f"{args.num_attention_heads} heads not divisible by TP {layout.tp}"
-    if args.num_layers % layout.pp:
-        return f"{args.num_layers} layers not divisible by PP {layout.pp}"
-    if global_batch % (args.micro_batch_size * layout.dp):
+def why_not(grid: RankGrid, args, global_batch: int) -> str | None:
+    """Why this model and batch cannot run on this grid, or None if it can."""
+    tp, pp = grid.tensor_model_parallel_size, grid.pipeline_model_parallel_size
+    if args.num_attention_heads % tp:
+        return f"{args.num_attention_heads} heads not divisible by TP {tp}"
+    if args.num_layers % pp:
+        return f"{args.num_layers} layers not divisible by PP {pp}"
+    if global_batch % (args.micro_batch_size * grid.data_parallel_size):
         return f"global batch {global_batch} not divisible by micro batch x DP"
     return None
 
@@ -162,9 +150,9 @@ def matmul_rate(nproc: int, n: int, seconds: float) -> float:
 # ----------------------------------------------------------------------------------------
 # One training run.
 
-def pretrain_command(layout: Layout, args, global_batch: int) -> list[str]:
+def pretrain_command(grid: RankGrid, args, global_batch: int) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(layout.nproc), PRETRAIN,
+           "--nproc-per-node", str(grid.world_size), PRETRAIN,
            "--mock-data", "--vocab-size", str(args.vocab_size),
            "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
            "--num-attention-heads", str(args.num_attention_heads),
@@ -176,9 +164,9 @@ def pretrain_command(layout: Layout, args, global_batch: int) -> list[str]:
            "--attention-dropout", "0", "--hidden-dropout", "0",
            "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
            "--num-workers", "0",
-           "--tensor-model-parallel-size", str(layout.tp),
-           "--pipeline-model-parallel-size", str(layout.pp)]
-    if layout.tp > 1:
+           "--tensor-model-parallel-size", str(grid.tensor_model_parallel_size),
+           "--pipeline-model-parallel-size", str(grid.pipeline_model_parallel_size)]
+    if grid.tensor_model_parallel_size > 1:
         cmd.append("--sequence-parallel")
     if args.bf16:
         cmd.append("--bf16")
@@ -194,14 +182,14 @@ class Result:
     load_after: float = 0.0  # 1-minute load average when the run ended
 
 
-def run_layout(layout: Layout, args, global_batch: int) -> Result:
+def run_layout(name: str, grid: RankGrid, args, global_batch: int) -> Result:
     """Mean over the iterations after --warmup of one torchrun job's log lines."""
-    cmd = pretrain_command(layout, args, global_batch)
-    out = subprocess.run(cmd, env=process_env(layout.nproc), cwd=ROOT, capture_output=True,
+    cmd = pretrain_command(grid, args, global_batch)
+    out = subprocess.run(cmd, env=process_env(grid.world_size), cwd=ROOT, capture_output=True,
                          text=True, timeout=args.timeout)
     if out.returncode:
         sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
-        raise RuntimeError(f"layout {layout.name} failed: {' '.join(cmd)}")
+        raise RuntimeError(f"layout {name} failed: {' '.join(cmd)}")
     ms, tflops = [], []
     for line in out.stdout.splitlines():
         found = {k: p.search(line) for k, p in LOG_FIELDS.items()}
@@ -210,7 +198,7 @@ def run_layout(layout: Layout, args, global_batch: int) -> Result:
             tflops.append(float(found["tflops"].group(1)))
     ms, tflops = ms[args.warmup:], tflops[args.warmup:]
     if not ms:
-        raise RuntimeError(f"layout {layout.name}: no log lines after {args.warmup} warm-up "
+        raise RuntimeError(f"layout {name}: no log lines after {args.warmup} warm-up "
                            f"iterations; raise --iters")
     # FLOPs per step is fixed, so the mean time gives the mean rate (not the mean of rates).
     flops_ms = statistics.fmean(t * m for t, m in zip(tflops, ms))
@@ -252,14 +240,14 @@ def parse_args():
     return args
 
 
-def chosen_layouts(args) -> list[Layout]:
+def chosen_layouts(args) -> dict[str, RankGrid]:
     names = args.layouts or [n for k, v in DEFAULT_LAYOUTS.items() if k <= args.nproc_max
                              for n in v]
-    layouts = [parse_layout(n) for n in ["1"] + [n for n in names if n != "1"]]
-    too_big = [x.name for x in layouts if x.nproc > args.nproc_max]
+    layouts = {n: parse_layout(n) for n in ["1"] + [n for n in names if n != "1"]}
+    too_big = [n for n, grid in layouts.items() if grid.world_size > args.nproc_max]
     if too_big:
         print(f"skipped (more than --nproc-max {args.nproc_max} processes): {too_big}")
-    return [x for x in layouts if x.nproc <= args.nproc_max]
+    return {n: grid for n, grid in layouts.items() if grid.world_size <= args.nproc_max}
 
 
 def describe_machine(args):
@@ -286,43 +274,43 @@ def main():
     describe_machine(args)
     dtype = "bf16" if on_gpu() else "fp32"
     matmul = {}
-    for n in sorted({x.nproc for x in layouts}):
+    for n in sorted({grid.world_size for grid in layouts.values()}):
         matmul[n] = matmul_rate(n, args.matmul_size, args.matmul_seconds)
         print(f"reference: {dtype} matmul {args.matmul_size}^3, {n} process(es) at once: "
               f"{matmul[n] / 1e9:10.1f} GFLOP/s in all ({matmul[n] / matmul[1]:.2f} x 1)")
 
     rows = []
-    for layout in layouts:
-        global_batch = args.global_batch_size * (layout.nproc if args.scaling == "weak" else 1)
-        reason = why_not(layout, args, global_batch)
+    for name, grid in layouts.items():
+        global_batch = args.global_batch_size * (grid.world_size if args.scaling == "weak" else 1)
+        reason = why_not(grid, args, global_batch)
         if reason:
-            print(f"skipped {layout.name}: {reason}")
+            print(f"skipped {name}: {reason}")
             continue
         before = loadavg()
         start = time.perf_counter()
-        result = run_layout(layout, args, global_batch)
+        result = run_layout(name, grid, args, global_batch)
         result.load_after = os.getloadavg()[0]
         tokens_per_s = global_batch * args.seq_length / (result.ms_per_iter / 1e3)
-        rows.append((layout, global_batch, result, tokens_per_s))
-        print(f"{layout.name}: {result.ms_per_iter:.0f} ms/iter, {tokens_per_s:.0f} tokens/s "
+        rows.append((name, grid, global_batch, result, tokens_per_s))
+        print(f"{name}: {result.ms_per_iter:.0f} ms/iter, {tokens_per_s:.0f} tokens/s "
               f"({time.perf_counter() - start:.0f} s; load before {before}, after {loadavg()})",
               flush=True)
     print_table(rows, matmul, args, dtype)
 
 
 def print_table(rows, matmul, args, dtype):
-    base = rows[0][3]
+    base = rows[0][4]
     print(f"\n| layout | processes | micro-batches per DP rank | ms/iter (± sd) | tokens/s "
           f"| tokens/s per process | TFLOP/s per process | tokens/s, fastest iteration "
           f"| {args.scaling} scaling efficiency | matmul bound ({dtype} matmul rate N / 1) "
           f"| load (1 min) at end |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for layout, global_batch, r, tokens_per_s in rows:
-        n = layout.nproc
-        micro = global_batch // (args.micro_batch_size * layout.dp)
+    for name, grid, global_batch, r, tokens_per_s in rows:
+        n = grid.world_size
+        micro = global_batch // (args.micro_batch_size * grid.data_parallel_size)
         fastest = global_batch * args.seq_length / (r.ms_fastest / 1e3)
         efficiency = tokens_per_s / (n * base)
-        print(f"| {layout.name} | {n} | {micro} | {r.ms_per_iter:,.0f} ± {r.ms_stdev:,.0f} "
+        print(f"| {name} | {n} | {micro} | {r.ms_per_iter:,.0f} ± {r.ms_stdev:,.0f} "
               f"| {tokens_per_s:,.0f} | {tokens_per_s / n:,.0f} | {r.tflops_per_process:.4g} "
               f"| {fastest:,.0f} | {100 * efficiency:.0f}% | {matmul[n] / matmul[1]:.2f} / {n} "
               f"= {100 * matmul[n] / matmul[1] / n:.0f}% | {r.load_after:.1f} |")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.parallel_state import RankGrid
+
 DEFAULT_BUCKET_SIZE = 40_000_000
 """Elements per data-parallel gradient bucket when --ddp-bucket-size is unset (Megatron's
 default): parameters are cut, in order, into buckets of at most this many elements of one
@@ -108,9 +110,11 @@ class ParallelConfig:
     per step after accumulating them unsharded (--fsdp-grad-reduce-every-micro-batch)."""
 
     @property
-    def data_context_parallel_size(self) -> int:
-        """DP x CP: the ranks gradients are summed over and ZeRO-1 shards its state over."""
-        return self.data_parallel_size * self.context_parallel_size
+    def grid(self) -> RankGrid:
+        """The rank grid of these sizes (its groups, `dp_cp_size`), for `ParallelState`."""
+        tp, pp, cp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                      self.context_parallel_size)
+        return RankGrid(tp * pp * cp * self.data_parallel_size, tp, pp, cp)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,11 @@ class RankGrid:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         return self.world_size // (model_parallel * self.context_parallel_size)
 
+    @property
+    def dp_cp_size(self) -> int:
+        """DP x CP: the ranks gradients are summed over and ZeRO-1 shards its state over."""
+        return self.data_parallel_size * self.context_parallel_size
+
     def rank(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         tp, cp, dp = (self.tensor_model_parallel_size, self.context_parallel_size,
                       self.data_parallel_size)
@@ -77,7 +82,7 @@ class RankGrid:
     def data_groups(self) -> list[list[int]]:
         return self._groups_varying("d")
 
-    def data_context_groups(self) -> list[list[int]]:
+    def dp_cp_groups(self) -> list[list[int]]:
         """DP x CP: every rank holding the same model shard. Gradients are summed and
         ZeRO-1 shards laid over it (Megatron's data-parallel group with CP)."""
         return self._groups_varying("cd")
@@ -153,7 +158,7 @@ class ParallelState:
         self.tp_group = self._make(grid.tensor_groups())
         self.dp_group = self._make(grid.data_groups())
         self.cp_group = self._make(grid.context_groups())
-        self.dp_cp_group = self._make(grid.data_context_groups())
+        self.dp_cp_group = self._make(grid.dp_cp_groups())
         self.pp_group = self._make(grid.pipeline_groups())
         self.mp_group = self._make(grid.model_parallel_groups())
         self.embedding_group = self._make(grid.embedding_groups())
@@ -184,4 +189,4 @@ class ParallelState:
 
     @property
     def dp_cp_size(self) -> int:
-        return self.dp_size * self.cp_size
+        return self.grid.dp_cp_size

@@ -37,7 +37,7 @@ from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
-from megalite.parallel_state import ParallelState, RankGrid
+from megalite.parallel_state import ParallelState
 from megalite.run_file import dump_run_file, write_run_file
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
@@ -75,15 +75,12 @@ def pretrain(argv=None) -> int:
                                         vocab_size=args.vocab_size)
         config = validate_args(args, world_size_from_env(),
                                tokenizer.vocab_size if tokenizer else None)
-        rank, world_size, device = initialize_distributed(config.distributed)
+        rank, _, device = initialize_distributed(config.distributed)
     except MegaliteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
-        p = config.parallel
-        state = ParallelState(RankGrid(world_size, p.tensor_model_parallel_size,
-                                       p.pipeline_model_parallel_size,
-                                       p.context_parallel_size), rank)
+        state = ParallelState(config.parallel.grid, rank)
         run_training(config, state, device, tokenizer.eod if tokenizer else None,
                      dump_run_file(args, build_parser()))
         return 0

@@ -37,7 +37,7 @@ def test_flags_reach_the_config():
                        "--tensor-model-parallel-size", "2", world_size=8)
     p = config.parallel
     assert (p.context_parallel_size, p.data_parallel_size) == (2, 2)
-    assert p.data_context_parallel_size == 4
+    assert p.grid.dp_cp_size == 4
     assert config.model.cp_comm_type == "all_gather"
     # DP = world / (TP x CP x PP): the global batch default is micro-batch x DP.
     default = validate_args(parse_args(without(BASE_FLAGS, "--global-batch-size")

@@ -385,9 +385,9 @@ def _tensor_parallel(rank, world_size) -> dict:
 
 def _zero_over_two_ranks(rank, world_size) -> tuple[dict, me.RankMemory, bool]:
     """Measured state, planned state, and whether the buckets are the planner's."""
-    state = ParallelState(RankGrid(world_size, 1, 1), rank)
     config = make_config(["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size",
                           "30000"], world_size)
+    state = ParallelState(config.parallel.grid, rank)
     model, optimizer, grad_buffer, _ = train_one_step(config, state)
     return (measured_state(model, optimizer, grad_buffer), me.estimate_rank_memory(config, 0),
             built_buckets(grad_buffer) == planned_buckets(config))
@@ -396,8 +396,8 @@ def _zero_over_two_ranks(rank, world_size) -> tuple[dict, me.RankMemory, bool]:
 def _pipeline_send_buffers(rank, world_size) -> tuple[int, int]:
     """Bytes of the sends still held when the step's last action is done (the executor
     waits for them only then), against the planner's m x (send forward + send backward)."""
-    state = ParallelState(RankGrid(world_size, 1, 2), rank)
     config = make_config(["--pipeline-model-parallel-size", "2", "--bf16"], world_size)
+    state = ParallelState(config.parallel.grid, rank)
     held = []
     original = None
 

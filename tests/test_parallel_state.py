@@ -95,7 +95,7 @@ def test_context_parallel_groups_match_reference(world, tp, cp, pp):
     assert grid.context_groups() == varying(2)
     assert grid.data_groups() == varying(1)
     assert grid.pipeline_groups() == varying(0)
-    assert grid.data_context_groups() == varying(1, 2)
+    assert grid.dp_cp_groups() == varying(1, 2)
     assert grid.model_parallel_groups() == varying(0, 3)
     for rank in range(world):
         t, d, p = grid.coordinates(rank)

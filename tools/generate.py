@@ -33,7 +33,7 @@ from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.inference import (Sampling, check_length, generate,  # noqa: E402
                                 load_model_weights, max_positions)
 from megalite.initialize import initialize_distributed, world_size_from_env  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
+from megalite.parallel_state import ParallelState  # noqa: E402
 from megalite.training import build_model  # noqa: E402
 from megalite.validation import validate_model_args  # noqa: E402
 
@@ -104,10 +104,8 @@ def prompt_tokens(args, tokenizer, config: Config) -> list[int]:
     return tokens
 
 
-def run(args, config: Config, tokenizer, tokens: list[int], rank: int, world_size: int,
-        device: torch.device):
-    p = config.parallel
-    state = ParallelState(RankGrid(world_size, p.tensor_model_parallel_size, 1), rank)
+def run(args, config: Config, tokenizer, tokens: list[int], rank: int, device: torch.device):
+    state = ParallelState(config.parallel.grid, rank)
     model = build_model(config, state, device, rng_tracker=None)[0].eval()
     iteration, directory, meta = load_model_weights(config.checkpoint.load, model)
     layout = meta["layout"]
@@ -137,12 +135,12 @@ def main(argv=None) -> int:
         config, tokenizer = build_config(args)
         tokens = prompt_tokens(args, tokenizer, config)
         Sampling(args.greedy, args.temperature, args.top_k, args.top_p)  # refuse bad flags now
-        rank, world_size, device = initialize_distributed(config.distributed)
+        rank, _, device = initialize_distributed(config.distributed)
     except MegaliteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
-        run(args, config, tokenizer, tokens, rank, world_size, device)
+        run(args, config, tokenizer, tokens, rank, device)
         return 0
     except MegaliteError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)

@@ -43,7 +43,7 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
     the transient parts of parameters and gradients."""
     par = config.parallel
     # FSDP2 shards over DP x CP (distributed/fsdp.py).
-    t, dp = par.tensor_model_parallel_size, par.data_context_parallel_size
+    t, dp = par.tensor_model_parallel_size, par.grid.dp_cp_size
     with torch.device("meta"):
         chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
                                     par.virtual_pipeline_model_parallel_size or 1)

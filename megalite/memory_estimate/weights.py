@@ -52,7 +52,7 @@ def grad_buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, 
     layout = bucket_layout(numels, [q.dtype for q in params],
                            [is_shared_embedding(q) for q in params],
                            config.parallel.ddp_bucket_size)
-    dp = config.parallel.data_context_parallel_size  # the group the buffer is reduced over
+    dp = config.parallel.grid.dp_cp_size  # the group the buffer is reduced over
     return [(n, padded_size(n, dp)) for n in (sum(numels[i] for i in b) for b in layout)]
 
 
@@ -71,7 +71,7 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     if not main_params:  # plain AdamW: the parameters are the main copy, two fp32 moments
         return dict(num_parameters=num, parameters=pbytes * num, gradients=gbytes * padded,
                     optimizer_state=8 * num, main_grads=0)
-    shards = config.parallel.data_context_parallel_size if sharded else 1
+    shards = config.parallel.grid.dp_cp_size if sharded else 1
     # DP rank 0 owns the first 1/shards of every bucket, all of it real parameters.
     owned = sum(min(real, n // shards) for real, n in layout)
     state = dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,

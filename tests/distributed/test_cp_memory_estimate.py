@@ -7,7 +7,7 @@ import torch
 
 import megalite.memory_estimate as me
 from megalite.arguments import parse_args
-from megalite.parallel_state import ParallelState, RankGrid
+from megalite.parallel_state import ParallelState
 from megalite.train_step import autocast
 from megalite.training import build_model
 from megalite.validation import validate_args
@@ -53,7 +53,7 @@ def measure(rank, world_size):
     results = {}
     for name, flags in CASES.items():
         config = validate_args(parse_args(FLAGS + flags), world_size)
-        state = ParallelState(RankGrid(world_size, 1, 1, CP), rank)
+        state = ParallelState(config.parallel.grid, rank)
         chunk = build_model(config, state, torch.device("cpu"), None)[0]
         planned = me.rank_chunks(config, 0, me.DEVICES["cpu"])[0].saved
         results[name] = (saved_bytes(config, chunk), planned)

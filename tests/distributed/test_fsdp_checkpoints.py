@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.arguments import parse_args
-from megalite.parallel_state import ParallelState, RankGrid
+from megalite.parallel_state import ParallelState
 from megalite.training import run_training
 from megalite.validation import validate_args
 
@@ -34,9 +34,7 @@ def train(rank, world_size, *flags) -> dict[int, tuple[str, str]]:
     """One pretrain_gpt.py run in this process group; the last rank's logged
     (loss, grad norm) per iteration."""
     config = validate_args(parse_args([*FLAGS, *flags]), world_size)
-    p = config.parallel
-    state = ParallelState(RankGrid(world_size, p.tensor_model_parallel_size,
-                                   p.pipeline_model_parallel_size), rank)
+    state = ParallelState(config.parallel.grid, rank)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         run_training(config, state, torch.device("cpu"), None)

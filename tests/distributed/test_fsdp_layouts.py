@@ -195,9 +195,7 @@ def initial_values(rank, world_size) -> dict[str, list[str]]:
         config = validate_args(parse_args([*BASE_FLAGS, "--num-layers", "4", "--swiglu",
                                            "--seed", "5", "--use-torch-fsdp2", *extra]),
                                world_size)
-        par = config.parallel
-        state = ParallelState(RankGrid(world_size, par.tensor_model_parallel_size,
-                                       par.pipeline_model_parallel_size), rank)
+        state = ParallelState(config.parallel.grid, rank)
         chunks = build_model(config, state, torch.device("cpu"), None)
         one_process = GPTModel(dataclasses.replace(config.model, sequence_parallel=False),
                                seed=5)
@@ -284,7 +282,7 @@ def planner_against_tensors(rank, world_size) -> dict[str, list[str]]:
                         ("ZeRO-3", []), ("ZeRO-3 + offload", ["--optimizer-cpu-offload"])):
         config = validate_args(parse_args([*BASE_FLAGS, "--bf16", "--use-torch-fsdp2",
                                            *extra]), world_size)
-        state = ParallelState(RankGrid(world_size), rank)
+        state = ParallelState(config.parallel.grid, rank)
         model = build_model(config, state, torch.device("cpu"), None)
         optimizer, _ = build_optimizer(model, config, state)
         t, m = config.training, config.model

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megalite.arguments import parse_args
-from megalite.parallel_state import ParallelState, RankGrid
+from megalite.parallel_state import ParallelState
 from megalite.training import run_training
 from megalite.validation import validate_args
 
@@ -81,7 +81,7 @@ def _logged_rates(rank: int, world_size: int) -> dict:
     results = {}
     for name, (flags, _) in case_flags(world_size).items():
         config = validate_args(parse_args(TINY + flags), world_size)
-        state = ParallelState(RankGrid(world_size, 1, 1), rank)
+        state = ParallelState(config.parallel.grid, rank)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             run_training(config, state, torch.device("cpu"), eod=None)
