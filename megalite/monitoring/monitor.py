@@ -62,8 +62,7 @@ class Monitor:
         self.timers = Timers(self.m.timing_log_level, device,
                              extra=COMPUTE if self.m.log_straggler else ())
         optimizer.timers = self.timers
-        self.peak_tflops = peak_tflops(device, compute_dtype(config.precision.bf16,
-                                                             config.precision.fp16),
+        self.peak_tflops = peak_tflops(device, compute_dtype(config.precision.params_dtype),
                                        self.m.peak_tflops)
         self.hosts = None
         if self.m.log_straggler:
