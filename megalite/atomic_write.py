@@ -1,7 +1,6 @@
-"""Publishing a file or a directory whole: it is written under a temporary name beside its
-final one and renamed over it (one atomic step on POSIX), so a reader, or a crash, finds
-the old version or the new one, never half of one. A leaf: imports nothing of megalite.
-"""
+"""Publishing a file or a directory whole: written under a temporary name beside its final
+one, then renamed over it, so a reader or a crash finds the old or the new, never half.
+A leaf: imports nothing of megalite."""
 
 import os
 import shutil
@@ -11,10 +10,9 @@ from typing import BinaryIO, Callable, Iterator
 
 
 @contextmanager
-def atomic_path(path: str | Path, suffix: str = ".tmp", durable: bool = False) -> Iterator[Path]:
+def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     """The temporary name to write `path` under (its name + `suffix`, beside it), renamed
-    over `path` when the block ends and removed if it raises. `durable`: the directory is
-    fsynced after the rename, so the rename too survives a power cut."""
+    over `path` when the block ends and removed if it raises."""
     path = Path(path)
     tmp = path.with_name(path.name + suffix)
     try:
@@ -22,19 +20,19 @@ def atomic_path(path: str | Path, suffix: str = ".tmp", durable: bool = False) -
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    if durable:
-        fsync_dir(path.parent)
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], suffix: str = ".tmp",
                  durable: bool = False) -> None:
-    """`write(f)` into the temporary file of `atomic_path`; `durable`: its bytes are fsynced
-    before the rename."""
-    with atomic_path(path, suffix, durable) as tmp, open(tmp, "wb") as f:
+    """`write(f)` into atomic_path's temporary file. `durable`: the file is fsynced before
+    the rename and its directory after, so both survive a power cut."""
+    with atomic_path(path, suffix) as tmp, open(tmp, "wb") as f:
         write(f)
         if durable:
             f.flush()
             os.fsync(f.fileno())
+    if durable:
+        fsync_dir(Path(path).parent)
 
 
 def fsync_dir(path: Path) -> None:

@@ -18,8 +18,7 @@ default): parameters are cut, in order, into buckets of at most this many elemen
 dtype, so a model of thousands of tensors costs a handful of collectives per step."""
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-"""The short names (Megatron's flags --bf16, --fp16) of the dtypes parameters and gradients
-may have."""
+"""Short names (as Megatron's --bf16, --fp16) of the dtypes of parameters and gradients."""
 
 
 @dataclass(frozen=True)

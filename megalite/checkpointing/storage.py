@@ -115,19 +115,15 @@ def guarded_load(source: Path | BinaryIO, what: str, allowed: Sequence = (),
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
+        # The line of torch's message that says what was refused, without its advice.
+        reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
+        reason = reason.splitlines()[0].split(". Please", 1)[0] if reason else repr(error)
         raise CheckpointError(f"{what} refused by weights_only loading, nothing in it was run: "
                               f"it is corrupt or holds objects other than tensors and plain "
-                              f"containers ({_refusal_reason(error)})") from error
+                              f"containers ({reason})") from error
     except Exception as error:
         raise CheckpointError(f"{what} is unreadable (corrupt or not written by torch.save): "
                               f"{error!r}") from error
-
-
-def _refusal_reason(error: pickle.UnpicklingError) -> str:
-    """The line of torch's message that says what was refused ("Unsupported global: GLOBAL
-    x.Y was not an allowed global by default"), without its advice to allow it."""
-    reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
-    return reason.splitlines()[0].split(". Please", 1)[0] if reason else repr(error)
 
 
 def _check_file_names(files: Any, where: str) -> list[str]:
