@@ -19,6 +19,9 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 default): parameters are cut, in order, into buckets of at most this many elements of one
 dtype, so a model of thousands of tensors costs a handful of collectives per step."""
 
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+"""Short names (as Megatron's --bf16, --fp16) of the dtypes of parameters and gradients."""
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -226,8 +229,14 @@ class PrecisionConfig:
     @property
     def params_dtype(self) -> torch.dtype:
         """The dtype of the model's parameters, activations and pipeline sends (Megatron's
-        params_dtype); the optimizer's main copies are fp32 whatever it is."""
+        params_dtype), and so the one its matmuls run in; the optimizer's main copies are
+        fp32 whatever it is."""
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def params_bytes(self) -> int:
+        """Bytes per element of params_dtype."""
+        return self.params_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -358,6 +367,20 @@ class Config:
             return OptimizerKind.FULLY_SHARDED
         if self.parallel.use_distributed_optimizer:
             return OptimizerKind.SHARDED_FP32_MAIN_PARAMS
-        if self.precision.bf16 or self.precision.fp16:
+        if self.precision.params_dtype != torch.float32:
             return OptimizerKind.FP32_MAIN_PARAMS
         return OptimizerKind.FP32
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are accumulated and reduced over DP x CP in (the gradient
+        buffer's; FSDP2's reduce_dtype): fp32 under --accumulate-allreduce-grads-in-fp32,
+        else the parameters'."""
+        if self.parallel.accumulate_allreduce_grads_in_fp32:
+            return torch.float32
+        return self.precision.params_dtype
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of grad_dtype."""
+        return self.grad_dtype.itemsize

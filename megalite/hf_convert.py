@@ -39,12 +39,12 @@ special-token ids as hf_config_kwargs (e.g. eos_token_id=50256); they default to
 """
 
 import os
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
+from megalite.atomic_write import staged_directory
 from megalite.errors import ConfigError
 from megalite.config import GPTConfig
 
@@ -206,17 +206,8 @@ def export_to_hf(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
         model = cls(config)
     model.load_state_dict(hf, strict=True, assign=True)
     model.tie_weights()
-    staging = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
-    aside = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_directory(output_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)
-        if output_dir.exists():
-            os.rename(output_dir, aside)
-        os.rename(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(aside, ignore_errors=True)
     return output_dir
 
 

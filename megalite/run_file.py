@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from megalite.atomic_write import atomic_write
 from megalite.errors import ConfigError
 
 FLAG = "--yaml-cfg"
@@ -159,7 +160,5 @@ def write_run_file(directory: str | Path, text: str) -> Path:
     """`directory/run_config.yaml`, written under a temporary name and renamed."""
     path = Path(directory) / RUN_FILE_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), suffix=f".tmp-{os.getpid()}")
     return path

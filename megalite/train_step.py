@@ -34,7 +34,7 @@ def autocast(precision: PrecisionConfig, device: torch.device):
     """bf16/fp16 autocast on whichever device we run; a no-op in fp32. The parameters are
     already half precision then; autocast keeps the numerically delicate ops (norms,
     softmax) in fp32."""
-    if not (precision.bf16 or precision.fp16):
+    if precision.params_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=precision.params_dtype)
 

@@ -145,8 +145,7 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     params = [q for q in model.parameters() if q.requires_grad]
     grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
-                             grad_dtype=torch.float32 if p.accumulate_allreduce_grads_in_fp32
-                             else None)
+                             grad_dtype=config.grad_dtype)
     if config.optimizer_kind.has_main_params:
         optimizer = MixedPrecisionOptimizer(model, config.optimizer, scaler, state.tp_group,
                                             state.mp_group, grad_buffer, p.overlap_param_gather,

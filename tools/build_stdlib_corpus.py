@@ -13,6 +13,8 @@ import os
 import sys
 import sysconfig
 
+from megalite.atomic_write import atomic_path
+
 
 def stdlib_sources(root: str | None = None):
     """Paths of the standard library's .py files (site-packages excluded), sorted."""
@@ -26,8 +28,7 @@ def stdlib_sources(root: str | None = None):
 def build_corpus(path: str, max_documents: int | None = None) -> int:
     """Write the corpus to `path` (via a temporary name); returns the document count."""
     count = 0
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as out:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as out:
         for source in stdlib_sources():
             if max_documents is not None and count >= max_documents:
                 break
@@ -35,7 +36,6 @@ def build_corpus(path: str, max_documents: int | None = None) -> int:
             with open(source, encoding="utf-8", errors="replace") as f:
                 out.write(json.dumps({"text": f.read()}) + "\n")
             count += 1
-    os.replace(tmp, path)
     return count
 
 

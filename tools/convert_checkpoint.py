@@ -65,11 +65,6 @@ DIRECTION_FLAGS = {
                         "target_tensor_parallel_size", "target_pipeline_parallel_size",
                         "make_vocab_size_divisible_by"),
     "import_megatron": ("save", "ckpt_format", "vocab_size")}
-# What a single-process run records as its layout (saving.layout_of for one rank).
-SINGLE_PROCESS_LAYOUT = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                         "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 1,
-                         "world_size": 1, "use_distributed_optimizer": False,
-                         "context_parallel_size": 1}
 
 
 # --- export: megalite -> HF ----------------------------------------------------------------
@@ -158,7 +153,7 @@ def save_single_process_checkpoint(save: str, config: GPTConfig,
     staging = prepare_staging(save, 0)
     save_tensor_file({"params": state, **shard_layout},
                      staging / saving.model_file(0, 0))
-    layout = SINGLE_PROCESS_LAYOUT
+    layout = saving.SINGLE_PROCESS_LAYOUT
     metadata = {"format_version": saving.FORMAT_VERSION,
                 "megalite_version": megalite.__version__, "torch_version": torch.__version__,
                 "layout": layout, "model": saving.model_fields(config),

@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import Config  # noqa: E402
+from megalite.config import DTYPE_NAMES, Config  # noqa: E402
 from megalite.errors import ConfigError, MegaliteError  # noqa: E402
 from megalite.memory_estimate import (DEVICES, GiB, RankMemory, estimate_memory,  # noqa: E402
                                       num_model_parameters)
@@ -80,10 +80,8 @@ def describe(config: Config) -> list[str]:
     if recompute == "full":
         recompute += (f" ({getattr(m, 'recompute_method', None)}, "
                       f"{getattr(m, 'recompute_num_layers', 1)} layers)")
-    dtype = "bf16" if pr.bf16 else "fp16" if pr.fp16 else "fp32"
     world = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
              * p.context_parallel_size * p.data_parallel_size)
-    grads = "fp32" if p.accumulate_allreduce_grads_in_fp32 else dtype
     cp = (f" x CP {p.context_parallel_size} ({m.cp_comm_type})"
           if p.context_parallel_size > 1 else "")
     return [
@@ -100,7 +98,8 @@ def describe(config: Config) -> list[str]:
         f"{_sharding(config)}; schedule {schedule}",
         f"batch: micro-batch {t.micro_batch_size} x seq {m.seq_length}, "
         f"{t.num_microbatches} micro-batches per step per DP rank, global batch "
-        f"{t.global_batch_size}; {dtype} parameters, {grads} gradient buffer; "
+        f"{t.global_batch_size}; {DTYPE_NAMES[pr.params_dtype]} parameters, "
+        f"{DTYPE_NAMES[config.grad_dtype]} gradient buffer; "
         f"recompute {recompute}",
     ]
 

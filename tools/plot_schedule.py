@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from megalite.atomic_write import atomic_path  # noqa: E402
 from megalite.errors import ConfigError  # noqa: E402
 from megalite.pipeline_parallel.schedules import (  # noqa: E402
     FORWARD, SCHEDULES, WEIGHT, build_schedule)
@@ -93,10 +94,9 @@ def draw(boxes: list[Box], sim, title: str, chunks: int, output: str):
     ax.set_xlabel("time (simulated)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    partial = output + ".partial.png"
-    fig.savefig(partial, dpi=110)
+    with atomic_path(output, suffix=".partial.png") as partial:
+        fig.savefig(partial, dpi=110)
     plt.close(fig)
-    os.replace(partial, output)
 
 
 def main(argv=None) -> int:

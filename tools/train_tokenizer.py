@@ -24,6 +24,7 @@ import sys
 # Runnable from a checkout without `pip install -e .`.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from megalite.atomic_write import atomic_write  # noqa: E402
 from megalite.errors import ConfigError, DataError, MegaliteError  # noqa: E402
 
 
@@ -99,9 +100,7 @@ def train(args):
             raise errors[0] from None
         raise
     path = args.model_prefix + ".model"
-    with open(path + ".tmp", "wb") as f:
-        f.write(model.getvalue())
-    os.replace(path + ".tmp", path)
+    atomic_write(path, lambda f: f.write(model.getvalue()))
     return path
 
 

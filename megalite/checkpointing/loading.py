@@ -160,11 +160,11 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     scheduler.load_state_dict(meta["scheduler"])
     zero = optimizer.sharded
     if ckpt.load_rng and meta.get("has_rng", True):
-        if saved_layout(meta["layout"]) == layout_of(state, chunks, zero):
+        if saved_layout(meta["layout"]) == layout_of(state.grid, len(chunks), zero):
             _set_rng_state(load_tensor_file(directory / rng_file(dist.get_rank())), rng_tracker)
         elif dist.get_rank() == 0:
             print(f" > not restoring RNG states: saved at layout {meta['layout']}, running "
-                  f"at {layout_of(state, chunks, zero)}", flush=True)
+                  f"at {layout_of(state.grid, len(chunks), zero)}", flush=True)
     return {"iteration": iteration,
             "consumed_train_samples": meta["consumed_train_samples"],
             "consumed_valid_samples": meta["consumed_valid_samples"]}

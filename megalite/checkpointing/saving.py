@@ -38,7 +38,7 @@ from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, ch
                                            commit, prepare_staging, save_tensor_file,
                                            staging_dir)
 from megalite.distributed.fsdp import full_tensor, is_fully_sharded
-from megalite.parallel_state import ParallelState, group_rank
+from megalite.parallel_state import ParallelState, RankGrid, group_rank
 from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
 
 FORMAT_VERSION = 1
@@ -80,12 +80,18 @@ def shard_layout(params: dict[str, nn.Parameter]) -> dict:
                                   if partition_stride(p) > 1}}
 
 
-def layout_of(state: ParallelState, chunks: nn.ModuleList, zero: bool) -> dict:
-    return {"tensor_model_parallel_size": state.tp_size,
-            "pipeline_model_parallel_size": state.pp_size,
-            "virtual_pipeline_model_parallel_size": len(chunks),
-            "data_parallel_size": state.dp_size, "world_size": state.grid.world_size,
-            "use_distributed_optimizer": zero, "context_parallel_size": state.cp_size}
+def layout_of(grid: RankGrid, num_chunks: int, zero: bool) -> dict:
+    """The layout a checkpoint records: the grid, model chunks per rank, ZeRO-1 or not."""
+    return {"tensor_model_parallel_size": grid.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": grid.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": num_chunks,
+            "data_parallel_size": grid.data_parallel_size, "world_size": grid.world_size,
+            "use_distributed_optimizer": zero,
+            "context_parallel_size": grid.context_parallel_size}
+
+
+SINGLE_PROCESS_LAYOUT = layout_of(RankGrid(1), 1, zero=False)
+"""What a one-process run records: the layout of the checkpoints the converters write."""
 
 
 def saved_layout(layout: dict) -> dict:
@@ -122,7 +128,7 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
     `run_file`: the run's flags as YAML (megalite/run_file.py), kept in the metadata."""
     optimizer.finish_param_gather()
     zero = optimizer.sharded
-    layout = layout_of(state, chunks, zero)
+    layout = layout_of(state.grid, len(chunks), zero)
     ckpt = config.checkpoint
     if dist.get_rank() == 0:
         prepare_staging(save, iteration)

@@ -15,16 +15,16 @@ rank may call it. No function here communicates; the caller owns the barriers.
 """
 
 import json
-import os
 import pickle
 import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import torch
 
+from megalite.atomic_write import atomic_write, fsync_dir, swap_in
 from megalite.errors import CheckpointError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -67,32 +67,11 @@ def _io_errors(what: str, path: Path) -> Iterator[None]:
         raise CheckpointError(f"cannot {what} {path}: {error}") from error
 
 
-def _fsync_dir(path: Path) -> None:
-    """Makes renames and new entries in `path` durable, not just the files' bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
-
-
 def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """Nothing written half: `path.tmp`, fsync, rename over `path`, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
     with _io_errors("write", path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
+        atomic_write(path, write, durable=True)
 
 
 def prepare_staging(save: str | Path, iteration: int) -> Path:
@@ -115,23 +94,32 @@ def save_tensor_file(obj: Any, path: str | Path) -> None:
 
 
 def load_tensor_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """`torch.load(weights_only=True)`: a file holding anything but tensors and plain
-    containers is refused without running its pickle, so a checkpoint cannot run code.
-    With `mmap` tensors are read from disk only when touched (resharding reads pieces)."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} does not exist")
+    """A checkpoint file, by `guarded_load`. With `mmap` tensors are read from disk only
+    when touched (resharding reads pieces)."""
+    return guarded_load(Path(path), f"checkpoint file {path}", map_location=map_location,
+                        mmap=mmap)
+
+
+def guarded_load(source: Path | BinaryIO, what: str, allowed: Sequence = (),
+                 map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """`torch.load(weights_only=True)` of a path or a stream, with the extra globals
+    `allowed`: a file holding anything else is refused without running its pickle, so a
+    checkpoint cannot run code. `what` names the file in errors."""
+    if isinstance(source, Path) and not source.is_file():
+        raise CheckpointError(f"{what} does not exist")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
+        # The line of torch's message that says what was refused, without its advice.
         reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
         reason = reason.splitlines()[0].split(". Please", 1)[0] if reason else repr(error)
-        raise CheckpointError(f"checkpoint file {path} refused by weights_only loading, nothing "
-                              f"in it was run: it is corrupt or holds objects other than tensors "
-                              f"and plain containers ({reason})") from error
+        raise CheckpointError(f"{what} refused by weights_only loading, nothing in it was run: "
+                              f"it is corrupt or holds objects other than tensors and plain "
+                              f"containers ({reason})") from error
     except Exception as error:
-        raise CheckpointError(f"checkpoint file {path} is unreadable (corrupt or not written "
-                              f"by torch.save): {error!r}") from error
+        raise CheckpointError(f"{what} is unreadable (corrupt or not written by torch.save): "
+                              f"{error!r}") from error
 
 
 def _check_file_names(files: Any, where: str) -> list[str]:
@@ -166,11 +154,8 @@ def commit(save: str | Path, iteration: int, metadata: dict,
     text = json.dumps(record, indent=2, sort_keys=True).encode()  # a non-JSON value fails here
     _atomic_write(staging / METADATA_FILENAME, lambda f: f.write(text))
     with _io_errors("publish checkpoint", final):
-        if final.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-            os.rename(final, aside)
-        os.rename(staging, final)
-        _fsync_dir(save)
+        swap_in(staging, final, aside)
+        fsync_dir(save)
     _atomic_write(save / TRACKER_FILENAME, lambda f: f.write(str(iteration).encode()))
     shutil.rmtree(aside, ignore_errors=True)
     return final

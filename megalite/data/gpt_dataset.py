@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megalite.atomic_write import atomic_write
 from megalite.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -97,18 +98,6 @@ def array_digest(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
-def _save_atomic(path: str, write: Callable) -> None:
-    """Write through `write(file)` to a temp name in the same directory, then rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def build_or_load_indices(description: dict, names: Sequence[str],
                           build: Callable[[], Dict[str, np.ndarray]], cache_dir: Optional[str],
                           is_builder: bool, barrier: Callable[[], None],
@@ -136,9 +125,10 @@ def build_or_load_indices(description: dict, names: Sequence[str],
         arrays = build()
         os.makedirs(cache_dir, exist_ok=True)
         for name, path in paths.items():
-            _save_atomic(path, lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
+            atomic_write(path, lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False),
+                         suffix=f".tmp-{os.getpid()}")
         text = json.dumps(description, sort_keys=True, indent=1).encode("utf-8")
-        _save_atomic(description_path, lambda f: f.write(text))
+        atomic_write(description_path, lambda f: f.write(text), suffix=f".tmp-{os.getpid()}")
         logger.info("built %s indices in %.2f s -> %s", description["class"],
                     time.perf_counter() - t0, prefix)
     barrier()

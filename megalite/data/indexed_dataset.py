@@ -24,6 +24,7 @@ from array import array
 
 import numpy as np
 
+from megalite.atomic_write import atomic_path
 from megalite.errors import DataError
 
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
@@ -128,14 +129,15 @@ class IndexedDatasetBuilder:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize
-        tmp_idx = str(idx_path) + ".tmp"
-        with open(tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, len(lengths), len(self._doc_idx)))
-            f.write(lengths.tobytes())
-            f.write(pointers.tobytes())
-            f.write(np.frombuffer(self._doc_idx, dtype=np.int64).tobytes())
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, idx_path)
+        with atomic_path(idx_path) as tmp_idx:
+            with open(tmp_idx, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, len(lengths),
+                                     len(self._doc_idx)))
+                f.write(lengths.tobytes())
+                f.write(pointers.tobytes())
+                f.write(np.frombuffer(self._doc_idx, dtype=np.int64).tobytes())
+            # The tokens first: an index under its final name always has its .bin.
+            os.replace(self._tmp_bin, self.bin_path)
 
     def discard(self):
         """Abandon the output: close and delete the temp file."""

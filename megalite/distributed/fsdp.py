@@ -170,9 +170,8 @@ def fully_shard_model(chunks: nn.ModuleList, config, state,
     # CP ranks hold the same parameters as DP ranks do: shard over DP x CP (as ZeRO-1 and
     # Megatron-FSDP do), which also sums the gradients over both.
     apply_fsdp(chunks, state.dp_cp_group, device, strategy=par.data_parallel_sharding_strategy,
-               param_dtype=p.params_dtype,
-               reduce_dtype=torch.float32 if par.accumulate_allreduce_grads_in_fp32
-               else p.params_dtype, cpu_offload=par.optimizer_cpu_offload)
+               param_dtype=p.params_dtype, reduce_dtype=config.grad_dtype,
+               cpu_offload=par.optimizer_cpu_offload)
     # Offloaded shards live on the host (CPUOffloadPolicy); FSDP moves them for compute.
     with keeping_tags(chunks):
         chunks.to_empty(device="cpu" if par.optimizer_cpu_offload else device)

@@ -19,9 +19,6 @@ from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.optimizer_state import AdamState, adam_state
 from megalite.megatron_checkpoint.reader import MegatronCheckpoint, read_checkpoint
 
-SINGLE_PROCESS_LAYOUT = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                         "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 1,
-                         "world_size": 1, "use_distributed_optimizer": False}
 # Model-shape flags of pretrain_gpt.py the import checks against the checkpoint's args:
 # flag dest -> (GPTConfig field, type); switches are (field, value when given).
 SHAPE_FLAGS = {n: (n, t) for n, t in (
@@ -121,10 +118,10 @@ def write_megalite_checkpoint(save: str, config, state: dict[str, torch.Tensor],
                          staging / saving.optim_file(0, 0, 0))
     metadata = {"format_version": saving.FORMAT_VERSION,
                 "megalite_version": megalite.__version__, "torch_version": torch.__version__,
-                "layout": SINGLE_PROCESS_LAYOUT, "model": saving.model_fields(config),
+                "layout": saving.SINGLE_PROCESS_LAYOUT, "model": saving.model_fields(config),
                 "has_optimizer": adam is not None, "has_rng": False,
                 "consumed_train_samples": consumed, "consumed_valid_samples": 0,
                 "scheduler": {"num_steps": scheduler_steps}, "grad_scaler": None,
                 "config": origin, "run_file": None}
     return commit(save, iteration, metadata, saving.expected_files(
-        SINGLE_PROCESS_LAYOUT, save_optim=adam is not None, save_rng=False))
+        saving.SINGLE_PROCESS_LAYOUT, save_optim=adam is not None, save_rng=False))

@@ -22,6 +22,7 @@ from torch import nn
 from megalite.config import GPTConfig
 from megalite.errors import CheckpointError
 from megalite.model.gpt import GPTModel
+from megalite.pipeline_parallel.stages import Stage
 from megalite.validation import pad_vocab_size
 
 FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
@@ -138,12 +139,11 @@ def check_state(state: dict[str, torch.Tensor], config: GPTConfig, where: str) -
 
 
 def stage_layers(num_layers: int, pp: int, where: str) -> list[range]:
-    """Megatron's even split of the layers over `pp` pipeline stages."""
+    """Megatron's even split of the layers over `pp` pipeline stages (one chunk each)."""
     if num_layers % pp:
         raise CheckpointError(f"{where}: {num_layers} layers do not split evenly over "
                               f"pipeline size {pp}")
-    per = num_layers // pp
-    return [range(s * per, (s + 1) * per) for s in range(pp)]
+    return [Stage(0, r, pp, 1).layers(num_layers) for r in range(pp)]
 
 
 def local_layer_name(name: str, offset: int) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megalite.checkpointing.storage import guarded_load
 from megalite.errors import CheckpointError
 
 
@@ -62,30 +63,11 @@ DCP_METADATA_ALLOWED = {
         torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
-def torch_load(source, what: str):
-    """torch.load(weights_only=True) of `source` (a path or bytes) with
-    TORCH_LOAD_ALLOWED; `what` names it in errors."""
-    stream = io.BytesIO(source) if isinstance(source, bytes) else source
-    if isinstance(stream, (str, Path)) and not Path(stream).is_file():
-        raise CheckpointError(f"Megatron checkpoint file {what} does not exist")
-    try:
-        with torch.serialization.safe_globals(TORCH_LOAD_ALLOWED):
-            return torch.load(stream, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(f"Megatron checkpoint file {what} holds a global that megalite "
-                              f"does not load (nothing in it was run): "
-                              f"{_unsupported_global(error)}") from error
-    except Exception as error:
-        raise CheckpointError(f"Megatron checkpoint file {what} is unreadable (corrupt or not "
-                              f"written by torch.save): {error!r}") from error
-
-
-def _unsupported_global(error: Exception) -> str:
-    text = str(error)
-    for marker in ("Unsupported global: GLOBAL ", "Unsupported global: "):
-        if marker in text:
-            return text.split(marker, 1)[1].split()[0].rstrip(".,")
-    return text.splitlines()[0] if text else repr(error)
+def torch_load(source: Path | bytes, what: str):
+    """`source` (a path or bytes) by storage.guarded_load with TORCH_LOAD_ALLOWED; `what`
+    names it in errors."""
+    stream = io.BytesIO(source) if isinstance(source, bytes) else Path(source)
+    return guarded_load(stream, f"Megatron checkpoint file {what}", TORCH_LOAD_ALLOWED)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -15,8 +15,6 @@ written under a temporary name and renamed when complete.
 """
 
 import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from megalite.atomic_write import staged_directory
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
 from megalite.errors import CheckpointError, ConfigError
 from megalite.megatron_checkpoint import layout
@@ -72,27 +71,19 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
     args = layout.args_for(config, tp, pp, divisible_by, extra_args)
     state = {n: pad_vocab_rows(t, args.padded_vocab_size) if n.endswith(VOCAB_PARAMS) else t
              for n, t in state.items()}
-    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     try:
-        directory = checkpoint_dir(staging, iteration)  # Megatron's iter_XXXXXXX too
-        directory.mkdir(parents=True)
-        common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
-                  "args": args}
-        if ckpt_format == "torch":
-            _write_legacy(directory, config, state, common, tp, pp)
-        else:
-            _write_torch_dist(directory, config, state, common)
-        (staging / TRACKER_FILENAME).write_text(str(iteration))
-        if out.exists():
-            os.rename(out, aside)
-        os.rename(staging, out)
+        with staged_directory(out) as staging:
+            directory = checkpoint_dir(staging, iteration)  # Megatron's iter_XXXXXXX too
+            directory.mkdir(parents=True)
+            common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                      "args": args}
+            if ckpt_format == "torch":
+                _write_legacy(directory, config, state, common, tp, pp)
+            else:
+                _write_torch_dist(directory, config, state, common)
+            (staging / TRACKER_FILENAME).write_text(str(iteration))
     except OSError as error:
         raise CheckpointError(f"cannot write Megatron checkpoint {out}: {error}") from error
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(aside, ignore_errors=True)
     return out
 
 

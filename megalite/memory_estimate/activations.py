@@ -10,7 +10,6 @@ from megalite.config import Config
 from megalite.memory_estimate.context_parallel import (attended_keys, cp_attention_working_set,
                                                        cp_core_attention_bytes,
                                                        gathered_qkv_bytes, ring_keeps_qkv)
-from megalite.memory_estimate.weights import param_bytes_per_element
 from megalite.model.gpt import recompute_groups
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
 from megalite.pipeline_parallel.stages import rank_stages
@@ -64,7 +63,7 @@ class _Shapes:
 
 def _shapes(config: Config, device: Device) -> _Shapes:
     m, par = config.model, config.parallel
-    t, a = par.tensor_model_parallel_size, param_bytes_per_element(config)
+    t, a = par.tensor_model_parallel_size, config.precision.params_bytes
     s = m.seq_length // par.context_parallel_size
     return _Shapes(s=s, b=config.training.micro_batch_size, h=m.hidden_size,
                    seq=s // t if m.sequence_parallel else s, sp=m.sequence_parallel,

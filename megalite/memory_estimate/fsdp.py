@@ -60,7 +60,7 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
                        for root, *rest in units)
     else:
         gathered = num
-    rbytes = 4 if par.accumulate_allreduce_grads_in_fp32 else pbytes
+    rbytes = config.grad_bytes
     deferred = config.training.num_microbatches > 1 and \
         not par.fsdp_grad_reduce_every_micro_batch
     accumulated = rbytes * num if deferred else 0

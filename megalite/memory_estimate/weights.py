@@ -16,11 +16,6 @@ from megalite.tensor_parallel.params import (is_embedding_copy, is_shared_embedd
                                              is_tensor_parallel)
 
 
-def param_bytes_per_element(config: Config) -> int:
-    p = config.precision
-    return 2 if (p.bf16 or p.fp16) else 4
-
-
 def rank_parameters(config: Config, pp_rank: int) -> list[nn.Parameter]:
     """This pipeline rank's parameters in `model.parameters()` order, built by the model's
     own code on the meta device. Built without a TP group, so whole: `shard_numel` gives
@@ -62,8 +57,7 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     num = sum(shard_numel(config, q) for q in params)
     layout = grad_buckets(config, params)
     padded = sum(n for _, n in layout)
-    pbytes = param_bytes_per_element(config)
-    gbytes = 4 if config.parallel.accumulate_allreduce_grads_in_fp32 else pbytes
+    pbytes, gbytes = config.precision.params_bytes, config.grad_bytes
     kind = config.optimizer_kind
     if kind is OptimizerKind.FULLY_SHARDED:
         return fsdp_weights(config, pp_rank, pbytes)

@@ -60,8 +60,7 @@ class Monitor:
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timers = timers
-        self.peak_tflops = peak_tflops(device, compute_dtype(config.precision.bf16,
-                                                             config.precision.fp16),
+        self.peak_tflops = peak_tflops(device, compute_dtype(config.precision.params_dtype),
                                        self.m.peak_tflops)
         self.hosts = None
         if self.m.log_straggler:

@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from megalite.config import DTYPE_NAMES
+
 # (pattern in torch.cuda.get_device_name, table key), searched in order: the first match wins.
 DEVICE_PATTERNS = [
     (r"H100 NVL", "H100 NVL"),
@@ -56,13 +58,12 @@ PEAK_TFLOPS = {
 }
 
 
-def compute_dtype(bf16: bool, fp16: bool) -> str:
-    """The dtype the matmuls run in: fp32 ones use TF32 tensor cores unless PyTorch's
-    float32 matmul precision is "highest" (megalite sets "high" on CUDA: initialize.py)."""
-    if bf16:
-        return "bf16"
-    if fp16:
-        return "fp16"
+def compute_dtype(dtype: torch.dtype) -> str:
+    """The table's name of the dtype the matmuls run in, `dtype`: fp32 ones use TF32 tensor
+    cores unless PyTorch's float32 matmul precision is "highest" (megalite sets "high" on
+    CUDA: initialize.py)."""
+    if dtype != torch.float32:
+        return DTYPE_NAMES[dtype]
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 

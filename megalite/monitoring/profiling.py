@@ -9,11 +9,11 @@ backward-compute, all-grads-sync, optimizer, pipeline-send-recv, ...) around tor
 own ops and each collective (gloo:all_reduce, nccl:all_reduce, ...).
 """
 
-import os
 from pathlib import Path
 
 import torch
 
+from megalite.atomic_write import atomic_path
 from megalite.errors import ConfigError
 from megalite.monitoring.timers import Timers
 
@@ -66,9 +66,8 @@ class Profiler:
         directory = Path(self.config.profile_dir)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"rank{self.rank}.iter{self.first}-{done}.pt.trace.json"
-        staging = path.with_name(path.name + ".tmp")
-        self.profile.export_chrome_trace(str(staging))
-        os.replace(staging, path)
+        with atomic_path(path) as staging:
+            self.profile.export_chrome_trace(str(staging))
         self.profile = None
         print(f" > rank {self.rank}: profile of iterations {self.first}-{done} written to "
               f"{path}", flush=True)
@@ -79,7 +78,6 @@ class Profiler:
         if not self.config.record_memory_history:
             return
         path = rank_path(self.config.memory_snapshot_path, self.rank, self.world_size)
-        staging = path.with_name(path.name + ".tmp")
-        torch.cuda.memory._dump_snapshot(str(staging))
-        os.replace(staging, path)
+        with atomic_path(path) as staging:
+            torch.cuda.memory._dump_snapshot(str(staging))
         print(f" > rank {self.rank}: CUDA memory snapshot written to {path}", flush=True)
