@@ -70,6 +70,11 @@ def resident_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
 
+def table_peak(name: str, dtype: str) -> float | None:
+    key = peak_flops.device_key(name)
+    return peak_flops.PEAK_TFLOPS[key].get(dtype) if key else None
+
+
 def test_peak_table_is_dense_and_matched_by_device_name():
     # Datasheet dense rates (NVIDIA prints twice these "with sparsity").
     cases = {("NVIDIA H100 80GB HBM3", "bf16"): 989.4, ("NVIDIA H100 PCIe", "bf16"): 756.5,
@@ -79,8 +84,26 @@ def test_peak_table_is_dense_and_matched_by_device_name():
              ("NVIDIA L4", "bf16"): 121.0, ("NVIDIA A10", "fp32"): 31.2,
              ("Tesla V100-SXM2-16GB", "bf16"): None, ("NVIDIA GeForce GTX 1080", "fp32"): None}
     for (name, dtype), peak in cases.items():
-        key = peak_flops.device_key(name)
-        assert (peak_flops.PEAK_TFLOPS[key].get(dtype) if key else None) == peak, name
+        assert table_peak(name, dtype) == peak, name
+
+
+def test_a_variant_is_not_shadowed_by_its_family():
+    """A card whose name contains another's (H200 NVL holds "H200", GB200 "B200", the V100
+    PCIe cards "V100") gets its own dense peak: half its datasheet's "with sparsity" figure
+    where the datasheet prints only that."""
+    cases = {  # (name, dtype): datasheet TFLOP/s, halved where sparse
+        # NVIDIA H200 datasheet, H200 NVL column: BF16 1,671 and TF32 835 with sparsity.
+        ("NVIDIA H200 NVL", "bf16"): 1671 / 2, ("NVIDIA H200 NVL", "tf32"): 835 / 2,
+        ("NVIDIA H200 NVL", "fp32"): 60.0,
+        # NVIDIA GH200 datasheet: BF16 1,979 with sparsity, 989.4 dense (the H100 SXM's).
+        ("NVIDIA GH200 480GB", "bf16"): 989.4,
+        # NVIDIA GB200 NVL72: 10 PFLOPS BF16 and 160 TFLOPS FP32 per superchip of 2 GPUs.
+        ("NVIDIA GB200", "bf16"): 10_000 / 2 / 2, ("NVIDIA GB200", "fp32"): 160 / 2,
+        # NVIDIA V100 datasheet: PCIe 112 and V100S PCIe 130 tensor TFLOPS (dense).
+        ("Tesla V100-PCIE-32GB", "fp16"): 112.0, ("Tesla V100S-PCIE-32GB", "fp16"): 130.0,
+        ("NVIDIA L40", "bf16"): None, ("NVIDIA A10G", "bf16"): None}
+    for (name, dtype), peak in cases.items():
+        assert table_peak(name, dtype) == peak, name
 
 
 def test_mfu_is_throughput_over_the_peak(level_1, level_2):
