@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import megalite.monitoring.peak_flops as peak_flops
+import megalite.monitoring.profiling as profiling
 import megalite.monitoring.timers as timers_module
+import megalite.training as training
 from megalite.config import OptimizerConfig
-from megalite.model.gpt import GPTModel
+from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training import pretrain
 
@@ -252,6 +254,32 @@ def test_profile_holds_megalites_phases_for_the_requested_steps(level_2):
                       "forward-backward": 2, "all-grads-sync": 2, "optimizer": 2,
                       "optimizer-inner-step": 2}
     assert "profile of iterations 2-3 written" in out
+
+
+def test_memory_history_covers_the_model_and_is_written_after_the_first_log_interval(
+        tmp_path, monkeypatch):
+    """--record-memory-history without --profile, the CUDA allocator stubbed (the device
+    check told this CPU is one): the recording starts before the model's first parameter,
+    and the snapshot is written once, after the first log interval (iteration 2 of 4)."""
+    events = []
+
+    def dump(path):
+        events.append("dump")
+        open(path, "wb").close()
+
+    def build(*args, **kwargs):
+        events.append("model")
+        return build_model_chunks(*args, **kwargs)
+    monkeypatch.setattr(profiling, "on_cuda", lambda device: True, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda **kwargs: events.append("record"))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    monkeypatch.setattr(training, "build_model_chunks", build)
+    path = tmp_path / "snapshot.pickle"
+    out, logs = run("--record-memory-history", "--memory-snapshot-path", str(path))
+    assert events == ["record", "model", "dump"] and path.is_file()
+    lines = [line for line in out.splitlines() if LOG_LINE.match(line) or "snapshot" in line]
+    assert [LOG_LINE.match(line) is None for line in lines] == [False, True, False], lines
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory snapshots need a GPU")
