@@ -318,6 +318,43 @@ def test_gpt2_style_export_reimports_to_the_same_logits(tmp_path):
                                   torch.zeros(64, 32)]))
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_stage_reads_only_its_own_tensors(tmp_path, monkeypatch, fmt):
+    """A Megatron checkpoint saved at TP 2 PP 2 (4 layers), read for pipeline stage 0 of 2
+    (Megatron's even split: the embedding and layers 0-1): no file or stored row of the last
+    stage is read, no optimizer state is kept, and what is read equals the whole read."""
+    config = tiny_gpt_config(vocab_size=64, num_layers=4)
+    write_megalite_checkpoint(tmp_path / "a", config, GPTModel(config, seed=3).state_dict(), 7,
+                              0, 0, None, {})
+    assert convert("--load", tmp_path / "a", "--export-megatron", tmp_path / "m",
+                   "--ckpt-format", fmt, "--target-tensor-parallel-size", "2",
+                   "--target-pipeline-parallel-size", "2") == 0
+    whole = reader.read_checkpoint(tmp_path / "m")
+    stage_0 = {n for n in whole.state if n.startswith("embedding.") or
+               n.startswith(("decoder.layers.0.", "decoder.layers.1."))}
+    files, rows = [], []
+    torch_load = reader.torch_load
+    monkeypatch.setattr(reader, "torch_load", lambda source, what: (
+        files.append(Path(what).parent.name), torch_load(source, what))[1])
+    read_data = reader._SafeReader.read_data
+    monkeypatch.setattr(reader._SafeReader, "read_data", lambda self, plan, planner: (
+        rows.extend((i.storage_index.fqn, i.storage_offsets, i.lengths) for i in plan.items),
+        read_data(self, plan, planner))[1])
+    part = reader.read_checkpoint(tmp_path / "m", names=stage_0, optimizer=False)
+    assert set(part.state) == stage_0 and not part.optimizer_shards
+    for name in stage_0:
+        assert torch.equal(part.state[name], whole.state[name]), name
+    if fmt == "torch":
+        assert sorted(files) == ["mp_rank_00_000", "mp_rank_01_000"]
+    else:
+        tensors = [row for row in rows if not row[0].startswith("common_state")]
+        assert tensors and not [key for key, *_ in tensors if "output_layer" in key or
+                                "final_layernorm" in key]
+        # The exporter stores each stacked tensor whole: rows are offsets into all 4 layers.
+        assert all(offsets[0] + lengths[0] <= 2 for key, offsets, lengths in tensors
+                   if key.startswith("decoder.layers.")), tensors
+
+
 # --- bad inputs: a named error, nothing written --------------------------------------------
 
 def _ran(path):

@@ -12,6 +12,7 @@ anything in the file runs.
 import argparse
 import io
 import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -64,13 +65,17 @@ DCP_METADATA_ALLOWED = {
 
 def torch_load(source, what: str):
     """torch.load(weights_only=True) of `source` (a path or bytes) with
-    TORCH_LOAD_ALLOWED; `what` names it in errors."""
+    TORCH_LOAD_ALLOWED; `what` names it in errors. A file in torch.save's zip format is
+    memory-mapped: a tensor the caller never touches (another rank's, an optimizer state
+    it does not load) is never read."""
     stream = io.BytesIO(source) if isinstance(source, bytes) else source
-    if isinstance(stream, (str, Path)) and not Path(stream).is_file():
+    path = isinstance(stream, (str, Path))
+    if path and not Path(stream).is_file():
         raise CheckpointError(f"Megatron checkpoint file {what} does not exist")
     try:
         with torch.serialization.safe_globals(TORCH_LOAD_ALLOWED):
-            return torch.load(stream, map_location="cpu", weights_only=True)
+            return torch.load(stream, map_location="cpu", weights_only=True,
+                              mmap=path and zipfile.is_zipfile(stream))
     except pickle.UnpicklingError as error:
         raise CheckpointError(f"Megatron checkpoint file {what} holds a global that megalite "
                               f"does not load (nothing in it was run): "
