@@ -26,6 +26,7 @@ def rank_path(path: str, rank: int, world_size: int) -> Path:
 
 
 def on_cuda(device: torch.device) -> bool:
+    """Whether the CUDA allocator serves `device` (a CPU test stubs this, and the allocator)."""
     return device.type == "cuda"
 
 
