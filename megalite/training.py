@@ -31,6 +31,7 @@ from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
 from megalite.model.gpt import activation_shape, build_model_chunks, initialize_parameters
 from megalite.monitoring.monitor import Monitor
+from megalite.monitoring.profiling import start_memory_history
 from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler
@@ -169,6 +170,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                  eod: int | None, run_file: str | None = None) -> TrainState:
     """`run_file`: the run's flags as YAML (run_file.dump_run_file), kept beside the
     TensorBoard events and in each checkpoint so the run can be repeated from either."""
+    start_memory_history(config.monitoring, device)  # before the model's allocations
     set_seed(config.training.seed)
     rng_tracker = build_rng_tracker(config.training.seed, state.tp_rank, device,
                                     state.cp_rank, state.tp_size)
@@ -343,6 +345,7 @@ def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr
     tensorboard.scalars(progress.iteration, {"throughput": tflops,
                                              "tokens-per-second": tokens_per_s,
                                              **report.scalars})
+    monitor.after_log_interval()
 
 
 def _evaluate_and_print(prefix: str, runner: StepRunner, batches, config: Config,

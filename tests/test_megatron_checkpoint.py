@@ -25,7 +25,7 @@ from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
 from megalite.model.gpt import GPTModel
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import tiny_gpt_config
+from tests.helpers import LOG_LINE, tiny_gpt_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "megatron_checkpoint"
@@ -204,6 +204,31 @@ def test_pretrain_continues_a_megatron_run(capsys, finetune):
     assert ("optimizer starts fresh" in out) != finetune
 
 
+def test_pretrain_load_under_fsdp2_and_zero1_gives_the_plain_loads_losses(tmp_path, capsys):
+    """pretrain_gpt.py --load on a Megatron directory with Adam's state, under FSDP2 and
+    ZeRO-1 (each also with offload) as under plain AdamW: the same loss at iteration 11 (the
+    loaded weights) and 12 (a step from the loaded moments: without them it differs)."""
+    from megalite.training import pretrain
+    save_legacy_tp_with_adam(tmp_path / "adam", tp=1)
+    flags = [*MODEL_FLAGS, "--mock-data", "--vocab-size", "128", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--lr", "1e-2", "--log-interval", "1",
+             "--eval-iters", "0", "--num-workers", "0", "--attention-dropout", "0",
+             "--hidden-dropout", "0", "--load", str(tmp_path / "adam"), "--train-iters", "12"]
+    losses = {}
+    for name, extra in {"plain": [], "fsdp2": ["--use-torch-fsdp2"],
+                        "fsdp2 offload": ["--use-torch-fsdp2", "--optimizer-cpu-offload"],
+                        "zero1 offload": ["--use-distributed-optimizer",
+                                          "--optimizer-cpu-offload"]}.items():
+        assert pretrain([*flags, *extra]) == 0, name
+        out = capsys.readouterr().out
+        assert "Adam state carried over (step 2)" in out, name
+        losses[name] = {int(m["it"]): float(m["loss"])
+                        for m in map(LOG_LINE.match, out.splitlines()) if m}
+    assert list(losses["plain"]) == [11, 12]
+    for name, got in losses.items():
+        assert got == pytest.approx(losses["plain"], rel=1e-5), name
+
+
 # --- export: Megatron's names, layouts and values ------------------------------------------
 
 def _dcp_entries(directory: Path) -> dict:
@@ -293,6 +318,43 @@ def test_gpt2_style_export_reimports_to_the_same_logits(tmp_path):
                                   torch.zeros(64, 32)]))
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_stage_reads_only_its_own_tensors(tmp_path, monkeypatch, fmt):
+    """A Megatron checkpoint saved at TP 2 PP 2 (4 layers), read for pipeline stage 0 of 2
+    (Megatron's even split: the embedding and layers 0-1): no file or stored row of the last
+    stage is read, no optimizer state is kept, and what is read equals the whole read."""
+    config = tiny_gpt_config(vocab_size=64, num_layers=4)
+    write_megalite_checkpoint(tmp_path / "a", config, GPTModel(config, seed=3).state_dict(), 7,
+                              0, 0, None, {})
+    assert convert("--load", tmp_path / "a", "--export-megatron", tmp_path / "m",
+                   "--ckpt-format", fmt, "--target-tensor-parallel-size", "2",
+                   "--target-pipeline-parallel-size", "2") == 0
+    whole = reader.read_checkpoint(tmp_path / "m")
+    stage_0 = {n for n in whole.state if n.startswith("embedding.") or
+               n.startswith(("decoder.layers.0.", "decoder.layers.1."))}
+    files, rows = [], []
+    torch_load = reader.torch_load
+    monkeypatch.setattr(reader, "torch_load", lambda source, what: (
+        files.append(Path(what).parent.name), torch_load(source, what))[1])
+    read_data = reader._SafeReader.read_data
+    monkeypatch.setattr(reader._SafeReader, "read_data", lambda self, plan, planner: (
+        rows.extend((i.storage_index.fqn, i.storage_offsets, i.lengths) for i in plan.items),
+        read_data(self, plan, planner))[1])
+    part = reader.read_checkpoint(tmp_path / "m", names=stage_0, optimizer=False)
+    assert set(part.state) == stage_0 and not part.optimizer_shards
+    for name in stage_0:
+        assert torch.equal(part.state[name], whole.state[name]), name
+    if fmt == "torch":
+        assert sorted(files) == ["mp_rank_00_000", "mp_rank_01_000"]
+    else:
+        tensors = [row for row in rows if not row[0].startswith("common_state")]
+        assert tensors and not [key for key, *_ in tensors if "output_layer" in key or
+                                "final_layernorm" in key]
+        # The exporter stores each stacked tensor whole: rows are offsets into all 4 layers.
+        assert all(offsets[0] + lengths[0] <= 2 for key, offsets, lengths in tensors
+                   if key.startswith("decoder.layers.")), tensors
+
+
 # --- bad inputs: a named error, nothing written --------------------------------------------
 
 def _ran(path):
@@ -373,8 +435,8 @@ def test_bad_input_is_a_named_error_and_nothing_is_written(tmp_path, capsys, mak
 
 # --- optimizer state ----------------------------------------------------------------------
 
-def save_legacy_tp_with_adam(out: Path) -> tuple[dict, dict]:
-    """The TP 2 Megatron checkpoint with Adam's state: torch's AdamW over the test vector's
+def save_legacy_tp_with_adam(out: Path, tp: int = 2) -> tuple[dict, dict]:
+    """The TP `tp` Megatron checkpoint with Adam's state: torch's AdamW over the test vector's
     parameters, grouped as Megatron groups them (decayed, then biases and 1-D), two steps;
     saved by TP rank as Megatron's FP32Optimizer does (Adam's state_dict, each rank its
     shards, cut by split_like_megatron). Returns each name's moments and Megatron's TP 2
@@ -393,10 +455,10 @@ def save_legacy_tp_with_adam(out: Path) -> tuple[dict, dict]:
     saved = adam.state_dict()
     order = [p for group in adam.param_groups for p in group["params"]]
     moments = {k: [m["model"] for m in split_like_megatron({**record, "model": {
-        n: adam.state[p][k] for n, p in params.items()}})] for k in ("exp_avg", "exp_avg_sq")}
-    save_legacy_tp(out)
+        n: adam.state[p][k] for n, p in params.items()}}, tp)] for k in ("exp_avg", "exp_avg_sq")}
+    save_legacy_tp(out, tp)
     name_of = {id(p): n for n, p in params.items()}
-    for r in range(2):
+    for r in range(tp):
         path = out / f"iter_0000010/mp_rank_{r:02d}/model_optim_rng.pt"
         state = {i: {"step": saved["state"][i]["step"],
                      **{k: moments[k][r][name_of[id(p)]] for k in moments}}

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import megalite.monitoring.peak_flops as peak_flops
+import megalite.monitoring.profiling as profiling
 import megalite.monitoring.timers as timers_module
+import megalite.training as training
 from megalite.config import OptimizerConfig
-from megalite.model.gpt import GPTModel
+from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training import pretrain
 
@@ -70,6 +72,11 @@ def resident_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
 
+def table_peak(name: str, dtype: str) -> float | None:
+    key = peak_flops.device_key(name)
+    return peak_flops.PEAK_TFLOPS[key].get(dtype) if key else None
+
+
 def test_peak_table_is_dense_and_matched_by_device_name():
     # Datasheet dense rates (NVIDIA prints twice these "with sparsity").
     cases = {("NVIDIA H100 80GB HBM3", "bf16"): 989.4, ("NVIDIA H100 PCIe", "bf16"): 756.5,
@@ -79,8 +86,26 @@ def test_peak_table_is_dense_and_matched_by_device_name():
              ("NVIDIA L4", "bf16"): 121.0, ("NVIDIA A10", "fp32"): 31.2,
              ("Tesla V100-SXM2-16GB", "bf16"): None, ("NVIDIA GeForce GTX 1080", "fp32"): None}
     for (name, dtype), peak in cases.items():
-        key = peak_flops.device_key(name)
-        assert (peak_flops.PEAK_TFLOPS[key].get(dtype) if key else None) == peak, name
+        assert table_peak(name, dtype) == peak, name
+
+
+def test_a_variant_is_not_shadowed_by_its_family():
+    """A card whose name contains another's (H200 NVL holds "H200", GB200 "B200", the V100
+    PCIe cards "V100") gets its own dense peak: half its datasheet's "with sparsity" figure
+    where the datasheet prints only that."""
+    cases = {  # (name, dtype): datasheet TFLOP/s, halved where sparse
+        # NVIDIA H200 datasheet, H200 NVL column: BF16 1,671 and TF32 835 with sparsity.
+        ("NVIDIA H200 NVL", "bf16"): 1671 / 2, ("NVIDIA H200 NVL", "tf32"): 835 / 2,
+        ("NVIDIA H200 NVL", "fp32"): 60.0,
+        # NVIDIA GH200 datasheet: BF16 1,979 with sparsity, 989.4 dense (the H100 SXM's).
+        ("NVIDIA GH200 480GB", "bf16"): 989.4,
+        # NVIDIA GB200 NVL72: 10 PFLOPS BF16 and 160 TFLOPS FP32 per superchip of 2 GPUs.
+        ("NVIDIA GB200", "bf16"): 10_000 / 2 / 2, ("NVIDIA GB200", "fp32"): 160 / 2,
+        # NVIDIA V100 datasheet: PCIe 112 and V100S PCIe 130 tensor TFLOPS (dense).
+        ("Tesla V100-PCIE-32GB", "fp16"): 112.0, ("Tesla V100S-PCIE-32GB", "fp16"): 130.0,
+        ("NVIDIA L40", "bf16"): None, ("NVIDIA A10G", "bf16"): None}
+    for (name, dtype), peak in cases.items():
+        assert table_peak(name, dtype) == peak, name
 
 
 def test_mfu_is_throughput_over_the_peak(level_1, level_2):
@@ -229,6 +254,32 @@ def test_profile_holds_megalites_phases_for_the_requested_steps(level_2):
                       "forward-backward": 2, "all-grads-sync": 2, "optimizer": 2,
                       "optimizer-inner-step": 2}
     assert "profile of iterations 2-3 written" in out
+
+
+def test_memory_history_covers_the_model_and_is_written_after_the_first_log_interval(
+        tmp_path, monkeypatch):
+    """--record-memory-history without --profile, the CUDA allocator stubbed (the device
+    check told this CPU is one): the recording starts before the model's first parameter,
+    and the snapshot is written once, after the first log interval (iteration 2 of 4)."""
+    events = []
+
+    def dump(path):
+        events.append("dump")
+        open(path, "wb").close()
+
+    def build(*args, **kwargs):
+        events.append("model")
+        return build_model_chunks(*args, **kwargs)
+    monkeypatch.setattr(profiling, "on_cuda", lambda device: True, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda **kwargs: events.append("record"))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    monkeypatch.setattr(training, "build_model_chunks", build)
+    path = tmp_path / "snapshot.pickle"
+    out, logs = run("--record-memory-history", "--memory-snapshot-path", str(path))
+    assert events == ["record", "model", "dump"] and path.is_file()
+    lines = [line for line in out.splitlines() if LOG_LINE.match(line) or "snapshot" in line]
+    assert [LOG_LINE.match(line) is None for line in lines] == [False, True, False], lines
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory snapshots need a GPU")

@@ -121,12 +121,16 @@ def fused_name(name: str) -> str:
     return name
 
 
-def check_state(state: dict[str, torch.Tensor], config: GPTConfig, where: str) -> None:
-    """The names and full shapes of megalite's single-process model, or a CheckpointError
-    naming the tensors that differ (before anything is written)."""
+def check_state(state: dict[str, torch.Tensor], config: GPTConfig, where: str,
+                names: set[str] | None = None) -> None:
+    """The names (those of `names`, if given) and full shapes of megalite's single-process
+    model, or a CheckpointError naming the tensors that differ (before anything is
+    written)."""
     params = meta_params(config)
     expected = set(params) - ({OUTPUT} if not config.untie_embeddings_and_output_weights
                               else set())
+    if names is not None:
+        expected &= names
     if set(state) != expected:
         raise CheckpointError(f"Megatron checkpoint {where} does not hold the model its args "
                               f"describe: missing {sorted(expected - set(state))}, unexpected "

@@ -1,6 +1,7 @@
 """`pretrain_gpt.py --load DIR` on a Megatron-LM save directory, without a conversion step.
 
-Every rank reads the checkpoint (reader.py: full single-process tensors) and keeps its own
+Every rank reads its parameters of the checkpoint (reader.py: full single-process tensors,
+only the saved stages holding its layers; Adam's state only if it loads it) and keeps its own
 TP shard of each parameter (params.local_shard: the same cut as a megalite checkpoint), at
 any megalite layout. The model must be the one the flags describe (the fields
 storage.check_model_compatible compares, named when they differ). Training continues at
@@ -42,7 +43,11 @@ def check_compatible(ckpt: MegatronCheckpoint, model_config) -> None:
 def load_megatron_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
                              state: ParallelState, config) -> dict:
     """loading.load_checkpoint's counterpart for a Megatron directory: same return."""
-    ckpt = read_checkpoint(load)
+    finetune = config.checkpoint.finetune
+    load_optim = config.checkpoint.load_optim and not finetune
+    # Only this rank's parameters (its stages' layers) and, if it keeps them, Adam's.
+    ckpt = read_checkpoint(load, names={canonical_name(n, p) for n, p in
+                                        chunks.named_parameters()}, optimizer=load_optim)
     check_compatible(ckpt, config.model)
     with torch.no_grad():
         for name, param in chunks.named_parameters():
@@ -50,8 +55,7 @@ def load_megatron_checkpoint(load: str, chunks: nn.ModuleList, optimizer, schedu
             copy_into(param, local_shard(ckpt.state[name], param, name, state.tp_rank,
                                          state.tp_size))
     optimizer.reload_main_params()
-    finetune = config.checkpoint.finetune
-    if config.checkpoint.load_optim and not finetune:
+    if load_optim:
         _load_optimizer(ckpt, optimizer, chunks, state)
     if finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}

@@ -96,8 +96,8 @@ def legacy_adam_state(ckpt, params: dict) -> tuple[AdamState | None, str]:
             per_name.setdefault(name, []).append(tensors)
     merged = {}
     for name, shards in per_name.items():
-        if name not in params:
-            continue  # a tied output layer's copy on the last stage: the embedding's state
+        if name not in ckpt.state:
+            continue  # not read (another stage's), or a tied output layer's copy
         dim, stride = partition_dim(params[name]), partition_stride(params[name])
         merged[name] = {k: tp_unshard([s[k] for s in shards], dim, stride)
                         for k in shards[0]}

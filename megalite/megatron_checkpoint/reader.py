@@ -11,7 +11,10 @@
   of {"model", "iteration", "args", "checkpoint_version", ...} whose tensors are that
   rank's shards (layers numbered from 0 on each stage); merged as Megatron shards them.
 Either way the result is megalite's single-process state dict (layout.py's names) and the
-GPTConfig the checkpoint's args describe, checked against each other.
+GPTConfig the checkpoint's args describe, checked against each other. A rank loading with
+`names` (its chunks' parameters) reads only those: the legacy files of the saved stages
+holding them (memory-mapped, so an optimizer entry it does not keep is never read), the
+rows of torch_dist's stacked layers that are its own.
 """
 
 import io
@@ -24,8 +27,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner,
+                                                         create_default_local_load_plan)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, StorageMeta,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megalite.checkpointing.storage import RELEASE, TRACKER_FILENAME, checkpoint_dir
 from megalite.errors import CheckpointError
@@ -92,8 +98,10 @@ def is_megatron_checkpoint(load: str | Path) -> bool:
     return found is not None and bool(formats_present(found[1]))
 
 
-def read_checkpoint(load: str | Path, ckpt_format: str | None = None) -> MegatronCheckpoint:
-    """The checkpoint the tracker in `load` names; `ckpt_format` forces a format."""
+def read_checkpoint(load: str | Path, ckpt_format: str | None = None,
+                    names: set[str] | None = None, optimizer: bool = True) -> MegatronCheckpoint:
+    """The checkpoint the tracker in `load` names; `ckpt_format` forces a format. `names`:
+    the only parameters to read (default all); `optimizer`: keep the legacy Adam state."""
     found = iteration_dir(load)
     if found is None:
         raise CheckpointError(f"{load} is not a Megatron checkpoint directory: no "
@@ -110,7 +118,8 @@ def read_checkpoint(load: str | Path, ckpt_format: str | None = None) -> Megatro
     if fmt not in present:
         raise CheckpointError(f"{directory} is not a --ckpt-format {fmt} checkpoint (it "
                               f"holds {' and '.join(present)})")
-    ckpt = _read_torch_dist(directory) if fmt == "torch_dist" else _read_legacy(directory)
+    ckpt = (_read_torch_dist(directory, names) if fmt == "torch_dist" else
+            _read_legacy(directory, names, optimizer))
     if directory.name != RELEASE and ckpt.iteration != iteration:
         raise CheckpointError(f"Megatron checkpoint {directory} records iteration "
                               f"{ckpt.iteration}, the tracker says {iteration}")
@@ -123,7 +132,15 @@ def legacy_rank_dir(tp: int, pp: int, pp_size: int) -> str:
     return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
 
 
-def _read_legacy(directory: Path) -> MegatronCheckpoint:
+def _saved_stage(name: str, stages: list[range]) -> int:
+    """The pipeline stage of the saved layout that holds `name` (Megatron's placement)."""
+    if name.startswith(layout.LAYER_PREFIX):
+        layer = int(name[len(layout.LAYER_PREFIX):].split(".", 1)[0])
+        return next(p for p, held in enumerate(stages) if layer in held)
+    return 0 if name.startswith("embedding.") else len(stages) - 1
+
+
+def _read_legacy(directory: Path, names: set[str] | None, optimizer: bool) -> MegatronCheckpoint:
     present = sorted(p.name for p in directory.iterdir() if _MP_RANK.fullmatch(p.name))
     first = torch_load(directory / present[0] / LEGACY_FILE, f"{directory / present[0]}/"
                                                              f"{LEGACY_FILE}")
@@ -137,26 +154,30 @@ def _read_legacy(directory: Path) -> MegatronCheckpoint:
         raise CheckpointError(f"Megatron checkpoint {directory} (TP {tp}, PP {pp}) is missing "
                               f"shards: {[f'{d}/{LEGACY_FILE}' for d in missing]}")
     stages = layout.stage_layers(config.num_layers, pp, str(directory))
+    if names is not None:
+        names = names & set(layout.meta_params(config))
+    read = range(pp) if names is None else sorted({_saved_stage(n, stages) for n in names})
     shards: dict[str, list[torch.Tensor]] = {}
     optimizer_shards = {}
-    for p in range(pp):
+    for p in read:
         for t in range(tp):
             path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
             record = first if (t, p) == (0, 0) else torch_load(path, str(path))
-            names, shapes = [], {}
+            saved, shapes = [], {}
             for name, tensor in _field(record, "model", path).items():
                 name = layout.megalite_name(name)
                 if name is None:
                     continue  # extra state
                 name = layout.local_layer_name(name, -stages[p].start)
-                names.append(name)
+                saved.append(name)
                 shapes[name] = tensor.shape
                 if name == layout.OUTPUT and not config.untie_embeddings_and_output_weights:
                     continue  # a tied output layer (PP > 1) is the embedding's copy
-                shards.setdefault(name, []).append(tensor)
-            if "optimizer" in record:
-                optimizer_shards[t, p] = (names, shapes, record["optimizer"])
-    state = _merge_tensor_parallel(shards, config, tp, str(directory))
+                if names is None or name in names:
+                    shards.setdefault(name, []).append(tensor)
+            if optimizer and "optimizer" in record:
+                optimizer_shards[t, p] = (saved, shapes, record["optimizer"])
+    state = _merge_tensor_parallel(shards, config, tp, str(directory), names)
     common = {k: v for k, v in first.items() if k not in ("model", "args", "optimizer")}
     return MegatronCheckpoint(directory, "torch", int(first.get("iteration", 0)), args, config,
                               state, common, optimizer_shards)
@@ -169,7 +190,7 @@ def _field(record, key: str, path: Path):
 
 
 def _merge_tensor_parallel(shards: dict[str, list[torch.Tensor]], config: GPTConfig, tp: int,
-                           where: str) -> dict[str, torch.Tensor]:
+                           where: str, names: set[str] | None) -> dict[str, torch.Tensor]:
     """Full tensors from each name's TP shards (params.tp_unshard, Megatron's split)."""
     params = layout.meta_params(config)
     state = {}
@@ -188,7 +209,7 @@ def _merge_tensor_parallel(shards: dict[str, list[torch.Tensor]], config: GPTCon
             raise CheckpointError(f"Megatron checkpoint {where}: the TP shards of {name} do "
                                   f"not fit together ({[tuple(p.shape) for p in pieces]}): "
                                   f"{error}") from error
-    layout.check_state(state, config, where)
+    layout.check_state(state, config, where, names)
     return state
 
 
@@ -206,7 +227,26 @@ class _SafeReader(FileSystemReader):
 
 
 class _RawBytesPlanner(DefaultLoadPlanner):
-    """Keeps pickled objects as bytes: the default planner unpickles them unrestricted."""
+    """Keeps pickled objects as bytes (the default planner unpickles them unrestricted), and
+    reads only `rows` (key -> range of layers) of the stacked tensors named there."""
+
+    def __init__(self, rows: dict[str, range]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.rows = rows
+
+    def create_local_plan(self):
+        whole = {k: v for k, v in self.state_dict.items() if k not in self.rows}
+        plan = create_default_local_load_plan(whole, self.metadata)
+        for key, rows in self.rows.items():
+            size = self.metadata.state_dict_metadata[key].size
+            chunk = ChunkStorageMetadata(torch.Size([rows.start] + [0] * (len(size) - 1)),
+                                         torch.Size([len(rows), *size[1:]]))
+            plan.items += create_read_items_for_chunk_list(
+                key, self.metadata.state_dict_metadata[key], [chunk])
+        return plan
+
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn]  # a key in `rows` holds just those rows
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         self.state_dict[read_item.dest_index.fqn] = value.getvalue()
@@ -217,19 +257,38 @@ def _is_model_key(key: str) -> bool:
         "_extra_state" not in key
 
 
-def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
+def _layer_rows(key: str, layers: int, names: set[str] | None) -> range:
+    """The rows of stacked `key` (one per layer) whose megalite names are in `names`."""
+    rest = layout.megalite_name(key)[len(layout.LAYER_PREFIX):]
+    held = [i for i in range(layers) if names is None or
+            f"{layout.LAYER_PREFIX}{i}.{rest}" in names]
+    return range(held[0], held[-1] + 1) if held else range(0)
+
+
+def _read_torch_dist(directory: Path, names: set[str] | None) -> MegatronCheckpoint:
     metadata = load_dcp_metadata(directory / ".metadata")
     entries = metadata.state_dict_metadata
     common_keys = [k for k in entries if k.startswith("common_state")]
-    template = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()
-                if isinstance(m, TensorStorageMetadata) and _is_model_key(k)}
+    rows, template = {}, {}
+    for k, m in entries.items():
+        if not (isinstance(m, TensorStorageMetadata) and _is_model_key(k)):
+            continue
+        size = m.size
+        if k.startswith(layout.LAYER_PREFIX):  # stacked: [num_layers, ...]
+            held = _layer_rows(k, size[0], names)
+            if not held:
+                continue
+            rows[k], size = held, torch.Size([len(held), *size[1:]])
+        elif names is not None and layout.megalite_name(k) not in names:
+            continue
+        template[k] = torch.empty(size, dtype=m.properties.dtype)
     template.update({k: b"" for k in common_keys})
     files = sorted({info.relative_path for info in metadata.storage_data.values()})
     missing = [f for f in files if not (directory / f).is_file()]
     if missing:
         raise CheckpointError(f"torch_dist checkpoint {directory} is incomplete: its .metadata "
                               f"lists {files}, missing {missing}")
-    planner = _RawBytesPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = _RawBytesPlanner(rows)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
@@ -249,13 +308,15 @@ def _read_torch_dist(directory: Path) -> MegatronCheckpoint:
         if key in common_keys:
             continue
         tensor, name = planner.state_dict[key], layout.megalite_name(key)
-        if key.startswith(layout.LAYER_PREFIX):  # stacked: [num_layers, ...]
+        if key in rows:  # the rows `rows[key]` of [num_layers, ...]
             rest = name[len(layout.LAYER_PREFIX):]
-            for i, layer in enumerate(tensor.unbind(0)):
-                state[f"{layout.LAYER_PREFIX}{i}.{rest}"] = layer.clone()
+            for i, layer in zip(rows[key], tensor.unbind(0)):
+                layer_name = f"{layout.LAYER_PREFIX}{i}.{rest}"
+                if names is None or layer_name in names:
+                    state[layer_name] = layer.clone()
         else:
             state[name] = tensor
-    layout.check_state(state, config, str(directory))
+    layout.check_state(state, config, str(directory), names)
     iteration = int(common.get("iteration", 0))
     rest = {k: v for k, v in common.items() if k != "args"}
     return MegatronCheckpoint(directory, "torch_dist", iteration, args, config, state, rest)

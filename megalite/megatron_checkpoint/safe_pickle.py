@@ -12,6 +12,7 @@ anything in the file runs.
 import argparse
 import io
 import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -65,9 +66,13 @@ DCP_METADATA_ALLOWED = {
 
 def torch_load(source: Path | bytes, what: str):
     """`source` (a path or bytes) by storage.guarded_load with TORCH_LOAD_ALLOWED; `what`
-    names it in errors."""
+    names it in errors. A file in torch.save's zip format is memory-mapped: a tensor the
+    caller never touches (another rank's, an optimizer state it does not load) is never
+    read."""
     stream = io.BytesIO(source) if isinstance(source, bytes) else Path(source)
-    return guarded_load(stream, f"Megatron checkpoint file {what}", TORCH_LOAD_ALLOWED)
+    mmap = isinstance(stream, Path) and stream.is_file() and zipfile.is_zipfile(stream)
+    return guarded_load(stream, f"Megatron checkpoint file {what}", TORCH_LOAD_ALLOWED,
+                        mmap=mmap)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -69,7 +69,6 @@ class Monitor:
         self.profiler = Profiler(self.m, self.rank, self.world_size, device, self.timers)
         self.resumed = False
         """Set when a checkpoint was loaded: the first iteration then logs the recovery time."""
-        self.snapshot_written = False
 
     # ------------------------------------------------------------------------ per step
 
@@ -101,6 +100,10 @@ class Monitor:
             out["params_norm"] = params_norm(self.optimizer.params, self.state.tp_group,
                                              self.state.mp_group)
         return out
+
+    def after_log_interval(self):
+        """Every rank, after each log interval's line."""
+        self.profiler.after_log_interval()
 
     def on_out_of_memory(self):
         self.profiler.dump_memory_snapshot()

@@ -17,17 +17,22 @@ import torch
 
 from megalite.config import DTYPE_NAMES
 
-# (pattern in torch.cuda.get_device_name, table key), searched in order: the first match wins.
+# (pattern in torch.cuda.get_device_name, table key), searched in order: the first match wins,
+# so a variant ("H200 NVL", "GB200") comes before the family name it contains.
 DEVICE_PATTERNS = [
     (r"H100 NVL", "H100 NVL"),
     (r"H100.*PCIe", "H100 PCIe"),
     (r"H100", "H100 SXM"),
+    (r"\bH200 NVL", "H200 NVL"),
     (r"H200", "H200"),
     (r"A100", "A100"),
     (r"L40S", "L40S"),
     (r"\bL4\b", "L4"),
     (r"\bA10\b", "A10"),
+    (r"V100S", "V100S PCIe"),
+    (r"V100-PCIE", "V100 PCIe"),
     (r"V100", "V100"),
+    (r"GB200", "GB200"),
     (r"B200", "B200"),
     (r"MI300X", "MI300X"),
 ]
@@ -40,6 +45,8 @@ PEAK_TFLOPS = {
     "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): the H100 SXM's compute.
     "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    # The same datasheet, H200 NVL column: 1,671 / 835 sparse, FP32 60 (the H100 NVL's).
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
     # NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): dense figures printed;
     # the same for 40 and 80 GB, SXM and PCIe.
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
@@ -51,8 +58,14 @@ PEAK_TFLOPS = {
     "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
     # NVIDIA V100 datasheet (SXM2): no bf16 or TF32 tensor cores.
     "V100": {"fp16": 125.0, "fp32": 15.7},
+    # The same datasheet's PCIe columns.
+    "V100 PCIe": {"fp16": 112.0, "fp32": 14.0},
+    "V100S PCIe": {"fp16": 130.0, "fp32": 16.4},
     # NVIDIA HGX B200 (nvidia.com/en-us/data-center/hgx), per GPU: 4.5 PF / 2.2 PF sparse.
     "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
+    # NVIDIA GB200 NVL72 (nvidia.com/en-us/data-center/gb200-nvl72), per GPU (a superchip
+    # holds 2): 10 PF / 5 PF sparse, FP32 160 TF per superchip.
+    "GB200": {"bf16": 2500.0, "fp16": 2500.0, "tf32": 1250.0, "fp32": 80.0},
     # AMD Instinct MI300X data sheet (amd.com): 2,614.9 / 1,307.4 sparse.
     "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
 }

@@ -1,7 +1,8 @@
 """--profile: a torch.profiler trace of the steps --profile-step-start .. --profile-step-end
 on the ranks --profile-ranks, as Megatron's --use-pytorch-profiler records it; on a GPU
---record-memory-history keeps the CUDA allocator's history and writes a snapshot to
---memory-snapshot-path (readable at pytorch.org/memory_viz).
+--record-memory-history keeps the CUDA allocator's history from before the model is built
+and writes a snapshot to --memory-snapshot-path (readable at pytorch.org/memory_viz) at the
+profile's end, else after the first log interval, and when a step runs out of memory.
 
 The trace is a Chrome trace JSON (TensorBoard's profiler plugin and Perfetto read it)
 holding megalite's phases as named ranges (timers.py: forward-compute,
@@ -24,6 +25,22 @@ def rank_path(path: str, rank: int, world_size: int) -> Path:
     return p if world_size == 1 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
 
 
+def on_cuda(device: torch.device) -> bool:
+    """Whether the CUDA allocator serves `device` (a CPU test stubs this, and the allocator)."""
+    return device.type == "cuda"
+
+
+def start_memory_history(config, device: torch.device):
+    """--record-memory-history: the CUDA allocator records from here on. The run calls it
+    before it builds the model, so a snapshot holds the parameters and optimizer state."""
+    if not config.record_memory_history:
+        return
+    if not on_cuda(device):
+        raise ConfigError("--record-memory-history records the CUDA allocator and needs a "
+                          f"GPU; this run is on {device.type}")
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+
 class Profiler:
     """Iterations are counted as Megatron counts them: the profile starts before the
     step taken when `start` iterations are done and stops after iteration `end`, so it
@@ -35,11 +52,7 @@ class Profiler:
         self.device, self.timers = device, timers
         self.enabled = config.profile and rank in config.profile_ranks
         self.profile = None
-        if config.record_memory_history:
-            if device.type != "cuda":
-                raise ConfigError("--record-memory-history records the CUDA allocator and "
-                                  f"needs a GPU; this run is on {device.type}")
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.snapshot_written = False
 
     def before_step(self, done: int):
         if self.enabled and done == self.config.profile_step_start:
@@ -59,6 +72,11 @@ class Profiler:
         """The run ended inside the window: write what was recorded."""
         if self.profile is not None:
             self._finish(done)
+
+    def after_log_interval(self):
+        """The snapshot a rank without a profile writes: once, after the first interval."""
+        if not self.enabled and not self.snapshot_written:
+            self.dump_memory_snapshot()
 
     def _finish(self, done: int):
         self.profile.stop()
@@ -80,4 +98,5 @@ class Profiler:
         path = rank_path(self.config.memory_snapshot_path, self.rank, self.world_size)
         with atomic_path(path) as staging:
             torch.cuda.memory._dump_snapshot(str(staging))
+        self.snapshot_written = True
         print(f" > rank {self.rank}: CUDA memory snapshot written to {path}", flush=True)
