@@ -18,7 +18,7 @@ default): parameters are cut, in order, into buckets of at most this many elemen
 dtype, so a model of thousands of tensors costs a handful of collectives per step."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     num_layers: int
     hidden_size: int
@@ -69,7 +69,7 @@ class GPTConfig:
         return self.num_query_groups * self.kv_channels
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """TP: ranks a layer's weights are split over (--tensor-model-parallel-size)."""
@@ -113,7 +113,7 @@ class ParallelConfig:
         return self.data_parallel_size * self.context_parallel_size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     micro_batch_size: int
     """Sequences per forward/backward pass on one rank (--micro-batch-size)."""
@@ -160,7 +160,7 @@ class OptimizerKind(enum.Enum):
         return self in (OptimizerKind.SHARDED_FP32_MAIN_PARAMS, OptimizerKind.FULLY_SHARDED)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     lr: float
     """Peak learning rate (--lr)."""
@@ -178,7 +178,7 @@ class OptimizerConfig:
     """Global gradient-norm clip, 0 for none (--clip-grad)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Learning-rate schedule in units of consumed samples, as Megatron counts it."""
     max_lr: float
@@ -202,7 +202,7 @@ class SchedulerConfig:
     """WSD: shape of the final anneal (--lr-wsd-decay-style)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
     bf16: bool = False
     """bf16 parameters and activations, fp32 main parameters (--bf16)."""
@@ -226,7 +226,7 @@ class PrecisionConfig:
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     mock_data: bool = False
     """Synthetic counting documents instead of files (--mock-data)."""
@@ -242,7 +242,7 @@ class DataConfig:
     """Data loader worker processes (--num-workers)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     log_interval: int = 100
     """Iterations per log line (--log-interval)."""
@@ -254,7 +254,7 @@ class LoggingConfig:
     """Iterations between TensorBoard scalars (--tensorboard-log-interval)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     backend: str | None = None
     """nccl or gloo; None: nccl when an accelerator is visible (--distributed-backend)."""
@@ -262,7 +262,7 @@ class DistributedConfig:
     """Collective timeout in minutes (--distributed-timeout-minutes)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     save: str | None = None
     """Directory checkpoints are written to (--save)."""
@@ -288,7 +288,7 @@ class CheckpointConfig:
     """Stop on a NaN/inf loss or gradient (not --no-check-for-nan-in-loss-and-grad)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MonitoringConfig:
     """What a run reports about itself beyond the log line's loss (megalite/monitoring/)."""
     peak_tflops: float | None = None
@@ -330,7 +330,7 @@ class MonitoringConfig:
     several ranks)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole run. The model-only configuration of the tools
     (validation.validate_model_args) has no optimizer, scheduler or data."""
