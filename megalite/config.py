@@ -20,40 +20,70 @@ dtype, so a model of thousands of tensors costs a handful of collectives per ste
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
+    """The model (megalite/model/): its shape and the choices that change what it
+    computes."""
     num_layers: int
+    """Transformer layers of the whole model, all pipeline stages (--num-layers)."""
     hidden_size: int
+    """Width of the residual stream, h (--hidden-size)."""
     ffn_hidden_size: int
+    """Width of the MLP's hidden layer (--ffn-hidden-size; default 4h, or 8h/3 rounded down
+    to a multiple of 64 with --swiglu)."""
     num_attention_heads: int
+    """Query heads (--num-attention-heads)."""
     num_query_groups: int
-    """K/V heads; equal to num_attention_heads without grouped-query attention."""
+    """K/V heads; equal to num_attention_heads without grouped-query attention
+    (--num-query-groups with --group-query-attention)."""
     kv_channels: int
-    """Per-head dimension."""
+    """Per-head dimension (--kv-channels; default hidden_size / num_attention_heads)."""
     seq_length: int
+    """Tokens per training sequence (--seq-length)."""
     max_position_embeddings: int
+    """Rows of the learned position table (--max-position-embeddings; default
+    seq_length)."""
     padded_vocab_size: int
     """Vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP."""
     vocab_size: int | None = None
     """The tokenizer's vocabulary; logits of the padding beyond it are masked out.
     None: no padding (vocab_size = padded_vocab_size)."""
     position_embedding_type: str = "learned_absolute"
+    """Positions: "learned_absolute" (a table) or "rope" (--position-embedding-type)."""
     rotary_base: int = 10000
+    """RoPE: base of the rotation frequencies (--rotary-base)."""
     rotary_percent: float = 1.0
+    """RoPE: fraction of each head's channels rotated (--rotary-percent)."""
     normalization: str = "LayerNorm"
+    """Norm layers: "LayerNorm" or "RMSNorm" (--normalization)."""
     norm_epsilon: float = 1e-5
+    """Added to the variance in each normalization (--norm-epsilon)."""
     swiglu: bool = False
+    """SwiGLU MLP instead of GeLU (--swiglu)."""
     add_bias_linear: bool = True
+    """Biases in the linear layers (not --disable-bias-linear)."""
     untie_embeddings_and_output_weights: bool = False
+    """Output layer with its own weights instead of the input embedding's
+    (--untie-embeddings-and-output-weights)."""
     attention_dropout: float = 0.1
+    """Dropout probability on the attention weights (--attention-dropout)."""
     hidden_dropout: float = 0.1
+    """Dropout probability on the embedding and each residual branch (--hidden-dropout)."""
     init_method_std: float = 0.02
+    """Standard deviation of the normal weight init; output projections get
+    std / sqrt(2 x num_layers) (--init-method-std)."""
     attention_backend: str = "sdpa"
+    """Core attention kernel: "auto", "flash", "sdpa" or "unfused" (--attention-backend;
+    --use-flash-attn is "flash")."""
     sequence_parallel: bool = False
+    """Activations outside the TP regions split over the sequence across TP ranks
+    (--sequence-parallel; off at TP 1, where it is the identity)."""
     recompute_granularity: str | None = None
-    """None, "full" (transformer layers) or "selective" (core attention only)."""
+    """None, "full" (transformer layers) or "selective" (core attention only)
+    (--recompute-granularity)."""
     recompute_method: str | None = None
     """With "full": "uniform" (groups of recompute_num_layers layers) or "block" (the
-    first recompute_num_layers layers of each model chunk)."""
+    first recompute_num_layers layers of each model chunk) (--recompute-method)."""
     recompute_num_layers: int = 1
+    """Layers per recompute group or block (--recompute-num-layers)."""
     compile_layers: bool = False
     """torch.compile each transformer layer (--compile-layers)."""
     cp_comm_type: str = "p2p"
