@@ -27,7 +27,7 @@ from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.model.attention_backends import resolve_backend
-from megalite.model.gpt import activation_shape, build_model_chunks
+from megalite.model.gpt import build_model_chunks
 from megalite.monitoring.monitor import Monitor
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler
@@ -150,15 +150,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     model = build_model(config, state, device, rng_tracker)
     optimizer, grad_buffer = build_optimizer(model, config, state)
     monitor = Monitor(config, state, device, model, optimizer)
-    t, m, par = config.training, config.model, config.parallel
-    runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        activation_shape(m, t.micro_batch_size, state.tp_size, state.cp_size),
-                        device, state,
-                        grad_buffer,
-                        check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16,
-                        timers=monitor.timers,
-                        pipeline_schedule=par.pipeline_schedule,
-                        fsdp_reduce_every_micro_batch=par.fsdp_grad_reduce_every_micro_batch)
+    runner = StepRunner(model, optimizer, config, state, device, grad_buffer, monitor.timers)
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
     if config.checkpoint.load is not None:
