@@ -120,9 +120,8 @@ class Run:
 
     def train_step(self):
         m, t = self.config.model, self.config.training
-        runner = StepRunner(self.model, self.optimizer, self.config.precision, 1,
-                            (m.seq_length, t.micro_batch_size, m.hidden_size),
-                            self.device, self.state, self.grad_buffer)
+        runner = StepRunner(self.model, self.optimizer, self.config, self.state, self.device,
+                            self.grad_buffer)
         shape, device = (t.micro_batch_size, m.seq_length), self.device
         runner.train_step([{"tokens": torch.randint(0, m.vocab_size, shape, device=device),
                             "labels": torch.randint(0, m.vocab_size, shape, device=device),

@@ -32,7 +32,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
+from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,  # noqa: E402
+                             LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                             TrainingConfig)
 from megalite.model.gpt import build_model_chunks  # noqa: E402
 from megalite.optimizer.optimizer import Optimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
@@ -92,10 +94,16 @@ def worker(rank, world, store_path, out, device_type, steps, reps):
                      "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen).to(device),
                      "loss_mask": torch.ones(MICRO, SEQ, device=device)}
                     for _ in range(NUM_MICRO)]
-    shape = (SEQ, MICRO, HIDDEN)
-    runners = {schedule: StepRunner(chunks, optimizer, PrecisionConfig(), NUM_MICRO, shape,
-                                    device, state, pipeline_schedule=schedule)
-               for schedule in SCHEDULES}
+    shape = (SEQ, MICRO, HIDDEN)  # one micro-batch's activations, for pass_times
+    training = TrainingConfig(micro_batch_size=MICRO, num_microbatches=NUM_MICRO,
+                              global_batch_size=MICRO * NUM_MICRO)
+    runs = {schedule: Config(model=config, parallel=ParallelConfig(pipeline_schedule=schedule),
+                             training=training, precision=PrecisionConfig(),
+                             logging=LoggingConfig(), distributed=DistributedConfig(),
+                             checkpoint=CheckpointConfig(check_for_nan=False))
+            for schedule in SCHEDULES}
+    runners = {schedule: StepRunner(chunks, optimizer, run, state, device)
+               for schedule, run in runs.items()}
     times = {schedule: [] for schedule in SCHEDULES}
     # Round robin, so a change in the machine's load hits every schedule alike.
     for _ in range(steps + 1):

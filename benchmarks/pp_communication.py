@@ -29,7 +29,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
+from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,  # noqa: E402
+                             LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                             TrainingConfig)
 from megalite.model.gpt import build_model_chunks  # noqa: E402
 from megalite.optimizer.optimizer import Optimizer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
@@ -49,8 +51,12 @@ def worker(rank, world, pp, v, store, out, device_type):
                        attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa")
     chunks = build_model_chunks(config, 1, state.pp_rank, pp, v, state.tp_group).to(device)
     optimizer = Optimizer(chunks, OptimizerConfig(lr=1e-3), model_parallel_group=state.mp_group)
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(), NUM_MICRO, (SEQ, MICRO, HIDDEN),
-                        device, state)
+    run = Config(model=config, parallel=ParallelConfig(), precision=PrecisionConfig(),
+                 training=TrainingConfig(micro_batch_size=MICRO, num_microbatches=NUM_MICRO,
+                                         global_batch_size=MICRO * NUM_MICRO),
+                 logging=LoggingConfig(), distributed=DistributedConfig(),
+                 checkpoint=CheckpointConfig(check_for_nan=False))
+    runner = StepRunner(chunks, optimizer, run, state, device)
     batch = {"tokens": torch.randint(0, 128, (MICRO, SEQ), device=device),
              "labels": torch.randint(0, 128, (MICRO, SEQ), device=device),
              "loss_mask": torch.ones(MICRO, SEQ, device=device)}

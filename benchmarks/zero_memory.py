@@ -46,7 +46,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
+from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,  # noqa: E402
+                             LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                             TrainingConfig)
 from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp  # noqa: E402
 from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
 from megalite.model.gpt import build_model_chunks  # noqa: E402
@@ -155,8 +157,12 @@ def worker(rank, world, mode, store, out, device_type):
     device = init_rank(rank, world, store, device_type)
     state = ParallelState(RankGrid(world), rank)
     chunks, optimizer, grad_buffer = build(mode, state, device)
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(bf16=True), 1, (64, 2, 128), device,
-                        state, grad_buffer)
+    run = Config(model=CONFIG, parallel=ParallelConfig(), precision=PrecisionConfig(bf16=True),
+                 training=TrainingConfig(micro_batch_size=2, global_batch_size=2 * world,
+                                         num_microbatches=1),
+                 logging=LoggingConfig(), distributed=DistributedConfig(),
+                 checkpoint=CheckpointConfig(check_for_nan=False))
+    runner = StepRunner(chunks, optimizer, run, state, device, grad_buffer)
     counter, peak, reduction = {"bytes": 0.0}, {"bytes": 0}, {"bytes": 0}
     fsdp = grad_buffer is None
     if fsdp:

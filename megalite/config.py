@@ -23,42 +23,72 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 """Short names (as Megatron's --bf16, --fp16) of the dtypes of parameters and gradients."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GPTConfig:
+    """The model (megalite/model/): its shape and the choices that change what it
+    computes."""
     num_layers: int
+    """Transformer layers of the whole model, all pipeline stages (--num-layers)."""
     hidden_size: int
+    """Width of the residual stream, h (--hidden-size)."""
     ffn_hidden_size: int
+    """Width of the MLP's hidden layer (--ffn-hidden-size; default 4h, or 8h/3 rounded down
+    to a multiple of 64 with --swiglu)."""
     num_attention_heads: int
+    """Query heads (--num-attention-heads)."""
     num_query_groups: int
-    """K/V heads; equal to num_attention_heads without grouped-query attention."""
+    """K/V heads; equal to num_attention_heads without grouped-query attention
+    (--num-query-groups with --group-query-attention)."""
     kv_channels: int
-    """Per-head dimension."""
+    """Per-head dimension (--kv-channels; default hidden_size / num_attention_heads)."""
     seq_length: int
+    """Tokens per training sequence (--seq-length)."""
     max_position_embeddings: int
+    """Rows of the learned position table (--max-position-embeddings; default
+    seq_length)."""
     padded_vocab_size: int
     """Vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP."""
     vocab_size: int | None = None
     """The tokenizer's vocabulary; logits of the padding beyond it are masked out.
     None: no padding (vocab_size = padded_vocab_size)."""
     position_embedding_type: str = "learned_absolute"
+    """Positions: "learned_absolute" (a table) or "rope" (--position-embedding-type)."""
     rotary_base: int = 10000
+    """RoPE: base of the rotation frequencies (--rotary-base)."""
     rotary_percent: float = 1.0
+    """RoPE: fraction of each head's channels rotated (--rotary-percent)."""
     normalization: str = "LayerNorm"
+    """Norm layers: "LayerNorm" or "RMSNorm" (--normalization)."""
     norm_epsilon: float = 1e-5
+    """Added to the variance in each normalization (--norm-epsilon)."""
     swiglu: bool = False
+    """SwiGLU MLP instead of GeLU (--swiglu)."""
     add_bias_linear: bool = True
+    """Biases in the linear layers (not --disable-bias-linear)."""
     untie_embeddings_and_output_weights: bool = False
+    """Output layer with its own weights instead of the input embedding's
+    (--untie-embeddings-and-output-weights)."""
     attention_dropout: float = 0.1
+    """Dropout probability on the attention weights (--attention-dropout)."""
     hidden_dropout: float = 0.1
+    """Dropout probability on the embedding and each residual branch (--hidden-dropout)."""
     init_method_std: float = 0.02
+    """Standard deviation of the normal weight init; output projections get
+    std / sqrt(2 x num_layers) (--init-method-std)."""
     attention_backend: str = "sdpa"
+    """Core attention kernel: "auto", "flash", "sdpa" or "unfused" (--attention-backend;
+    --use-flash-attn is "flash")."""
     sequence_parallel: bool = False
+    """Activations outside the TP regions split over the sequence across TP ranks
+    (--sequence-parallel; off at TP 1, where it is the identity)."""
     recompute_granularity: str | None = None
-    """None, "full" (transformer layers) or "selective" (core attention only)."""
+    """None, "full" (transformer layers) or "selective" (core attention only)
+    (--recompute-granularity)."""
     recompute_method: str | None = None
     """With "full": "uniform" (groups of recompute_num_layers layers) or "block" (the
-    first recompute_num_layers layers of each model chunk)."""
+    first recompute_num_layers layers of each model chunk) (--recompute-method)."""
     recompute_num_layers: int = 1
+    """Layers per recompute group or block (--recompute-num-layers)."""
     compile_layers: bool = False
     """torch.compile each transformer layer (--compile-layers)."""
     cp_comm_type: str = "p2p"
@@ -74,7 +104,7 @@ class GPTConfig:
         return self.num_query_groups * self.kv_channels
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """TP: ranks a layer's weights are split over (--tensor-model-parallel-size)."""
@@ -120,7 +150,7 @@ class ParallelConfig:
         return RankGrid(tp * pp * cp * self.data_parallel_size, tp, pp, cp)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     micro_batch_size: int
     """Sequences per forward/backward pass on one rank (--micro-batch-size)."""
@@ -167,7 +197,7 @@ class OptimizerKind(enum.Enum):
         return self in (OptimizerKind.SHARDED_FP32_MAIN_PARAMS, OptimizerKind.FULLY_SHARDED)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     lr: float
     """Peak learning rate (--lr)."""
@@ -185,7 +215,7 @@ class OptimizerConfig:
     """Global gradient-norm clip, 0 for none (--clip-grad)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Learning-rate schedule in units of consumed samples, as Megatron counts it."""
     max_lr: float
@@ -209,7 +239,7 @@ class SchedulerConfig:
     """WSD: shape of the final anneal (--lr-wsd-decay-style)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
     bf16: bool = False
     """bf16 parameters and activations, fp32 main parameters (--bf16)."""
@@ -239,7 +269,7 @@ class PrecisionConfig:
         return self.params_dtype.itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     mock_data: bool = False
     """Synthetic counting documents instead of files (--mock-data)."""
@@ -255,7 +285,7 @@ class DataConfig:
     """Data loader worker processes (--num-workers)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     log_interval: int = 100
     """Iterations per log line (--log-interval)."""
@@ -267,7 +297,7 @@ class LoggingConfig:
     """Iterations between TensorBoard scalars (--tensorboard-log-interval)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     backend: str | None = None
     """nccl or gloo; None: nccl when an accelerator is visible (--distributed-backend)."""
@@ -275,7 +305,7 @@ class DistributedConfig:
     """Collective timeout in minutes (--distributed-timeout-minutes)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     save: str | None = None
     """Directory checkpoints are written to (--save)."""
@@ -301,7 +331,7 @@ class CheckpointConfig:
     """Stop on a NaN/inf loss or gradient (not --no-check-for-nan-in-loss-and-grad)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MonitoringConfig:
     """What a run reports about itself beyond the log line's loss (megalite/monitoring/)."""
     peak_tflops: float | None = None
@@ -343,7 +373,7 @@ class MonitoringConfig:
     several ranks)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole run. The model-only configuration of the tools
     (validation.validate_model_args) has no optimizer, scheduler or data."""

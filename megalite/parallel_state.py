@@ -150,7 +150,8 @@ class ParallelState:
     created here, once, and each rank keeps the ones that contain it.
     """
 
-    def __init__(self, grid: RankGrid, rank: int):
+    def __init__(self, grid: RankGrid, rank: int, make_groups: bool = True):
+        self._make_groups = make_groups
         self.grid = grid
         self.rank = rank
         self.tp_rank, self.dp_rank, self.pp_rank = grid.coordinates(rank)
@@ -163,8 +164,16 @@ class ParallelState:
         self.mp_group = self._make(grid.model_parallel_groups())
         self.embedding_group = self._make(grid.embedding_groups())
 
+    @classmethod
+    def single_process(cls) -> "ParallelState":
+        """A world of one with no process groups (None, "no group": `group_size`), started
+        distributed or not: the single-process model tests compare the layouts against."""
+        return cls(RankGrid(1), 0, make_groups=False)
+
     def _make(self, all_ranks: list[list[int]]):
         mine = None
+        if not self._make_groups:
+            return mine
         for ranks in all_ranks:
             group = dist.new_group(ranks)
             if self.rank in ranks:

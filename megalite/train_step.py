@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.config import PrecisionConfig
+from megalite.config import Config, PrecisionConfig
 from megalite.distributed.fsdp import is_fully_sharded, set_gradient_sync
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
@@ -26,6 +26,7 @@ from megalite.parallel_state import (ParallelState, all_gather_into, all_reduce_
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
+from megalite.model.gpt import activation_shape
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.params import is_shared_embedding, main_grad
 
@@ -48,39 +49,39 @@ class StepResult:
 
 
 class StepRunner:
-    """Runs steps of `chunks` (this rank's model chunks) with `optimizer`.
+    """Runs steps of `chunks` (this rank's model chunks) with `optimizer`, as `config` says:
+    its precision, micro-batches, --pipeline-schedule (schedules.SCHEDULES), NaN check, and
+    whether FSDP2 chunks reduce-scatter their gradients in the last micro-batch's backward
+    or in every one (--fsdp-grad-reduce-every-micro-batch).
 
-    `state` is None for a single process; otherwise its tensor group reduces sequence-
-    parallel grads, its pipeline group carries activations, its embedding group sums
-    the grads of tied embeddings split across the first and last stage, and its data x
-    context group sums the losses of the ranks' slices of the global batch (a DP rank's
-    samples, a CP rank's chunks of them). `grad_buffer` holds the gradients and sums them
-    over the data x context group (needed when DP x CP > 1). `timers` times the step's
-    phases (monitoring/timers.py). `pipeline_schedule` is --pipeline-schedule
-    (schedules.SCHEDULES). FSDP2 chunks reduce-scatter their gradients in the last
-    micro-batch's backward, or in every one with `fsdp_reduce_every_micro_batch`
-    (--fsdp-grad-reduce-every-micro-batch).
+    `state`'s tensor group reduces sequence-parallel grads, its pipeline group carries
+    activations, its embedding group sums the grads of tied embeddings split across the
+    first and last stage, and its data x context group sums the losses of the ranks' slices
+    of the global batch (a DP rank's samples, a CP rank's chunks of them); a single process
+    passes `ParallelState.single_process()`. `grad_buffer` holds the gradients and sums
+    them over the data x context group (needed when DP x CP > 1). `timers` times the step's
+    phases (monitoring/timers.py).
     """
 
-    def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, precision: PrecisionConfig,
-                 num_microbatches: int, activation_shape: tuple[int, ...],
-                 device: torch.device, state: ParallelState | None = None,
-                 grad_buffer: GradBuffer | None = None, check_for_nan: bool = False,
-                 timers: Timers = NO_TIMERS, pipeline_schedule: str = "1f1b",
-                 fsdp_reduce_every_micro_batch: bool = False):
-        self.chunks, self.optimizer, self.precision = chunks, optimizer, precision
-        self.check_for_nan = check_for_nan
+    def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, config: Config,
+                 state: ParallelState, device: torch.device,
+                 grad_buffer: GradBuffer | None = None, timers: Timers = NO_TIMERS):
+        self.chunks, self.optimizer, self.precision = chunks, optimizer, config.precision
+        # fp16's loss scaler skips the steps whose gradients overflow instead.
+        self.check_for_nan = config.checkpoint.check_for_nan and not config.precision.fp16
         self.timers = timers
-        self.num_microbatches, self.device = num_microbatches, device
+        self.num_microbatches = config.training.num_microbatches
+        self.device = device
         self.fsdp = is_fully_sharded(chunks)
-        self.fsdp_defer_grad_reduce = self.fsdp and not fsdp_reduce_every_micro_batch
-        if grad_buffer is None and state is not None and state.dp_cp_size > 1 and not self.fsdp:
+        self.fsdp_defer_grad_reduce = (self.fsdp and
+                                       not config.parallel.fsdp_grad_reduce_every_micro_batch)
+        if grad_buffer is None and state.dp_cp_size > 1 and not self.fsdp:
             raise ValueError("data and context parallelism need a GradBuffer (or FSDP) to "
                              "reduce the gradients")
         self.grad_buffer = grad_buffer
         self.state = state
-        pp, pp_rank = (state.pp_size, state.pp_rank) if state else (1, 0)
-        v = len(chunks)
+        pp, pp_rank, num_microbatches = state.pp_size, state.pp_rank, self.num_microbatches
+        pipeline_schedule, v = config.parallel.pipeline_schedule, len(chunks)
         # Each rank's p2p batches are paired with its neighbours', so plan from every rank's list.
         self.schedule = communication_plan(
             [build_schedule(pp, r, num_microbatches, v, pipeline_schedule) for r in range(pp)],
@@ -91,8 +92,9 @@ class StepRunner:
         if pp > 1:
             # Activations travel in the compute dtype (under FSDP2 the gathered
             # parameters', not the fp32 shards').
-            self.comm = PipelineCommunicator(state, activation_shape, precision.params_dtype,
-                                             device)
+            shape = activation_shape(config.model, config.training.micro_batch_size,
+                                     state.tp_size, state.cp_size)
+            self.comm = PipelineCommunicator(state, shape, self.precision.params_dtype, device)
 
     def _autocast(self):
         return autocast(self.precision, self.device)
@@ -151,7 +153,7 @@ class StepRunner:
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         """Summed over DP x CP: the ranks holding other samples or other chunks of them."""
-        if self.state is None or self.state.dp_cp_size == 1:
+        if self.state.dp_cp_size == 1:
             return value
         value = value.clone()
         dist.all_reduce(value, group=self.state.dp_cp_group)
@@ -165,8 +167,6 @@ class StepRunner:
         of a tied embedding's two copies, sit at the same buffer offsets)."""
         if self.grad_buffer is not None:
             self.grad_buffer.finish()
-        if self.state is None:
-            return
         params = self.optimizer.params
         # Under SP, norms and row-parallel biases saw only this rank's sequence shard.
         if self.state.tp_size > 1:

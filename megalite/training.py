@@ -29,7 +29,7 @@ from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
-from megalite.model.gpt import activation_shape, build_model_chunks, initialize_parameters
+from megalite.model.gpt import build_model_chunks, initialize_parameters
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
 from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers
@@ -181,15 +181,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     timers = Timers(mon.timing_log_level, device, extra=COMPUTE if mon.log_straggler else ())
     optimizer, grad_buffer = build_optimizer(model, config, state, timers)
     monitor = Monitor(config, state, device, model, optimizer, timers)
-    t, m, par = config.training, config.model, config.parallel
-    runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        activation_shape(m, t.micro_batch_size, state.tp_size, state.cp_size),
-                        device, state,
-                        grad_buffer,
-                        check_for_nan=config.checkpoint.check_for_nan and not config.precision.fp16,
-                        timers=timers,
-                        pipeline_schedule=par.pipeline_schedule,
-                        fsdp_reduce_every_micro_batch=par.fsdp_grad_reduce_every_micro_batch)
+    runner = StepRunner(model, optimizer, config, state, device, grad_buffer, timers)
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
     if config.checkpoint.load is not None:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
-from megalite.config import GPTConfig
+from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
+                             LoggingConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
 from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
 
 # ------------------------------------------------------------------------------ configs
@@ -40,6 +41,20 @@ def tiny_gpt_config(**overrides) -> GPTConfig:
     fields.setdefault("num_query_groups", fields["num_attention_heads"])
     fields.setdefault("max_position_embeddings", fields["seq_length"])
     return GPTConfig(**fields)
+
+
+def step_config(model: GPTConfig, micro_batch_size: int, num_microbatches: int = 1,
+                precision: PrecisionConfig = PrecisionConfig(), check_for_nan: bool = False,
+                **parallel) -> Config:
+    """What a StepRunner reads of a run, around a hand-built model: `num_microbatches` per
+    DP rank of `micro_batch_size` sequences, `parallel` ParallelConfig's --pipeline-schedule
+    and FSDP2 fields (its sizes are the ParallelState's), no NaN check unless asked."""
+    return Config(model=model, parallel=ParallelConfig(**parallel),
+                  training=TrainingConfig(micro_batch_size=micro_batch_size,
+                                          global_batch_size=micro_batch_size * num_microbatches,
+                                          num_microbatches=num_microbatches),
+                  precision=precision, logging=LoggingConfig(), distributed=DistributedConfig(),
+                  checkpoint=CheckpointConfig(check_for_nan=check_for_nan))
 
 
 # -------------------------------------------------------------------------------- flags

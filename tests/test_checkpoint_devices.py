@@ -48,9 +48,7 @@ def build(config, state, device):
 def train(config, state, device, built, steps, seed):
     model, optimizer, grad_buffer, scheduler = built
     m, t = config.model, config.training
-    runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        (m.seq_length, t.micro_batch_size, m.hidden_size),
-                        torch.device(device), state, grad_buffer)
+    runner = StepRunner(model, optimizer, config, state, torch.device(device), grad_buffer)
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1),

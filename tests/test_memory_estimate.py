@@ -178,15 +178,10 @@ def microbatches(config, seed=0):
 
 def train_one_step(config, state=None):
     """build_model + build_optimizer as pretrain() does, then one StepRunner step."""
-    groups = state or types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None,
-                                            dp_group=None, mp_group=None, cp_group=None,
-                                            dp_cp_group=None)
-    model = build_model(config, groups, CPU, None)
-    optimizer, grad_buffer = build_optimizer(model, config, groups)
-    m, t = config.model, config.training
-    seq = m.seq_length // (state.tp_size if state else 1) if m.sequence_parallel else m.seq_length
-    runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        (seq, t.micro_batch_size, m.hidden_size), CPU, state, grad_buffer)
+    state = state or ParallelState.single_process()
+    model = build_model(config, state, CPU, None)
+    optimizer, grad_buffer = build_optimizer(model, config, state)
+    runner = StepRunner(model, optimizer, config, state, CPU, grad_buffer)
     runner.train_step(microbatches(config))
     return model, optimizer, grad_buffer, runner
 
@@ -406,10 +401,8 @@ def _pipeline_send_buffers(rank, world_size) -> tuple[int, int]:
         original()
     model = build_model(config, state, CPU, None)
     optimizer, grad_buffer = build_optimizer(model, config, state)
-    t, m = config.training, config.model
-    runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                        (m.seq_length, t.micro_batch_size, m.hidden_size), CPU, state,
-                        grad_buffer)
+    t = config.training
+    runner = StepRunner(model, optimizer, config, state, CPU, grad_buffer)
     original, runner.comm.wait_all = runner.comm.wait_all, wait_all
     runner.train_step(microbatches(config))
     chunks = me.rank_chunks(config, state.pp_rank, me.DEVICES["cpu"])

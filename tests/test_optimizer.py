@@ -3,14 +3,15 @@
 import pytest
 import torch
 
-from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.config import OptimizerConfig
 from megalite.errors import NumericalError
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState
 from megalite.train_step import StepRunner
 
-from tests.helpers import tiny_gpt_config
+from tests.helpers import step_config, tiny_gpt_config
 
 # 128 vocabulary rows, sequence 16, hidden 64: the tokens and shapes below.
 CONFIG = tiny_gpt_config(hidden_size=64, ffn_hidden_size=256, kv_channels=16, seq_length=16,
@@ -98,8 +99,8 @@ def test_a_nan_gradient_with_a_finite_loss_stops_before_the_update():
     in one gradient, the loss finite, still stops the step and names the rank."""
     model = GPTModel(CONFIG, seed=1)
     runner = StepRunner(torch.nn.ModuleList([model]), Optimizer(model, OptimizerConfig(lr=1e-3)),
-                        PrecisionConfig(), 1, (16, 2, 64), torch.device("cpu"),
-                        check_for_nan=True)
+                        step_config(CONFIG, 2, check_for_nan=True),
+                        ParallelState.single_process(), torch.device("cpu"))
     weight = model.decoder.final_layernorm.weight
     weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan")))
     tokens = torch.randint(0, 128, (2, 17))

@@ -52,21 +52,24 @@ class RankMemory:
 def estimate_memory(config: Config, device: str = "cuda") -> list[RankMemory]:
     """Memory of every pipeline rank (index = pipeline rank) at DP rank 0."""
     pp = config.parallel.pipeline_model_parallel_size
-    return [estimate_rank_memory(config, r, device) for r in range(pp)]
+    return [estimate_rank_memory(config, pp_rank, device) for pp_rank in range(pp)]
 
 
 def most_loaded_rank(config: Config, device: str = "cuda") -> RankMemory:
-    return max(estimate_memory(config, device), key=lambda r: r.total)
+    return max(estimate_memory(config, device), key=lambda rank: rank.total)
 
 
 def estimate_rank_memory(config: Config, pp_rank: int, device: str = "cuda") -> RankMemory:
     state = weights_and_optimizer(config, pp_rank)
     per_mb, peak, p2p = activation_bytes(config, pp_rank, DEVICES[device])
     par = config.parallel
-    v = par.virtual_pipeline_model_parallel_size or 1
+    chunks = par.virtual_pipeline_model_parallel_size or 1
     in_flight = microbatches_in_flight(par.pipeline_model_parallel_size, pp_rank,
-                                       config.training.num_microbatches, v,
-                                       par.pipeline_schedule) / v
-    return RankMemory(pp_rank, state["num_parameters"], state["parameters"],
-                      state["gradients"], state["optimizer_state"], state["main_grads"],
-                      peak, per_mb, in_flight, p2p, state.get("host", 0))
+                                       config.training.num_microbatches, chunks,
+                                       par.pipeline_schedule) / chunks
+    return RankMemory(pp_rank=pp_rank, num_parameters=state["num_parameters"],
+                      parameters=state["parameters"], gradients=state["gradients"],
+                      optimizer_state=state["optimizer_state"], main_grads=state["main_grads"],
+                      activations=peak, activations_per_microbatch=per_mb,
+                      microbatches_in_flight=in_flight, p2p_buffers=p2p,
+                      host=state.get("host", 0))

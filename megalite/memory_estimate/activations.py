@@ -1,6 +1,7 @@
 """Activations of one pipeline rank: what megalite's modules save for backward per
-micro-batch, walked through the rank's schedule. docs/memory.md derives each count (s
-sequence, b micro-batch, h hidden, t TP, f MLP width, q/k query/KV projection widths).
+micro-batch, walked through the rank's schedule. docs/memory.md derives each count in its
+letters ([s, b, h] an activation: sequence, micro-batch, hidden; t TP, f MLP width, q/k
+query/KV projection widths), which `_Shapes` holds under their names.
 The recompute groups are the model's own (`model.gpt.recompute_groups`), the stages
 `pipeline_parallel.stages`, the schedule the action list the executor runs."""
 
@@ -34,163 +35,187 @@ DEVICES = {"cuda": Device("cuda", True, True, True),
 
 @dataclass(frozen=True)
 class _Shapes:
-    s: int
-    b: int
-    h: int
+    """One micro-batch on one rank: each width is one TP rank's share."""
     seq: int
-    """Rows of the residual stream on this rank: s / TP under SP, else s."""
-    sp: bool
-    a: int
+    """Sequence rows of an activation, s: --seq-length / CP."""
+    micro_batch: int
+    """Sequences per micro-batch, b (--micro-batch-size)."""
+    hidden: int
+    """Hidden size, h."""
+    residual_seq: int
+    """Rows of the residual stream: seq / TP under SP, else seq."""
+    sequence_parallel: bool
+    act_bytes: int
     """Bytes per activation element (the parameters' dtype)."""
     mixed: bool
-    q: int
-    kv: int
+    """bf16/fp16 activations (act_bytes 2)."""
+    query_width: int
+    """Query projection width / TP, q: heads x kv_channels / TP."""
+    kv_width: int
+    """Key (and value) projection width / TP, k: query groups x kv_channels / TP."""
     heads: int
-    f: int
+    """Attention heads / TP."""
+    ffn_width: int
+    """MLP hidden width / TP, f / t."""
     vocab: int
     """Padded vocabulary / TP."""
     tp: int
     device: Device
     cp: int = 1
-    """Context-parallel ranks: s is then this rank's s / CP rows (context_parallel.py)."""
+    """Context-parallel ranks: seq is then this rank's s / CP rows (context_parallel.py)."""
+
+    @property
+    def tokens(self) -> int:
+        """Rows of an [s, b, .] activation."""
+        return self.seq * self.micro_batch
+
+    @property
+    def residual_tokens(self) -> int:
+        """Rows of the residual stream's [s/t, b, h] (under SP) or [s, b, h]."""
+        return self.residual_seq * self.micro_batch
 
     def mask(self, dropout: float) -> int:
         """Bytes per element of a dropout mask (0 without dropout)."""
         if dropout <= 0.0:
             return 0
-        return 1 if self.device.dropout_mask_is_bool else self.a
+        return 1 if self.device.dropout_mask_is_bool else self.act_bytes
 
 
 def _shapes(config: Config, device: Device) -> _Shapes:
     m, par = config.model, config.parallel
     t, a = par.tensor_model_parallel_size, config.precision.params_bytes
     s = m.seq_length // par.context_parallel_size
-    return _Shapes(s=s, b=config.training.micro_batch_size, h=m.hidden_size,
-                   seq=s // t if m.sequence_parallel else s, sp=m.sequence_parallel,
-                   a=a, mixed=a == 2, q=m.query_projection_size // t,
-                   kv=m.kv_projection_size // t, heads=m.num_attention_heads // t,
-                   f=m.ffn_hidden_size // t, vocab=m.padded_vocab_size // t, tp=t,
+    return _Shapes(seq=s, micro_batch=config.training.micro_batch_size, hidden=m.hidden_size,
+                   residual_seq=s // t if m.sequence_parallel else s,
+                   sequence_parallel=m.sequence_parallel, act_bytes=a, mixed=a == 2,
+                   query_width=m.query_projection_size // t,
+                   kv_width=m.kv_projection_size // t, heads=m.num_attention_heads // t,
+                   ffn_width=m.ffn_hidden_size // t, vocab=m.padded_vocab_size // t, tp=t,
                    device=device, cp=par.context_parallel_size)
 
 
 # One transformer layer, the embedding, the loss (docs/memory.md, "What one layer saves").
 
-def norm_saved_bytes(config: Config, x: _Shapes) -> int:
+def norm_saved_bytes(config: Config, shape: _Shapes) -> int:
     """LayerNorm: its input and mean/rstd; RMSNorm (in fp32): the fp32 input, normalised
     values and rsqrt, plus an fp32 copy of its weight."""
-    rows = x.seq * x.b
+    rows = shape.residual_tokens
     if config.model.normalization == "RMSNorm":
-        weight = 4 * x.h if x.a != 4 else 0
-        return 4 * rows * x.h * 2 + 4 * rows + weight
-    e = 4 if (x.mixed and x.device.autocast_fp32_norm_softmax) else x.a
-    return e * rows * x.h + 2 * e * rows
+        weight = 4 * shape.hidden if shape.act_bytes != 4 else 0
+        return 4 * rows * shape.hidden * 2 + 4 * rows + weight
+    fp32 = shape.mixed and shape.device.autocast_fp32_norm_softmax
+    element = 4 if fp32 else shape.act_bytes
+    return element * rows * shape.hidden + 2 * element * rows
 
 
-def norm_output_bytes(config: Config, x: _Shapes) -> int:
+def norm_output_bytes(config: Config, shape: _Shapes) -> int:
     """The input the column-parallel linear reading one norm's output saves (QKV, or the
     fused fc1): the gathered [s, b, h] under SP, else the norm output or, for RMSNorm on
     the embedding's transposed stream, its contiguous copy: one [s, b, h] either way."""
-    return x.a * x.s * x.b * x.h
+    return shape.act_bytes * shape.tokens * shape.hidden
 
 
-def qkv_saved_bytes(config: Config, x: _Shapes, kernel_keeps_qkv: bool = True) -> int:
+def qkv_saved_bytes(config: Config, shape: _Shapes, kernel_keeps_qkv: bool = True) -> int:
     """Q, K and V as the attention keeps them (the fused QKV output, rotated or GQA
     copies). RoPE's cos/sin table is the model's, read by every layer: not an activation."""
-    m = config.model
-    sb = x.s * x.b
-    rope = m.position_embedding_type == "rope"
-    q_is_copy = rope or m.num_attention_heads != m.num_query_groups
-    fused = x.a * sb * (x.q + 2 * x.kv)
+    model = config.model
+    q, kv = shape.query_width, shape.kv_width
+    rope = model.position_embedding_type == "rope"
+    q_is_copy = rope or model.num_attention_heads != model.num_query_groups
+    fused = shape.act_bytes * shape.tokens * (q + 2 * kv)
     if kernel_keeps_qkv:
-        copies = x.a * sb * (x.q + x.kv if rope else x.q if q_is_copy else 0)
+        copies = shape.act_bytes * shape.tokens * (q + kv if rope else q if q_is_copy else 0)
         return fused + copies
-    if x.mixed:
+    if shape.mixed:
         return 0
-    return x.a * sb * x.q if q_is_copy else fused
+    return shape.act_bytes * shape.tokens * q if q_is_copy else fused
 
 
-def core_attention_bytes(config: Config, x: _Shapes) -> int:
+def core_attention_bytes(config: Config, shape: _Shapes) -> int:
     """What the attention kernel saves beyond Q, K and V: what selective recompute drops."""
-    if x.cp > 1 and (cp := cp_core_attention_bytes(config, x)) is not None:
+    if shape.cp > 1 and (cp := cp_core_attention_bytes(config, shape)) is not None:
         return cp
     if config.model.attention_backend != "unfused":
-        out = x.a * x.s * x.b * x.q if x.device.attention_output_copied else 0
-        return 4 * x.b * x.heads * x.s + out  # + the fp32 log-sum-exp
-    return _unfused_attention_bytes(config, x)
+        copied = shape.device.attention_output_copied
+        out = shape.act_bytes * shape.tokens * shape.query_width if copied else 0
+        return 4 * shape.heads * shape.tokens + out  # + the fp32 log-sum-exp
+    return _unfused_attention_bytes(config, shape)
 
 
-def _unfused_attention_bytes(config: Config, x: _Shapes) -> int:
+def _unfused_attention_bytes(config: Config, shape: _Shapes) -> int:
     """attention_backends._unfused: repeated K and V, Q's cast, the mask, the s x s
     probabilities, dropout's mask and output, the probabilities cast for the matmul."""
-    p = config.model.attention_dropout
-    keys, pairs = attended_keys(x)
-    bsq, probs = x.b * x.s * x.q, x.b * x.heads * pairs
-    softmax = 4 if (not x.mixed or x.device.autocast_fp32_norm_softmax) else x.a
-    total = 2 * x.a * x.b * keys * x.q + pairs + softmax * probs  # K, V repeated, mask, softmax
-    if x.mixed:
-        total += x.a * bsq  # Q cast back to bf16/fp16 for the matmul
-    if p > 0:
-        total += (1 if x.device.dropout_mask_is_bool else softmax) * probs
+    dropout, act_bytes = config.model.attention_dropout, shape.act_bytes
+    keys, pairs = attended_keys(shape)
+    probs = shape.micro_batch * shape.heads * pairs
+    fp32 = not shape.mixed or shape.device.autocast_fp32_norm_softmax
+    softmax = 4 if fp32 else act_bytes
+    repeated_kv = 2 * act_bytes * shape.micro_batch * keys * shape.query_width
+    total = repeated_kv + pairs + softmax * probs  # K, V repeated, mask, softmax
+    if shape.mixed:
+        total += act_bytes * shape.tokens * shape.query_width  # Q cast back for the matmul
+    if dropout > 0:
+        total += (1 if shape.device.dropout_mask_is_bool else softmax) * probs
         total += softmax * probs  # dropout output, read by the second matmul
-    if softmax != x.a:
-        total += x.a * probs  # probs.to(v.dtype)
+    if softmax != act_bytes:
+        total += act_bytes * probs  # probs.to(v.dtype)
     return total
 
 
-def attention_saved_bytes(config: Config, x: _Shapes, selective: bool) -> int:
+def attention_saved_bytes(config: Config, shape: _Shapes, selective: bool) -> int:
     """Self-attention after its norm: QKV, the kernel's state, the output projection's
     input [s, b, q] and the residual dropout's mask."""
     kernel_keeps_qkv = (selective or config.model.attention_backend != "unfused"
-                        or ring_keeps_qkv(config, x))
-    qkv = None if selective else gathered_qkv_bytes(config, x)
+                        or ring_keeps_qkv(config, shape))
+    qkv = None if selective else gathered_qkv_bytes(config, shape)
     if qkv is None:
-        qkv = qkv_saved_bytes(config, x, kernel_keeps_qkv)
-    total = qkv + x.a * x.s * x.b * x.q
+        qkv = qkv_saved_bytes(config, shape, kernel_keeps_qkv)
+    total = qkv + shape.act_bytes * shape.tokens * shape.query_width
     if not selective:
-        total += core_attention_bytes(config, x)
-    return total + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h
+        total += core_attention_bytes(config, shape)
+    return total + shape.mask(config.model.hidden_dropout) * shape.residual_tokens * shape.hidden
 
 
-def mlp_saved_bytes(config: Config, x: _Shapes) -> int:
+def mlp_saved_bytes(config: Config, shape: _Shapes) -> int:
     """GeLU: fc1's output and the GeLU output; SwiGLU: gate, silu(gate), up and their
     product; then the residual dropout's mask."""
     tensors = 4 if config.model.swiglu else 2
-    return (tensors * x.a * x.s * x.b * x.f
-            + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h)
+    return (tensors * shape.act_bytes * shape.tokens * shape.ffn_width
+            + shape.mask(config.model.hidden_dropout) * shape.residual_tokens * shape.hidden)
 
 
-def layer_saved_bytes(config: Config, x: _Shapes) -> int:
+def layer_saved_bytes(config: Config, shape: _Shapes) -> int:
     """One transformer layer, without recompute or with selective recompute."""
     selective = config.model.recompute_granularity == "selective"
-    return (2 * norm_saved_bytes(config, x)
-            + norm_output_bytes(config, x)
-            + attention_saved_bytes(config, x, selective)
-            + norm_output_bytes(config, x)
-            + mlp_saved_bytes(config, x))
+    return (2 * norm_saved_bytes(config, shape)
+            + norm_output_bytes(config, shape)
+            + attention_saved_bytes(config, shape, selective)
+            + norm_output_bytes(config, shape)
+            + mlp_saved_bytes(config, shape))
 
 
 def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
     """(what one transformer layer saves for backward per micro-batch on this rank, the
     context-parallel buffers it holds on top in its backward): the per-layer figures of
     benchmarks/cp_memory.py."""
-    x = _shapes(config, device)
-    return layer_saved_bytes(config, x), cp_attention_working_set(config, x)
+    shape = _shapes(config, device)
+    return layer_saved_bytes(config, shape), cp_attention_working_set(config, shape)
 
 
-def embedding_saved_bytes(config: Config, x: _Shapes) -> int:
+def embedding_saved_bytes(config: Config, shape: _Shapes) -> int:
     """Token ids (int64; under TP the shard-local ids and the out-of-shard mask) for the
     embedding's backward, position ids, and the embedding dropout's mask."""
-    total = 8 * x.b * x.s + (x.b * x.s if x.tp > 1 else 0)
+    total = 8 * shape.tokens + (shape.tokens if shape.tp > 1 else 0)
     if config.model.position_embedding_type == "learned_absolute":
-        total += 8 * x.s
-    return total + x.mask(config.model.hidden_dropout) * x.seq * x.b * x.h
+        total += 8 * shape.seq
+    return total + shape.mask(config.model.hidden_dropout) * shape.residual_tokens * shape.hidden
 
 
-def loss_saved_bytes(config: Config, x: _Shapes) -> int:
+def loss_saved_bytes(config: Config, shape: _Shapes) -> int:
     """Final norm, the output layer's input, and the vocab-parallel cross-entropy's fp32
     softmax [s, b, V/t] with its target ids and out-of-shard mask."""
-    return (norm_saved_bytes(config, x) + norm_output_bytes(config, x)
-            + 4 * x.s * x.b * x.vocab + 8 * x.s * x.b + x.s * x.b)
+    return (norm_saved_bytes(config, shape) + norm_output_bytes(config, shape)
+            + 4 * shape.tokens * shape.vocab + 8 * shape.tokens + shape.tokens)
 
 
 # Recompute, chunks, and the pipeline schedule.
@@ -208,44 +233,44 @@ class ChunkActivations:
     """Recomputed in backward on top of `saved` (full recompute: one group)."""
 
 
-def chunk_activations(config: Config, x: _Shapes, num_layers: int, pre: bool,
+def chunk_activations(config: Config, shape: _Shapes, num_layers: int, pre: bool,
                       post: bool) -> ChunkActivations:
-    contiguous = x.sp or not pre
-    layer = layer_saved_bytes(config, x)
-    residual = x.a * x.seq * x.b * x.h
-    saved, working = 0, cp_attention_working_set(config, x)
+    contiguous = shape.sequence_parallel or not pre
+    layer = layer_saved_bytes(config, shape)
+    residual = shape.act_bytes * shape.residual_tokens * shape.hidden
+    saved, working = 0, cp_attention_working_set(config, shape)
     for run, recomputed in recompute_groups(config.model, num_layers):
         if recomputed:
             saved += residual  # the group's input, kept by the checkpoint
-            working = max(working, len(run) * layer + cp_attention_working_set(config, x))
+            working = max(working, len(run) * layer + cp_attention_working_set(config, shape))
         else:
             saved += len(run) * layer
     if pre:
-        saved += embedding_saved_bytes(config, x)
+        saved += embedding_saved_bytes(config, shape)
     else:
-        saved += 0 if _first_layer_keeps_input(config, x) else residual  # received input
+        saved += 0 if _first_layer_keeps_input(config, shape) else residual  # received input
     if post:
-        saved += loss_saved_bytes(config, x)
+        saved += loss_saved_bytes(config, shape)
     elif not contiguous:
         saved += residual  # the output [b, s, h] view; its contiguous copy is sent
     return ChunkActivations(saved, 0 if post else residual, 0 if pre else residual, working)
 
 
-def _first_layer_keeps_input(config: Config, x: _Shapes) -> bool:
+def _first_layer_keeps_input(config: Config, shape: _Shapes) -> bool:
     """Whether the first layer itself saves the tensor received from the previous stage
     (a checkpointed group, a LayerNorm in the activation dtype, an fp32 RMSNorm), so that
     holding it costs nothing more."""
     if recompute_groups(config.model, 1)[0][1]:
         return True
     if config.model.normalization == "RMSNorm":
-        return x.a == 4
-    return not (x.mixed and x.device.autocast_fp32_norm_softmax)
+        return shape.act_bytes == 4
+    return not (shape.mixed and shape.device.autocast_fp32_norm_softmax)
 
 
 def rank_chunks(config: Config, pp_rank: int, device: Device) -> list[ChunkActivations]:
     par = config.parallel
-    x = _shapes(config, device)
-    return [chunk_activations(config, x, len(stage.layers(config.model.num_layers)),
+    shape = _shapes(config, device)
+    return [chunk_activations(config, shape, len(stage.layers(config.model.num_layers)),
                               stage.is_first, stage.is_last)
             for stage in rank_stages(pp_rank, par.pipeline_model_parallel_size,
                                      par.virtual_pipeline_model_parallel_size or 1)]
@@ -264,25 +289,25 @@ def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int,
     schedule = build_schedule(par.pipeline_model_parallel_size, pp_rank,
                               config.training.num_microbatches, len(chunks),
                               par.pipeline_schedule)
-    split = any(a.kind == WEIGHT for a in schedule)
+    split = any(action.kind == WEIGHT for action in schedule)
     piped = par.pipeline_model_parallel_size > 1
     live = sent = peak = peak_sent = 0
     for action in schedule:
-        c = chunks[action.chunk]
+        chunk = chunks[action.chunk]
         if action.kind == FORWARD:
-            live += c.saved
-            sent += c.send_forward if piped else 0
+            live += chunk.saved
+            sent += chunk.send_forward if piped else 0
             now = live + sent
         elif action.kind == WEIGHT:
             now = live + sent
-            live -= c.saved
+            live -= chunk.saved
         else:
-            now = live + sent + c.working_set
-            live -= 0 if split else c.saved
-            sent += c.send_backward if piped else 0
+            now = live + sent + chunk.working_set
+            live -= 0 if split else chunk.saved
+            sent += chunk.send_backward if piped else 0
         if now > peak:
             peak, peak_sent = now, sent
-    return sum(c.saved for c in chunks), peak, peak_sent
+    return sum(chunk.saved for chunk in chunks), peak, peak_sent
 
 
 def microbatches_in_flight(pp_size: int, pp_rank: int, num_microbatches: int,
@@ -290,7 +315,7 @@ def microbatches_in_flight(pp_size: int, pp_rank: int, num_microbatches: int,
     """Most (micro-batch, chunk) forwards whose backward (W, when split) has not run yet
     on this rank."""
     actions = build_schedule(pp_size, pp_rank, num_microbatches, num_chunks, schedule)
-    done = WEIGHT if any(a.kind == WEIGHT for a in actions) else BACKWARD
+    done = WEIGHT if any(action.kind == WEIGHT for action in actions) else BACKWARD
     live = peak = 0
     for action in actions:
         live += 1 if action.kind == FORWARD else -1 if action.kind == done else 0

@@ -31,21 +31,21 @@ def shard_numel(config: Config, param: nn.Parameter) -> int:
     """Elements of one TP rank's shard of `param` (a whole parameter): a tensor-parallel
     layer splits one dimension evenly, the rest (norms, row-parallel biases, learned
     positions) is whole on every TP rank."""
-    t = config.parallel.tensor_model_parallel_size
-    return param.numel() // t if is_tensor_parallel(param) else param.numel()
+    tp = config.parallel.tensor_model_parallel_size
+    return param.numel() // tp if is_tensor_parallel(param) else param.numel()
 
 
 def num_model_parameters(config: Config) -> int:
     """Distinct parameters of the whole model (a tied output layer counted once)."""
-    return sum(q.numel() for r in range(config.parallel.pipeline_model_parallel_size)
-               for q in rank_parameters(config, r) if not is_embedding_copy(q))
+    return sum(param.numel() for pp_rank in range(config.parallel.pipeline_model_parallel_size)
+               for param in rank_parameters(config, pp_rank) if not is_embedding_copy(param))
 
 
 def grad_buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, int]]:
     """(real elements, padded elements) of each of this rank's gradient buckets."""
-    numels = [shard_numel(config, q) for q in params]
-    layout = bucket_layout(numels, [q.dtype for q in params],
-                           [is_shared_embedding(q) for q in params],
+    numels = [shard_numel(config, param) for param in params]
+    layout = bucket_layout(numels, [param.dtype for param in params],
+                           [is_shared_embedding(param) for param in params],
                            config.parallel.ddp_bucket_size)
     dp = config.parallel.grid.dp_cp_size  # the group the buffer is reduced over
     return [(n, padded_size(n, dp)) for n in (sum(numels[i] for i in b) for b in layout)]
@@ -54,7 +54,7 @@ def grad_buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, 
 def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     """Bytes of parameters, gradients, optimizer state and fp32 main grads on DP rank 0."""
     params = rank_parameters(config, pp_rank)
-    num = sum(shard_numel(config, q) for q in params)
+    num = sum(shard_numel(config, param) for param in params)
     layout = grad_buckets(config, params)
     padded = sum(n for _, n in layout)
     pbytes, gbytes = config.precision.params_bytes, config.grad_bytes
@@ -67,7 +67,7 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
                     optimizer_state=8 * num, main_grads=0)
     shards = config.parallel.grid.dp_cp_size if sharded else 1
     # DP rank 0 owns the first 1/shards of every bucket, all of it real parameters.
-    owned = sum(min(real, n // shards) for real, n in layout)
+    owned = sum(min(real, padded_numel // shards) for real, padded_numel in layout)
     state = dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,
                  optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned)
     if config.parallel.optimizer_cpu_offload:

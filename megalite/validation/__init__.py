@@ -35,8 +35,9 @@ def validate_args(args, world_size: int = 1,
         training=dataclasses.replace(config.training, train_iters=train_iters,
                                      train_samples=train_samples),
         scheduler=_scheduler_config(args, global_batch, train_samples),
-        data=DataConfig(args.mock_data, tuple(args.data_path or ()), args.split,
-                        args.data_cache_path, args.eod_mask_loss, args.num_workers),
+        data=DataConfig(mock_data=args.mock_data, data_path=tuple(args.data_path or ()),
+                        split=args.split, data_cache_path=args.data_cache_path,
+                        eod_mask_loss=args.eod_mask_loss, num_workers=args.num_workers),
         monitoring=_validate_monitoring(args, world_size))
 
 
@@ -56,12 +57,17 @@ def validate_model_args(args, world_size: int = 1,
     return Config(
         model=_model_config(args, parallel, _vocab_size(args, tokenizer_vocab_size)),
         parallel=parallel,
-        training=TrainingConfig(micro, global_batch, num_micro, None, None, args.exit_interval,
-                                args.eval_interval, args.eval_iters, args.seed),
+        training=TrainingConfig(micro_batch_size=micro, global_batch_size=global_batch,
+                                num_microbatches=num_micro, exit_interval=args.exit_interval,
+                                eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+                                seed=args.seed),
         precision=_precision_config(args),
-        logging=LoggingConfig(args.log_interval, args.log_throughput, args.tensorboard_dir,
-                              args.tensorboard_log_interval),
-        distributed=DistributedConfig(args.distributed_backend, args.distributed_timeout_minutes),
+        logging=LoggingConfig(log_interval=args.log_interval,
+                              log_throughput=args.log_throughput,
+                              tensorboard_dir=args.tensorboard_dir,
+                              tensorboard_log_interval=args.tensorboard_log_interval),
+        distributed=DistributedConfig(backend=args.distributed_backend,
+                                      timeout_minutes=args.distributed_timeout_minutes),
         checkpoint=_checkpoint_config(args))
 
 
@@ -226,8 +232,9 @@ def _optimizer_config(args) -> OptimizerConfig:
     if args.clip_grad < 0 or args.weight_decay < 0 or args.adam_eps <= 0:
         raise ConfigError(f"need --clip-grad >= 0, --weight-decay >= 0, --adam-eps > 0; got "
                           f"{args.clip_grad}, {args.weight_decay}, {args.adam_eps}")
-    return OptimizerConfig(args.lr, args.min_lr, args.weight_decay, args.adam_beta1,
-                           args.adam_beta2, args.adam_eps, args.clip_grad)
+    return OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                           adam_eps=args.adam_eps, clip_grad=args.clip_grad)
 
 
 def _scheduler_config(args, global_batch: int, train_samples: int) -> SchedulerConfig:
@@ -254,8 +261,9 @@ def _scheduler_config(args, global_batch: int, train_samples: int) -> SchedulerC
     if args.lr_decay_style == "WSD" and (wsd is None or not 0 < wsd <= decay - warmup):
         raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or -samples) in "
                           f"(0, decay - warm-up = {decay - warmup} samples], got {wsd}")
-    return SchedulerConfig(args.lr, args.min_lr, args.lr_decay_style, warmup, decay,
-                           args.lr_warmup_init, wsd, args.lr_wsd_decay_style)
+    return SchedulerConfig(max_lr=args.lr, min_lr=args.min_lr, decay_style=args.lr_decay_style,
+                           warmup_steps=warmup, decay_steps=decay, init_lr=args.lr_warmup_init,
+                           wsd_decay_steps=wsd, wsd_decay_style=args.lr_wsd_decay_style)
 
 
 def _reject_flags(args, unit: str):
@@ -278,8 +286,11 @@ def _precision_config(args) -> PrecisionConfig:
     if args.loss_scale_window <= 0 or args.hysteresis <= 0:
         raise ConfigError(f"--loss-scale-window={args.loss_scale_window} and "
                           f"--hysteresis={args.hysteresis} must be positive")
-    return PrecisionConfig(args.bf16, args.fp16, args.loss_scale, args.initial_loss_scale,
-                           args.min_loss_scale, int(args.loss_scale_window), args.hysteresis)
+    return PrecisionConfig(bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
+                           initial_loss_scale=args.initial_loss_scale,
+                           min_loss_scale=args.min_loss_scale,
+                           loss_scale_window=int(args.loss_scale_window),
+                           hysteresis=args.hysteresis)
 
 
 def _checkpoint_config(args) -> CheckpointConfig:
@@ -291,11 +302,13 @@ def _checkpoint_config(args) -> CheckpointConfig:
                           f"{args.keep_last_n_checkpoints}")
     if args.finetune and args.load is None:
         raise ConfigError("--finetune needs --load (the checkpoint to start from)")
-    return CheckpointConfig(args.save, args.load, args.save_interval,
-                            args.keep_last_n_checkpoints, not args.no_save_optim,
-                            not args.no_load_optim, not args.no_load_rng, args.finetune,
-                            args.exit_signal_handler, args.exit_duration_in_mins,
-                            args.check_for_nan_in_loss_and_grad)
+    return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
+                            keep_last=args.keep_last_n_checkpoints,
+                            save_optim=not args.no_save_optim, load_optim=not args.no_load_optim,
+                            load_rng=not args.no_load_rng, finetune=args.finetune,
+                            exit_signal_handler=args.exit_signal_handler,
+                            exit_duration_in_mins=args.exit_duration_in_mins,
+                            check_for_nan=args.check_for_nan_in_loss_and_grad)
 
 
 def _validate_monitoring(args, world_size: int) -> MonitoringConfig:
@@ -309,10 +322,15 @@ def _validate_monitoring(args, world_size: int) -> MonitoringConfig:
             raise ConfigError(f"--profile-ranks {outside} outside the world of {world_size} "
                               "ranks")
     return MonitoringConfig(
-        args.peak_tflops, args.log_memory_to_tensorboard, args.timing_log_level,
-        args.timing_log_option, args.log_timers_to_tensorboard, args.log_straggler,
-        args.check_weight_hash_across_dp_replicas_interval, args.log_params_norm,
-        args.log_num_zeros_in_grad, args.profile, args.profile_step_start,
-        args.profile_step_end, tuple(args.profile_ranks),
-        args.profile_dir or args.tensorboard_dir or "profile", args.record_memory_history,
-        args.memory_snapshot_path)
+        peak_tflops=args.peak_tflops, log_memory_to_tensorboard=args.log_memory_to_tensorboard,
+        timing_log_level=args.timing_log_level, timing_log_option=args.timing_log_option,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+        log_straggler=args.log_straggler,
+        check_weight_hash_across_dp_replicas_interval=(
+            args.check_weight_hash_across_dp_replicas_interval),
+        log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        profile=args.profile, profile_step_start=args.profile_step_start,
+        profile_step_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
+        profile_dir=args.profile_dir or args.tensorboard_dir or "profile",
+        record_memory_history=args.record_memory_history,
+        memory_snapshot_path=args.memory_snapshot_path)

@@ -29,10 +29,14 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
     # Megatron forces fp32 gradient accumulation and reduction under --bf16: summing
     # micro-batches and ranks in 8 mantissa bits loses the small updates.
     fp32_grads = args.accumulate_allreduce_grads_in_fp32 or args.bf16
-    return ParallelConfig(tp, pp, _virtual_stages(args, pp), dp, args.use_distributed_optimizer,
-                          args.ddp_bucket_size or DEFAULT_BUCKET_SIZE, args.overlap_grad_reduce,
-                          args.overlap_param_gather, fp32_grads, context_parallel_size=cp,
-                          **fsdp_fields)
+    return ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=_virtual_stages(args, pp), data_parallel_size=dp,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        ddp_bucket_size=args.ddp_bucket_size or DEFAULT_BUCKET_SIZE,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        accumulate_allreduce_grads_in_fp32=fp32_grads, context_parallel_size=cp, **fsdp_fields)
 
 
 def _validate_context_parallel(args) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_load
-from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.config import OptimizerConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.model.gpt import GPTModel
@@ -24,7 +24,7 @@ from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers import (LOG_LINE, assert_identical, checkpoint_tensors, scalars,
-                           tiny_gpt_config)
+                           step_config, tiny_gpt_config)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "4", "--hidden-size", "64",
@@ -177,8 +177,8 @@ def nan_on_rank_one(rank, world_size):
     model = GPTModel(CONFIG, seed=1)
     buffer = GradBuffer(list(model.parameters()), state.dp_group, 10 ** 9)
     runner = StepRunner(torch.nn.ModuleList([model]), Optimizer(model, OptimizerConfig(lr=1e-3)),
-                        PrecisionConfig(), 1, (8, 2, 32), torch.device("cpu"), state, buffer,
-                        check_for_nan=True)
+                        step_config(CONFIG, 2, check_for_nan=True), state, torch.device("cpu"),
+                        buffer)
     batch = {"tokens": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8)),
              "loss_mask": torch.ones(2, 8)}
     runner.train_step([batch])

@@ -11,11 +11,11 @@ import functools
 import pytest
 import torch
 
-from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.config import OptimizerConfig
 from megalite.context_split import shard_batch
 from megalite.distributed.fsdp import ZERO3, apply_fsdp, full_tensor
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
+from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
@@ -25,7 +25,7 @@ from megalite.validation import pad_vocab_size
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
-                           tiny_gpt_config)
+                           step_config, tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
 # RoPE with GQA (2 K/V heads for 4 query heads), or GPT-2's learned positions with
@@ -101,10 +101,8 @@ def run(config, chunks, state, zero=False, fsdp=None):
     elif not fsdp:
         optimizer = Optimizer(chunks, opt_config, tp_group=tp_group, model_parallel_group=mp_group)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
-    shape = activation_shape(config, MICRO, state.tp_size if state else 1,
-                             state.cp_size if state else 1)
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
-                        torch.device("cpu"), state, grad_buffer)
+    runner = StepRunner(chunks, optimizer, step_config(config, MICRO, num_micro),
+                        state or ParallelState.single_process(), torch.device("cpu"), grad_buffer)
     generator = torch.Generator().manual_seed(3)
     steps = []
     for _ in range(STEPS):

@@ -20,7 +20,7 @@ from megalite.arguments import parse_args
 from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp, full_tensor
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
+from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
@@ -33,7 +33,7 @@ from megalite.validation import pad_vocab_size, validate_args
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers import (BASE_FLAGS, gather_tensor_parallel, random_batches,
-                           reference_name, step_problems, tiny_gpt_config)
+                           reference_name, step_config, step_problems, tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 6
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
@@ -73,11 +73,10 @@ def run(config, chunks, state, mode=ZERO3):
     """STEPS steps; returns the per-step (loss, grad norm)."""
     optimizer, grad_buffer = layout_optimizer(chunks, state, mode)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
-    shape = activation_shape(config, MICRO, state.tp_size if state else 1)
     every = mode.endswith("+every")
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
-                        torch.device("cpu"), state, grad_buffer,
-                        fsdp_reduce_every_micro_batch=every)
+    runner = StepRunner(chunks, optimizer, step_config(config, MICRO, num_micro,
+                                                       fsdp_grad_reduce_every_micro_batch=every),
+                        state or ParallelState.single_process(), torch.device("cpu"), grad_buffer)
     generator = torch.Generator().manual_seed(3)
     steps = []
     for _ in range(STEPS):
@@ -235,9 +234,8 @@ def run_half(state, dtype, fsdp: bool):
                                  grad_dtype=torch.float32)
         optimizer = MixedPrecisionOptimizer(chunks, OPTIMIZER, scaler, None, None, grad_buffer)
     precision = PrecisionConfig(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
-    runner = StepRunner(chunks, optimizer, precision, NUM_MICRO // 2,
-                        activation_shape(config, MICRO, 1), torch.device("cpu"), state,
-                        grad_buffer)
+    runner = StepRunner(chunks, optimizer, step_config(config, MICRO, NUM_MICRO // 2, precision),
+                        state, torch.device("cpu"), grad_buffer)
     generator = torch.Generator().manual_seed(3)
     steps = []
     for _ in range(STEPS):
@@ -286,9 +284,7 @@ def planner_against_tensors(rank, world_size) -> dict[str, list[str]]:
         model = build_model(config, state, torch.device("cpu"), None)
         optimizer, _ = build_optimizer(model, config, state)
         t, m = config.training, config.model
-        runner = StepRunner(model, optimizer, config.precision, t.num_microbatches,
-                            activation_shape(m, t.micro_batch_size, 1), torch.device("cpu"),
-                            state, None)
+        runner = StepRunner(model, optimizer, config, state, torch.device("cpu"))
         tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length),
                                generator=torch.Generator().manual_seed(0))
         runner.train_step([{"tokens": tokens, "labels": tokens.roll(-1, 1),

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.config import OptimizerConfig
 from megalite.validation import pad_vocab_size
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
+from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
@@ -19,7 +19,7 @@ from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
-                           tiny_gpt_config)
+                           step_config, tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO = 101, 16, 2, 4
 BASE = tiny_gpt_config(num_layers=8, num_query_groups=2, seq_length=SEQ,
@@ -58,9 +58,8 @@ def run(config, chunks, state, mode="plain"):
     else:
         optimizer = Optimizer(chunks, opt_config, tp_group=tp_group, model_parallel_group=mp_group)
     num_micro = NUM_MICRO // (state.dp_size if state else 1)
-    shape = activation_shape(config, MICRO, state.tp_size if state else 1)
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(), num_micro, shape,
-                        torch.device("cpu"), state, grad_buffer)
+    runner = StepRunner(chunks, optimizer, step_config(config, MICRO, num_micro),
+                        state or ParallelState.single_process(), torch.device("cpu"), grad_buffer)
     generator = torch.Generator().manual_seed(3)
     steps, first_grads = [], None
     for step in range(10):

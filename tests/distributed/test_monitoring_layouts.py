@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.config import OptimizerConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.monitoring.replica_check import ReplicaMismatchError, check_replicas
@@ -22,7 +22,7 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import LOG_LINE, tiny_gpt_config
+from tests.helpers import LOG_LINE, step_config, tiny_gpt_config
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
@@ -103,8 +103,8 @@ def _perturb_and_check(rank, world_size, zero):
     config = OptimizerConfig(lr=1e-3)
     optimizer = (MixedPrecisionOptimizer(model, config, None, state.tp_group, state.mp_group,
                                          buffer) if zero else Optimizer(model, config))
-    runner = StepRunner(torch.nn.ModuleList([model]), optimizer, PrecisionConfig(), 1,
-                        (8, 2, 32), torch.device("cpu"), state, buffer)
+    runner = StepRunner(torch.nn.ModuleList([model]), optimizer, step_config(CONFIG, 2), state,
+                        torch.device("cpu"), buffer)
     generator = torch.Generator().manual_seed(rank)  # each rank its own slice of the batch
     batch = {"tokens": torch.randint(0, 64, (2, 8), generator=generator),
              "labels": torch.randint(0, 64, (2, 8), generator=generator),

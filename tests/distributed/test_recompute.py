@@ -8,15 +8,15 @@ import dataclasses
 import pytest
 import torch
 
-from megalite.config import OptimizerConfig, PrecisionConfig
-from megalite.model.gpt import activation_shape, build_model_chunks
+from megalite.config import OptimizerConfig
+from megalite.model.gpt import build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import tiny_gpt_config
+from tests.helpers import step_config, tiny_gpt_config
 
 SEQ, MICRO, VOCAB = 16, 2, 64
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ, padded_vocab_size=VOCAB,
@@ -40,9 +40,8 @@ def loss_and_grads(config, state, tp, pp, v):
                                 state.tp_group if state else None, tracker)
     optimizer = Optimizer(chunks, OptimizerConfig(lr=0.0, clip_grad=0.0),
                           model_parallel_group=state.mp_group if state else None)
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(), 2,
-                        activation_shape(config, MICRO, tp),
-                        torch.device("cpu"), state)
+    runner = StepRunner(chunks, optimizer, step_config(config, MICRO, 2),
+                        state or ParallelState.single_process(), torch.device("cpu"))
     generator = torch.Generator().manual_seed(5)
     batches = [{"tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),
                 "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator),

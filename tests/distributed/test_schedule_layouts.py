@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.config import OptimizerConfig
 from megalite.distributed.grad_buffer import GradBuffer
-from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
+from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
@@ -26,7 +26,7 @@ from megalite.validation import pad_vocab_size
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
-                           tiny_gpt_config)
+                           step_config, tiny_gpt_config)
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
@@ -60,9 +60,9 @@ def run(config, chunks, state=None, schedule="1f1b", mode="plain"):
                      Optimizer(chunks, opt_config, tp_group=state.tp_group,
                                model_parallel_group=state.mp_group))
     dp = state.dp_size if state else 1
-    runner = StepRunner(chunks, optimizer, PrecisionConfig(), NUM_MICRO // dp,
-                        activation_shape(config, MICRO, state.tp_size if state else 1),
-                        torch.device("cpu"), state, grad_buffer, pipeline_schedule=schedule)
+    runner = StepRunner(chunks, optimizer,
+                        step_config(config, MICRO, NUM_MICRO // dp, pipeline_schedule=schedule),
+                        state or ParallelState.single_process(), torch.device("cpu"), grad_buffer)
     generator = torch.Generator().manual_seed(3)
     steps, first_grads = [], None
     for step in range(STEPS):

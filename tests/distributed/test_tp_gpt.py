@@ -11,16 +11,16 @@ import dataclasses
 import pytest
 import torch
 
-from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.config import OptimizerConfig
 from megalite.validation import pad_vocab_size
-from megalite.model.gpt import GPTModel, activation_shape
+from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.train_step import StepRunner
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, tiny_gpt_config
+from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, step_config, tiny_gpt_config
 
 VOCAB = 101
 BASE = tiny_gpt_config(hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, seq_length=16,
@@ -73,9 +73,8 @@ def compare_training(reference_config, tp_config, state: ParallelState) -> list[
         tp_group = run_state.tp_group if run_state else None
         model = GPTModel(config, seed=5, tp_group=tp_group)
         optimizer = Optimizer(model, opt_config, tp_group=tp_group, model_parallel_group=tp_group)
-        shape = activation_shape(config, 2, run_state.tp_size if run_state else 1)
-        runner = StepRunner(torch.nn.ModuleList([model]), optimizer, PrecisionConfig(), 2,
-                            shape, torch.device("cpu"), run_state)
+        runner = StepRunner(torch.nn.ModuleList([model]), optimizer, step_config(config, 2, 2),
+                            run_state or ParallelState.single_process(), torch.device("cpu"))
         generator = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(10):
