@@ -24,13 +24,10 @@ non-zero. SMOKE=1: sequences 64 and 128 against a 2 MiB budget (the CP ranks for
 """
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -40,7 +37,7 @@ from megalite.memory_estimate.activations import layer_activation_bytes  # noqa:
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.training import build_model  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
-from rank_setup import init_rank, start_method  # noqa: E402
+from rank_setup import launch  # noqa: E402
 from smoke import shrink  # noqa: E402
 from tests.helpers import saved_activation_bytes  # noqa: E402
 
@@ -66,22 +63,16 @@ def layer_saved_bytes(config, chunk) -> int:
         x, chunk.rope_table(torch.device("cpu"))))
 
 
-def _worker(rank, cp, seq, comm, store, out):
-    init_rank(rank, cp, store, "cpu")
+def _worker(rank, cp, seq, comm):
     config = validate_args(parse_args(flags(seq, cp, comm)), cp)
     state = ParallelState(RankGrid(cp, 1, 1, cp), rank)
     chunk = build_model(config, state, torch.device("cpu"), None)[0]
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(layer_saved_bytes(config, chunk), f)
+    return layer_saved_bytes(config, chunk)
 
 
 def measure(cp: int, seq: int, comm: str) -> int:
     """The most any CP rank's layer saves."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, nprocs=cp, start_method=start_method("cpu"),
-                           args=(cp, seq, comm, os.path.join(tmp, "store"),
-                                 os.path.join(tmp, "out")))
-        return max(json.load(open(os.path.join(tmp, f"out.{r}"))) for r in range(cp))
+    return max(launch(cp, _worker, seq, comm))
 
 
 def check(seq: int, cp: int, comm: str, config, planned: int, measured: int):

@@ -35,11 +35,9 @@ skipped with a note. On the CPU the ranks run over gloo.
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -56,7 +54,7 @@ from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer  # noqa: 
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.train_step import StepRunner  # noqa: E402
 from megalite.validation import validate_model_args  # noqa: E402
-from rank_setup import add_device_flag, describe, init_rank, start_method  # noqa: E402
+from rank_setup import add_device_flag, describe, launch, rank_device  # noqa: E402
 
 CONFIG = GPTConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                    num_query_groups=4, kv_channels=32, seq_length=64, max_position_embeddings=64,
@@ -151,8 +149,8 @@ def track_reduction(peak: dict):
     _fsdp_collectives.foreach_reduce_scatter_copy_in = copy_in
 
 
-def worker(rank, world, mode, store, out, device_type):
-    device = init_rank(rank, world, store, device_type)
+def worker(rank, world, mode, device_type):
+    device = rank_device(rank, device_type)
     state = ParallelState(RankGrid(world), rank)
     chunks, optimizer, grad_buffer = build(mode, state, device)
     runner = StepRunner(chunks, optimizer, PrecisionConfig(bf16=True), 1, (64, 2, 128), device,
@@ -180,10 +178,8 @@ def worker(rank, world, mode, store, out, device_type):
         grad_bytes = sum(b.flat.numel() * b.flat.element_size() for b in grad_buffer.buckets)
         optim_bytes = optimizer.optimizer_state_bytes()
     on_host = mode.endswith("offload")
-    row = [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], counter["bytes"], on_host,
-           reduction["bytes"]]
-    torch.save(row, f"{out}.{rank}")
-    dist.destroy_process_group()
+    return [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], counter["bytes"], on_host,
+            reduction["bytes"]]
 
 
 def paper_bytes(mode: str, psi: int, n: int) -> float:
@@ -247,12 +243,8 @@ def main():
             continue
         plain_traffic = None
         for mode in MODES:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "row")
-                mp.start_processes(worker, nprocs=dp, start_method=start_method(device),
-                                   args=(dp, mode, os.path.join(tmp, "store"), out, device))
-                psi, params, grads, optim, gathered, traffic, on_host, reducing = \
-                    torch.load(f"{out}.0")
+            psi, params, grads, optim, gathered, traffic, on_host, reducing = \
+                launch(dp, worker, mode, device, device_type=device)[0]
             plan = planner(mode, dp)
             host = params + grads + optim if on_host else 0
             total = params + grads + optim

@@ -6,12 +6,9 @@ should not import each other).
 
 - tiny_gpt_config / LLAMA_STYLE: the model configs tests build;
 - BASE_FLAGS / without: the command line tests start from, and removing a flag by name;
-- LOG_LINE: Megatron's training log line, parsed;
 - scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
 - gather_tensor_parallel: a TP-sharded tensor made whole again with plain all_gather.
 """
-
-import re
 
 import torch
 import torch.distributed as dist
@@ -66,32 +63,6 @@ def without(flags: list[str], *names: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- run records
-
-# Megatron's training log line, field for field (megatron/training/training.py,
-# training_log), followed by megalite's tokens per second; megalite's MFU (with a known
-# peak) and memory (max over ranks: CUDA allocator on a GPU, resident set on a CPU).
-LOG_LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<it>\d+)/ +(?P<n>\d+) \|"
-    r" consumed samples: +(?P<samples>\d+) \|"
-    r" elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
-    r"( throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[\d.]+) \|)?"
-    r"( MFU \(%\): (?P<mfu>[\d.]+) \|)?"
-    r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d\d) \|"
-    r" global batch size: +(?P<gbs>\d+) \|"
-    r" lm loss: (?P<loss>\d\.\d{6}E[+-]\d\d|nan) \|"
-    r" loss scale: (?P<scale>[\d.]+) \|"
-    r"( grad norm: (?P<gnorm>[\d.]+) \|)?"
-    r"( num zeros: (?P<zeros>[\d.]+) \|)?"
-    r"( params norm: (?P<pnorm>[\d.]+) \|)?"
-    r" number of skipped iterations: +(?P<skipped>\d+) \|"
-    r" number of nan iterations: +(?P<nan>\d+) \|"
-    r" tokens per second: (?P<tps>[\d.]+) \|"
-    r"( mem allocated \(MiB\): (?P<mem_allocated>[\d.]+) \|"
-    r" mem reserved \(MiB\): (?P<mem_reserved>[\d.]+) \|"
-    r" mem max allocated \(MiB\): (?P<mem_max_allocated>[\d.]+) \|)?"
-    r"( mem RSS \(MiB\): (?P<mem_rss>[\d.]+) \|"
-    r" mem max RSS \(MiB\): (?P<mem_max_rss>[\d.]+) \|)?$")
-
 
 def scalars(tensorboard_dir) -> dict[str, dict[int, float]]:
     """Every step's float32 lm loss and grad norm, as TensorBoard recorded them."""

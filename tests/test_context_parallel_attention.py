@@ -25,7 +25,7 @@ from megalite.context_parallel import blocks, fused_blocks
 from megalite.context_parallel.blocks import block_backward, block_forward, merge
 from megalite.context_parallel.ring import block_kernels, ring_blocks
 from megalite.errors import ConfigError
-from tests.distributed.launcher import run_distributed
+from megalite.spawn import run_distributed
 
 B, S, D = 2, 16, 8                                # batch, whole sequence, head dim
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}            # (query heads, key/value heads)

@@ -22,8 +22,8 @@ from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.storage import CheckpointError, find_checkpoint_to_load, read_metadata
 from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
 from megalite.model.gpt import GPTModel
+from megalite.spawn import run_distributed
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import tiny_gpt_config
 
 ROOT = Path(__file__).resolve().parents[1]

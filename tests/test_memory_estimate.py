@@ -23,6 +23,7 @@ import torch
 
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
+from megalite.spawn import run_distributed
 from megalite.validation import validate_args
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
@@ -32,7 +33,6 @@ from megalite.tensor_parallel.params import is_embedding_copy, is_shared_embeddi
 from megalite.train_step import StepRunner, autocast
 from megalite.training import build_model, build_optimizer
 
-from tests.distributed.launcher import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_TOLERANCE = 0.10        # params, grads, optimizer state (issue 8)

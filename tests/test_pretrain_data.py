@@ -9,6 +9,7 @@ import pytest
 
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.training import pretrain
+from megalite.training_log import parse_validation_line
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -53,8 +54,8 @@ def test_loss_falls_clearly_below_unigram_entropy(stdlib_dataset, capsys):
                                 "--eval-iters", "4"))
     out = capsys.readouterr().out
     assert code == 0
-    line = next(text for text in out.splitlines() if "on validation set" in text)
-    loss = float(line.split("lm loss value:")[1].split("|")[0])
+    loss = next(v["loss"] for v in map(parse_validation_line, out.splitlines()) if v and
+                "on validation set" in v["prefix"])
     assert 4.0 < entropy < 6.5
     assert loss < entropy - 0.5
 

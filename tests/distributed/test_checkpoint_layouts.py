@@ -20,11 +20,11 @@ from megalite.errors import NumericalError
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
+from megalite.training_log import parse_log
 
-from tests.distributed.launcher import run_distributed
-from tests.helpers import (LOG_LINE, assert_identical, checkpoint_tensors, scalars,
-                           tiny_gpt_config)
+from tests.helpers import assert_identical, checkpoint_tensors, scalars, tiny_gpt_config
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "4", "--hidden-size", "64",
@@ -53,7 +53,7 @@ def run(nproc, *flags) -> str:
 
 
 def losses(stdout: str) -> dict[int, str]:
-    return {int(m["it"]): m["loss"] for m in map(LOG_LINE.match, stdout.splitlines()) if m}
+    return {log["iteration"]: log["lm_loss"] for log in parse_log(stdout)}
 
 
 def test_3d_zero_resume_is_bit_exact(tmp_path):

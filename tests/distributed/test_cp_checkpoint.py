@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from megalite.checkpointing.storage import TRACKER_FILENAME
+from megalite.training_log import parse_log
 
-from tests.helpers import LOG_LINE, assert_identical, checkpoint_tensors, scalars
+from tests.helpers import assert_identical, checkpoint_tensors, scalars
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "4", "--hidden-size", "64",
@@ -37,8 +38,7 @@ def run(nproc: int, *flags) -> str:
 
 
 def losses(stdout: str) -> dict[int, float]:
-    return {int(m["it"]): float(m["loss"]) for m in map(LOG_LINE.match, stdout.splitlines())
-            if m}
+    return {log["iteration"]: log["lm_loss"] for log in parse_log(stdout)}
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
 from megalite.validation import pad_vocab_size
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            tiny_gpt_config)
 

@@ -8,11 +8,11 @@ import torch
 import megalite.memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.train_step import autocast
 from megalite.training import build_model
 from megalite.validation import validate_args
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import saved_activation_bytes
 
 CP = 2

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir, read_metadata
-
-from tests.helpers import LOG_LINE
+from megalite.training_log import parse_log
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
@@ -63,7 +62,7 @@ def kill_node(agent: subprocess.Popen):
 
 
 def losses(text: str) -> dict[int, str]:
-    return {int(m["it"]): m["loss"] for m in map(LOG_LINE.match, text.splitlines()) if m}
+    return {log["iteration"]: log["lm_loss"] for log in parse_log(text)}
 
 
 def test_killed_agent_survivor_resumes_at_half_the_world_size(tmp_path):

@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 from megalite.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.training import run_training
+from megalite.training_log import parse_log
 from megalite.validation import validate_args
 
-from tests.distributed.launcher import run_distributed
-from tests.helpers import LOG_LINE, assert_identical, checkpoint_tensors
+from tests.helpers import assert_identical, checkpoint_tensors
 
 FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
          "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -41,8 +42,8 @@ def train(rank, world_size, *flags) -> dict[int, tuple[str, str]]:
     with contextlib.redirect_stdout(out):
         run_training(config, state, torch.device("cpu"), None)
     dist.barrier()
-    return {int(m["it"]): (m["loss"], m["gnorm"])
-            for m in map(LOG_LINE.match, out.getvalue().splitlines()) if m}
+    return {log["iteration"]: (log["lm_loss"], log["grad_norm"])
+            for log in parse_log(out.getvalue())}
 
 
 def checkpoint_runs(rank, world_size, root):

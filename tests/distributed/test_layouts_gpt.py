@@ -15,9 +15,9 @@ from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            tiny_gpt_config)
 

@@ -17,11 +17,10 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.training import run_training
+from megalite.training_log import parse_log
 from megalite.validation import validate_args
-
-from tests.distributed.launcher import run_distributed
-from tests.helpers import LOG_LINE
 
 MAX, MIN, ITERS, MICRO = 1e-3, 1e-4, 20, 2
 # The command, less the launcher's flags; no --global-batch-size.
@@ -85,8 +84,8 @@ def _logged_rates(rank: int, world_size: int) -> dict:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             run_training(config, state, torch.device("cpu"), eod=None)
-        logs = [m for m in map(LOG_LINE.match, out.getvalue().splitlines()) if m]
-        results[name] = [(int(m["it"]), float(m["lr"]), int(m["gbs"])) for m in logs]
+        results[name] = [(log["iteration"], log["learning_rate"], log["global_batch_size"])
+                         for log in parse_log(out.getvalue())]
     return results
 
 

@@ -19,10 +19,11 @@ from megalite.monitoring.replica_check import ReplicaMismatchError, check_replic
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
+from megalite.training_log import parse_log
 
-from tests.distributed.launcher import run_distributed
-from tests.helpers import LOG_LINE, tiny_gpt_config
+from tests.helpers import tiny_gpt_config
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
@@ -68,7 +69,7 @@ def test_two_ranks_zero1_straggler_hash_check_timers_and_profile(tmp_path):
         "--profile-ranks", "1", "--profile-step-start", "1", "--profile-step-end", "2",
         "--profile-dir", str(tmp_path))
     assert_names_the_straggler(out, 1)
-    assert len([m for m in map(LOG_LINE.match, out.splitlines()) if m]) == 2
+    assert len(parse_log(out)) == 2
     # Every rank's time for the ZeRO-1 parameter all-gather.
     assert re.search(r"  params-all-gather:\n     rank  0: [\d.]+\n     rank  1: [\d.]+", out)
     assert [p.name for p in tmp_path.iterdir()] == ["rank1.iter2-2.pt.trace.json"]

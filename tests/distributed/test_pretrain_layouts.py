@@ -2,13 +2,12 @@
 as one process, iteration for iteration."""
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import LOG_LINE
+from megalite.training_log import parse_log, parse_validation_line
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
@@ -27,10 +26,10 @@ def run(prefix, *extra):
     proc = subprocess.run([*prefix, "pretrain_gpt.py", *FLAGS, *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logs = [LOG_LINE.match(line) for line in proc.stdout.splitlines()]
-    losses = [float(m["loss"]) for m in logs if m]
-    norms = [float(m["gnorm"]) for m in logs if m]
-    valid = [float(v) for v in re.findall(r"lm loss value: (\S+)", proc.stdout)]
+    logs = parse_log(proc.stdout)
+    losses = [log["lm_loss"] for log in logs]
+    norms = [log["grad_norm"] for log in logs]
+    valid = [v["loss"] for v in map(parse_validation_line, proc.stdout.splitlines()) if v]
     return losses, norms, valid
 
 

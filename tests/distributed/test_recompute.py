@@ -12,10 +12,10 @@ from megalite.config import OptimizerConfig, PrecisionConfig
 from megalite.model.gpt import activation_shape, build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import tiny_gpt_config
 
 SEQ, MICRO, VOCAB = 16, 2, 64

@@ -19,12 +19,12 @@ from megalite.model.gpt import GPTModel, activation_shape, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.train_step import StepRunner
 from megalite.validation import pad_vocab_size
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            tiny_gpt_config)
 

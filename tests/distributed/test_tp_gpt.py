@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megalite.config import OptimizerConfig, PrecisionConfig
+from megalite.spawn import run_distributed
 from megalite.validation import pad_vocab_size
 from megalite.model.gpt import GPTModel, activation_shape
 from megalite.optimizer.optimizer import Optimizer
@@ -19,7 +20,6 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.train_step import StepRunner
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, tiny_gpt_config
 
 VOCAB = 101

@@ -10,8 +10,8 @@ from megalite.model.gpt import GPTModel
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import tiny_gpt_config
 
 CONFIG = tiny_gpt_config(padded_vocab_size=61)
