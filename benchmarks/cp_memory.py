@@ -34,12 +34,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import megalite.memory_estimate as me  # noqa: E402
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.memory_estimate.activations import layer_activation_bytes  # noqa: E402
+from megalite.monitoring.memory import SavedActivations  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.training import build_model  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
 from rank_setup import launch  # noqa: E402
 from smoke import shrink  # noqa: E402
-from tests.helpers import saved_activation_bytes  # noqa: E402
 
 MiB = 2 ** 20
 MODEL = ["--mock-data", "--vocab-size", "512", "--num-layers", "1", "--hidden-size", "256",
@@ -59,8 +59,9 @@ def layer_saved_bytes(config, chunk) -> int:
     m, cp = config.model, config.parallel.context_parallel_size
     x = torch.randn(m.seq_length // cp, config.training.micro_batch_size, m.hidden_size,
                     requires_grad=True)
-    return saved_activation_bytes(chunk, lambda: chunk.decoder.layers["0"](
-        x, chunk.rope_table(torch.device("cpu"))))
+    with SavedActivations(chunk) as saved:
+        chunk.decoder.layers["0"](x, chunk.rope_table(torch.device("cpu")))
+    return saved.nbytes
 
 
 def _worker(rank, cp, seq, comm):

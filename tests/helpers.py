@@ -162,24 +162,3 @@ def random_batches(generator, vocab: int, micro: int, seq: int, num_micro: int,
         return batches
     per_rank = num_micro // state.dp_size
     return batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
-
-
-def saved_activation_bytes(chunk, run) -> int:
-    """Bytes of the distinct storages autograd saves for backward while `run()` runs
-    through `chunk` (each storage once); the chunk's parameters, buffers and RoPE table
-    are the model's own, not activations. The CP planner test and benchmarks/cp_memory.py
-    measure with it."""
-    rope_table = chunk.rope_table(torch.device("cpu"))
-    own = {t.untyped_storage().data_ptr() for t in
-           [*chunk.parameters(), *chunk.buffers(), *([rope_table] if rope_table is not None
-                                                     else [])]}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(saved.values())

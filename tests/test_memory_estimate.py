@@ -23,12 +23,13 @@ import torch
 
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
-from megalite.spawn import run_distributed
 from megalite.validation import validate_args
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
+from megalite.monitoring.memory import SavedActivations
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.stages import rank_stages
+from megalite.spawn import run_distributed
 from megalite.tensor_parallel.params import is_embedding_copy, is_shared_embedding, partition_dim
 from megalite.train_step import StepRunner, autocast
 from megalite.training import build_model, build_optimizer
@@ -236,28 +237,18 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
     Parameters and buffers are not activations."""
     m, b = config.model, config.training.micro_batch_size
     chunk.train()
-    # The model's own tensors (RoPE's cached angles too) are not activations.
-    rope_table = chunk.rope_table(CPU)
-    rotary = [rope_table] if rope_table is not None else []
-    exclude = ptrs(list(chunk.parameters()) + list(chunk.buffers()) + rotary)
-    saved = []
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), generator=g)
     dtype = next(chunk.parameters()).dtype
-    x = tokens if first else torch.randn(seq, b, m.hidden_size, generator=g).to(dtype)
+    x = tokens if first else \
+        torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
+    with SavedActivations(chunk) as saved, autocast(config.precision, CPU):
+        out = chunk(x, tokens if last else None)
     if not first:
-        x.requires_grad_()
-        saved.append(x)
-
-    def pack(t):
-        saved.append(t)
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with autocast(config.precision, CPU):
-            out = chunk(x, tokens if last else None)
+        saved.add(x)
     if not last:
-        saved += [out, out.detach().contiguous()]
-    return storage_bytes(saved, exclude)
+        saved.add(out, out.detach().contiguous())
+    return saved.nbytes
 
 
 def planned_chunk_bytes(config, pp_rank: int, device: str = "cpu") -> list[int]:

@@ -7,13 +7,12 @@ import torch
 
 import megalite.memory_estimate as me
 from megalite.arguments import parse_args
+from megalite.monitoring.memory import SavedActivations
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.spawn import run_distributed
 from megalite.train_step import autocast
 from megalite.training import build_model
 from megalite.validation import validate_args
-
-from tests.helpers import saved_activation_bytes
 
 CP = 2
 FLAGS = ["--mock-data", "--vocab-size", "500", "--make-vocab-size-divisible-by", "64",
@@ -43,10 +42,9 @@ def saved_bytes(config, chunk) -> int:
     tokens = torch.randint(0, m.vocab_size, (config.training.micro_batch_size,
                                              m.seq_length // CP))
 
-    def run():
-        with autocast(config.precision, torch.device("cpu")):
-            chunk(tokens, tokens)
-    return saved_activation_bytes(chunk, run)
+    with SavedActivations(chunk) as saved, autocast(config.precision, torch.device("cpu")):
+        chunk(tokens, tokens)
+    return saved.nbytes
 
 
 def measure(rank, world_size):
