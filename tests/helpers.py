@@ -2,10 +2,11 @@
 workers run in spawned processes that import functions by module name, and test modules
 should not import each other).
 
-    from tests.helpers import BASE_FLAGS, LLAMA_STYLE, tiny_gpt_config, without
+    from tests.helpers import BASE_FLAGS, LLAMA_STYLE, flags_with, tiny_gpt_config, without
 
 - tiny_gpt_config / LLAMA_STYLE: the model configs tests build;
-- BASE_FLAGS / without: the command line tests start from, and removing a flag by name;
+- BASE_FLAGS / flags_with / without: the command line tests start from, that line with
+  some values changed, and removing a flag by name;
 - scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
 - gather_tensor_parallel: a TP-sharded tensor made whole again with plain all_gather.
 """
@@ -48,6 +49,17 @@ BASE_FLAGS = [
     "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
     "--train-iters", "10", "--lr", "1e-3",
 ]
+
+
+def flags_with(*extra: str, **values) -> list[str]:
+    """BASE_FLAGS with each of `values` set (hidden_size=32: "--hidden-size 32"; None drops
+    the flag), then `extra`: a test's command line written as its difference from
+    BASE_FLAGS."""
+    flags = list(BASE_FLAGS)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        flags = without(flags, flag) + ([] if value is None else [flag, str(value)])
+    return [*flags, *extra]
 
 
 def without(flags: list[str], *names: str) -> list[str]:

@@ -14,14 +14,14 @@ from megalite.checkpointing import saving
 from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_load
 from megalite.training import pretrain
 
-from tests.helpers import assert_identical, checkpoint_tensors, scalars
+from tests.helpers import assert_identical, checkpoint_tensors, flags_with, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
-         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--lr", "3e-3", "--log-interval", "1",
-         "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
-         "--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--train-iters", "6"]
+FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+                   "--num-workers", "0", "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+                   vocab_size=61, make_vocab_size_divisible_by=None, hidden_size=32,
+                   seq_length=16, micro_batch_size=2, global_batch_size=4, train_iters=6,
+                   lr="3e-3")
 
 
 def launch(*flags, **popen):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file  # noqa: E402  (a dependency of transfor
 
 from megalite.model.gpt import GPTModel  # noqa: E402
 
-from tests.helpers import LLAMA_STYLE, tiny_gpt_config  # noqa: E402
+from tests.helpers import LLAMA_STYLE, flags_with, tiny_gpt_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
@@ -34,10 +34,10 @@ LLAMA = dict(LLAMA_STYLE, ffn_hidden_size=96, num_query_groups=2)
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96"]
-TRAIN = ["--mock-data", "--vocab-size", str(VOCAB), "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2", "--eval-iters", "0",
-         "--log-interval", "1", "--num-workers", "0", "--distributed-backend", "gloo"]
+TRAIN = flags_with("--eval-iters", "0", "--log-interval", "1", "--num-workers", "0",
+                   "--distributed-backend", "gloo", vocab_size=VOCAB,
+                   make_vocab_size_divisible_by=None, micro_batch_size=2, global_batch_size=4,
+                   train_iters=3, lr="1e-2")
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2"]
 

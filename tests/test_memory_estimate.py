@@ -34,16 +34,15 @@ from megalite.tensor_parallel.params import is_embedding_copy, is_shared_embeddi
 from megalite.train_step import StepRunner, autocast
 from megalite.training import build_model, build_optimizer
 
+from tests.helpers import flags_with, without
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_TOLERANCE = 0.10        # params, grads, optimizer state (issue 8)
 ACTIVATION_TOLERANCE = 0.25   # activations (issue 8)
 CPU = torch.device("cpu")
 
-TINY = ["--mock-data", "--vocab-size", "500", "--make-vocab-size-divisible-by", "64",
-        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "10", "--lr", "1e-3", "--attention-dropout", "0"]
+TINY = flags_with("--attention-dropout", "0", vocab_size=500, num_layers=4,
+                  micro_batch_size=2)
 ROPE_GQA = ["--position-embedding-type", "rope", "--group-query-attention",
             "--num-query-groups", "2"]
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", *ROPE_GQA,
@@ -446,7 +445,7 @@ def test_tool_prints_a_row_per_pipeline_rank(capsys):
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--sequence-parallel", "--use-distributed-optimizer",
             "--data-path", "unused", "--tokenizer-type", "GPT2BPETokenizer",
-            "--tokenizer-vocab-size", "50257"] + TINY[3:]
+            "--tokenizer-vocab-size", "50257"] + without(TINY, "--mock-data", "--vocab-size")
     assert tool.main(argv) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"\| [01] \|", line)]

@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megalite.training import pretrain
 from megalite.training_log import parse_log, parse_validation_line
 
-from tests.helpers import BASE_FLAGS, without
+from tests.helpers import BASE_FLAGS, flags_with, without
 
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
@@ -19,15 +19,6 @@ def run(capsys, *flags):
     out, err = capsys.readouterr()
     logs = parse_log(out)
     return code, out, err, logs
-
-
-def flags_with(**overrides):
-    flags = list(BASE_FLAGS)
-    for key, value in overrides.items():
-        flag = "--" + key.replace("_", "-")
-        i = flags.index(flag)
-        flags[i + 1] = str(value)
-    return flags
 
 
 def mock_entropy_rate(vocab_size: int) -> float:

@@ -24,14 +24,14 @@ from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
 from megalite.training_log import parse_log
 
-from tests.helpers import assert_identical, checkpoint_tensors, scalars, tiny_gpt_config
+from tests.helpers import (assert_identical, checkpoint_tensors, flags_with, scalars,
+                           tiny_gpt_config)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "4", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
-         "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1",
-         "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
-         "--distributed-backend", "gloo"]
+FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+                   "--num-workers", "0", "--distributed-backend", "gloo", vocab_size=61,
+                   make_vocab_size_divisible_by=None, num_layers=4, micro_batch_size=1,
+                   train_iters=None, lr="3e-3")
 LAYOUT_3D = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
              "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
              "1", "--use-distributed-optimizer"]

@@ -14,11 +14,11 @@ from megalite.train_step import autocast
 from megalite.training import build_model
 from megalite.validation import validate_args
 
+from tests.helpers import flags_with
+
 CP = 2
-FLAGS = ["--mock-data", "--vocab-size", "500", "--make-vocab-size-divisible-by", "64",
-         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
-         "--attention-dropout", "0", "--context-parallel-size", str(CP)]
+FLAGS = flags_with("--attention-dropout", "0", "--context-parallel-size", str(CP),
+                   vocab_size=500, micro_batch_size=2, global_batch_size=None, train_iters=1)
 ROPE_GQA_BF16 = ["--position-embedding-type", "rope", "--group-query-attention",
                  "--num-query-groups", "2", "--bf16"]
 CASES = {

@@ -16,13 +16,12 @@ from megalite.training import run_training
 from megalite.training_log import parse_log
 from megalite.validation import validate_args
 
-from tests.helpers import assert_identical, checkpoint_tensors
+from tests.helpers import assert_identical, checkpoint_tensors, flags_with
 
-FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
-         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
-         "--lr", "3e-3", "--lr-decay-iters", "3", "--log-interval", "1", "--eval-iters", "0",
-         "--num-workers", "0", "--distributed-backend", "gloo"]
+FLAGS = flags_with("--lr-decay-iters", "3", "--log-interval", "1", "--eval-iters", "0",
+                   "--num-workers", "0", "--distributed-backend", "gloo", vocab_size=61,
+                   make_vocab_size_divisible_by=1, num_layers=4, hidden_size=32, seq_length=16,
+                   micro_batch_size=1, train_iters=None, lr="3e-3")
 FSDP_TP2 = ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 ZERO1_PP2 = ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
              "--num-layers-per-virtual-pipeline-stage", "1"]

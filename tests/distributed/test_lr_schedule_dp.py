@@ -22,12 +22,14 @@ from megalite.training import run_training
 from megalite.training_log import parse_log
 from megalite.validation import validate_args
 
+from tests.helpers import flags_with
+
 MAX, MIN, ITERS, MICRO = 1e-3, 1e-4, 20, 2
 # The command, less the launcher's flags; no --global-batch-size.
-TINY = ["--mock-data", "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32",
-        "--num-attention-heads", "2", "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", str(MICRO), "--lr", str(MAX), "--log-interval", "1",
-        "--eval-iters", "0", "--num-workers", "0"]
+TINY = flags_with("--max-position-embeddings", "16", "--log-interval", "1", "--eval-iters",
+                  "0", "--num-workers", "0", vocab_size=128, make_vocab_size_divisible_by=None,
+                  num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16,
+                  micro_batch_size=MICRO, global_batch_size=None, train_iters=None, lr=MAX)
 
 
 def warmup_then(decay, warmup: int):

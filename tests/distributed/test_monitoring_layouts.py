@@ -23,14 +23,13 @@ from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
 from megalite.training_log import parse_log
 
-from tests.helpers import tiny_gpt_config
+from tests.helpers import flags_with, tiny_gpt_config
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
-         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3",
-         "--log-interval", "2", "--eval-iters", "0", "--num-workers", "0",
-         "--distributed-backend", "gloo", "--log-straggler"]
+FLAGS = flags_with("--log-interval", "2", "--eval-iters", "0", "--num-workers", "0",
+                   "--distributed-backend", "gloo", "--log-straggler", vocab_size=61,
+                   make_vocab_size_divisible_by=None, hidden_size=32, seq_length=16,
+                   micro_batch_size=2, train_iters=4)
 STRAGGLER = re.compile(r"slowest rank (\d+) \((\S+)\) ([\d.]+) ms \| fastest rank (\d+) "
                        r"\((\S+)\) ([\d.]+) ms \| slowest/fastest: ([\d.]+)")
 

@@ -9,16 +9,16 @@ import pytest
 
 from megalite.training_log import parse_log, parse_validation_line
 
+from tests.helpers import flags_with
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
-         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--group-query-attention", "--num-query-groups", "2", "--swiglu",
-         "--ffn-hidden-size", "96", "--normalization", "RMSNorm",
-         "--position-embedding-type", "rope", "--seq-length", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "6", "--lr", "3e-3",
-         "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
-         "--eval-interval", "3", "--eval-iters", "1", "--num-workers", "0",
-         "--distributed-backend", "gloo"]
+FLAGS = flags_with("--group-query-attention", "--num-query-groups", "2", "--swiglu",
+                   "--ffn-hidden-size", "96", "--normalization", "RMSNorm",
+                   "--position-embedding-type", "rope", "--attention-dropout", "0",
+                   "--hidden-dropout", "0", "--log-interval", "1", "--eval-interval", "3",
+                   "--eval-iters", "1", "--num-workers", "0", "--distributed-backend", "gloo",
+                   vocab_size=61, make_vocab_size_divisible_by=1, num_layers=4,
+                   micro_batch_size=2, global_batch_size=4, train_iters=6, lr="3e-3")
 
 
 def run(prefix, *extra):
