@@ -24,22 +24,18 @@ non-zero. SMOKE=1: sequences 64 and 128 against a 2 MiB budget (the CP ranks for
 """
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import megalite.memory_estimate as me  # noqa: E402
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.memory_estimate.activations import layer_activation_bytes  # noqa: E402
-from megalite.monitoring.memory import SavedActivations  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.training import build_model  # noqa: E402
-from megalite.validation import validate_args  # noqa: E402
-from rank_setup import launch  # noqa: E402
-from smoke import shrink  # noqa: E402
+import megalite.memory_estimate as me
+from megalite.arguments import parse_args
+from megalite.memory_estimate.activations import layer_activation_bytes
+from megalite.monitoring.memory import SavedActivations
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.training import build_model
+from megalite.validation import validate_args
+from rank_setup import launch
+from smoke import shrink
 
 MiB = 2 ** 20
 MODEL = ["--mock-data", "--vocab-size", "512", "--num-layers", "1", "--hidden-size", "256",

@@ -16,20 +16,16 @@ SMOKE=1 (benchmarks/smoke.py): 4 layers, hidden 512, vocabulary 1024, DP 2 only.
 """
 
 import argparse
-import os
 import resource
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.spawn import run_distributed  # noqa: E402
-from megalite.training import build_model  # noqa: E402
-from megalite.validation import validate_args  # noqa: E402
-from smoke import shrink  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
+from megalite.training import build_model
+from megalite.validation import validate_args
+from smoke import shrink
 
 MiB = 2 ** 20
 

@@ -20,27 +20,22 @@ SMOKE=1: one timed round per schedule and one timed pass each of F, B, W (CPU ra
 
 import argparse
 import contextlib
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
-from megalite.model.gpt import build_model_chunks  # noqa: E402
-from megalite.optimizer.optimizer import Optimizer  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.pipeline_parallel.executor import run_schedule  # noqa: E402
-from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule  # noqa: E402
-from megalite.pipeline_parallel.simulate import simulate  # noqa: E402
-from megalite.tensor_parallel.weight_grad import (  # noqa: E402
-    WeightGradStore, defer_weight_grads)
-from megalite.train_step import StepRunner  # noqa: E402
-from rank_setup import add_device_flag, describe, launch, rank_device  # noqa: E402
-from smoke import shrink  # noqa: E402
+from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig
+from megalite.model.gpt import build_model_chunks
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.pipeline_parallel.executor import run_schedule
+from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule
+from megalite.pipeline_parallel.simulate import simulate
+from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.train_step import StepRunner
+from rank_setup import add_device_flag, describe, launch, rank_device
+from smoke import shrink
 
 PP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 4, 256, 128, 4, 8, 512
 

@@ -18,21 +18,17 @@ Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/smoke.py): p = 2 on
 """
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
-from megalite.model.gpt import build_model_chunks  # noqa: E402
-from megalite.optimizer.optimizer import Optimizer  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.train_step import StepRunner  # noqa: E402
-from rank_setup import add_device_flag, describe, launch, rank_device  # noqa: E402
-from smoke import shrink  # noqa: E402
+from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig
+from megalite.model.gpt import build_model_chunks
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.train_step import StepRunner
+from rank_setup import add_device_flag, describe, launch, rank_device
+from smoke import shrink
 
 SEQ, MICRO, HIDDEN, NUM_MICRO = 64, 2, 64, 8
 

@@ -18,12 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from megalite.monitoring.timers import COMMUNICATION, PHASES
+from megalite.training_log import parse_log
+from smoke import shrink
 
-from megalite.monitoring.timers import COMMUNICATION, PHASES  # noqa: E402
-from megalite.training_log import parse_log  # noqa: E402
-from smoke import shrink  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
           "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]

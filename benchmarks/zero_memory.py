@@ -33,28 +33,23 @@ skipped with a note. On the CPU the ranks run over gloo.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
-from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp  # noqa: E402
-from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
-from megalite.model.gpt import build_model_chunks  # noqa: E402
-from megalite.memory_estimate import weights_and_optimizer  # noqa: E402
-from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer  # noqa: E402
-from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.train_step import StepRunner  # noqa: E402
-from megalite.validation import validate_model_args  # noqa: E402
-from rank_setup import add_device_flag, describe, launch, rank_device  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.config import GPTConfig, OptimizerConfig, PrecisionConfig
+from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.memory_estimate import weights_and_optimizer
+from megalite.model.gpt import build_model_chunks
+from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.train_step import StepRunner
+from megalite.validation import validate_model_args
+from rank_setup import add_device_flag, describe, launch, rank_device
 
 CONFIG = GPTConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                    num_query_groups=4, kv_channels=32, seq_length=64, max_position_embeddings=64,

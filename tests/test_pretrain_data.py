@@ -11,9 +11,9 @@ from megalite.data.indexed_dataset import IndexedDataset
 from megalite.training import pretrain
 from megalite.training_log import parse_validation_line
 
+from tools.dataset_stats import unigram_entropy
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from dataset_stats import unigram_entropy  # noqa: E402
 
 
 def tool(name, *args):
