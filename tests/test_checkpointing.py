@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megalite.checkpointing import saving
@@ -38,6 +39,7 @@ def run_process(*flags) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_bit_exact(tmp_path):
     """6 steps straight against 3 steps + save + a new process + load + 3 steps, with
     dropout: every step's loss and grad norm, every parameter, optimizer tensor and RNG
@@ -139,6 +141,7 @@ def test_a_malicious_pickle_is_refused_and_never_run(tmp_path, capsys):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_the_run_resumes_exactly(tmp_path):
     long = ["--train-iters", "300", "--eval-iters", "0", "--exit-signal-handler"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"

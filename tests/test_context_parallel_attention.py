@@ -131,6 +131,7 @@ def _cp_rank(rank, cp):  # cp = the world size
     return results, {c: _dropout_directional(cp, rank, c) for c in ("p2p", "all_gather")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_attention_matches_full_attention(cp):
     per_rank = run_distributed(cp, _cp_rank)

@@ -110,6 +110,7 @@ def gpt2_checkpoint(tmp_path_factory) -> Path:
     return save
 
 
+@pytest.mark.slow
 def test_export_of_tp2_gpt2_matches_hf_logits(gpt2_checkpoint, tmp_path):
     out = tmp_path / "hf"
     proc = run([sys.executable, TOOL, "--load", gpt2_checkpoint, "--export-hf", out])
@@ -124,6 +125,7 @@ def test_export_of_tp2_gpt2_matches_hf_logits(gpt2_checkpoint, tmp_path):
     torch.testing.assert_close(hf_logits(hf), megalite_logits(GPT2, state), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_export_of_an_earlier_iteration_in_bf16(gpt2_checkpoint, tmp_path, capsys):
     convert = tool()
     assert convert.main(["--load", str(gpt2_checkpoint), "--iteration", "2", "--export-hf",
@@ -141,6 +143,7 @@ def test_export_of_an_earlier_iteration_in_bf16(gpt2_checkpoint, tmp_path, capsy
     assert "--overwrite" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_of_pp2_llama_style_matches_hf_logits(tmp_path, capsys):
     """Llama style (RoPE, RMSNorm, SwiGLU, no biases, untied, GQA), one layer per pipeline
     stage: the output layer is saved by the last stage, the embedding by the first."""
@@ -174,6 +177,7 @@ def tiny_hf_llama():
     return model.eval()
 
 
+@pytest.mark.slow
 def test_import_gives_hf_logits_and_trains_at_tp2(gpt2_checkpoint, tmp_path, capsys):
     hf = tiny_hf_llama()
     hf.save_pretrained(tmp_path / "hf")
@@ -239,6 +243,7 @@ def test_unsupported_style_is_an_error_naming_the_field(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_import_refuses_a_non_empty_save_dir(gpt2_checkpoint, tmp_path, capsys):
     assert tool().main(["--import-hf", str(tmp_path), "--save", str(gpt2_checkpoint)]) == 1
     assert f"--save {gpt2_checkpoint} is not empty" in capsys.readouterr().err

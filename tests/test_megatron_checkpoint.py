@@ -166,6 +166,7 @@ MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--max-position-embeddings", "32"]
 
 
+@pytest.mark.slow
 def test_pretrain_load_at_tp2_gives_megatrons_logits(tmp_path):
     """One launch: both formats of the test vector, the TP 2 Megatron checkpoint, and that
     with Adam's state (carried over), loaded by megalite at TP 2 without conversion."""

@@ -412,6 +412,7 @@ def _two_rank_measurements(rank, world_size):
             "pp": _pipeline_send_buffers(rank, world_size)}
 
 
+@pytest.mark.slow
 def test_two_rank_layouts_match_measurements():
     results = run_distributed(2, _two_rank_measurements, timeout=240)
     for rank, result in enumerate(results):
@@ -487,6 +488,7 @@ def example_plan(script: str, tmp_path, capsys, **env) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES)
 def test_example_script_states_its_planned_memory(script, tmp_path, capsys):
     """Each example's run file states its layout, global batch and the planner's total per
@@ -502,6 +504,7 @@ def test_example_script_states_its_planned_memory(script, tmp_path, capsys):
     assert float(total.group(1)) < 0.8 * 80
 
 
+@pytest.mark.slow
 def test_13b_needs_model_parallelism(tmp_path, capsys):
     """The 13B layout's justification: at TP 1 (DP 32, ZeRO-1) it does not fit."""
     out = example_plan("llama_13b_4x8.sh", tmp_path, capsys,

@@ -45,6 +45,7 @@ def train_flags(d, *extra):
             "--data-cache-path", str(d / "cache"), *extra]
 
 
+@pytest.mark.slow
 def test_loss_falls_clearly_below_unigram_entropy(stdlib_dataset, capsys):
     """The best context-free model scores the unigram entropy; a model that learned from
     context must beat it, here by at least half a nat on held-out documents."""
@@ -65,6 +66,7 @@ def test_unigram_entropy_closed_form():
     assert unigram_entropy(np.array([5, 5, 5])) == 0.0
 
 
+@pytest.mark.slow
 def test_missing_prefix_is_named(stdlib_dataset, capsys):
     code = pretrain(train_flags(stdlib_dataset, "--train-iters", "20", "--data-path",
                                 str(stdlib_dataset / "nope")))
@@ -72,6 +74,7 @@ def test_missing_prefix_is_named(stdlib_dataset, capsys):
     assert "nope.idx not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_token_ids_beyond_the_vocabulary_are_refused(stdlib_dataset, tmp_path, capsys):
     """A dataset made with a bigger tokenizer than the one given to training."""
     d = stdlib_dataset

@@ -27,6 +27,8 @@ from megalite.training_log import parse_log
 from tests.helpers import (assert_identical, checkpoint_tensors, flags_with, scalars,
                            tiny_gpt_config)
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
                    "--num-workers", "0", "--distributed-backend", "gloo", vocab_size=61,

@@ -16,6 +16,8 @@ from megalite.training_log import parse_log
 
 from tests.helpers import assert_identical, checkpoint_tensors, flags_with, scalars
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
                    "--num-workers", "0", "--attention-dropout", "0", "--hidden-dropout", "0",

@@ -27,6 +27,8 @@ from megalite.validation import pad_vocab_size
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            tiny_gpt_config)
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
 # RoPE with GQA (2 K/V heads for 4 query heads), or GPT-2's learned positions with
 # multi-head attention; 4 layers so that PP 2 x 2 virtual stages holds one layer a chunk.

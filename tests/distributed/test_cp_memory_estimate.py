@@ -3,6 +3,7 @@ context_parallel.py) against what autograd saves: one micro-batch through the wh
 at CP 2, the distinct storages saved for backward, on CP rank 1 (the planned rank: it holds
 no chunk 0, whose mask-free causal block makes rank 0 keep a little less)."""
 
+import pytest
 import torch
 
 import megalite.memory_estimate as me
@@ -15,6 +16,8 @@ from megalite.training import build_model
 from megalite.validation import validate_args
 
 from tests.helpers import flags_with
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 CP = 2
 FLAGS = flags_with("--attention-dropout", "0", "--context-parallel-size", str(CP),

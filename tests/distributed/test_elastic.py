@@ -14,10 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir, read_metadata
 from megalite.training_log import parse_log
 
 from tests.helpers import flags_with
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",

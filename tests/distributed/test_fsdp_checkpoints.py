@@ -6,6 +6,7 @@ every training through megalite.training.run_training, as pretrain_gpt.py does."
 import contextlib
 import io
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -17,6 +18,8 @@ from megalite.training_log import parse_log
 from megalite.validation import validate_args
 
 from tests.helpers import assert_identical, checkpoint_tensors, flags_with
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 FLAGS = flags_with("--lr-decay-iters", "3", "--log-interval", "1", "--eval-iters", "0",
                    "--num-workers", "0", "--distributed-backend", "gloo", vocab_size=61,

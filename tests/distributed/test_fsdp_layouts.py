@@ -35,6 +35,8 @@ from megalite.validation import pad_vocab_size, validate_args
 from tests.helpers import (BASE_FLAGS, gather_tensor_parallel, random_batches,
                            reference_name, step_problems, tiny_gpt_config)
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 6
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,
                        padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,

@@ -15,6 +15,8 @@ from megalite.tensor_parallel.params import VOCAB_PARAMS, is_embedding_copy
 
 from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, tiny_gpt_config
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 VOCAB = 101
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=16,
                        padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,

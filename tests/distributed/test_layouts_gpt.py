@@ -21,6 +21,8 @@ from megalite.train_step import StepRunner
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            tiny_gpt_config)
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 VOCAB, SEQ, MICRO, NUM_MICRO = 101, 16, 2, 4
 BASE = tiny_gpt_config(num_layers=8, num_query_groups=2, seq_length=SEQ,
                        padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB,

@@ -24,6 +24,8 @@ from megalite.validation import validate_args
 
 from tests.helpers import flags_with
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 MAX, MIN, ITERS, MICRO = 1e-3, 1e-4, 20, 2
 # The command, less the launcher's flags; no --global-batch-size.
 TINY = flags_with("--max-position-embeddings", "16", "--log-interval", "1", "--eval-iters",

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megalite.config import OptimizerConfig, PrecisionConfig
@@ -24,6 +25,8 @@ from megalite.train_step import StepRunner
 from megalite.training_log import parse_log
 
 from tests.helpers import flags_with, tiny_gpt_config
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 FLAGS = flags_with("--log-interval", "2", "--eval-iters", "0", "--num-workers", "0",

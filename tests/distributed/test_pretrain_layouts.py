@@ -11,6 +11,8 @@ from megalite.training_log import parse_log, parse_validation_line
 
 from tests.helpers import flags_with
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 FLAGS = flags_with("--group-query-attention", "--num-query-groups", "2", "--swiglu",
                    "--ffn-hidden-size", "96", "--normalization", "RMSNorm",

@@ -73,6 +73,7 @@ def compare_layout(rank, world_size, tp, pp, v):
     return compare(ParallelState(RankGrid(world_size, tp, pp), rank), tp, pp, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, v", [(2, 1, 1), (1, 2, 2)])
 def test_recompute_matches_under_tensor_and_pipeline_parallelism(tp, pp, v):
     results = run_distributed(tp * pp, compare_layout, tp, pp, v)

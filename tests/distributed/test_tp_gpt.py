@@ -22,6 +22,8 @@ from megalite.train_step import StepRunner
 
 from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, tiny_gpt_config
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 VOCAB = 101
 BASE = tiny_gpt_config(hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, seq_length=16,
                        padded_vocab_size=pad_vocab_size(VOCAB, 8, 1), vocab_size=VOCAB)

@@ -24,6 +24,8 @@ from megalite.tensor_parallel import (
     scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
     vocab_parallel_cross_entropy)
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 S, B, H, OUT, VOCAB = 8, 2, 8, 12, 16      # seq, batch, hidden, output, vocab: divisible by 4
 

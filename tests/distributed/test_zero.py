@@ -14,6 +14,8 @@ from megalite.spawn import run_distributed
 
 from tests.helpers import tiny_gpt_config
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 CONFIG = tiny_gpt_config(padded_vocab_size=61)
 
 
