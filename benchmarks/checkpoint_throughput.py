@@ -30,7 +30,6 @@ import mmap
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,16 +37,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
-from megalite.validation import validate_args  # noqa: E402
-from megalite.optimizer.lr_scheduler import LRScheduler  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.train_step import StepRunner  # noqa: E402
-from megalite.training import TrainState, build_model, build_optimizer  # noqa: E402
-from smoke import shrink  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.parallel_state import ParallelState
+from megalite.train_step import StepRunner
+from megalite.training import TrainState, build_model, build_optimizer
+from megalite.validation import validate_args
+from smoke import shrink
 
 CHUNK = 64 * 2 ** 20
 REPO = Path(__file__).resolve().parents[1]

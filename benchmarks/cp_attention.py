@@ -22,17 +22,13 @@ d=8, the same CP degrees, comm types and kv-head ratio.
 
 import argparse
 import functools
-import json
-import os
-import tempfile
 from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megalite.context_parallel import COMM_TYPES, context_parallel_attention, cp_comm_bytes
-from rank_setup import start_method
+from rank_setup import launch
 from smoke import shrink
 
 ALL_GATHER = ("all_gather_single", "all_gather_into_tensor")          # new, old torch names
@@ -64,9 +60,7 @@ def _record(records: list, phase: list):
             setattr(dist, name, wrap(name, getattr(dist, name)))
 
 
-def _worker(rank, cp, args, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=cp)
+def _worker(rank, cp, args):
     records, phase = [], ["forward"]
     _record(records, phase)
     s_local = args.seq // cp
@@ -84,9 +78,7 @@ def _worker(rank, cp, args, init_file, out_dir):
             phase[0] = "backward"
             out.backward(torch.randn_like(out))
             results[f"{kv_heads}/{comm_type}"] = list(records)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    return results
 
 
 def report(cp, kv_heads, comm_type, records, args):
@@ -123,13 +115,7 @@ def main():
           "backward bytes | closed form | total / closed form | calls |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for cp in args.cp:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_worker, nprocs=cp, start_method=start_method("cpu"),
-                               args=(cp, args, os.path.join(tmp, "rendezvous"), tmp))
-            per_rank = []
-            for rank in range(cp):
-                with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                    per_rank.append(json.load(f))
+        per_rank = launch(cp, _worker, args)
         if any(r != per_rank[0] for r in per_rank):
             raise RuntimeError(f"CP ranks recorded different traffic at CP={cp}")
         for kv_heads in args.kv_heads:

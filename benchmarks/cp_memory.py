@@ -24,25 +24,18 @@ non-zero. SMOKE=1: sequences 64 and 128 against a 2 MiB budget (the CP ranks for
 """
 
 import argparse
-import json
-import os
-import sys
-import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import megalite.memory_estimate as me  # noqa: E402
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.memory_estimate.activations import layer_activation_bytes  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.training import build_model  # noqa: E402
-from megalite.validation import validate_args  # noqa: E402
-from rank_setup import init_rank, start_method  # noqa: E402
-from smoke import shrink  # noqa: E402
-from tests.helpers import saved_activation_bytes  # noqa: E402
+import megalite.memory_estimate as me
+from megalite.arguments import parse_args
+from megalite.memory_estimate.activations import layer_activation_bytes
+from megalite.monitoring.memory import SavedActivations
+from megalite.parallel_state import ParallelState
+from megalite.training import build_model
+from megalite.validation import validate_args
+from rank_setup import launch
+from smoke import shrink
 
 MiB = 2 ** 20
 MODEL = ["--mock-data", "--vocab-size", "512", "--num-layers", "1", "--hidden-size", "256",
@@ -62,26 +55,21 @@ def layer_saved_bytes(config, chunk) -> int:
     m, cp = config.model, config.parallel.context_parallel_size
     x = torch.randn(m.seq_length // cp, config.training.micro_batch_size, m.hidden_size,
                     requires_grad=True)
-    return saved_activation_bytes(chunk, lambda: chunk.decoder.layers["0"](
-        x, chunk.rope_table(torch.device("cpu"))))
+    with SavedActivations(chunk) as saved:
+        chunk.decoder.layers["0"](x, chunk.rope_table(torch.device("cpu")))
+    return saved.nbytes
 
 
-def _worker(rank, cp, seq, comm, store, out):
-    init_rank(rank, cp, store, "cpu")
+def _worker(rank, cp, seq, comm):
     config = validate_args(parse_args(flags(seq, cp, comm)), cp)
     state = ParallelState(config.parallel.grid, rank)
     chunk = build_model(config, state, torch.device("cpu"), None)[0]
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(layer_saved_bytes(config, chunk), f)
+    return layer_saved_bytes(config, chunk)
 
 
 def measure(cp: int, seq: int, comm: str) -> int:
     """The most any CP rank's layer saves."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, nprocs=cp, start_method=start_method("cpu"),
-                           args=(cp, seq, comm, os.path.join(tmp, "store"),
-                                 os.path.join(tmp, "out")))
-        return max(json.load(open(os.path.join(tmp, f"out.{r}"))) for r in range(cp))
+    return max(launch(cp, _worker, seq, comm))
 
 
 def check(seq: int, cp: int, comm: str, config, planned: int, measured: int):

@@ -16,18 +16,15 @@ closed form, or a blend share more than one sample off its weight, exits non-zer
 import argparse
 import os
 import resource
-import sys
 import tempfile
 import time
 import tracemalloc
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.data.blended_dataset import build_blending_indices  # noqa: E402
-from megalite.data.gpt_dataset import GPTDataset, build_gpt_indices  # noqa: E402
-from smoke import shrink  # noqa: E402
+from megalite.data.blended_dataset import build_blending_indices
+from megalite.data.gpt_dataset import GPTDataset, build_gpt_indices
+from smoke import shrink
 
 
 class LengthsOnly:

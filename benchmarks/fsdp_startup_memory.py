@@ -16,24 +16,16 @@ SMOKE=1 (benchmarks/smoke.py): 4 layers, hidden 512, vocabulary 1024, DP 2 only.
 """
 
 import argparse
-import json
-import os
 import resource
-import sys
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.training import build_model  # noqa: E402
-from megalite.validation import validate_args  # noqa: E402
-from rank_setup import init_rank  # noqa: E402
-from smoke import shrink  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.parallel_state import ParallelState
+from megalite.spawn import run_distributed
+from megalite.training import build_model
+from megalite.validation import validate_args
+from smoke import shrink
 
 MiB = 2 ** 20
 
@@ -50,9 +42,7 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def worker(rank, world, store, out, argv, fsdp):
-    init_rank(rank, world, store, "cpu")
-    args = argparse.Namespace(**json.loads(argv))
+def worker(rank, world, args, fsdp):
     # A tiny model first: the imports and FSDP2's first allocations are not the model.
     warm = argparse.Namespace(num_layers=1, hidden_size=64, vocab_size=128)
     warm_config = validate_args(parse_args(flags(warm, fsdp)), world)
@@ -65,19 +55,12 @@ def worker(rank, world, store, out, argv, fsdp):
     rise = peak_rss() - before
     # Whole (TP-shard) numbers of elements: DTensor shapes are the unsharded ones.
     sizes = [p.numel() for p in model.parameters()]
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump({"rise": rise, "psi": sum(sizes), "largest": max(sizes)}, f)
-    dist.destroy_process_group()
+    return {"rise": rise, "psi": sum(sizes), "largest": max(sizes)}
 
 
 def launch(dp: int, args, fsdp: bool) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank")
-        # Spawned even under SMOKE: a forked rank's RSS counts the parent's pages it touches.
-        mp.start_processes(worker, nprocs=dp, start_method="spawn",
-                           args=(dp, os.path.join(tmp, "store"), out,
-                                 json.dumps(vars(args)), fsdp))
-        return [json.load(open(f"{out}.{r}")) for r in range(dp)]
+    # Spawned even under SMOKE: a forked rank's RSS counts the parent's pages it touches.
+    return run_distributed(dp, worker, args, fsdp, timeout=None)
 
 
 def main():

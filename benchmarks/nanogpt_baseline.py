@@ -18,7 +18,6 @@ SMOKE=1 (benchmarks/smoke.py): one round of 4 iterations per side, 1 thread, not
 import argparse
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.training_log import parse_log
 from smoke import shrink
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,6 @@ MEGALITE_FLAGS = [
     "--clip-grad", 1.0, "--disable-bias-linear", "--attention-dropout", 0,
     "--hidden-dropout", 0, "--eval-iters", 0, "--num-workers", 0,
     "--distributed-backend", "gloo"]
-ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
 
 
 # --- the plain loop: nanoGPT's model and training step ---------------------------------------
@@ -137,7 +136,7 @@ def run_megalite(iters: int, interval: int, env: dict) -> float:
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"megalite run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    means = [float(m.group(1)) for m in ITERATION_MS.finditer(done.stdout)]
+    means = [log["elapsed_ms"] for log in parse_log(done.stdout)]
     return statistics.mean(means[1:])
 
 

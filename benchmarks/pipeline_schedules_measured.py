@@ -20,32 +20,24 @@ SMOKE=1: one timed round per schedule and one timed pass each of F, B, W (CPU ra
 
 import argparse
 import contextlib
-import json
-import os
-import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,  # noqa: E402
+from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainingConfig)
-from megalite.model.gpt import build_model_chunks  # noqa: E402
-from megalite.optimizer.optimizer import Optimizer  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.pipeline_parallel.executor import run_schedule  # noqa: E402
-from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule  # noqa: E402
-from megalite.pipeline_parallel.simulate import simulate  # noqa: E402
-from megalite.tensor_parallel.weight_grad import (  # noqa: E402
-    WeightGradStore, defer_weight_grads)
-from megalite.train_step import StepRunner  # noqa: E402
-from rank_setup import add_device_flag, describe, init_rank, start_method  # noqa: E402
-from smoke import shrink  # noqa: E402
+from megalite.model.gpt import build_model_chunks
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.pipeline_parallel.executor import run_schedule
+from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule
+from megalite.pipeline_parallel.simulate import simulate
+from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.train_step import StepRunner
+from rank_setup import add_device_flag, describe, launch, rank_device
+from smoke import shrink
 
 PP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 4, 256, 128, 4, 8, 512
 
@@ -80,8 +72,8 @@ def pass_times(chunk, microbatch, shape, device, reps) -> list[float]:
     return [min(s[i] for s in samples[1:]) for i in range(3)]
 
 
-def worker(rank, world, store_path, out, device_type, steps, reps):
-    device = init_rank(rank, world, store_path, device_type)
+def worker(rank, world, device_type, steps, reps):
+    device = rank_device(rank, device_type)
     state = ParallelState(RankGrid(world, 1, PP), rank)
     config = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
                        num_attention_heads=8, num_query_groups=8, kv_channels=HIDDEN // 8,
@@ -124,10 +116,7 @@ def worker(rank, world, store_path, out, device_type, steps, reps):
                          dtype=torch.float64, device=device)
     dist.all_reduce(costs)
     costs = (costs / world).tolist()  # mean over the stages
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"costs": costs, "measured": measured}, f)
-    dist.destroy_process_group()
+    return {"costs": costs, "measured": measured}
 
 
 def predicted(schedule: str, costs) -> tuple[float, float]:
@@ -145,13 +134,8 @@ def main():
     args = shrink(parser.parse_args(), steps=1, reps=1)
     if args.device == "cuda" and torch.cuda.device_count() < PP:
         raise SystemExit(f"--device cuda needs {PP} GPUs (one rank per GPU under NCCL)")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(worker, nprocs=PP, start_method=start_method(args.device),
-                           args=(PP, os.path.join(tmp, "store"), out, args.device, args.steps,
-                                 args.reps))
-        with open(out) as f:
-            result = json.load(f)
+    result = launch(PP, worker, args.device, args.steps, args.reps,
+                    device_type=args.device)[0]
     F, B, W = result["costs"]
     print(f"PP={PP}, {LAYERS} layers (h={HIDDEN}, s={SEQ}, b={MICRO}), m={NUM_MICRO}, fp32, "
           f"on {describe(args.device)}")

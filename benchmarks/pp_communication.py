@@ -19,31 +19,24 @@ Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/smoke.py): p = 2 on
 
 import argparse
 
-import os
-import sys
-import tempfile
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,  # noqa: E402
+from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainingConfig)
-from megalite.model.gpt import build_model_chunks  # noqa: E402
-from megalite.optimizer.optimizer import Optimizer  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.train_step import StepRunner  # noqa: E402
-from rank_setup import add_device_flag, describe, init_rank, start_method  # noqa: E402
-from smoke import shrink  # noqa: E402
+from megalite.model.gpt import build_model_chunks
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.train_step import StepRunner
+from rank_setup import add_device_flag, describe, launch, rank_device
+from smoke import shrink
 
 SEQ, MICRO, HIDDEN, NUM_MICRO = 64, 2, 64, 8
 
 
-def worker(rank, world, pp, v, store, out, device_type):
-    device = init_rank(rank, world, store, device_type)
+def worker(rank, world, pp, v, device_type):
+    device = rank_device(rank, device_type)
     state = ParallelState(RankGrid(world, 1, pp), rank)
     config = GPTConfig(num_layers=8, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
                        num_attention_heads=4, num_query_groups=4, kv_channels=16,
@@ -63,10 +56,7 @@ def worker(rank, world, pp, v, store, out, device_type):
     runner.train_step([batch] * NUM_MICRO)
     sent = torch.tensor([runner.comm.bytes_sent], dtype=torch.float64, device=device)
     dist.all_reduce(sent)
-    if rank == 0:
-        with open(out, "w") as f:
-            f.write(str(int(sent.item())))
-    dist.destroy_process_group()
+    return int(sent.item())
 
 
 def main():
@@ -84,11 +74,7 @@ def main():
         if device == "cuda" and pp > torch.cuda.device_count():
             print(f"{pp:>2} {v:>2} skipped: needs {pp} GPUs (one rank per GPU under NCCL)")
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "bytes")
-            mp.start_processes(worker, nprocs=pp, start_method=start_method(device),
-                               args=(pp, pp, v, os.path.join(tmp, "store"), out, device))
-            measured = int(open(out).read())
+        measured = launch(pp, worker, pp, v, device, device_type=device)[0]
         closed = 2 * NUM_MICRO * (pp * v - 1) * SEQ * MICRO * HIDDEN * 4
         print(f"{pp:>2} {v:>2} {pp * v:>6} {measured:>15,} {closed:>15,} {measured / closed:>6.3f}")
         if measured != closed:

@@ -24,13 +24,12 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from build_stdlib_corpus import build_corpus  # noqa: E402
-from smoke import shrink  # noqa: E402
+from smoke import shrink
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
 TRAIN_TOKENIZER = os.path.join(ROOT, "tools", "train_tokenizer.py")
+BUILD_CORPUS = os.path.join(ROOT, "tools", "build_stdlib_corpus.py")
 
 # Runs a command, then prints the peak RSS (KiB) of the largest process it started (the
 # tool's parent or one of its workers) and the CPU seconds of all of them together:
@@ -108,7 +107,12 @@ def main():
 
 def report(args, work):
     corpus = os.path.join(work, "stdlib.jsonl")
-    docs = build_corpus(corpus, args.max_documents)
+    subprocess.run([sys.executable, BUILD_CORPUS, "--output", corpus,
+                    *([] if args.max_documents is None else
+                      ["--max-documents", str(args.max_documents)])],
+                   check=True, capture_output=True)
+    with open(corpus) as f:
+        docs = sum(1 for _ in f)  # one JSON document a line
     mb = os.path.getsize(corpus) / 2**20
     print(f"corpus: {docs} documents, {mb:.1f} MiB ({sys.version.split()[0]} stdlib)")
     model = args.tokenizer_model

@@ -1,10 +1,11 @@
-"""What the multi-process benchmarks share: the --device flag and one rank's process group
-(NCCL and this rank's GPU on cuda, gloo on the CPU)."""
+"""What the multi-process benchmarks share: the --device flag, how ranks start, and a rank's
+device (megalite.spawn.run_distributed launches them: NCCL and GPU `rank` on cuda, gloo on
+the CPU)."""
 import argparse
 
 import torch
-import torch.distributed as dist
 
+from megalite.spawn import run_distributed
 from smoke import ON as SMOKE
 
 
@@ -25,13 +26,13 @@ def start_method(device_type: str) -> str:
     return "fork" if SMOKE and device_type == "cpu" else "spawn"
 
 
-def init_rank(rank: int, world: int, store: str, device_type: str) -> torch.device:
-    """Join the file-store process group as `rank`; returns the rank's device."""
-    torch.set_num_threads(1)
-    cuda = device_type == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
-                            rank=rank, world_size=world, device_id=device if cuda else None)
-    return device
+def rank_device(rank: int, device_type: str) -> torch.device:
+    """The device of `rank` under megalite.spawn.run_distributed: GPU `rank` on cuda."""
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def launch(world: int, fn, *args, device_type: str = "cpu") -> list:
+    """fn(rank, world, *args) on `world` ranks of `device_type`; each rank's return value.
+    No time limit: a measurement takes as long as it takes."""
+    return run_distributed(world, fn, *args, timeout=None, device_type=device_type,
+                           start_method=start_method(device_type))

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.parallel_state import RankGrid
+from megalite.training_log import parse_log
 from smoke import shrink
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -56,12 +57,6 @@ CPU_MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_lengt
                  vocab_size=8192, micro_batch_size=4, global_batch_size=16)
 GPU_MODEL = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, seq_length=2048,
                  vocab_size=32768, micro_batch_size=2, global_batch_size=64)
-
-LOG_FIELDS = {
-    "ms": re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)"),
-    "tflops": re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.eE+-]+)"),
-}
-
 
 def parse_layout(name: str) -> RankGrid:
     """'1', 'dp2', 'tp2-pp2-dp2', ... -> the grid of TP x PP x DP processes."""
@@ -190,13 +185,9 @@ def run_layout(name: str, grid: RankGrid, args, global_batch: int) -> Result:
     if out.returncode:
         sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
         raise RuntimeError(f"layout {name} failed: {' '.join(cmd)}")
-    ms, tflops = [], []
-    for line in out.stdout.splitlines():
-        found = {k: p.search(line) for k, p in LOG_FIELDS.items()}
-        if all(found.values()):
-            ms.append(float(found["ms"].group(1)))
-            tflops.append(float(found["tflops"].group(1)))
-    ms, tflops = ms[args.warmup:], tflops[args.warmup:]
+    logs = [log for log in parse_log(out.stdout) if log["tflops_per_gpu"] is not None]
+    ms = [log["elapsed_ms"] for log in logs][args.warmup:]
+    tflops = [log["tflops_per_gpu"] for log in logs][args.warmup:]
     if not ms:
         raise RuntimeError(f"layout {name}: no log lines after {args.warmup} warm-up "
                            f"iterations; raise --iters")

@@ -18,11 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from megalite.monitoring.timers import COMMUNICATION, PHASES
+from megalite.training_log import parse_log
+from smoke import shrink
 
-from megalite.monitoring.timers import COMMUNICATION, PHASES  # noqa: E402
-from smoke import shrink  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
           "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
@@ -48,7 +48,7 @@ def main():
     out = subprocess.run(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          capture_output=True, text=True, check=True).stdout
     print("load average after: ", os.getloadavg())
-    step_ms = float(re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", out)[-1])
+    step_ms = parse_log(out)[-1]["elapsed_ms"]
     last = out.rsplit("times across ranks (ms):", 1)[1]
     times: dict[str, dict[int, float]] = {}
     for name, block in re.findall(r"^  (\S+):\n((?:     rank +\d+: [\d.]+\n?)+)", last, re.M):

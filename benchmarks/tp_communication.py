@@ -27,20 +27,16 @@ Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/smoke.py): b=1, s=1
 
 import argparse
 import functools
-import json
 import math
-import os
-import tempfile
 from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from rank_setup import start_method
+from rank_setup import launch
 from smoke import shrink
 
 # torch >= 2.13 names the last two all_gather_single / reduce_scatter_single (the old names
@@ -97,9 +93,7 @@ def _record_collectives(records: list, phase: list):
             setattr(dist, name, wrap(name, getattr(dist, name)))
 
 
-def _worker(rank, tp, args, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
+def _worker(rank, tp, args):
     records, phase = [], ["forward"]
     _record_collectives(records, phase)
     results = {}
@@ -114,9 +108,7 @@ def _worker(rank, tp, args, init_file, out_dir):
         phase[0] = "backward"
         y.backward(torch.randn_like(y))
         results["sp" if sequence_parallel else "no_sp"] = list(records)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    return results
 
 
 def closed_form(b, s, h, e, tp, sequence_parallel):
@@ -160,13 +152,7 @@ def main():
           f"s={args.seq} h={args.hidden}, fp32: b*s*h*e = "
           f"{args.batch * args.seq * args.hidden * 4:,d} bytes")
     for tp in args.tp:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_worker, nprocs=tp, start_method=start_method("cpu"),
-                               args=(tp, args, os.path.join(tmp, "rendezvous"), tmp))
-            per_rank = []
-            for rank in range(tp):
-                with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                    per_rank.append(json.load(f))
+        per_rank = launch(tp, _worker, args)
         if any(r != per_rank[0] for r in per_rank):
             raise RuntimeError(f"ranks recorded different collectives at TP={tp}")
         for key in ("no_sp", "sp"):

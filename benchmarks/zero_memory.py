@@ -33,32 +33,25 @@ skipped with a note. On the CPU the ranks run over gloo.
 """
 
 import argparse
-import os
-import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainingConfig)
-from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp  # noqa: E402
-from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
-from megalite.model.gpt import build_model_chunks  # noqa: E402
-from megalite.memory_estimate import weights_and_optimizer  # noqa: E402
-from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer  # noqa: E402
-from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.train_step import StepRunner  # noqa: E402
-from megalite.validation import validate_model_args  # noqa: E402
-from rank_setup import add_device_flag, describe, init_rank, start_method  # noqa: E402
+from megalite.distributed.fsdp import ZERO2, ZERO3, apply_fsdp
+from megalite.distributed.grad_buffer import GradBuffer
+from megalite.memory_estimate import weights_and_optimizer
+from megalite.model.gpt import build_model_chunks
+from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.train_step import StepRunner
+from megalite.validation import validate_model_args
+from rank_setup import add_device_flag, describe, launch, rank_device
 
 CONFIG = GPTConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                    num_query_groups=4, kv_channels=32, seq_length=64, max_position_embeddings=64,
@@ -153,8 +146,8 @@ def track_reduction(peak: dict):
     _fsdp_collectives.foreach_reduce_scatter_copy_in = copy_in
 
 
-def worker(rank, world, mode, store, out, device_type):
-    device = init_rank(rank, world, store, device_type)
+def worker(rank, world, mode, device_type):
+    device = rank_device(rank, device_type)
     state = ParallelState(RankGrid(world), rank)
     chunks, optimizer, grad_buffer = build(mode, state, device)
     run = Config(model=CONFIG, parallel=ParallelConfig(), precision=PrecisionConfig(bf16=True),
@@ -186,10 +179,8 @@ def worker(rank, world, mode, store, out, device_type):
         grad_bytes = sum(b.flat.numel() * b.flat.element_size() for b in grad_buffer.buckets)
         optim_bytes = optimizer.optimizer_state_bytes()
     on_host = mode.endswith("offload")
-    row = [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], counter["bytes"], on_host,
-           reduction["bytes"]]
-    torch.save(row, f"{out}.{rank}")
-    dist.destroy_process_group()
+    return [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], counter["bytes"], on_host,
+            reduction["bytes"]]
 
 
 def paper_bytes(mode: str, psi: int, n: int) -> float:
@@ -253,12 +244,8 @@ def main():
             continue
         plain_traffic = None
         for mode in MODES:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "row")
-                mp.start_processes(worker, nprocs=dp, start_method=start_method(device),
-                                   args=(dp, mode, os.path.join(tmp, "store"), out, device))
-                psi, params, grads, optim, gathered, traffic, on_host, reducing = \
-                    torch.load(f"{out}.0")
+            psi, params, grads, optim, gathered, traffic, on_host, reducing = \
+                launch(dp, worker, mode, device, device_type=device)[0]
             plan = planner(mode, dp)
             host = params + grads + optim if on_host else 0
             total = params + grads + optim

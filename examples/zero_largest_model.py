@@ -21,14 +21,10 @@ less what the data loaders and the OS need).
 """
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.memory_estimate import GiB, most_loaded_rank, num_model_parameters  # noqa: E402
-from megalite.validation import validate_model_args  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.memory_estimate import GiB, most_loaded_rank, num_model_parameters
+from megalite.validation import validate_model_args
 
 # (layers, hidden, heads): GPT-3's table 2.1 up to 13B, then wider and deeper steps.
 LADDER = [(24, 2048, 16), (32, 2560, 32), (32, 4096, 32), (40, 5120, 40), (44, 6144, 48),

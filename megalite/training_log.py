@@ -1,6 +1,8 @@
-"""What training reports: Megatron's log line, its FLOPs count, and TensorBoard scalars."""
+"""What training reports: Megatron's log line (and its parser), its FLOPs count, and
+TensorBoard scalars."""
 
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -103,6 +105,55 @@ def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
     for name, mib in (memory_mib or {}).items():
         line += f" mem {name} (MiB): {mib:.1f} |"
     return line
+
+
+# log_line's format read back: each field a named group, named as log_line's argument.
+_E, _F = r"-?(?:\d\.\d{6}E[+-]\d\d|NAN|INF)", r"-?(?:[\d.]+|nan|inf)"  # .6E, .1f/.3f
+_LOG_LINE = re.compile(
+    r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<iteration>\d+)/ +(?P<train_iters>\d+) \|"
+    r" consumed samples: +(?P<consumed_samples>\d+) \|"
+    rf" elapsed time per iteration \(ms\): (?P<elapsed_ms>{_F}) \|"
+    rf"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<tflops_per_gpu>{_F}) \|)?"
+    rf"(?: MFU \(%\): (?P<mfu_percent>{_F}) \|)?"
+    rf" learning rate: (?P<learning_rate>{_E}) \|"
+    r" global batch size: +(?P<global_batch_size>\d+) \|"
+    rf" lm loss: (?P<lm_loss>{_E}) \|"
+    rf" loss scale: (?P<loss_scale>{_F}) \|"
+    rf"(?: grad norm: (?P<grad_norm>{_F}) \|)?"
+    rf"(?: num zeros: (?P<num_zeros>{_F}) \|)?"
+    rf"(?: params norm: (?P<params_norm>{_F}) \|)?"
+    r" number of skipped iterations: +(?P<skipped_iters>\d+) \|"
+    r" number of nan iterations: +(?P<nan_iters>\d+) \|"
+    rf" tokens per second: (?P<tokens_per_second>{_F}) \|"
+    rf"(?P<memory_mib>(?: mem [\w ]+ \(MiB\): {_F} \|)*)$")
+_MEMORY = re.compile(rf" mem ([\w ]+) \(MiB\): ({_F}) \|")
+_VALIDATION_LINE = re.compile(rf" validation loss at (?P<prefix>.*) \| lm loss value: "
+                              rf"(?P<loss>{_E}) \| lm loss PPL: {_E} \|")
+
+
+def parse_log_line(line: str) -> dict | None:
+    """The fields of a log_line as log_line's keyword arguments (ints, floats; an optional
+    field absent from the line is None, memory_mib a dict of MiB by name), or None if
+    `line` is no log line. A prefix before the line (a launcher's) is skipped."""
+    match = _LOG_LINE.search(line)
+    if match is None:
+        return None
+    fields = {name: None if text is None else int(text) if text.isdigit() else float(text)
+              for name, text in match.groupdict().items() if name != "memory_mib"}
+    fields["memory_mib"] = {name: float(mib) for name, mib in
+                            _MEMORY.findall(match["memory_mib"])} or None
+    return fields
+
+
+def parse_log(text: str) -> list[dict]:
+    """parse_log_line of each log line of `text` (a run's output), in order."""
+    return [fields for fields in map(parse_log_line, text.splitlines()) if fields]
+
+
+def parse_validation_line(line: str) -> dict | None:
+    """validation_lines' arguments, {"prefix", "loss"}, read back from its middle line."""
+    match = _VALIDATION_LINE.search(line)
+    return None if match is None else {"prefix": match["prefix"], "loss": float(match["loss"])}
 
 
 def validation_lines(prefix: str, loss: float) -> list[str]:

@@ -2,16 +2,14 @@
 workers run in spawned processes that import functions by module name, and test modules
 should not import each other).
 
-    from tests.helpers import BASE_FLAGS, LLAMA_STYLE, tiny_gpt_config, without
+    from tests.helpers import BASE_FLAGS, LLAMA_STYLE, flags_with, tiny_gpt_config, without
 
 - tiny_gpt_config / LLAMA_STYLE: the model configs tests build;
-- BASE_FLAGS / without: the command line tests start from, and removing a flag by name;
-- LOG_LINE: Megatron's training log line, parsed;
+- BASE_FLAGS / flags_with / without: the command line tests start from, that line with
+  some values changed, and removing a flag by name;
 - scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
 - gather_tensor_parallel: a TP-sharded tensor made whole again with plain all_gather.
 """
-
-import re
 
 import torch
 import torch.distributed as dist
@@ -68,6 +66,17 @@ BASE_FLAGS = [
 ]
 
 
+def flags_with(*extra: str, **values) -> list[str]:
+    """BASE_FLAGS with each of `values` set (hidden_size=32: "--hidden-size 32"; None drops
+    the flag), then `extra`: a test's command line written as its difference from
+    BASE_FLAGS."""
+    flags = list(BASE_FLAGS)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        flags = without(flags, flag) + ([] if value is None else [flag, str(value)])
+    return [*flags, *extra]
+
+
 def without(flags: list[str], *names: str) -> list[str]:
     """`flags` less each flag in `names` and its values (the tokens after it up to the
     next "--"), so a value shared by another flag stays."""
@@ -81,32 +90,6 @@ def without(flags: list[str], *names: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- run records
-
-# Megatron's training log line, field for field (megatron/training/training.py,
-# training_log), followed by megalite's tokens per second; megalite's MFU (with a known
-# peak) and memory (max over ranks: CUDA allocator on a GPU, resident set on a CPU).
-LOG_LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<it>\d+)/ +(?P<n>\d+) \|"
-    r" consumed samples: +(?P<samples>\d+) \|"
-    r" elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
-    r"( throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[\d.]+) \|)?"
-    r"( MFU \(%\): (?P<mfu>[\d.]+) \|)?"
-    r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d\d) \|"
-    r" global batch size: +(?P<gbs>\d+) \|"
-    r" lm loss: (?P<loss>\d\.\d{6}E[+-]\d\d|nan) \|"
-    r" loss scale: (?P<scale>[\d.]+) \|"
-    r"( grad norm: (?P<gnorm>[\d.]+) \|)?"
-    r"( num zeros: (?P<zeros>[\d.]+) \|)?"
-    r"( params norm: (?P<pnorm>[\d.]+) \|)?"
-    r" number of skipped iterations: +(?P<skipped>\d+) \|"
-    r" number of nan iterations: +(?P<nan>\d+) \|"
-    r" tokens per second: (?P<tps>[\d.]+) \|"
-    r"( mem allocated \(MiB\): (?P<mem_allocated>[\d.]+) \|"
-    r" mem reserved \(MiB\): (?P<mem_reserved>[\d.]+) \|"
-    r" mem max allocated \(MiB\): (?P<mem_max_allocated>[\d.]+) \|)?"
-    r"( mem RSS \(MiB\): (?P<mem_rss>[\d.]+) \|"
-    r" mem max RSS \(MiB\): (?P<mem_max_rss>[\d.]+) \|)?$")
-
 
 def scalars(tensorboard_dir) -> dict[str, dict[int, float]]:
     """Every step's float32 lm loss and grad norm, as TensorBoard recorded them."""
@@ -206,24 +189,3 @@ def random_batches(generator, vocab: int, micro: int, seq: int, num_micro: int,
         return batches
     per_rank = num_micro // state.dp_size
     return batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
-
-
-def saved_activation_bytes(chunk, run) -> int:
-    """Bytes of the distinct storages autograd saves for backward while `run()` runs
-    through `chunk` (each storage once); the chunk's parameters, buffers and RoPE table
-    are the model's own, not activations. The CP planner test and benchmarks/cp_memory.py
-    measure with it."""
-    rope_table = chunk.rope_table(torch.device("cpu"))
-    own = {t.untyped_storage().data_ptr() for t in
-           [*chunk.parameters(), *chunk.buffers(), *([rope_table] if rope_table is not None
-                                                     else [])]}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(saved.values())

@@ -248,6 +248,7 @@ def test_config_is_frozen():
         c.training.train_iters = 5
 
 
+@pytest.mark.slow
 def test_entry_script_exits_nonzero_with_message(tmp_path):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE_FLAGS, "--bf16", "--fp16"],
                           capture_output=True, text=True, timeout=120)

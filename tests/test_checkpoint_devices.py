@@ -17,10 +17,11 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
 
-FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
-         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "2", "--lr", "3e-3", "--train-iters", "4",
-         "--attention-dropout", "0", "--hidden-dropout", "0"]
+from tests.helpers import flags_with
+
+FLAGS = flags_with("--attention-dropout", "0", "--hidden-dropout", "0", vocab_size=61,
+                   make_vocab_size_divisible_by=None, hidden_size=32, seq_length=16,
+                   micro_batch_size=2, global_batch_size=2, train_iters=4, lr="3e-3")
 KINDS = {"fp32 Adam": [], "bf16 ZeRO-1": ["--bf16", "--use-distributed-optimizer"]}
 DEVICES = [pytest.param("cpu"),
            pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),

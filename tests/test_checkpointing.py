@@ -8,20 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megalite.checkpointing import saving
 from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_load
 from megalite.training import pretrain
 
-from tests.helpers import assert_identical, checkpoint_tensors, scalars
+from tests.helpers import assert_identical, checkpoint_tensors, flags_with, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
-         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--lr", "3e-3", "--log-interval", "1",
-         "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
-         "--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--train-iters", "6"]
+FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+                   "--num-workers", "0", "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+                   vocab_size=61, make_vocab_size_divisible_by=None, hidden_size=32,
+                   seq_length=16, micro_batch_size=2, global_batch_size=4, train_iters=6,
+                   lr="3e-3")
 
 
 def launch(*flags, **popen):
@@ -38,6 +39,7 @@ def run_process(*flags) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_bit_exact(tmp_path):
     """6 steps straight against 3 steps + save + a new process + load + 3 steps, with
     dropout: every step's loss and grad norm, every parameter, optimizer tensor and RNG
@@ -139,6 +141,7 @@ def test_a_malicious_pickle_is_refused_and_never_run(tmp_path, capsys):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_the_run_resumes_exactly(tmp_path):
     long = ["--train-iters", "300", "--eval-iters", "0", "--exit-signal-handler"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"

@@ -25,7 +25,7 @@ from megalite.context_parallel.blocks import block_backward, block_forward, merg
 from megalite.context_parallel.ring import block_kernels, ring_blocks
 from megalite.context_split import load_balanced_chunks
 from megalite.errors import ConfigError
-from tests.distributed.launcher import run_distributed
+from megalite.spawn import run_distributed
 
 B, S, D = 2, 16, 8                                # batch, whole sequence, head dim
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}            # (query heads, key/value heads)
@@ -131,6 +131,7 @@ def _cp_rank(rank, cp):  # cp = the world size
     return results, {c: _dropout_directional(cp, rank, c) for c in ("p2p", "all_gather")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_attention_matches_full_attention(cp):
     per_rank = run_distributed(cp, _cp_rank)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file  # noqa: E402  (a dependency of transfor
 
 from megalite.model.gpt import GPTModel  # noqa: E402
 
-from tests.helpers import LLAMA_STYLE, tiny_gpt_config  # noqa: E402
+from tests.helpers import LLAMA_STYLE, flags_with, tiny_gpt_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
@@ -34,10 +34,10 @@ LLAMA = dict(LLAMA_STYLE, ffn_hidden_size=96, num_query_groups=2)
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96"]
-TRAIN = ["--mock-data", "--vocab-size", str(VOCAB), "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2", "--eval-iters", "0",
-         "--log-interval", "1", "--num-workers", "0", "--distributed-backend", "gloo"]
+TRAIN = flags_with("--eval-iters", "0", "--log-interval", "1", "--num-workers", "0",
+                   "--distributed-backend", "gloo", vocab_size=VOCAB,
+                   make_vocab_size_divisible_by=None, micro_batch_size=2, global_batch_size=4,
+                   train_iters=3, lr="1e-2")
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2"]
 
@@ -110,6 +110,7 @@ def gpt2_checkpoint(tmp_path_factory) -> Path:
     return save
 
 
+@pytest.mark.slow
 def test_export_of_tp2_gpt2_matches_hf_logits(gpt2_checkpoint, tmp_path):
     out = tmp_path / "hf"
     proc = run([sys.executable, TOOL, "--load", gpt2_checkpoint, "--export-hf", out])
@@ -124,6 +125,7 @@ def test_export_of_tp2_gpt2_matches_hf_logits(gpt2_checkpoint, tmp_path):
     torch.testing.assert_close(hf_logits(hf), megalite_logits(GPT2, state), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_export_of_an_earlier_iteration_in_bf16(gpt2_checkpoint, tmp_path, capsys):
     convert = tool()
     assert convert.main(["--load", str(gpt2_checkpoint), "--iteration", "2", "--export-hf",
@@ -141,6 +143,7 @@ def test_export_of_an_earlier_iteration_in_bf16(gpt2_checkpoint, tmp_path, capsy
     assert "--overwrite" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_of_pp2_llama_style_matches_hf_logits(tmp_path, capsys):
     """Llama style (RoPE, RMSNorm, SwiGLU, no biases, untied, GQA), one layer per pipeline
     stage: the output layer is saved by the last stage, the embedding by the first."""
@@ -174,6 +177,7 @@ def tiny_hf_llama():
     return model.eval()
 
 
+@pytest.mark.slow
 def test_import_gives_hf_logits_and_trains_at_tp2(gpt2_checkpoint, tmp_path, capsys):
     hf = tiny_hf_llama()
     hf.save_pretrained(tmp_path / "hf")
@@ -239,6 +243,7 @@ def test_unsupported_style_is_an_error_naming_the_field(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_import_refuses_a_non_empty_save_dir(gpt2_checkpoint, tmp_path, capsys):
     assert tool().main(["--import-hf", str(tmp_path), "--save", str(gpt2_checkpoint)]) == 1
     assert f"--save {gpt2_checkpoint} is not empty" in capsys.readouterr().err

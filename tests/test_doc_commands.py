@@ -57,6 +57,7 @@ def untracked() -> set[str]:
     return set(out.stdout.splitlines()) if out.returncode == 0 else set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page,command", [(p, c) for p, _, c in COMMANDS],
                          ids=[f"{p}:{i}" for p, i, _ in COMMANDS])
 def test_command_runs(page, command, tmp_path):

@@ -98,6 +98,7 @@ def clean_scratch():
     subprocess.run(["rm", "-rf", *scratch], check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("title", list(ERRORS))
 def test_quoted_message_is_what_the_command_prints(title):
     if "NCCL without a GPU" in title and torch.cuda.is_available():
@@ -110,6 +111,7 @@ def test_quoted_message_is_what_the_command_prints(title):
     assert results[-1][0] != 0, f"the last command of {title!r} should fail"
 
 
+@pytest.mark.slow
 def test_layouts_give_the_same_losses():
     """'A loss that differs between layouts': the two commands print the same losses."""
     losses = []
@@ -120,12 +122,14 @@ def test_layouts_give_the_same_losses():
     assert losses[0] and losses[0] == losses[1], losses
 
 
+@pytest.mark.slow
 def test_planner_commands_show_the_layout_that_does_not_fit():
     first, second = (run(c) for c in commands(SECTIONS["Out of memory after a layout change"]))
     assert first[0] == 0 and "does NOT fit" not in first[1], first[1]
     assert "does NOT fit" in second[1], second[1]
 
 
+@pytest.mark.slow
 def test_standalone_launch_runs():
     (command,) = commands(SECTIONS["Rendezvous failures"])
     code, out = run(command)
@@ -139,6 +143,7 @@ def test_every_section_with_commands_is_tested():
     assert not untested, untested
 
 
+@pytest.mark.slow
 def test_guide_commands_run_and_print_the_totals_they_state():
     """Every command of docs/guide.md, in order (later ones use what earlier ones wrote);
     a planner command's `# total X GiB` comment must be what it prints."""

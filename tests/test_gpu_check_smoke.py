@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ["env_info", "gpu_tests", "kernels", "matmul_peak", "train_350m", "mfu_llama_1b",
          "checkpoint_resume", "torchrun_nccl", "mfu_gpt_1b3", "mfu_llama_1b_compiled",

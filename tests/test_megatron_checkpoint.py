@@ -23,9 +23,10 @@ from megalite.checkpointing.storage import find_checkpoint_to_load, read_metadat
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
 from megalite.model.gpt import GPTModel
+from megalite.spawn import run_distributed
+from megalite.training_log import parse_log
 
-from tests.distributed.launcher import run_distributed
-from tests.helpers import LOG_LINE, tiny_gpt_config
+from tests.helpers import tiny_gpt_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "megatron_checkpoint"
@@ -167,6 +168,7 @@ MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--max-position-embeddings", "32"]
 
 
+@pytest.mark.slow
 def test_pretrain_load_at_tp2_gives_megatrons_logits(tmp_path):
     """One launch: both formats of the test vector, the TP 2 Megatron checkpoint, and that
     with Adam's state (carried over), loaded by megalite at TP 2 without conversion."""
@@ -222,8 +224,7 @@ def test_pretrain_load_under_fsdp2_and_zero1_gives_the_plain_loads_losses(tmp_pa
         assert pretrain([*flags, *extra]) == 0, name
         out = capsys.readouterr().out
         assert "Adam state carried over (step 2)" in out, name
-        losses[name] = {int(m["it"]): float(m["loss"])
-                        for m in map(LOG_LINE.match, out.splitlines()) if m}
+        losses[name] = {log["iteration"]: log["lm_loss"] for log in parse_log(out)}
     assert list(losses["plain"]) == [11, 12]
     for name, got in losses.items():
         assert got == pytest.approx(losses["plain"], rel=1e-5), name

@@ -26,23 +26,23 @@ from megalite.arguments import parse_args
 from megalite.validation import validate_args
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
+from megalite.monitoring.memory import SavedActivations
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.stages import rank_stages
+from megalite.spawn import run_distributed
 from megalite.tensor_parallel.params import is_embedding_copy, is_shared_embedding, partition_dim
 from megalite.train_step import StepRunner, autocast
 from megalite.training import build_model, build_optimizer
 
-from tests.distributed.launcher import run_distributed
+from tests.helpers import flags_with, without
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_TOLERANCE = 0.10        # params, grads, optimizer state (issue 8)
 ACTIVATION_TOLERANCE = 0.25   # activations (issue 8)
 CPU = torch.device("cpu")
 
-TINY = ["--mock-data", "--vocab-size", "500", "--make-vocab-size-divisible-by", "64",
-        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "10", "--lr", "1e-3", "--attention-dropout", "0"]
+TINY = flags_with("--attention-dropout", "0", vocab_size=500, num_layers=4,
+                  micro_batch_size=2)
 ROPE_GQA = ["--position-embedding-type", "rope", "--group-query-attention",
             "--num-query-groups", "2"]
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", *ROPE_GQA,
@@ -231,28 +231,18 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
     Parameters and buffers are not activations."""
     m, b = config.model, config.training.micro_batch_size
     chunk.train()
-    # The model's own tensors (RoPE's cached angles too) are not activations.
-    rope_table = chunk.rope_table(CPU)
-    rotary = [rope_table] if rope_table is not None else []
-    exclude = ptrs(list(chunk.parameters()) + list(chunk.buffers()) + rotary)
-    saved = []
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), generator=g)
     dtype = next(chunk.parameters()).dtype
-    x = tokens if first else torch.randn(seq, b, m.hidden_size, generator=g).to(dtype)
+    x = tokens if first else \
+        torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
+    with SavedActivations(chunk) as saved, autocast(config.precision, CPU):
+        out = chunk(x, tokens if last else None)
     if not first:
-        x.requires_grad_()
-        saved.append(x)
-
-    def pack(t):
-        saved.append(t)
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with autocast(config.precision, CPU):
-            out = chunk(x, tokens if last else None)
+        saved.add(x)
     if not last:
-        saved += [out, out.detach().contiguous()]
-    return storage_bytes(saved, exclude)
+        saved.add(out, out.detach().contiguous())
+    return saved.nbytes
 
 
 def planned_chunk_bytes(config, pp_rank: int, device: str = "cpu") -> list[int]:
@@ -415,6 +405,7 @@ def _two_rank_measurements(rank, world_size):
             "pp": _pipeline_send_buffers(rank, world_size)}
 
 
+@pytest.mark.slow
 def test_two_rank_layouts_match_measurements():
     results = run_distributed(2, _two_rank_measurements, timeout=240)
     for rank, result in enumerate(results):
@@ -448,7 +439,7 @@ def test_tool_prints_a_row_per_pipeline_rank(capsys):
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--sequence-parallel", "--use-distributed-optimizer",
             "--data-path", "unused", "--tokenizer-type", "GPT2BPETokenizer",
-            "--tokenizer-vocab-size", "50257"] + TINY[3:]
+            "--tokenizer-vocab-size", "50257"] + without(TINY, "--mock-data", "--vocab-size")
     assert tool.main(argv) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"\| [01] \|", line)]
@@ -490,6 +481,7 @@ def example_plan(script: str, tmp_path, capsys, **env) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES)
 def test_example_script_states_its_planned_memory(script, tmp_path, capsys):
     """Each example's run file states its layout, global batch and the planner's total per
@@ -505,6 +497,7 @@ def test_example_script_states_its_planned_memory(script, tmp_path, capsys):
     assert float(total.group(1)) < 0.8 * 80
 
 
+@pytest.mark.slow
 def test_13b_needs_model_parallelism(tmp_path, capsys):
     """The 13B layout's justification: at TP 1 (DP 32, ZeRO-1) it does not fit."""
     out = example_plan("llama_13b_4x8.sh", tmp_path, capsys,

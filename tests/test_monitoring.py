@@ -20,8 +20,9 @@ from megalite.config import OptimizerConfig
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training import pretrain
+from megalite.training_log import parse_log, parse_log_line
 
-from tests.helpers import BASE_FLAGS, LOG_LINE, checkpoint_tensors, tiny_gpt_config
+from tests.helpers import BASE_FLAGS, checkpoint_tensors, tiny_gpt_config
 
 FLAGS = [*BASE_FLAGS, "--eval-iters", "0", "--num-workers", "0", "--train-iters", "4",
          "--log-interval", "2"]  # global batch 8 of micro-batches of 4: 2 per step
@@ -41,7 +42,7 @@ def run(*flags, tmp=None) -> tuple[str, list[dict]]:
     with contextlib.redirect_stdout(out):
         assert pretrain([*FLAGS, *flags]) == 0
     text = out.getvalue()
-    return text, [m.groupdict() for m in map(LOG_LINE.match, text.splitlines()) if m]
+    return text, parse_log(text)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +114,8 @@ def test_mfu_is_throughput_over_the_peak(level_1, level_2):
     for (_, logs, *_), peak in ((level_1, 66.9), (level_2, 0.002)):
         assert len(logs) == 2
         for log in logs:
-            tflops = float(log["tflops"])
-            assert float(log["mfu"]) == pytest.approx(100 * tflops / peak, rel=2e-3)
+            assert log["mfu_percent"] == pytest.approx(100 * log["tflops_per_gpu"] / peak,
+                                                       rel=2e-3)
 
 
 def test_memory_on_the_log_line_and_in_tensorboard(level_2):
@@ -126,9 +127,9 @@ def test_memory_on_the_log_line_and_in_tensorboard(level_2):
     max_rss = {e.step: e.value for e in events.Scalars("mem-max-rss-bytes")}
     assert sorted(rss) == sorted(max_rss) == [2, 4]
     for log in logs:
-        it = int(log["it"])
-        assert float(log["mem_rss"]) == pytest.approx(rss[it] / MIB, abs=0.06)
-        assert float(log["mem_max_rss"]) == pytest.approx(max_rss[it] / MIB, abs=0.06)
+        it, mib = log["iteration"], log["memory_mib"]
+        assert mib["RSS"] == pytest.approx(rss[it] / MIB, abs=0.06)
+        assert mib["max RSS"] == pytest.approx(max_rss[it] / MIB, abs=0.06)
         # The kernel raises its high-water mark (ru_maxrss) lazily, so an RSS read during the
         # run may pass the mark read afterwards by the pages touched since its last update
         # (94 KiB seen here): a small slack, far below what a wrong unit would give.
@@ -148,10 +149,10 @@ def test_timers_mfu_and_statistics_in_tensorboard(level_2):
         for it, seconds in scalar(f"{name}-time").items():
             assert seconds * 1e3 == pytest.approx(blocks[it][name], abs=0.006), name
     for log in logs:
-        it = int(log["it"])
-        assert scalar("mfu-percent")[it] == pytest.approx(float(log["mfu"]), rel=1e-3)
-        assert scalar("params-norm")[it] == pytest.approx(float(log["pnorm"]), abs=6e-4)
-        assert scalar("num-zeros")[it] == float(log["zeros"])
+        it = log["iteration"]
+        assert scalar("mfu-percent")[it] == pytest.approx(log["mfu_percent"], rel=1e-3)
+        assert scalar("params-norm")[it] == pytest.approx(log["params_norm"], abs=6e-4)
+        assert scalar("num-zeros")[it] == log["num_zeros"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -172,8 +173,8 @@ def timer_lines(out: str) -> dict[int, dict[str, float]]:
     """Per log line's iteration: each timer's max over ranks (ms per iteration)."""
     blocks, current = {}, None
     for line in out.splitlines():
-        if LOG_LINE.match(line):
-            current = blocks.setdefault(int(LOG_LINE.match(line)["it"]), {})
+        if fields := parse_log_line(line):
+            current = blocks.setdefault(fields["iteration"], {})
         m = re.match(r"^ +(\S+) \.*: \(?([\d.]+)(?:, ([\d.]+)\))?$", line)
         if m and current is not None:
             current[m[1]] = float(m[3] or m[2])
@@ -187,10 +188,10 @@ def test_timers_name_each_phase_and_fit_in_the_step(level_1, level_2):
         assert out.count(header) == 2
         blocks = timer_lines(out)
         for log in logs:
-            timers = blocks[int(log["it"])]
+            timers = blocks[log["iteration"]]
             assert set(timers) == (LEVEL_1 if level == 1 else LEVEL_2)
             # Phases that do not nest add up to at most the iteration.
-            assert sum(timers[n] for n in TOP_LEVEL) <= float(log["ms"]) * 1.001 + 0.05
+            assert sum(timers[n] for n in TOP_LEVEL) <= log["elapsed_ms"] * 1.001 + 0.05
             if level == 2:
                 assert timers["forward-compute"] + timers["backward-compute"] <= \
                     timers["forward-backward"] + 0.02
@@ -212,7 +213,7 @@ def test_timing_level_zero_starts_no_timer_and_synchronizes_nothing(monkeypatch)
     out, logs = run("--log-throughput")
     assert counts == {"start": 0, "synchronize": 0} and "time across ranks" not in out
     # A CPU: no MFU without --peak-tflops; its ~1e-4 TFLOP/s in fixed point, not 1.2e-04.
-    assert len(logs) == 2 and all(log["mfu"] is None for log in logs) and "e-0" not in out
+    assert len(logs) == 2 and all(log["mfu_percent"] is None for log in logs) and "e-0" not in out
     timers_module.Timers(1).timers["optimizer"].start()  # the counters do count
     assert counts == {"start": 1, "synchronize": 1}
 
@@ -222,8 +223,8 @@ def test_params_norm_is_the_norm_of_the_saved_weights(level_2):
     weights = [v for k, v in checkpoint_tensors(tmp / "ckpt").items()
                if k.startswith("model_") and torch.is_tensor(v) and v.is_floating_point()]
     norm = torch.sqrt(sum(w.double().square().sum() for w in weights)).item()
-    assert float(logs[-1]["pnorm"]) == pytest.approx(norm, abs=1.5e-3)
-    assert all(log["zeros"] is not None for log in logs)
+    assert logs[-1]["params_norm"] == pytest.approx(norm, abs=1.5e-3)
+    assert all(log["num_zeros"] is not None for log in logs)
 
 
 def test_num_zeros_in_grad_counts_zero_elements():
@@ -278,8 +279,8 @@ def test_memory_history_covers_the_model_and_is_written_after_the_first_log_inte
     path = tmp_path / "snapshot.pickle"
     out, logs = run("--record-memory-history", "--memory-snapshot-path", str(path))
     assert events == ["record", "model", "dump"] and path.is_file()
-    lines = [line for line in out.splitlines() if LOG_LINE.match(line) or "snapshot" in line]
-    assert [LOG_LINE.match(line) is None for line in lines] == [False, True, False], lines
+    lines = [line for line in out.splitlines() if parse_log_line(line) or "snapshot" in line]
+    assert [parse_log_line(line) is None for line in lines] == [False, True, False], lines
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory snapshots need a GPU")

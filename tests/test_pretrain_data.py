@@ -9,10 +9,11 @@ import pytest
 
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.training import pretrain
+from megalite.training_log import parse_validation_line
+
+from tools.dataset_stats import unigram_entropy
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from dataset_stats import unigram_entropy  # noqa: E402
 
 
 def tool(name, *args):
@@ -44,6 +45,7 @@ def train_flags(d, *extra):
             "--data-cache-path", str(d / "cache"), *extra]
 
 
+@pytest.mark.slow
 def test_loss_falls_clearly_below_unigram_entropy(stdlib_dataset, capsys):
     """The best context-free model scores the unigram entropy; a model that learned from
     context must beat it, here by at least half a nat on held-out documents."""
@@ -53,8 +55,8 @@ def test_loss_falls_clearly_below_unigram_entropy(stdlib_dataset, capsys):
                                 "--eval-iters", "4"))
     out = capsys.readouterr().out
     assert code == 0
-    line = next(text for text in out.splitlines() if "on validation set" in text)
-    loss = float(line.split("lm loss value:")[1].split("|")[0])
+    loss = next(v["loss"] for v in map(parse_validation_line, out.splitlines()) if v and
+                "on validation set" in v["prefix"])
     assert 4.0 < entropy < 6.5
     assert loss < entropy - 0.5
 
@@ -64,6 +66,7 @@ def test_unigram_entropy_closed_form():
     assert unigram_entropy(np.array([5, 5, 5])) == 0.0
 
 
+@pytest.mark.slow
 def test_missing_prefix_is_named(stdlib_dataset, capsys):
     code = pretrain(train_flags(stdlib_dataset, "--train-iters", "20", "--data-path",
                                 str(stdlib_dataset / "nope")))
@@ -71,6 +74,7 @@ def test_missing_prefix_is_named(stdlib_dataset, capsys):
     assert "nope.idx not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_token_ids_beyond_the_vocabulary_are_refused(stdlib_dataset, tmp_path, capsys):
     """A dataset made with a bigger tokenizer than the one given to training."""
     d = stdlib_dataset

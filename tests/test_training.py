@@ -7,8 +7,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megalite.training import pretrain
+from megalite.training_log import parse_log, parse_validation_line
 
-from tests.helpers import BASE_FLAGS, LOG_LINE, without
+from tests.helpers import BASE_FLAGS, flags_with, without
 
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
@@ -16,17 +17,8 @@ NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 def run(capsys, *flags):
     code = pretrain(list(flags))
     out, err = capsys.readouterr()
-    logs = [m.groupdict() for m in map(LOG_LINE.match, out.splitlines()) if m]
+    logs = parse_log(out)
     return code, out, err, logs
-
-
-def flags_with(**overrides):
-    flags = list(BASE_FLAGS)
-    for key, value in overrides.items():
-        flag = "--" + key.replace("_", "-")
-        i = flags.index(flag)
-        flags[i + 1] = str(value)
-    return flags
 
 
 def mock_entropy_rate(vocab_size: int) -> float:
@@ -53,9 +45,9 @@ def test_learns_the_synthetic_task(capsys):
     assert code == 0
     bayes = mock_entropy_rate(64)
     assert 0.1 < bayes < 0.2
-    assert float(logs[0]["loss"]) > 1.0  # mean of the first 50 iterations
-    final = re.search(r"iteration 250 on validation set \| lm loss value: (\S+)", out)
-    assert float(final.group(1)) < bayes + 0.15
+    assert logs[0]["lm_loss"] > 1.0  # mean of the first 50 iterations
+    final = {v["prefix"]: v["loss"] for v in map(parse_validation_line, out.splitlines()) if v}
+    assert final["iteration 250 on validation set"] < bayes + 0.15
 
 
 def test_log_line_fields(capsys):
@@ -63,15 +55,17 @@ def test_log_line_fields(capsys):
                              "--log-throughput", "--eval-iters", "0")
     assert code == 0 and len(logs) == 2
     first, second = logs
-    assert (first["it"], first["n"], first["samples"], first["gbs"]) == ("3", "6", "24", "8")
-    assert second["samples"] == "48"
-    assert first["tflops"] is not None and float(first["tflops"]) > 0
-    assert first["scale"] == "1.0" and first["skipped"] == "0" and first["nan"] == "0"
+    assert (first["iteration"], first["train_iters"], first["consumed_samples"],
+            first["global_batch_size"]) == (3, 6, 24, 8)
+    assert second["consumed_samples"] == 48
+    assert first["tflops_per_gpu"] is not None and first["tflops_per_gpu"] > 0
+    assert first["loss_scale"] == 1.0 and first["skipped_iters"] == 0 and first["nan_iters"] == 0
     # 8 samples x 32 tokens per iteration.
-    assert float(first["tps"]) == pytest.approx(256 / (float(first["ms"]) / 1e3), rel=0.02)
+    assert first["tokens_per_second"] == pytest.approx(256 / (first["elapsed_ms"] / 1e3),
+                                                       rel=0.02)
     _, _, _, plain = run(capsys, *flags_with(train_iters=2), "--log-interval", "1",
                          "--eval-iters", "0")
-    assert plain[0]["tflops"] is None
+    assert plain[0]["tflops_per_gpu"] is None
 
 
 def test_tensorboard_event_file(capsys, tmp_path):
@@ -93,7 +87,7 @@ def test_tensorboard_event_file(capsys, tmp_path):
 def test_deterministic_under_seed(capsys):
     """Dropout on: the same seed gives the same losses, another seed other losses."""
     common = flags_with(train_iters=4) + ["--log-interval", "1", "--eval-iters", "0"]
-    losses = [[r["loss"] for r in run(capsys, *common, "--seed", seed)[3]]
+    losses = [[r["lm_loss"] for r in run(capsys, *common, "--seed", seed)[3]]
               for seed in ("5", "5", "6")]
     assert losses[0] == losses[1]
     assert losses[0] != losses[2]
@@ -102,12 +96,12 @@ def test_deterministic_under_seed(capsys):
 def test_exit_interval_and_train_samples(capsys):
     code, out, _, logs = run(capsys, *flags_with(train_iters=10), "--log-interval", "1",
                              "--eval-iters", "0", "--exit-interval", "3")
-    assert code == 0 and [r["it"] for r in logs] == ["1", "2", "3"]
+    assert code == 0 and [r["iteration"] for r in logs] == [1, 2, 3]
     assert "exiting program at iteration 3" in out
     flags = without(BASE_FLAGS, "--train-iters")
     code, _, _, logs = run(capsys, *flags, "--train-samples", "20", "--log-interval", "1",
                            "--eval-iters", "0")
-    assert code == 0 and [(r["it"], r["n"]) for r in logs] == [("1", "2"), ("2", "2")]
+    assert code == 0 and [(r["iteration"], r["train_iters"]) for r in logs] == [(1, 2), (2, 2)]
 
 
 def test_fp16_overflow_skips_and_backs_off(capsys):
@@ -120,10 +114,10 @@ def test_fp16_overflow_skips_and_backs_off(capsys):
                            "--log-interval", "1", "--eval-iters", "0",
                            "--lr-warmup-iters", "2")
     assert code == 0
-    assert [float(r["scale"]) for r in logs] == [2.0 ** 40, 2.0 ** 39, 2.0 ** 38]
-    assert [r["skipped"] for r in logs] == ["1", "1", "1"]
-    assert all(r["gnorm"] is None for r in logs)
-    assert {float(r["lr"]) for r in logs} == {0.0}  # warm-up never advanced
+    assert [r["loss_scale"] for r in logs] == [2.0 ** 40, 2.0 ** 39, 2.0 ** 38]
+    assert [r["skipped_iters"] for r in logs] == [1, 1, 1]
+    assert all(r["grad_norm"] is None for r in logs)
+    assert {r["learning_rate"] for r in logs} == {0.0}  # warm-up never advanced
 
 
 def test_bf16_learns_and_tracks_fp32(capsys):
@@ -134,9 +128,9 @@ def test_bf16_learns_and_tracks_fp32(capsys):
     smooth problem. Bound: every step within 4u = 1.6%, the mean within u."""
     flags = [*flags_with(train_iters=40), *NO_DROPOUT, "--lr", "3e-3", "--log-interval", "1",
              "--eval-iters", "0"]
-    fp32 = [float(r["loss"]) for r in run(capsys, *flags)[3]]
+    fp32 = [r["lm_loss"] for r in run(capsys, *flags)[3]]
     code, _, _, logs = run(capsys, *flags, "--bf16")
-    bf16 = [float(r["loss"]) for r in logs]
+    bf16 = [r["lm_loss"] for r in logs]
     assert code == 0 and len(bf16) == len(fp32) == 40
     assert bf16[-1] < bf16[0] - 2.0  # it learns: 4.2 -> ~1.0 nats
     relative = [abs(a - b) / a for a, b in zip(fp32, bf16)]

@@ -31,7 +31,6 @@ the export is staged and renamed by export_to_hf, the checkpoint by storage.comm
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -39,21 +38,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import megalite  # noqa: E402
-from megalite.checkpointing import saving  # noqa: E402
-from megalite.checkpointing.loading import SavedCheckpoint  # noqa: E402
-from megalite.checkpointing.storage import (TRACKER_FILENAME, checkpoint_dir,  # noqa: E402
-                                            commit, find_checkpoint_to_load,
-                                            prepare_staging, read_metadata, save_tensor_file)
-from megalite.validation import pad_vocab_size  # noqa: E402
-from megalite.errors import CheckpointError, ConfigError, MegaliteError  # noqa: E402
-from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
-from megalite.config import GPTConfig  # noqa: E402
-from megalite.model.gpt import GPTModel  # noqa: E402
-from megalite.megatron_checkpoint import convert as megatron_convert  # noqa: E402
-from megalite.megatron_checkpoint.writer import write_checkpoint as write_megatron  # noqa: E402
+import megalite
+from megalite.checkpointing import saving
+from megalite.checkpointing.loading import SavedCheckpoint
+from megalite.checkpointing.storage import (TRACKER_FILENAME, checkpoint_dir,
+                                            commit, find_checkpoint_to_load, prepare_staging,
+                                            read_metadata, save_tensor_file)
+from megalite.config import GPTConfig
+from megalite.errors import CheckpointError, ConfigError, MegaliteError
+from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab
+from megalite.megatron_checkpoint import convert as megatron_convert
+from megalite.megatron_checkpoint.writer import write_checkpoint as write_megatron
+from megalite.model.gpt import GPTModel
+from megalite.validation import pad_vocab_size
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -8,15 +8,12 @@ context must go below it.
 """
 
 import argparse
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.data.indexed_dataset import IndexedDataset  # noqa: E402
-from megalite.errors import MegaliteError  # noqa: E402
+from megalite.data.indexed_dataset import IndexedDataset
+from megalite.errors import MegaliteError
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:

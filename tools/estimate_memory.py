@@ -20,17 +20,13 @@ unless --tokenizer-vocab-size gives it.
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import DTYPE_NAMES, Config  # noqa: E402
-from megalite.errors import ConfigError, MegaliteError  # noqa: E402
-from megalite.memory_estimate import (DEVICES, GiB, RankMemory, estimate_memory,  # noqa: E402
-                                      num_model_parameters)
-from megalite.validation import validate_model_args  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.config import DTYPE_NAMES, Config
+from megalite.errors import ConfigError, MegaliteError
+from megalite.memory_estimate import DEVICES, GiB, RankMemory, estimate_memory, num_model_parameters
+from megalite.validation import validate_model_args
 
 
 def build_parser() -> argparse.ArgumentParser:

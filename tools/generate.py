@@ -16,26 +16,22 @@ the prompt followed by its completion.
 """
 
 import dataclasses
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.arguments import build_parser  # noqa: E402
-from megalite.run_file import parse_with_run_file  # noqa: E402
-from megalite.config import Config  # noqa: E402
-from megalite.data.tokenizer import build_tokenizer  # noqa: E402
-from megalite.errors import ConfigError, MegaliteError  # noqa: E402
-from megalite.inference import (Sampling, check_length, generate,  # noqa: E402
-                                load_model_weights, max_positions)
-from megalite.initialize import initialize_distributed, world_size_from_env  # noqa: E402
-from megalite.parallel_state import ParallelState  # noqa: E402
-from megalite.training import build_model  # noqa: E402
-from megalite.validation import validate_model_args  # noqa: E402
+from megalite.arguments import build_parser
+from megalite.config import Config
+from megalite.data.tokenizer import build_tokenizer
+from megalite.errors import ConfigError, MegaliteError
+from megalite.inference import Sampling, check_length, generate, load_model_weights, max_positions
+from megalite.initialize import initialize_distributed, world_size_from_env
+from megalite.parallel_state import ParallelState
+from megalite.run_file import parse_with_run_file
+from megalite.training import build_model
+from megalite.validation import validate_model_args
 
 
 def parse_args(argv=None):

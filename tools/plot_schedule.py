@@ -14,18 +14,14 @@ matplotlib is an optional extra: pip install 'megalite[plot]'.
 """
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.atomic_write import atomic_path  # noqa: E402
-from megalite.errors import ConfigError  # noqa: E402
-from megalite.pipeline_parallel.schedules import (  # noqa: E402
-    FORWARD, SCHEDULES, WEIGHT, build_schedule)
-from megalite.pipeline_parallel.simulate import simulate  # noqa: E402
-from megalite.pipeline_parallel.stages import Stage  # noqa: E402
+from megalite.atomic_write import atomic_path
+from megalite.errors import ConfigError
+from megalite.pipeline_parallel.schedules import SCHEDULES, WEIGHT, build_schedule
+from megalite.pipeline_parallel.simulate import simulate
+from megalite.pipeline_parallel.stages import Stage
 
 # Base colours per pass (F, B, W); chunk c is mixed towards white by c / (v + 1).
 COLOURS = {"forward": (0.22, 0.42, 0.80), "backward": (0.20, 0.62, 0.30),

@@ -38,12 +38,9 @@ import time
 
 import numpy as np
 
-# Runnable from a checkout without `pip install -e .`.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
-from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megalite.errors import ConfigError, DataError, MegaliteError  # noqa: E402
+from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megalite.errors import ConfigError, DataError, MegaliteError
 
 CHUNK_LINES = 64
 

@@ -21,11 +21,8 @@ import json
 import os
 import sys
 
-# Runnable from a checkout without `pip install -e .`.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megalite.atomic_write import atomic_write  # noqa: E402
-from megalite.errors import ConfigError, DataError, MegaliteError  # noqa: E402
+from megalite.atomic_write import atomic_write
+from megalite.errors import ConfigError, DataError, MegaliteError
 
 
 def get_args(argv=None):

@@ -3,20 +3,16 @@ iterations against the straight run's (loss and grad norm as logged), and every 
 every file of the final checkpoints (model, optimizer, RNG). Passes only if bit-exact."""
 import glob
 import os
-import re
 import sys
 
 import torch
 
+from megalite.training_log import parse_log
+
 
 def rows(path):
-    out = {}
-    for line in open(path, errors="replace"):
-        it, loss = re.search(r"iteration +(\d+)/", line), re.search(r"lm loss: (\S+) \|", line)
-        if it and loss:
-            gn = re.search(r"grad norm: ([\d.]+) \|", line)
-            out[int(it.group(1))] = (float(loss.group(1)), float(gn.group(1)) if gn else 0.0)
-    return out
+    return {log["iteration"]: (log["lm_loss"], log["grad_norm"] or 0.0)
+            for log in parse_log(open(path, errors="replace").read())}
 
 
 def final(d):

@@ -1,22 +1,19 @@
 """Attention and RNG on this device: SDPA against the unfused reference (bf16 and fp32,
 GQA, forward and backward), which SDPA kernels (flash, efficient, cuDNN) take the
 training shapes, the RNG tracker, and activation recompute reproducing dropout."""
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.validation import validate_args  # noqa: E402
-from megalite.attention_backends import core_attention, flash_attn_available  # noqa: E402
-from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
-from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, build_rng_tracker  # noqa: E402
-from megalite.train_step import autocast  # noqa: E402
-from megalite.training import build_model  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.attention_backends import core_attention, flash_attn_available
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, build_rng_tracker
+from megalite.train_step import autocast
+from megalite.training import build_model
+from megalite.validation import validate_args
 
 gpu = torch.cuda.is_available()
 dev = torch.device("cuda" if gpu else "cpu")

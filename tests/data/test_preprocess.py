@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parents[2]
 PREPROCESS = ROOT / "tools" / "preprocess_data.py"
 TRAIN_TOKENIZER = ROOT / "tools" / "train_tokenizer.py"

@@ -53,6 +53,7 @@ def sp_model(tmp_path_factory):
     return train(tmp_path_factory.mktemp("sp"))
 
 
+@pytest.mark.slow
 def test_sentencepiece_matches_library(sp_model):
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(sp_model))
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
@@ -66,6 +67,7 @@ def test_sentencepiece_matches_library(sp_model):
     assert tok.detokenize(tok.tokenize(UNICODE)) == UNICODE
 
 
+@pytest.mark.slow
 def test_train_tokenizer_options(tmp_path):
     model = train(tmp_path, "--bos", "--pad", "--model-type", "unigram",
                   input_name="corpus.jsonl.gz")
@@ -78,6 +80,7 @@ def test_train_tokenizer_options(tmp_path):
     assert tok.tokenize(UNICODE) == sp.encode_as_ids(UNICODE)
 
 
+@pytest.mark.slow
 def test_train_tokenizer_txt_input_and_temp_name(tmp_path):
     model = train(tmp_path, "--no-byte-fallback", input_name="corpus.txt")
     assert not list(tmp_path.glob("*.tmp"))
@@ -85,6 +88,7 @@ def test_train_tokenizer_txt_input_and_temp_name(tmp_path):
     assert not any(sp.is_byte(i) for i in range(len(sp)))
 
 
+@pytest.mark.slow
 def test_train_tokenizer_reports_bad_jsonl(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "fine"}\n{"other": 1}\n')

@@ -20,18 +20,20 @@ from megalite.errors import NumericalError
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
+from megalite.training_log import parse_log
 
-from tests.distributed.launcher import run_distributed
-from tests.helpers import (LOG_LINE, assert_identical, checkpoint_tensors, scalars,
+from tests.helpers import (assert_identical, checkpoint_tensors, flags_with, scalars,
                            step_config, tiny_gpt_config)
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parent.parent.parent
-FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "4", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
-         "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1",
-         "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
-         "--distributed-backend", "gloo"]
+FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+                   "--num-workers", "0", "--distributed-backend", "gloo", vocab_size=61,
+                   make_vocab_size_divisible_by=None, num_layers=4, micro_batch_size=1,
+                   train_iters=None, lr="3e-3")
 LAYOUT_3D = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
              "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
              "1", "--use-distributed-optimizer"]
@@ -53,7 +55,7 @@ def run(nproc, *flags) -> str:
 
 
 def losses(stdout: str) -> dict[int, str]:
-    return {int(m["it"]): m["loss"] for m in map(LOG_LINE.match, stdout.splitlines()) if m}
+    return {log["iteration"]: log["lm_loss"] for log in parse_log(stdout)}
 
 
 def test_3d_zero_resume_is_bit_exact(tmp_path):

@@ -12,17 +12,20 @@ from pathlib import Path
 import pytest
 
 from megalite.checkpointing.storage import TRACKER_FILENAME
+from megalite.training_log import parse_log
 
-from tests.helpers import LOG_LINE, assert_identical, checkpoint_tensors, scalars
+from tests.helpers import assert_identical, checkpoint_tensors, flags_with, scalars
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "4", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
-         "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1",
-         "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0",
-         "--attention-dropout", "0", "--hidden-dropout", "0",
-         # The ring's block kernel; the other layouts run it too, for the same round-off.
-         "--attention-backend", "unfused", "--distributed-backend", "gloo"]
+FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+                   "--num-workers", "0", "--attention-dropout", "0", "--hidden-dropout", "0",
+                   # The ring's block kernel; the other layouts run it too, for the same
+                   # round-off.
+                   "--attention-backend", "unfused", "--distributed-backend", "gloo",
+                   vocab_size=61, make_vocab_size_divisible_by=None, num_layers=4,
+                   micro_batch_size=1, train_iters=None, lr="3e-3")
 CP2_ZERO = ["--context-parallel-size", "2", "--use-distributed-optimizer"]
 
 
@@ -37,8 +40,7 @@ def run(nproc: int, *flags) -> str:
 
 
 def losses(stdout: str) -> dict[int, float]:
-    return {int(m["it"]): float(m["loss"]) for m in map(LOG_LINE.match, stdout.splitlines())
-            if m}
+    return {log["iteration"]: log["lm_loss"] for log in parse_log(stdout)}
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,14 @@ from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
 from megalite.validation import pad_vocab_size
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            step_config, tiny_gpt_config)
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 3
 # RoPE with GQA (2 K/V heads for 4 query heads), or GPT-2's learned positions with

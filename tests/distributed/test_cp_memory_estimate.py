@@ -3,23 +3,25 @@ context_parallel.py) against what autograd saves: one micro-batch through the wh
 at CP 2, the distinct storages saved for backward, on CP rank 1 (the planned rank: it holds
 no chunk 0, whose mask-free causal block makes rank 0 keep a little less)."""
 
+import pytest
 import torch
 
 import megalite.memory_estimate as me
 from megalite.arguments import parse_args
+from megalite.monitoring.memory import SavedActivations
 from megalite.parallel_state import ParallelState
+from megalite.spawn import run_distributed
 from megalite.train_step import autocast
 from megalite.training import build_model
 from megalite.validation import validate_args
 
-from tests.distributed.launcher import run_distributed
-from tests.helpers import saved_activation_bytes
+from tests.helpers import flags_with
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 CP = 2
-FLAGS = ["--mock-data", "--vocab-size", "500", "--make-vocab-size-divisible-by", "64",
-         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
-         "--attention-dropout", "0", "--context-parallel-size", str(CP)]
+FLAGS = flags_with("--attention-dropout", "0", "--context-parallel-size", str(CP),
+                   vocab_size=500, micro_batch_size=2, global_batch_size=None, train_iters=1)
 ROPE_GQA_BF16 = ["--position-embedding-type", "rope", "--group-query-attention",
                  "--num-query-groups", "2", "--bf16"]
 CASES = {
@@ -43,10 +45,9 @@ def saved_bytes(config, chunk) -> int:
     tokens = torch.randint(0, m.vocab_size, (config.training.micro_batch_size,
                                              m.seq_length // CP))
 
-    def run():
-        with autocast(config.precision, torch.device("cpu")):
-            chunk(tokens, tokens)
-    return saved_activation_bytes(chunk, run)
+    with SavedActivations(chunk) as saved, autocast(config.precision, torch.device("cpu")):
+        chunk(tokens, tokens)
+    return saved.nbytes
 
 
 def measure(rank, world_size):

@@ -14,16 +14,20 @@ import sys
 import time
 from pathlib import Path
 
-from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir, read_metadata
+import pytest
 
-from tests.helpers import LOG_LINE
+from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir, read_metadata
+from megalite.training_log import parse_log
+
+from tests.helpers import flags_with
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-FLAGS = ["--mock-data", "--vocab-size", "61", "--num-layers", "2", "--hidden-size", "32",
-         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
-         "--global-batch-size", "4", "--train-iters", "80", "--lr", "1e-3",
-         "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
-         "--distributed-backend", "gloo"]
+FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+                   "--distributed-backend", "gloo", vocab_size=61,
+                   make_vocab_size_divisible_by=None, hidden_size=32, seq_length=16,
+                   micro_batch_size=1, global_batch_size=4, train_iters=80)
 
 
 def free_port() -> int:
@@ -63,7 +67,7 @@ def kill_node(agent: subprocess.Popen):
 
 
 def losses(text: str) -> dict[int, str]:
-    return {int(m["it"]): m["loss"] for m in map(LOG_LINE.match, text.splitlines()) if m}
+    return {log["iteration"]: log["lm_loss"] for log in parse_log(text)}
 
 
 def test_killed_agent_survivor_resumes_at_half_the_world_size(tmp_path):

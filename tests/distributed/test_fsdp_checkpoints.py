@@ -6,22 +6,25 @@ every training through megalite.training.run_training, as pretrain_gpt.py does."
 import contextlib
 import io
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from megalite.arguments import parse_args
 from megalite.parallel_state import ParallelState
+from megalite.spawn import run_distributed
 from megalite.training import run_training
+from megalite.training_log import parse_log
 from megalite.validation import validate_args
 
-from tests.distributed.launcher import run_distributed
-from tests.helpers import LOG_LINE, assert_identical, checkpoint_tensors
+from tests.helpers import assert_identical, checkpoint_tensors, flags_with
 
-FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
-         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
-         "--lr", "3e-3", "--lr-decay-iters", "3", "--log-interval", "1", "--eval-iters", "0",
-         "--num-workers", "0", "--distributed-backend", "gloo"]
+pytestmark = pytest.mark.slow  # every test here launches processes
+
+FLAGS = flags_with("--lr-decay-iters", "3", "--log-interval", "1", "--eval-iters", "0",
+                   "--num-workers", "0", "--distributed-backend", "gloo", vocab_size=61,
+                   make_vocab_size_divisible_by=1, num_layers=4, hidden_size=32, seq_length=16,
+                   micro_batch_size=1, train_iters=None, lr="3e-3")
 FSDP_TP2 = ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 ZERO1_PP2 = ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
              "--num-layers-per-virtual-pipeline-stage", "1"]
@@ -39,8 +42,8 @@ def train(rank, world_size, *flags) -> dict[int, tuple[str, str]]:
     with contextlib.redirect_stdout(out):
         run_training(config, state, torch.device("cpu"), None)
     dist.barrier()
-    return {int(m["it"]): (m["loss"], m["gnorm"])
-            for m in map(LOG_LINE.match, out.getvalue().splitlines()) if m}
+    return {log["iteration"]: (log["lm_loss"], log["grad_norm"])
+            for log in parse_log(out.getvalue())}
 
 
 def checkpoint_runs(rank, world_size, root):

@@ -27,13 +27,15 @@ from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.memory_estimate.fsdp import fsdp_weights
+from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
 from megalite.validation import pad_vocab_size, validate_args
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import (BASE_FLAGS, gather_tensor_parallel, random_batches,
                            reference_name, step_config, step_problems, tiny_gpt_config)
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 VOCAB, SEQ, MICRO, NUM_MICRO, STEPS = 101, 16, 2, 4, 6
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=SEQ,

@@ -62,6 +62,7 @@ def ids_and_text(stdout: str) -> tuple[list[int], str]:
     return [int(t) for t in IDS.search(stdout)[1].split()], stdout.rstrip("\n").split("\n")[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [["--greedy"], SAMPLED], ids=["greedy", "sampled"])
 def test_tp1_and_tp2_generate_the_same_tokens(checkpoint, capsys, sampling):
     flags = ["--load", checkpoint, *PROMPT, *sampling]
@@ -81,6 +82,7 @@ def test_tp1_and_tp2_generate_the_same_tokens(checkpoint, capsys, sampling):
         assert ids[:8] != list(range(7, 15))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--prompt", " ".join(["1"] * 30), "--max-new-tokens", "3"],
      r"the prompt \(30 tokens\) \+ --max-new-tokens \(3\) = 33 tokens exceeds the model's 32 "

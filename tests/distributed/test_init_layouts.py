@@ -10,10 +10,12 @@ import torch
 from megalite.validation import pad_vocab_size
 from megalite.model.gpt import build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.tensor_parallel.params import VOCAB_PARAMS, is_embedding_copy
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, tiny_gpt_config
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 VOCAB = 101
 BASE = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=16,

@@ -15,11 +15,13 @@ from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
                            step_config, tiny_gpt_config)
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 VOCAB, SEQ, MICRO, NUM_MICRO = 101, 16, 2, 4
 BASE = tiny_gpt_config(num_layers=8, num_query_groups=2, seq_length=SEQ,

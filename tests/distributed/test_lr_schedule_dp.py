@@ -17,18 +17,21 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.parallel_state import ParallelState
+from megalite.spawn import run_distributed
 from megalite.training import run_training
+from megalite.training_log import parse_log
 from megalite.validation import validate_args
 
-from tests.distributed.launcher import run_distributed
-from tests.helpers import LOG_LINE
+from tests.helpers import flags_with
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 MAX, MIN, ITERS, MICRO = 1e-3, 1e-4, 20, 2
 # The command, less the launcher's flags; no --global-batch-size.
-TINY = ["--mock-data", "--vocab-size", "128", "--num-layers", "1", "--hidden-size", "32",
-        "--num-attention-heads", "2", "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", str(MICRO), "--lr", str(MAX), "--log-interval", "1",
-        "--eval-iters", "0", "--num-workers", "0"]
+TINY = flags_with("--max-position-embeddings", "16", "--log-interval", "1", "--eval-iters",
+                  "0", "--num-workers", "0", vocab_size=128, make_vocab_size_divisible_by=None,
+                  num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16,
+                  micro_batch_size=MICRO, global_batch_size=None, train_iters=None, lr=MAX)
 
 
 def warmup_then(decay, warmup: int):
@@ -85,8 +88,8 @@ def _logged_rates(rank: int, world_size: int) -> dict:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             run_training(config, state, torch.device("cpu"), eod=None)
-        logs = [m for m in map(LOG_LINE.match, out.getvalue().splitlines()) if m]
-        results[name] = [(int(m["it"]), float(m["lr"]), int(m["gbs"])) for m in logs]
+        results[name] = [(log["iteration"], log["learning_rate"], log["global_batch_size"])
+                         for log in parse_log(out.getvalue())]
     return results
 
 

@@ -2,24 +2,25 @@
 as one process, iteration for iteration."""
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import LOG_LINE
+from megalite.training_log import parse_log, parse_validation_line
+
+from tests.helpers import flags_with
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-FLAGS = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
-         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--group-query-attention", "--num-query-groups", "2", "--swiglu",
-         "--ffn-hidden-size", "96", "--normalization", "RMSNorm",
-         "--position-embedding-type", "rope", "--seq-length", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "6", "--lr", "3e-3",
-         "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
-         "--eval-interval", "3", "--eval-iters", "1", "--num-workers", "0",
-         "--distributed-backend", "gloo"]
+FLAGS = flags_with("--group-query-attention", "--num-query-groups", "2", "--swiglu",
+                   "--ffn-hidden-size", "96", "--normalization", "RMSNorm",
+                   "--position-embedding-type", "rope", "--attention-dropout", "0",
+                   "--hidden-dropout", "0", "--log-interval", "1", "--eval-interval", "3",
+                   "--eval-iters", "1", "--num-workers", "0", "--distributed-backend", "gloo",
+                   vocab_size=61, make_vocab_size_divisible_by=1, num_layers=4,
+                   micro_batch_size=2, global_batch_size=4, train_iters=6, lr="3e-3")
 
 
 def run(prefix, *extra):
@@ -27,10 +28,10 @@ def run(prefix, *extra):
     proc = subprocess.run([*prefix, "pretrain_gpt.py", *FLAGS, *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logs = [LOG_LINE.match(line) for line in proc.stdout.splitlines()]
-    losses = [float(m["loss"]) for m in logs if m]
-    norms = [float(m["gnorm"]) for m in logs if m]
-    valid = [float(v) for v in re.findall(r"lm loss value: (\S+)", proc.stdout)]
+    logs = parse_log(proc.stdout)
+    losses = [log["lm_loss"] for log in logs]
+    norms = [log["grad_norm"] for log in logs]
+    valid = [v["loss"] for v in map(parse_validation_line, proc.stdout.splitlines()) if v]
     return losses, norms, valid
 
 

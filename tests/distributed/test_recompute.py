@@ -12,10 +12,10 @@ from megalite.config import OptimizerConfig
 from megalite.model.gpt import build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import step_config, tiny_gpt_config
 
 SEQ, MICRO, VOCAB = 16, 2, 64
@@ -72,6 +72,7 @@ def compare_layout(rank, world_size, tp, pp, v):
     return compare(ParallelState(RankGrid(world_size, tp, pp), rank), tp, pp, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, v", [(2, 1, 1), (1, 2, 2)])
 def test_recompute_matches_under_tensor_and_pipeline_parallelism(tp, pp, v):
     results = run_distributed(tp * pp, compare_layout, tp, pp, v)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megalite.config import OptimizerConfig
+from megalite.spawn import run_distributed
 from megalite.validation import pad_vocab_size
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
@@ -19,8 +20,9 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.train_step import StepRunner
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import LLAMA_STYLE, gather_tensor_parallel, step_config, tiny_gpt_config
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 VOCAB = 101
 BASE = tiny_gpt_config(hidden_size=64, ffn_hidden_size=128, num_attention_heads=8, seq_length=16,

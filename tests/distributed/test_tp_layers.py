@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.errors import ConfigError
+from megalite.spawn import run_distributed
 from megalite.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
     allreduce_sequence_parallel_grads, build_rng_tracker,
@@ -23,7 +24,8 @@ from megalite.tensor_parallel import (
     scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
     vocab_parallel_cross_entropy)
 
-from .launcher import run_distributed
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 S, B, H, OUT, VOCAB = 8, 2, 8, 12, 16      # seq, batch, hidden, output, vocab: divisible by 4
 

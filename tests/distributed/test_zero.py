@@ -10,9 +10,11 @@ from megalite.model.gpt import GPTModel
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.spawn import run_distributed
 
-from tests.distributed.launcher import run_distributed
 from tests.helpers import tiny_gpt_config
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 CONFIG = tiny_gpt_config(padded_vocab_size=61)
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "slurm" / "train_gpt.sbatch"
 CLUSTER_DIR = os.environ.get("MEGALITE_SLURM_DIR", "/tmp/megalite-slurm")

@@ -1,0 +1,117 @@
+"""Run a function on N local ranks and collect what each returns: how tests and benchmarks
+launch ranks (training itself is launched by torchrun).
+
+    results = run_distributed(world_size, fn, *args, timeout=120)
+
+starts `world_size` processes; each joins a process group (gloo on the CPU; NCCL with
+`device_type="cuda"`, rank r on GPU r) through a file:// rendezvous in a fresh temporary
+directory, runs `fn(rank, world_size, *args)` with one intra-op thread, and destroys the
+group. Under "spawn" `fn` must be a module-level function of an importable module (or of
+the script being run): it is pickled by name. Returns each rank's return value
+(picklable), indexed by rank.
+
+A rank that raises makes run_distributed raise RankFailure with that rank's traceback; the
+other ranks are killed at once (they would otherwise wait forever in a collective). A run
+past `timeout` seconds (None: no limit) is killed and raises, naming the ranks still
+running.
+"""
+
+import datetime
+import multiprocessing.connection
+import os
+import pickle
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(AssertionError):
+    """A rank raised, crashed or hung (an AssertionError, so a test using it fails)."""
+
+
+def _join_group(rank, world_size, workdir, timeout, device_type):
+    torch.set_num_threads(1)
+    options = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        options["device_id"] = device
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                            init_method=f"file://{workdir}/rendezvous", rank=rank,
+                            world_size=world_size, **options)
+
+
+def _worker(rank, world_size, workdir, timeout, device_type, fn, args):
+    try:
+        _join_group(rank, world_size, workdir, timeout, device_type)
+        result = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        with open(f"{workdir}/result{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        with open(f"{workdir}/error{rank}.txt", "w") as f:
+            f.write(traceback.format_exc())
+        # Exit without running exit handlers: they could block on a peer stuck in a
+        # collective, and the parent is about to kill the peers anyway.
+        os._exit(1)
+
+
+def run_distributed(world_size: int, fn, *args, timeout: float | None = 120,
+                    device_type: str = "cpu", start_method: str = "spawn") -> list:
+    ctx = mp.get_context(start_method)
+    with tempfile.TemporaryDirectory(prefix="megalite-dist-") as workdir:
+        procs = [ctx.Process(target=_worker, args=(rank, world_size, workdir, timeout,
+                                                   device_type, fn, args))
+                 for rank in range(world_size)]
+        try:
+            for p in procs:
+                p.start()
+            _wait_for_first_failure(procs, deadline=None if timeout is None
+                                    else time.monotonic() + timeout)
+        finally:
+            killed = [rank for rank, p in enumerate(procs) if p.exitcode is None]
+            for p in procs:
+                if p.pid is not None and p.exitcode is None:
+                    p.kill()
+                if p.pid is not None:
+                    p.join()
+        _raise_failures(procs, workdir, killed, f"{fn.__name__} on {world_size} ranks",
+                        timeout)
+        results = []
+        for rank in range(world_size):
+            with open(f"{workdir}/result{rank}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _raise_failures(procs, workdir: str, killed: list[int], what: str, timeout):
+    errors = []
+    for rank, p in enumerate(procs):
+        path = f"{workdir}/error{rank}.txt"
+        if os.path.exists(path):
+            with open(path) as f:
+                errors.append((os.path.getmtime(path), f"--- rank {rank} raised:\n{f.read()}"))
+        elif p.exitcode != 0 and rank not in killed:
+            errors.append((0.0, f"--- rank {rank} died with exit code {p.exitcode}"))
+    if errors:
+        # Earliest first: a peer's later error is usually a consequence (closed connection).
+        raise RankFailure(f"{what} failed (killed: ranks {killed}):\n"
+                          + "\n".join(text for _, text in sorted(errors, key=lambda e: e[0])))
+    if killed:
+        raise RankFailure(f"{what} timed out after {timeout} s; still running: ranks {killed}")
+
+
+def _wait_for_first_failure(procs, deadline: float | None):
+    """Return when every process has exited, one has failed, or the deadline passed."""
+    while True:
+        running = [p for p in procs if p.exitcode is None]
+        if not running or any(p.exitcode for p in procs) or \
+                (deadline is not None and time.monotonic() > deadline):
+            return
+        multiprocessing.connection.wait(
+            [p.sentinel for p in running],
+            timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
