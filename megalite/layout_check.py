@@ -144,7 +144,7 @@ def _full_values(model, state) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():
         full = gather_tensor_parallel(full_tensor(param.detach()), param, state.tp_group)
-        out[reference_name(name, param)] = full.float().cpu()
+        out[reference_name(name, param)] = full.float().cpu().clone()
     return out
 
 
@@ -189,3 +189,66 @@ def first_difference(run: LayoutRun, reference: LayoutRun,
             return f"step {i + 1}: {where}" + (f"; first tensor: {tensors[0]}" if tensors
                                                 else "")
     return None
+
+
+# ------------------------------------------------------------------ the layouts to check
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    flags: tuple[str, ...]
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def layouts_for(world_size: int, max_degree: int = 4) -> list[Layout]:
+    """Every kind of layout at `world_size` ranks, each filling the launch with DP: TP + SP,
+    PP (1F1B, interleaved, GPipe, ZB-H1), CP (p2p and all_gather) alone and in products,
+    and over DP alone or a product: plain, ZeRO-1 (with overlapped reduction and gather),
+    FSDP2 (both strategies, with and without optimizer offload). Degrees up to
+    `max_degree`. validate_args decides which of them fit a model (a refused one is
+    reported as skipped, with its reason)."""
+    layouts = []
+    for tp in _divisors(world_size, max_degree):
+        for pp in _divisors(world_size // tp, max_degree):
+            for cp in _divisors(world_size // (tp * pp), max_degree):
+                dp = world_size // (tp * pp * cp)
+                layouts += _variants(tp, pp, cp, dp)
+    return layouts
+
+
+def _variants(tp: int, pp: int, cp: int, dp: int) -> list[Layout]:
+    name = " x ".join(f"{axis}{size}" for axis, size in
+                      (("TP", tp), ("PP", pp), ("CP", cp), ("DP", dp)) if size > 1) or "1"
+    grid = []
+    if tp > 1:
+        grid += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"]
+    if pp > 1:
+        grid += ["--pipeline-model-parallel-size", str(pp)]
+    if cp > 1:
+        grid += ["--context-parallel-size", str(cp)]
+    alone = sum(size > 1 for size in (tp, pp, cp)) <= 1
+    kinds = {"": []}
+    if pp > 1 and alone:  # every schedule where the pipeline is the only model split
+        kinds = {" 1f1b": [], " interleaved": ["--num-layers-per-virtual-pipeline-stage", "1"],
+                 " gpipe": ["--pipeline-schedule", "gpipe"],
+                 " zb-h1": ["--pipeline-schedule", "zb-h1"]}
+    if cp > 1 and alone:
+        kinds = {" p2p": ["--cp-comm-type", "p2p"],
+                 " all_gather": ["--cp-comm-type", "all_gather"]}
+    zero1 = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    fsdp = ["--use-torch-fsdp2"]
+    sharding = {"": [], " ZeRO-1": zero1, " FSDP2 optim_grads_params": fsdp}
+    if tp == pp == cp == 1:  # every FSDP2 strategy, with and without offload, over DP
+        optim_grads = [*fsdp, "--data-parallel-sharding-strategy", "optim_grads"]
+        sharding.update({" FSDP2 optim_grads": optim_grads,
+                         " FSDP2 optim_grads_params + offload": [*fsdp, "--optimizer-cpu-offload"],
+                         " FSDP2 optim_grads + offload": [*optim_grads, "--optimizer-cpu-offload"]})
+    if dp * cp == 1:  # nothing to shard over
+        sharding = {"": []}
+    first = next(iter(kinds))  # the other schedules and CP kinds unsharded only
+    return [Layout(name + kind + shard, tuple(grid + kind_flags + shard_flags))
+            for kind, kind_flags in kinds.items() for shard, shard_flags in sharding.items()
+            if kind == first or not shard]
