@@ -266,19 +266,19 @@ def check_collectives(args, rank: int, world: int, device) -> Section:
 # ------------------------------------------------------------------ 3. scaling, 5. tuning
 
 def time_steps(flags: list[str], world: int, rank: int, device, steps: int):
-    """Mean seconds per step of `flags` on the first `world` ranks after one warm-up step
-    (None on the others), and the config."""
+    """Median seconds per step of `flags` on the first `world` ranks after one warm-up
+    step (the slowest rank's; a median, as a shared machine makes single steps noisy),
+    and the config."""
     config, _, model, optimizer, runner, batches = build_run(flags, world, rank, device)
     seconds = None
     if model is not None:
-        n = config.training.num_microbatches
-        runner.train_step([next(batches) for _ in range(n)])
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
+        n, times = config.training.num_microbatches, []
+        for _ in range(steps + 1):
+            start = time.perf_counter()
             runner.train_step([next(batches) for _ in range(n)])
-        sync(device)
-        seconds = (time.perf_counter() - start) / steps
+            sync(device)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times[1:])
     dist.barrier()
     return max(s for s in gathered(seconds) if s is not None), config
 
@@ -304,8 +304,8 @@ def check_scaling(model: list[str], args, rank: int, world: int, device, charts)
         points.append((n, tokens / base))
         rows.append([n, f"{seconds * 1e3:.1f}", f"{tokens:.1f}", f"{100 * tokens / base:.1f}%"])
     section.lines += [f"DP on the first n ranks, {per_rank} sequences per rank per step, "
-                      f"{args.timed_steps} timed steps after one warm-up; targets: > 90% up to "
-                      "8 ranks, > 80% at 32.", ""]
+                      f"median of {args.timed_steps} steps after one warm-up; targets: > 90% "
+                      "up to 8 ranks, > 80% at 32.", ""]
     section.lines += table(["ranks", "ms/step", "tokens/s per rank", "efficiency"], rows)
     below = [n for n, eff in points if eff < (0.9 if n <= 8 else 0.8)]
     if below:
@@ -328,8 +328,9 @@ def check_tuning(model: list[str], args, rank: int, world: int, device) -> Secti
                                                                     " all_gather")):
             continue  # the tuner tries ZeRO-1 and 1F1B / interleaved / p2p
         for micro in (1, 2, 4):
-            candidates.append((f"{layout.name}, micro-batch {micro}",
-                               batch_flags(global_batch, micro) + list(layout.flags)))
+            if layout.flags or micro > 1:  # (DP alone at micro-batch 1 is the default)
+                    candidates.append((f"{layout.name}, micro-batch {micro}",
+                                   batch_flags(global_batch, micro) + list(layout.flags)))
     rows = []
     for name, flags in candidates:
         try:
@@ -350,8 +351,8 @@ def check_tuning(model: list[str], args, rank: int, world: int, device) -> Secti
     default_tokens = next(row[0] for row in rows if row[1] == default[0])
     winner = rows[0]
     section.lines += [f"Global batch {global_batch}; {len(rows)} layouts fit (planned memory "
-                      f"of the most loaded rank under {capacity / GiB:.1f} GiB), each timed "
-                      f"over {args.timed_steps} steps after one warm-up.", ""]
+                      f"of the most loaded rank under {capacity / GiB:.1f} GiB), median of "
+                      f"{args.timed_steps} steps after one warm-up.", ""]
     section.lines += table(["layout", "tokens/s", "vs default", "MFU %", "planned GiB"],
                            [[n, f"{t:.1f}", f"{t / default_tokens:.2f}x", m, f"{g:.3f}"]
                             for t, n, _, m, g in rows])
