@@ -90,6 +90,7 @@ LOG_LINE = re.compile(
     r" number of skipped iterations: +(?P<skipped>\d+) \|"
     r" number of nan iterations: +(?P<nan>\d+) \|"
     r" tokens per second: (?P<tps>[\d.]+) \|"
+    r"( scaling efficiency \(%\): (?P<scaling>[\d.]+) \|)?"
     r"( mem allocated \(MiB\): (?P<mem_allocated>[\d.]+) \|"
     r" mem reserved \(MiB\): (?P<mem_reserved>[\d.]+) \|"
     r" mem max allocated \(MiB\): (?P<mem_max_allocated>[\d.]+) \|)?"
