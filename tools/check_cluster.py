@@ -202,8 +202,9 @@ def time_collective(fn, device, iters: int = 5) -> float:
     for _ in range(iters):
         fn()
     sync(device)
-    seconds = torch.tensor((time.perf_counter() - start) / iters)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    # The slowest rank sets the pace (on the device: NCCL reduces no host tensor).
+    seconds = torch.tensor((time.perf_counter() - start) / iters, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item()
 
 
