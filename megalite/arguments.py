@@ -274,6 +274,11 @@ def _logging(parser):
     g.add_argument("--log-throughput", action="store_true",
                    help="Add TFLOP/s/GPU and tokens/s to the log line.")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--scaling-baseline-tokens-per-sec", type=float, default=None,
+                   metavar="TOKENS_PER_SEC",
+                   help="Tokens/s of one GPU on this model (megalite's own flag; e.g. from "
+                        "tools/check_cluster.py): adds the scaling efficiency, tokens/s per "
+                        "GPU over it, to the log line.")
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
 
 

@@ -295,6 +295,9 @@ class LoggingConfig:
     """Where TensorBoard event files go; None: none written (--tensorboard-dir)."""
     tensorboard_log_interval: int = 1
     """Iterations between TensorBoard scalars (--tensorboard-log-interval)."""
+    scaling_baseline_tokens_per_sec: float | None = None
+    """One GPU's tokens/s: the log line adds tokens/s per GPU over it
+    (--scaling-baseline-tokens-per-sec, megalite's own flag)."""
 
 
 @dataclass(frozen=True, kw_only=True)

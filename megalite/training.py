@@ -324,6 +324,8 @@ def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr
     tflops = flops_per_step / (seconds_per_iter * world_size * 1e12)
     tokens_per_s = t.global_batch_size * config.model.seq_length / seconds_per_iter
     report = monitor.interval_report(stats.iters, tflops)
+    baseline = config.logging.scaling_baseline_tokens_per_sec
+    efficiency = None if baseline is None else 100 * tokens_per_s / world_size / baseline
     print_rank_last(log_line(
         iteration=progress.iteration, train_iters=t.train_iters,
         consumed_samples=progress.consumed_train_samples, elapsed_ms=seconds_per_iter * 1e3,
@@ -331,7 +333,7 @@ def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr
         global_batch_size=t.global_batch_size, lm_loss=stats.mean_loss, loss_scale=loss_scale,
         grad_norm=grad_norm, skipped_iters=stats.skipped_iters, nan_iters=stats.nan_iters,
         tokens_per_second=tokens_per_s, mfu_percent=report.mfu_percent,
-        memory_mib=report.memory_mib, **extra))
+        memory_mib=report.memory_mib, scaling_efficiency_percent=efficiency, **extra))
     for line in report.lines:
         print_rank_last(line)
     tensorboard.scalars(progress.iteration, {"throughput": tflops,

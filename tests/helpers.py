@@ -8,16 +8,20 @@ should not import each other).
 - BASE_FLAGS / flags_with / without: the command line tests start from, that line with
   some values changed, and removing a flag by name;
 - scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
-- gather_tensor_parallel: a TP-sharded tensor made whole again with plain all_gather.
+- gather_tensor_parallel, reference_name, step_problems, tensor_problem: the layout
+  comparisons, from megalite/layout_check.py (tools/check_cluster.py runs the same ones);
+- random_batches, saved_activation_bytes: a layout's slice of a global batch, and the
+  saved-tensor bytes of a forward.
 """
 
 import torch
-import torch.distributed as dist
 
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
-from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
+# The layout comparisons live in the package, shared with tools/check_cluster.py.
+from megalite.layout_check import (gather_tensor_parallel, reference_name,  # noqa: F401
+                                   step_problems, tensor_problem)
 
 # ------------------------------------------------------------------------------ configs
 
@@ -129,52 +133,7 @@ def assert_identical(a: dict, b: dict):
             assert a[key] == b[key], key
 
 
-# ------------------------------------------------------------------------ tensor parallel
-
-def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
-    """The full tensor of a TP-sharded parameter's `tensor` (its value or grad), gathered
-    with plain dist.all_gather; replicated parameters are returned as they are. A stacked
-    parameter (SwiGLU's fc1, [gate; up]) holds a block of each part on every rank: the
-    full tensor is all ranks' gate blocks, then all ranks' up blocks."""
-    if partition_dim(param) is None or dist.get_world_size(group) == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    dim, stride = partition_dim(param), partition_stride(param)
-    blocks = [part.chunk(stride, dim=dim) for part in parts]
-    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
-
-
 # ------------------------------------------------------------ layouts against one process
-
-def reference_name(name: str, param) -> str:
-    """A chunk parameter's name ("<chunk>.<name>") in the single-process model; a tied
-    output layer on the last stage is a copy of the word embeddings."""
-    name = name.split(".", 1)[1]
-    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name
-
-
-def step_problems(steps, ref_steps, last_stage: bool) -> list[str]:
-    """Per-step (loss, grad norm) against the single-process run's, to 1e-5 relative; the
-    loss only where it is computed, on the last pipeline stage."""
-    problems = []
-    for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(steps, ref_steps), start=1):
-        if (last_stage and abs(loss - ref_loss) > 1e-5 * ref_loss) or \
-                abs(norm - ref_norm) > 1e-5 * ref_norm:
-            problems.append(f"step {i}: loss {loss} vs {ref_loss}, norm {norm} vs {ref_norm}")
-    return problems
-
-
-def tensor_problem(what: str, mine, param, expected, tp_group, atol: float) -> list[str]:
-    """`mine` (a value or grad of `param`, TP-gathered here) against the single-process
-    tensor, to rtol 1e-4 and `atol`; vocabulary padding rows (which differ with TP) are
-    left out."""
-    full = gather_tensor_parallel(mine, param, tp_group)
-    rows = min(full.shape[0], expected.shape[0])
-    if torch.allclose(full[:rows], expected[:rows], rtol=1e-4, atol=atol):
-        return []
-    return [f"{what}: max diff {(full[:rows] - expected[:rows]).abs().max().item():.3g}"]
-
 
 def random_batches(generator, vocab: int, micro: int, seq: int, num_micro: int,
                    state=None) -> list[dict]:

@@ -65,7 +65,8 @@ def level_1():
     """Timers at level 1 (max over ranks) on a stubbed H100."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(peak_flops, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
-        return run("--log-throughput", "--timing-log-level", "1", "--timing-log-option", "max")
+        return run("--log-throughput", "--timing-log-level", "1", "--timing-log-option", "max",
+                   "--scaling-baseline-tokens-per-sec", "100")
 
 
 def resident_bytes() -> int:
@@ -116,6 +117,13 @@ def test_mfu_is_throughput_over_the_peak(level_1, level_2):
         for log in logs:
             assert log["mfu_percent"] == pytest.approx(100 * log["tflops_per_gpu"] / peak,
                                                        rel=2e-3)
+
+
+def test_scaling_efficiency_is_tokens_per_second_per_gpu_over_the_baseline(level_1, level_2):
+    # One process and --scaling-baseline-tokens-per-sec 100 (level 1 only).
+    for log in level_1[1]:
+        assert float(log["scaling"]) == pytest.approx(float(log["tps"]) / 100 * 100, abs=0.06)
+    assert all(log["scaling"] is None for log in level_2[1])
 
 
 def test_memory_on_the_log_line_and_in_tensorboard(level_2):

@@ -65,7 +65,8 @@ def validate_model_args(args, world_size: int = 1,
         logging=LoggingConfig(log_interval=args.log_interval,
                               log_throughput=args.log_throughput,
                               tensorboard_dir=args.tensorboard_dir,
-                              tensorboard_log_interval=args.tensorboard_log_interval),
+                              tensorboard_log_interval=args.tensorboard_log_interval,
+                              scaling_baseline_tokens_per_sec=args.scaling_baseline_tokens_per_sec),
         distributed=DistributedConfig(backend=args.distributed_backend,
                                       timeout_minutes=args.distributed_timeout_minutes),
         checkpoint=_checkpoint_config(args))
@@ -312,7 +313,8 @@ def _checkpoint_config(args) -> CheckpointConfig:
 
 
 def _validate_monitoring(args, world_size: int) -> MonitoringConfig:
-    check_positive(args, "peak_tflops", "check_weight_hash_across_dp_replicas_interval")
+    check_positive(args, "peak_tflops", "check_weight_hash_across_dp_replicas_interval",
+                   "scaling_baseline_tokens_per_sec")
     if args.profile:
         if not 0 <= args.profile_step_start < args.profile_step_end:
             raise ConfigError("--profile needs 0 <= --profile-step-start < --profile-step-end, "
