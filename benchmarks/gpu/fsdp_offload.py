@@ -7,15 +7,19 @@ FSDP2, --log-params-norm and --log-num-zeros-in-grad, deterministic kernels. Che
 - iteration 1 (the same weights, the same forward and the same fp32 gradient sums) equals
   ZeRO-1's; later iterations, where only AdamW's kernel differs (fused on the GPU, foreach
   on the host under offload), and the params norm, within a bf16 step's round-off;
-- save at half the iterations and resume: bit-exact against the straight run
-  (compare_resume.py: losses, grad norms, every tensor of the final checkpoints);
+- the straight run saves at half the iterations and at the end; resumed from the first of
+  those, bit-exact against the straight run (compare_resume.py: losses, grad norms, every
+  tensor of the final checkpoints);
 - on a GPU: the offloaded shards in pinned host memory, and the peak GPU memory below the
   same strategy's run without offload.
 """
 
 import os
+import shutil
 import subprocess
 import sys
+
+from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
 
 from runs import (GPU, HELPERS, Checks, log_rows, peak_gib, relative, reports, run_all,
                   run_pretrain, tail)
@@ -30,9 +34,17 @@ OFFLOAD = ["--optimizer-cpu-offload"]
 FIRST_LOSS, FIRST_NORM, LOSS, NORM, PARAMS_NORM = 1e-5, 1e-3, 2e-3, 2e-2, 1e-3
 
 
+def resume_from(saved: str, iteration: int, resumed: str):
+    """`resumed`: a checkpoint directory holding only `saved`'s `iteration`."""
+    shutil.copytree(checkpoint_dir(saved, iteration), checkpoint_dir(resumed, iteration))
+    with open(os.path.join(resumed, TRACKER_FILENAME), "w") as tracker:
+        tracker.write(str(iteration))
+
+
 def runs(log_dir: str, flags: list[str]) -> dict:
     """{name: (rc, output)}: ZeRO-1 with and without offload, and per strategy FSDP2
-    without offload, with offload straight, to half the iterations, and resumed."""
+    without offload, with offload (saving at half the iterations and at the end), and
+    resumed from its checkpoint at half the iterations."""
     iters = int(flags[flags.index("--train-iters") + 1])
     ckpt = os.path.join(log_dir, "ckpt_fsdp_offload")
 
@@ -44,16 +56,17 @@ def runs(log_dir: str, flags: list[str]) -> dict:
     for s in STRATEGIES:
         strategy = [*FSDP, "--data-parallel-sharding-strategy", s]
         first[s] = job(s, strategy)
-        first[f"{s}_offload"] = job(f"{s}_offload", [*strategy, *OFFLOAD, "--save",
-                                                     f"{ckpt}/{s}/straight"])
-        first[f"{s}_half"] = job(f"{s}_half", [*strategy, *OFFLOAD, "--save",
-                                               f"{ckpt}/{s}/resumed", "--exit-interval",
-                                               str(iters // 2)])
+        first[f"{s}_offload"] = job(f"{s}_offload", [
+            *strategy, *OFFLOAD, "--save", f"{ckpt}/{s}/straight", "--save-interval",
+            str(iters // 2)])
     done = run_all(first)
-    resumed = {f"{s}_resumed": job(f"{s}_resumed", [
-        *FSDP, "--data-parallel-sharding-strategy", s, *OFFLOAD, "--save",
-        f"{ckpt}/{s}/resumed", "--load", f"{ckpt}/{s}/resumed"])
-        for s in STRATEGIES if done[f"{s}_half"][0] == 0}
+    resumed = {}
+    for s in STRATEGIES:
+        if done[f"{s}_offload"][0] == 0:
+            resume_from(f"{ckpt}/{s}/straight", iters // 2, f"{ckpt}/{s}/resumed")
+            resumed[f"{s}_resumed"] = job(f"{s}_resumed", [
+                *FSDP, "--data-parallel-sharding-strategy", s, *OFFLOAD, "--save",
+                f"{ckpt}/{s}/resumed", "--load", f"{ckpt}/{s}/resumed"])
     return {**done, **run_all(resumed)}
 
 

@@ -25,7 +25,7 @@ from megalite.context_parallel.ring import block_kernels, ring_attention, ring_b
 from megalite.context_split import load_balanced_chunks
 from runs import GPU, Checks
 
-DEVICE = torch.device("cuda" if GPU else "cpu")
+DEVICE = torch.device("cuda", 0) if GPU else torch.device("cpu")
 DTYPE = torch.bfloat16 if GPU else torch.float32
 FLOOR = 2 ** -8 if GPU else 1e-5  # bf16's rounding step; fp32 round-off of the CPU kernel
 # [batch, seq, heads, kv heads, head dim]: TinyLlama's GQA and GPT 1.3B's MHA on a GPU.

@@ -15,8 +15,9 @@ HELPERS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HELPERS))
 GPU = torch.cuda.is_available()
 SMOKE = os.environ.get("SMOKE") == "1"
-# Several runs share the GPU at once (each its own one-rank NCCL group); a CPU is too slow.
-PARALLEL_RUNS = 4 if GPU else 1
+# Several runs share the GPU at once (each its own one-rank NCCL group); on a CPU, one a core
+# (CI's two: a run is mostly its imports, one core's work).
+PARALLEL_RUNS = 4 if GPU else 2
 
 
 class Checks:
