@@ -274,7 +274,7 @@ mfu_table() {  # train_350m's MFU and matmul_peak's rate against peak_flops.py's
     "$PY" "$HELPERS/mfu_table.py" "$LOG/train_350m.out" "$LOG/matmul_tflops.txt" "$PEAK"
 }
 
-NO_DROPOUT="--attention-dropout 0 --hidden-dropout 0"  # runs of different optimizers compared
+export NO_DROPOUT="--attention-dropout 0 --hidden-dropout 0"  # runs of optimizers compared
 fsdp_offload() {  # under torchrun, one process: NCCL on the GPU
     local backend="--distributed-backend nccl"
     [ "$SMOKE" = 1 ] && backend="--distributed-backend gloo"

@@ -9,8 +9,9 @@ saves it (torch AdamW's state_dict over Megatron's parameter groups, one step), 
 carries the optimizer over. Loads, one iteration each: the CPU (gloo, fp32: the
 reference); on the GPU in bf16 plain (fp32 main copies), ZeRO-1, ZeRO-1 + offload and FSDP2.
 Checked: the iteration after the saved one comes first, its loss equals the CPU load's
-within bf16's rounding step, Adam's state was carried over, and before the first step every
-main parameter has its state, on the main parameter's device (the host under offload).
+within bf16's rounding step (and the bf16 loads' losses each other's), Adam's state was
+carried over, and before the first step every main parameter has its state, on the main
+parameter's device (the host under offload).
 """
 
 import os
@@ -26,6 +27,7 @@ from runs import (GPU, REPO, Checks, log_rows, relative, reports, run_all, run_p
                   tail)
 
 BF16_STEP = 2 ** -7  # bf16's relative rounding step (8 significant bits)
+SAME_WEIGHTS = 1e-5  # bf16 loads against each other: the order of fp32 sums at most
 SOURCE_ITERS = 12
 LOADS = {"cpu": ["--distributed-backend", "gloo"],  # fp32 on the host: the reference
          "plain": ["--bf16"], "zero1": ["--bf16", "--use-distributed-optimizer"],
@@ -114,6 +116,10 @@ def main():
                 off = relative(loss, first["cpu"])
                 check(f"{name}: loss vs the CPU load", off <= BF16_STEP, f"{loss:.6e} vs "
                       f"{first['cpu']:.6e} (relative {off:.1e}, tol {BF16_STEP:.1e})")
+    if "plain" in first:  # the same bf16 weights and forward whatever the optimizer
+        spread = max(relative(loss, first["plain"]) for n, loss in first.items() if n != "cpu")
+        check("bf16 loads agree", spread <= SAME_WEIGHTS, f"max relative difference from the "
+              f"plain load {spread:.1e} (tol {SAME_WEIGHTS:.0e})")
     check.exit()
 
 
