@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# megalite on one GPU, in one pass (under 8 minutes on an H100 or H200):
+# megalite on one GPU, in one pass (about 9 minutes on an H100 or H200):
 #
 #   bash benchmarks/gpu_check.sh                 # from anywhere; it runs in its checkout
 #   SMOKE=1 bash benchmarks/gpu_check.sh         # the same steps, tiny, on the CPU (gloo;
@@ -10,7 +10,12 @@
 # bf16 (the log line); MFU, tokens/s, peak memory next to the planner's figure and the time
 # to the first step of a TinyLlama-shaped 1.1B (with a profile of one step by category) and
 # a GPT-style 1.3B, micro-batch chosen by the memory planner; save + resume bit-exact (fp32
-# Adam, bf16 ZeRO-1); torchrun over NCCL with ZeRO-1 and both overlaps.
+# Adam, bf16 ZeRO-1); torchrun over NCCL with ZeRO-1 and both overlaps; the log line's MFU
+# and a measured matmul against megalite's peak table; FSDP2 (both strategies) with CPU
+# offload under torchrun against ZeRO-1, saved and resumed; a Megatron checkpoint from
+# megalite's exporter loaded by each optimizer against a CPU load; ring attention's fused
+# blocks and merge (CP 2, 4 emulated) and its autograd function; the zero-bubble B/W split
+# bit-equal to one backward; a CUDA memory snapshot without --profile.
 #
 # One "PASS|FAIL|SKIP <step>: detail" line per step, the results (">>" lines) under it, and
 # a summary; a failing step never stops the next, and every step is cut to what is left of
@@ -19,7 +24,7 @@
 # unset): summary.txt (the result lines, written as they come), logs.tar.gz (every log),
 # trace_llama_1b.json.gz (chrome trace of the profiled step). Checkpoints and loose logs
 # live in a temporary directory that is removed at the end.
-# Env: BUDGET_S (default 420; 1200 under SMOKE, where each step may take 4x its GPU limit),
+# Env: BUDGET_S (default 540; 1200 under SMOKE, where each step may take 4x its GPU limit),
 # PYTHON, PEAK_TFLOPS (default 989: H100/H200 SXM dense bf16), EXTRA_PERF_FLAGS (appended
 # to the MFU runs, e.g. an opt-in compile flag), STEPS (run only these step names; the
 # others SKIP), SMOKE=1.
@@ -32,7 +37,7 @@ export EXTRA_PERF_FLAGS=${EXTRA_PERF_FLAGS:-}
 export HELPERS=$REPO/benchmarks/gpu
 export PYTHONPATH="$REPO:$HELPERS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-BUDGET_S=${BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 1200 || echo 420)}
+BUDGET_S=${BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 1200 || echo 540)}
 STEPS=${STEPS:-}
 T0=$(date +%s)
 export RESULTS=${OUT:-${TMPDIR:-/tmp}/megalite_gpu_check}/gpu_check
@@ -102,6 +107,7 @@ export SMALL="--mock-data --vocab-size 1000 --num-layers 4 --hidden-size 256
   --num-attention-heads 8 --seq-length 256 --micro-batch-size 4 --global-batch-size 8
   --lr 1e-3 --attention-dropout 0.1 --hidden-dropout 0.1 --num-workers 0"
 export ITERS=30 MFU_ITERS=15 RESUME_ITERS=10 COMPILE_BACKEND=""  # torch's default: inductor
+export FOUR_MICRO="--micro-batch-size 2 --global-batch-size 8" PEAK_FLAG=""
 if [ "$SMOKE" = 1 ]; then
     TINY="--mock-data --vocab-size 256 --num-layers 2 --hidden-size 32 --num-attention-heads 4
       --seq-length 32 --max-position-embeddings 32 --num-workers 0"
@@ -112,7 +118,8 @@ if [ "$SMOKE" = 1 ]; then
     GPT13B="$TINY --attention-dropout 0 --hidden-dropout 0"
     SMALL="$TINY --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --attention-dropout 0.1
       --hidden-dropout 0.1"
-    ITERS=6 MFU_ITERS=5 RESUME_ITERS=4
+    ITERS=6 MFU_ITERS=5 RESUME_ITERS=4 FOUR_MICRO="--micro-batch-size 1 --global-batch-size 4"
+    PEAK_FLAG="--peak-tflops $PEAK"  # a CPU has no entry in the peak table: MFU on the log
     # Inductor's C++ build of one tiny model's layer takes about a minute on a 2-core CPU;
     # aot_eager runs the same torch.compile capture (dynamo, AOTAutograd) on eager kernels.
     COMPILE_BACKEND=aot_eager
@@ -168,7 +175,8 @@ matmul_peak() { "$PY" "$HELPERS/matmul_peak.py" "$LOG/matmul_tflops.txt"; }
 train_350m() {
     $PY pretrain_gpt.py $GPT350 $BACKEND --bf16 --lr 3e-4 --min-lr 3e-5 \
         --lr-decay-style cosine --lr-warmup-iters 5 --train-iters "$ITERS" \
-        --log-interval $((ITERS / 3)) --log-throughput --eval-iters 0 >"$LOG/train_350m.out" 2>&1
+        --log-interval $((ITERS / 3)) --log-throughput --eval-iters 0 $PEAK_FLAG \
+        >"$LOG/train_350m.out" 2>&1
     rc=$?
     cat "$LOG/train_350m.out"
     [ $rc -eq 0 ] && "$PY" "$HELPERS/parse_log.py" "$LOG/train_350m.out" "$PEAK"
@@ -260,6 +268,40 @@ torchrun_nccl() {
     "$PY" "$HELPERS/parse_log.py" "$LOG/torchrun.out"
 }
 
+mfu_table() {  # train_350m's MFU and matmul_peak's rate against peak_flops.py's entry
+    [ -f "$LOG/train_350m.out" ] && [ -f "$LOG/matmul_tflops.txt" ] \
+        || skip "needs the output of train_350m and matmul_peak"
+    "$PY" "$HELPERS/mfu_table.py" "$LOG/train_350m.out" "$LOG/matmul_tflops.txt" "$PEAK"
+}
+
+export NO_DROPOUT="--attention-dropout 0 --hidden-dropout 0"  # runs of optimizers compared
+fsdp_offload() {  # under torchrun, one process: NCCL on the GPU
+    local backend="--distributed-backend nccl"
+    [ "$SMOKE" = 1 ] && backend="--distributed-backend gloo"
+    "$PY" "$HELPERS/fsdp_offload.py" "$LOG" -- $SMALL $backend --bf16 $NO_DROPOUT $FOUR_MICRO \
+        --train-iters "$RESUME_ITERS"
+}
+megatron_load() { "$PY" "$HELPERS/megatron_load.py" "$LOG" -- $SMALL $BACKEND $NO_DROPOUT \
+    --eval-iters 0; }
+ring_attention() { "$PY" "$HELPERS/ring_attention.py"; }
+zero_bubble() { "$PY" "$HELPERS/zero_bubble.py"; }
+
+memory_snapshot() {  # --record-memory-history without --profile: the snapshot, checked
+    local snapshot="$LOG/snapshot.pickle" rc
+    $PY pretrain_gpt.py $SMALL $BACKEND --bf16 --train-iters 4 --log-interval 2 --eval-iters 0 \
+        --record-memory-history --memory-snapshot-path "$snapshot" >"$LOG/snapshot.out" 2>&1
+    rc=$?
+    cat "$LOG/snapshot.out"
+    if [ "$SMOKE" = 1 ] && [ $rc -ne 0 ] && grep -q "needs a GPU" "$LOG/snapshot.out"; then
+        skip "the CUDA allocator's history needs a GPU (on the CPU the flag is refused)"
+    fi
+    [ $rc -eq 0 ] || exit $rc
+    "$PY" "$HELPERS/memory_snapshot.py" "$snapshot"
+    rc=$?
+    rm -f "$snapshot"  # megabytes of stacks: not for logs.tar.gz
+    exit $rc
+}
+
 implicit_gpu_tests() {
     [ "$SMOKE" = 1 ] && skip "CPU CI runs these end-to-end tests already"
     # pretrain() picks nccl and the GPU by itself when one is visible, so these end-to-end
@@ -273,7 +315,8 @@ implicit_gpu_tests() {
 }
 
 export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 mfu_llama_1b_compiled \
-    resume_case checkpoint_resume torchrun_nccl implicit_gpu_tests
+    resume_case checkpoint_resume torchrun_nccl mfu_table fsdp_offload megatron_load \
+    ring_attention zero_bubble memory_snapshot implicit_gpu_tests
 
 echo "megalite GPU check in $REPO$([ "$SMOKE" = 1 ] && echo ' (SMOKE: tiny, on the CPU)')," \
     "budget ${BUDGET_S}s, results in $RESULTS"
@@ -285,9 +328,15 @@ step gpu_tests           90 gpu_tests              # the tests that skip without
 step kernels             60 kernels                # SDPA kernels, RNG tracker, recompute
 step matmul_peak         30 matmul_peak            # the measured bf16 matmul ceiling
 step train_350m          90 train_350m             # GPT-2 350M bf16: the log line
+step mfu_table           30 mfu_table              # ~5 s: MFU and matmul vs the peak table
 step mfu_llama_1b       150 mfu_llama_1b           # TinyLlama 1.1B: MFU, memory, profile
 step checkpoint_resume  120 checkpoint_resume      # save + resume bit-exact
 step torchrun_nccl       60 torchrun_nccl          # torchrun, NCCL, ZeRO-1, both overlaps
+step fsdp_offload       150 fsdp_offload           # ~45 s: FSDP2 + offload vs ZeRO-1, resume
+step megatron_load      120 megatron_load          # ~35 s: Megatron --load, each optimizer
+step ring_attention      60 ring_attention         # ~10 s: fused ring blocks, CP 2/4, NCCL
+step zero_bubble         60 zero_bubble            # ~15 s: F F B B W W bit-equal, W timed
+step memory_snapshot     45 memory_snapshot        # ~12 s: snapshot without --profile
 step mfu_gpt_1b3        120 mfu_gpt_1b3            # GPT 1.3B: MFU, memory
 step mfu_llama_1b_compiled 150 mfu_llama_1b_compiled 100  # 1.1B with --compile-layers
 step implicit_gpu_tests 120 implicit_gpu_tests 90  # only if 90 s are left

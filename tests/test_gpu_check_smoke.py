@@ -20,9 +20,10 @@ import pytest
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["env_info", "gpu_tests", "kernels", "matmul_peak", "train_350m", "mfu_llama_1b",
-         "checkpoint_resume", "torchrun_nccl", "mfu_gpt_1b3", "mfu_llama_1b_compiled",
-         "implicit_gpu_tests"]
+STEPS = ["env_info", "gpu_tests", "kernels", "matmul_peak", "train_350m", "mfu_table",
+         "mfu_llama_1b", "checkpoint_resume", "torchrun_nccl", "fsdp_offload", "megatron_load",
+         "ring_attention", "zero_bubble", "memory_snapshot", "mfu_gpt_1b3",
+         "mfu_llama_1b_compiled", "implicit_gpu_tests"]
 RUN = ["mfu_llama_1b"]
 
 

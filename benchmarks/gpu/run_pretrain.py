@@ -2,7 +2,7 @@
 planner's figure, and optionally a torch.profiler profile of one step.
 
     python benchmarks/gpu/run_pretrain.py [--profile-step N] [--trace FILE.json.gz] \\
-        [--deterministic] [--compile-backend NAME] -- PRETRAIN_GPT_FLAGS...
+        [--deterministic] [--compile-backend NAME] [--report-optimizer] -- PRETRAIN_GPT_FLAGS...
 
 It runs megalite's own pretrain() (the same code path as pretrain_gpt.py) and wraps
 StepRunner.train_step, so nothing in megalite needs a profiler flag. The profiled step
@@ -14,6 +14,7 @@ Lines starting with ">>" are the results.
 import argparse
 import functools
 import gzip
+import json
 import os
 import shutil
 import sys
@@ -33,8 +34,9 @@ def sync():
         torch.cuda.synchronize()
 
 
-def instrument(profile_step: int | None, trace: str | None):
-    """Replace StepRunner.train_step by a timed (and at profile_step, profiled) one."""
+def instrument(profile_step: int | None, trace: str | None, report: bool = False):
+    """Replace StepRunner.train_step by a timed (and at profile_step, profiled) one; with
+    `report`, the optimizer's tensors are reported before and after the first step."""
     runner_class = getattr(train_step_module, "StepRunner", None)
     original = getattr(runner_class, "train_step", None)
     if original is None:
@@ -44,12 +46,16 @@ def instrument(profile_step: int | None, trace: str | None):
 
     def train_step(self, microbatches):
         calls[0] += 1
+        if report and calls[0] == 1:
+            print(">> optimizer before step 1:", json.dumps(optimizer_report(self.optimizer)))
         if calls[0] == profile_step:
             result = profiled(self, original, microbatches, trace)
         else:
             result = original(self, microbatches)
         if calls[0] == 1:
             sync()
+            if report:
+                print(">> optimizer after step 1:", json.dumps(optimizer_report(self.optimizer)))
             print(f">> time to the first step: {time.perf_counter() - START:.1f} s from "
                   "the start of the process (imports, device init, model build, step 1)",
                   flush=True)
@@ -106,6 +112,21 @@ def profiled(runner, original, microbatches, trace):
     return result
 
 
+def optimizer_report(optimizer) -> dict:
+    """Where the optimizer's tensors live: the main parameters it steps (fp32 copies or
+    FSDP2's shards; host ones pinned or not), the model's parameters, and Adam's state
+    (tensors not on their main's device counted; the step counter may be a host scalar)."""
+    mains = [s.main for s in optimizer.segments]
+    host = [m for m in mains if m.device.type == "cpu"]
+    state = [(m, optimizer.adam.state.get(m, {})) for m in mains]
+    return {"mains": len(mains), "main_devices": sorted({m.device.type for m in mains}),
+            "param_devices": sorted({p.device.type for p in optimizer.params}),
+            "host_mains": len(host), "pinned_host_mains": sum(m.is_pinned() for m in host),
+            "mains_with_state": sum(bool(s) for _, s in state),
+            "state_off_device": sum(t.device != m.device for m, s in state for t in s.values()
+                                    if torch.is_tensor(t) and t.dim() > 0)}
+
+
 def report_memory(flags: list[str]):
     try:
         import planner
@@ -134,13 +155,16 @@ def main():
                    help="torch.compile's backend for --compile-layers (default torch's, "
                         "inductor); SMOKE=1 uses aot_eager: the same graph capture and "
                         "AOTAutograd, eager kernels, no minute of C++ compiling on a CPU.")
+    p.add_argument("--report-optimizer", action="store_true",
+                   help="Print where the optimizer's tensors live before and after step 1 "
+                        "(JSON): after a --load, the state it loaded.")
     args = p.parse_args(own)
     if args.compile_backend and "--compile-layers" in flags:
         torch.compile = functools.partial(torch.compile, backend=args.compile_backend)
         print(f">> torch.compile backend: {args.compile_backend}", flush=True)
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
-    instrument(args.profile_step, args.trace)
+    instrument(args.profile_step, args.trace, args.report_optimizer)
     code = pretrain(flags)
     if code == 0:
         report_memory(flags)

@@ -1,0 +1,102 @@
+"""What the checks of gpu_check.sh share: launching pretrain runs (one process, or torchrun
+with one rank), reading what they print (the log line, run_pretrain.py's ">>" reports), and
+collecting the checks' verdicts. Results are printed as ">> ok  | BAD  name: detail" lines."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HELPERS))
+GPU = torch.cuda.is_available()
+SMOKE = os.environ.get("SMOKE") == "1"
+# Several runs share the GPU at once (each its own one-rank NCCL group); on a CPU, one a core
+# (CI's two: a run is mostly its imports, one core's work).
+PARALLEL_RUNS = 4 if GPU else 2
+
+
+class Checks:
+    """Named verdicts, printed as they come; `exit()` fails the process if one failed."""
+
+    def __init__(self):
+        self.failed = []
+
+    def __call__(self, name: str, ok: bool, detail: str) -> bool:
+        print(f">> {'ok  ' if ok else 'BAD '} {name}: {detail}", flush=True)
+        if not ok:
+            self.failed.append(name)
+        return ok
+
+    def exit(self):
+        sys.exit(1 if self.failed else 0)
+
+
+def run_pretrain(log: str, flags: list[str], *, torchrun: bool = False,
+                 instruments: tuple[str, ...] = ("--deterministic", "--report-optimizer"),
+                 env: dict | None = None) -> tuple[int, str]:
+    """run_pretrain.py (megalite's pretrain() with instruments) on `flags`, under torchrun
+    with one process when asked; its output goes to `log`. Returns (exit code, output)."""
+    script = [os.path.join(HELPERS, "run_pretrain.py"), *instruments, "--", *flags]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", "1"] if torchrun else [sys.executable])
+    # Deterministic cuBLAS (run_pretrain --deterministic): its workspace must be fixed.
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", **(env or {}))
+    with open(log, "w") as out:
+        rc = subprocess.run(launcher + script, cwd=REPO, env=env, stdout=out,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    return rc, open(log, errors="replace").read()
+
+
+def run_all(jobs: dict, parallel: int = PARALLEL_RUNS) -> dict:
+    """{name: (rc, output)} of {name: zero-argument callable}, `parallel` at a time."""
+    with ThreadPoolExecutor(parallel) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def log_rows(text: str) -> list[dict]:
+    """The Megatron log lines of a run's output, each as a dict of its fields."""
+    return [row for row in map(parse_log_line, text.splitlines()) if row]
+
+
+try:  # the package's parser, beside the function that writes the line
+    from megalite.training_log import parse_log_line
+except ImportError:  # not in this checkout yet: the few fields the checks read
+    _FIELDS = {"iteration": r"iteration +(\d+)/", "lm_loss": r"lm loss: (\S+) \|",
+               "grad_norm": r"grad norm: (\S+) \|", "num_zeros": r"num zeros: (\S+) \|",
+               "params_norm": r"params norm: (\S+) \|",
+               "tflops_per_gpu": r"\(TFLOP/s/GPU\): (\S+) \|",
+               "mfu_percent": r"MFU \(%\): (\S+) \|"}
+
+    def parse_log_line(line: str) -> dict | None:
+        found = {k: re.search(p, line) for k, p in _FIELDS.items()}
+        if not (found["iteration"] and found["lm_loss"]):
+            return None
+        row = {k: float(m.group(1)) if m else None for k, m in found.items()}
+        row["iteration"] = int(row["iteration"])
+        return row
+
+
+def reports(text: str, what: str) -> list[dict]:
+    """run_pretrain.py's JSON reports ">> {what}: {...}" in a run's output."""
+    return [json.loads(m) for m in re.findall(rf"^>> {re.escape(what)}: (\{{.*\}})$", text,
+                                              re.MULTILINE)]
+
+
+def peak_gib(text: str) -> float | None:
+    """The peak GPU memory allocated that run_pretrain.py reports (None on a CPU)."""
+    m = re.search(r"max_memory_allocated\): ([\d.]+) GiB", text)
+    return float(m.group(1)) if m else None
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.splitlines()[-lines:])
