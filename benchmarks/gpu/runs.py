@@ -10,6 +10,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from megalite.training_log import parse_log_line
 
 HELPERS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HELPERS))
@@ -62,24 +63,6 @@ def run_all(jobs: dict, parallel: int = PARALLEL_RUNS) -> dict:
 def log_rows(text: str) -> list[dict]:
     """The Megatron log lines of a run's output, each as a dict of its fields."""
     return [row for row in map(parse_log_line, text.splitlines()) if row]
-
-
-try:  # the package's parser, beside the function that writes the line
-    from megalite.training_log import parse_log_line
-except ImportError:  # not in this checkout yet: the few fields the checks read
-    _FIELDS = {"iteration": r"iteration +(\d+)/", "lm_loss": r"lm loss: (\S+) \|",
-               "grad_norm": r"grad norm: (\S+) \|", "num_zeros": r"num zeros: (\S+) \|",
-               "params_norm": r"params norm: (\S+) \|",
-               "tflops_per_gpu": r"\(TFLOP/s/GPU\): (\S+) \|",
-               "mfu_percent": r"MFU \(%\): (\S+) \|"}
-
-    def parse_log_line(line: str) -> dict | None:
-        found = {k: re.search(p, line) for k, p in _FIELDS.items()}
-        if not (found["iteration"] and found["lm_loss"]):
-            return None
-        row = {k: float(m.group(1)) if m else None for k, m in found.items()}
-        row["iteration"] = int(row["iteration"])
-        return row
 
 
 def reports(text: str, what: str) -> list[dict]:
