@@ -15,13 +15,11 @@ Each shard is a Segment [start, end) of the flattened TP-shard parameter, exactl
 ZeRO-1 rank owns of it, so checkpoints hold the same per-DP-rank optimizer files.
 """
 
-import torch
 from torch import nn
 
 from megalite.distributed.fsdp import local_shard_range, shard_group
 from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer, Segment
-from megalite.tensor_parallel.params import is_dtensor
 
 
 class FullyShardedOptimizer(Optimizer):
@@ -41,12 +39,6 @@ class FullyShardedOptimizer(Optimizer):
             # A detached alias of FSDP's sharded storage: updating it updates the model.
             segments.append(Segment(p, start, end, p.to_local().detach()))
         return segments
-
-    def _comm_device(self) -> torch.device:
-        # The mesh's device: under CPU offload the shards themselves are on the host.
-        param = self.params[0] if self.params else None
-        return torch.device(param.device_mesh.device_type) if is_dtensor(param) \
-            else super()._comm_device()
 
     def _reduce_groups(self) -> list:
         return [self.dp_group, self.model_parallel_group]
