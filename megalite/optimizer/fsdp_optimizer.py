@@ -6,10 +6,11 @@ precision, for the next forward) and the main copy, so AdamW updates it in place
 copy back exists. Its gradient is the local shard of the reduce-scattered DTensor gradient.
 The grad norm and fp16 overflow are agreed over DP (the shards are disjoint) and the
 model-parallel group, as under ZeRO-1. Working on the plain local tensors keeps every
-kernel the foreach one of optimizer.py and every collective explicit.
+kernel one of optimizer.py's (foreach or fused) and every collective explicit.
 
 Under --optimizer-cpu-offload FSDP's CPUOffloadPolicy keeps these shards (and so the Adam
-state made like them) and their gradients in host memory: the step runs on the host.
+state made like them) and their gradients in host memory: the step runs on the host, with
+torch's fused CPU AdamW.
 
 Each shard is a Segment [start, end) of the flattened TP-shard parameter, exactly what a
 ZeRO-1 rank owns of it, so checkpoints hold the same per-DP-rank optimizer files.
@@ -26,7 +27,8 @@ class FullyShardedOptimizer(Optimizer):
     sharded = True
 
     def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group,
-                 timers: Timers = NO_TIMERS):
+                 cpu_offload: bool = False, timers: Timers = NO_TIMERS):
+        self.host_step = cpu_offload  # apply_fsdp's CPUOffloadPolicy put the shards there
         # The group the shards are disjoint over is the one apply_fsdp sharded over (DP, or
         # DP x CP under context parallelism): read from the parameters, not passed again.
         self.dp_group = shard_group(model)

@@ -59,9 +59,12 @@ def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
-def adamw_kernel(params: list[torch.Tensor]) -> dict:
-    """torch's fused AdamW when every tensor is a CUDA float, else the foreach one."""
-    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+def adamw_kernel(params: list[torch.Tensor], host_step: bool = False) -> dict:
+    """torch's fused AdamW when every tensor is a CUDA float, or a host float in the host
+    step of --optimizer-cpu-offload (`host_step`; fused on the CPU since torch 2.4: one
+    pass over each tensor, where foreach makes one per operation); else the foreach one."""
+    if params and all(p.is_floating_point() and (p.is_cuda or host_step and p.is_cpu)
+                      for p in params):
         return {"fused": True}
     return {"foreach": True}
 
@@ -77,6 +80,8 @@ class Optimizer:
 
     sharded = False
     """Whether each DP rank keeps only its shard of the optimizer state (ZeRO-1)."""
+    host_step = False
+    """Whether the step runs on the host (--optimizer-cpu-offload)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None, timers: Timers = NO_TIMERS):
@@ -96,7 +101,7 @@ class Optimizer:
              {"params": [s.main for s in self.segments if id(s.param) in no_decay],
               "weight_decay": 0.0}],
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            **adamw_kernel(mains))
+            **adamw_kernel(mains, self.host_step))
 
     def _owned_segments(self) -> list[Segment]:
         return [Segment(p, 0, p.numel(), p) for p in self.params]
