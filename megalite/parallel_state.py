@@ -132,7 +132,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = 
     """All-gather x from every rank into out (concatenated along dim 0). x may be this
     rank's own block of out (in place). Returns the work handle when async_op."""
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single and deprecated the old
-    # name (a FutureWarning per call); setup.py allows torch >= 2.6, which has only the old.
+    # name (a FutureWarning per call); setup.py allows torch >= 2.8, which has only the old.
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
         out, x, group=group, async_op=async_op)
 
