@@ -8,8 +8,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
-    # torch >= 2.6 for torch.load(weights_only=True) on our checkpoints.
-    install_requires=["torch>=2.6", "numpy", "sentencepiece", "tensorboard", "PyYAML"],
+    # torch >= 2.8 for FSDP2's set_gradient_divide_factor / set_force_sum_reduction_for_comms
+    # (distributed/fsdp.py sums gradients over DP with them; tests/test_fsdp_flags.py).
+    install_requires=["torch>=2.8", "numpy", "sentencepiece", "tensorboard", "PyYAML"],
     extras_require={
         "flash": ["flash-attn>=2.5"],
         "hf": ["tokenizers>=0.15", "transformers>=4.45"],

@@ -109,22 +109,30 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce_anywhere(tensor: torch.Tensor, group):
-    """dist.all_reduce, also of a host tensor over NCCL (--optimizer-cpu-offload keeps
-    gradients on the host): reduced in a copy on this rank's GPU, copied back."""
-    if tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
-        on_device = tensor.to(torch.cuda.current_device())
-        dist.all_reduce(on_device, group=group)
+def to_collective_device(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`tensor` itself where a collective over `group` can take it, else a copy on this
+    rank's GPU: NCCL has no host path, and --optimizer-cpu-offload keeps parameter shards,
+    gradients and optimizer state (and what is computed from them) on the host; gloo takes
+    either. Every collective on a tensor that may be on the host goes through here."""
+    if tensor.device.type != "cuda" and dist.get_backend(group) == "nccl":
+        return tensor.to(torch.cuda.current_device())
+    return tensor
+
+
+def all_reduce_anywhere(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM):
+    """dist.all_reduce in place, also of a host tensor over NCCL: reduced in a copy on
+    the GPU (to_collective_device), copied back."""
+    on_device = to_collective_device(tensor, group)
+    dist.all_reduce(on_device, op=op, group=group)
+    if on_device is not tensor:
         tensor.copy_(on_device)
-    else:
-        dist.all_reduce(tensor, group=group)
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
     """All-gather x from every rank into out (concatenated along dim 0). x may be this
     rank's own block of out (in place). Returns the work handle when async_op."""
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single and deprecated the old
-    # name (a FutureWarning per call); setup.py allows torch >= 2.6, which has only the old.
+    # name (a FutureWarning per call); setup.py allows torch >= 2.8, which has only the old.
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
         out, x, group=group, async_op=async_op)
 

@@ -1,7 +1,12 @@
 """--use-torch-fsdp2, --data-parallel-sharding-strategy, --fsdp-grad-reduce-every-micro-batch
-and --optimizer-cpu-offload: what they configure, and the combinations refused up front."""
+and --optimizer-cpu-offload: what they configure, the combinations refused up front, and the
+torch they need."""
+
+import re
+from pathlib import Path
 
 import pytest
+from torch.distributed.fsdp import FSDPModule
 
 from megalite.arguments import parse_args
 from megalite.config import OptimizerKind
@@ -60,3 +65,29 @@ def test_refused_combinations_name_the_flags(extra, words):
 def test_unknown_strategy_is_refused():
     with pytest.raises(SystemExit):
         parse_args([*BASE_FLAGS, "--data-parallel-sharding-strategy", "optim"])
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# The first torch release with each FSDPModule method megalite calls. The divide factor
+# and the forced SUM came with pytorch PR #155915 ("Allow forcing FSDP2 to always use SUM
+# reductions", June 2025), first released in torch 2.8.0; the gradient-sync switch is
+# FSDP2's own, public in torch.distributed.fsdp since 2.6.
+FSDP_METHODS_SINCE = {"set_gradient_divide_factor": (2, 8),
+                      "set_force_sum_reduction_for_comms": (2, 8),
+                      "set_requires_gradient_sync": (2, 6)}
+
+
+def test_the_torch_floor_has_every_fsdp2_method_megalite_calls():
+    """setup.py's and install.sh's torch floors agree, and are no older than the newest
+    FSDPModule method called anywhere in megalite/ (each listed above with its release)."""
+    methods = {n for n in dir(FSDPModule) if not n.startswith("_")}
+    called = {name for path in (ROOT / "megalite").rglob("*.py")
+              for name in re.findall(r"\.(\w+)\(", path.read_text()) if name in methods}
+    assert called and called <= FSDP_METHODS_SINCE.keys(), called - FSDP_METHODS_SINCE.keys()
+    setup = re.findall(r'"torch>=(\d+)\.(\d+)"', (ROOT / "setup.py").read_text())
+    install = re.findall(r"\(major, minor\) >= \((\d+), (\d+)\)",
+                         (ROOT / "install.sh").read_text())
+    assert len(setup) == len(install) == 1, (setup, install)
+    floor = tuple(map(int, setup[0]))
+    assert floor == tuple(map(int, install[0]))
+    assert floor >= max(FSDP_METHODS_SINCE[name] for name in called), floor

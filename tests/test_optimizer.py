@@ -1,13 +1,18 @@
-"""Optimizer pieces: weight-decay groups, clipping vs torch's, fp16 loss scaling rules."""
+"""Optimizer pieces: weight-decay groups, clipping vs torch's, fp16 loss scaling rules, the
+host step of --optimizer-cpu-offload vs torch's fused AdamW."""
+
+import copy
 
 import pytest
 import torch
 
 from megalite.config import OptimizerConfig
 from megalite.errors import NumericalError
+from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.grad_scaler import DynamicGradScaler
-from megalite.optimizer.optimizer import Optimizer
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.optimizer.optimizer import Optimizer, no_weight_decay
 from megalite.parallel_state import ParallelState
 from megalite.train_step import StepRunner
 
@@ -110,3 +115,34 @@ def test_a_nan_gradient_with_a_finite_loss_stops_before_the_update():
         runner.train_step([{"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
                             "loss_mask": torch.ones(2, 16)}])
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_offloaded_step_is_torchs_fused_adamw():
+    """ZeRO-1's --optimizer-cpu-offload on one rank, four buckets: the host step is torch's
+    fused AdamW (one pass per tensor; foreach rounds differently), and the updated main
+    parameters reach the model (one copy per bucket), bit for bit those of
+    torch.optim.AdamW(fused=True) on a copy of the model."""
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0)
+    model = GPTModel(CONFIG, seed=1)
+    reference = copy.deepcopy(model)
+    named = list(reference.named_parameters())
+    adam = torch.optim.AdamW(
+        [{"params": [p for n, p in named if not no_weight_decay(n, p)]},
+         {"params": [p for n, p in named if no_weight_decay(n, p)], "weight_decay": 0.0}],
+        lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+        weight_decay=config.weight_decay, fused=True)
+    grad_buffer = GradBuffer(list(model.parameters()), None, 40000, shard=True)
+    assert len(grad_buffer.buckets) == 4
+    offloaded = MixedPrecisionOptimizer(model, config, None, None, None, grad_buffer,
+                                        cpu_offload=True)
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        grad_buffer.start_step(1)
+        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        grad_buffer.finish()
+        offloaded.step()
+        adam.zero_grad()
+        reference(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        adam.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), (name, (p - q).abs().max().item())

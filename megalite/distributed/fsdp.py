@@ -38,6 +38,7 @@ import warnings
 import torch
 from torch import nn
 
+from megalite.parallel_state import to_collective_device
 from megalite.tensor_parallel.params import copy_tags, is_dtensor
 
 ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
@@ -146,8 +147,12 @@ def shard_group(module: nn.Module):
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The whole (TP-shard) value: all-gathered over DP for an FSDP parameter (every DP
-    rank must call it), the tensor itself otherwise."""
-    return param.full_tensor() if is_dtensor(param) else param
+    rank must call it), the tensor itself otherwise. An offloaded shard lives on the host:
+    it is gathered on the device the mesh's collectives need (as torch's own state-dict
+    helpers do), so the result may be there."""
+    if not is_dtensor(param):
+        return param
+    return to_collective_device(param, param.device_mesh.get_group()).full_tensor()
 
 
 @torch.no_grad()

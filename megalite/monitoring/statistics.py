@@ -3,20 +3,25 @@ the gradients are counted by the optimizer, which knows which shard it stepped
 (Optimizer.num_zeros_in_grad)."""
 
 import torch
-import torch.distributed as dist
 
 from megalite.optimizer.optimizer import params_for_norm, squared_norm
-from megalite.parallel_state import group_size
+from megalite.parallel_state import all_reduce_anywhere, group_size
+from megalite.tensor_parallel.params import is_dtensor
 
 
 @torch.no_grad()
 def params_norm(params: list[torch.Tensor], tp_group, model_parallel_group) -> float:
     """L2 norm of the model's parameters, each distinct parameter counted once across TP
     and PP (as the grad norm counts gradients), in fp32. The parameters are replicated
-    over DP (gathered, under ZeRO-1), so DP needs no reduction."""
-    squares = squared_norm([p.detach() for p in params_for_norm(params, tp_group)])
-    if params:
-        squares = squares.to(params[0].device)
-    if group_size(model_parallel_group) > 1:
-        dist.all_reduce(squares, group=model_parallel_group)
+    over DP (gathered, under ZeRO-1), except under FSDP2: there each DP rank squares its
+    own rows, where they live (on the host under --optimizer-cpu-offload), and the sums
+    are added over the group they are sharded over."""
+    counted = params_for_norm(params, tp_group)
+    squares = squared_norm([p.to_local() if is_dtensor(p) else p.detach() for p in counted])
+    groups = [model_parallel_group]
+    if params and is_dtensor(params[0]):
+        groups.append(params[0].device_mesh.get_group())
+    for group in groups:
+        if group_size(group) > 1:
+            all_reduce_anywhere(squares, group)
     return squares.sqrt().item()

@@ -6,29 +6,29 @@ precision, for the next forward) and the main copy, so AdamW updates it in place
 copy back exists. Its gradient is the local shard of the reduce-scattered DTensor gradient.
 The grad norm and fp16 overflow are agreed over DP (the shards are disjoint) and the
 model-parallel group, as under ZeRO-1. Working on the plain local tensors keeps every
-kernel the foreach one of optimizer.py and every collective explicit.
+kernel one of optimizer.py's (foreach or fused) and every collective explicit.
 
 Under --optimizer-cpu-offload FSDP's CPUOffloadPolicy keeps these shards (and so the Adam
-state made like them) and their gradients in host memory: the step runs on the host.
+state made like them) and their gradients in host memory: the step runs on the host, with
+torch's fused CPU AdamW.
 
 Each shard is a Segment [start, end) of the flattened TP-shard parameter, exactly what a
 ZeRO-1 rank owns of it, so checkpoints hold the same per-DP-rank optimizer files.
 """
 
-import torch
 from torch import nn
 
 from megalite.distributed.fsdp import local_shard_range, shard_group
 from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer, Segment
-from megalite.tensor_parallel.params import is_dtensor
 
 
 class FullyShardedOptimizer(Optimizer):
     sharded = True
 
     def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group,
-                 timers: Timers = NO_TIMERS):
+                 cpu_offload: bool = False, timers: Timers = NO_TIMERS):
+        self.host_step = cpu_offload  # apply_fsdp's CPUOffloadPolicy put the shards there
         # The group the shards are disjoint over is the one apply_fsdp sharded over (DP, or
         # DP x CP under context parallelism): read from the parameters, not passed again.
         self.dp_group = shard_group(model)
@@ -41,12 +41,6 @@ class FullyShardedOptimizer(Optimizer):
             # A detached alias of FSDP's sharded storage: updating it updates the model.
             segments.append(Segment(p, start, end, p.to_local().detach()))
         return segments
-
-    def _comm_device(self) -> torch.device:
-        # The mesh's device: under CPU offload the shards themselves are on the host.
-        param = self.params[0] if self.params else None
-        return torch.device(param.device_mesh.device_type) if is_dtensor(param) \
-            else super()._comm_device()
 
     def _reduce_groups(self) -> list:
         return [self.dp_group, self.model_parallel_group]

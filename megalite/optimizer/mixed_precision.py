@@ -50,6 +50,7 @@ class MixedPrecisionOptimizer(Optimizer):
         self.sharded = grad_buffer.shard
         # --optimizer-cpu-offload: main parameters, moments and the step on the host.
         self.host = HostOffload(grad_buffer) if cpu_offload else None
+        self.host_step = cpu_offload
         self.dp_group = grad_buffer.group
         self.param_buffers = [_adopt_params(b) for b in grad_buffer.buckets]
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
@@ -73,12 +74,13 @@ class MixedPrecisionOptimizer(Optimizer):
         segments = []
         for index, bucket in enumerate(self.grad_buffer.buckets):
             lo, hi = self._owned_range(bucket)
+            host = None if self.host is None else \
+                self.host.main_params(index, self.param_buffers[index][lo:hi])
             for p, offset in zip(bucket.params, bucket.offsets):
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
-                    main = p.detach().reshape(-1)[start - offset:end - offset].float().clone()
-                    if self.host is not None:
-                        main = self.host.tensor_like(main)
+                    piece = p.detach().reshape(-1)[start - offset:end - offset]
+                    main = piece.float().clone() if host is None else host[start - lo:end - lo]
                     segments.append(Segment(p, start - offset, end - offset, main, index, start))
         return segments
 
@@ -96,7 +98,13 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def _copy_main_to_params(self):
         """Each rank's updated shard, rounded to the parameters' dtype, to every rank."""
-        torch._foreach_copy_(self._param_views, [s.main for s in self.segments])
+        if self.host is not None:
+            for i, (bucket, flat) in enumerate(zip(self.grad_buffer.buckets,
+                                                   self.param_buffers)):
+                lo, hi = self._owned_range(bucket)
+                self.host.copy_main_params(i, flat[lo:hi])
+        else:
+            torch._foreach_copy_(self._param_views, [s.main for s in self.segments])
         if not self.sharded or self.grad_buffer.dp == 1:
             return
         with self.timers("params-all-gather"):
@@ -135,24 +143,35 @@ class MixedPrecisionOptimizer(Optimizer):
 class HostOffload:
     """ZeRO-1 under --optimizer-cpu-offload: this rank's owned shard of the fp32 main
     parameters and Adam moments (made like them by AdamW) in host memory, so the step
-    runs on the host. The reduced gradient shard of each bucket comes down into a host
-    buffer (pinned when the model is on a GPU, so the copy is a DMA), and the updated main
-    parameters go back up through the parameter views. On a CPU model the host is the
-    model's own device: only the copies remain."""
+    runs on the host. Per bucket, one host buffer holds the owned range of the main
+    parameters (the mains are views of it) and one its reduced gradients, pinned when the
+    model is on a GPU: each bucket's gradients come down, and its updated main parameters
+    go back up into the parameter buffer, as one asynchronous DMA. On a CPU model the host
+    is the model's own device: only the copies remain."""
 
     def __init__(self, grad_buffer: GradBuffer):
         self.pin = grad_buffer.buckets[0].flat.is_cuda if grad_buffer.buckets else False
+        self._params: dict[int, torch.Tensor] = {}
         self._grads: dict[int, torch.Tensor] = {}
 
-    def tensor_like(self, t: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
-        return host.copy_(t)
+    def _buffer(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32, device="cpu", pin_memory=self.pin)
+
+    def main_params(self, bucket: int, owned: torch.Tensor) -> torch.Tensor:
+        """fp32 host copy of a bucket's owned range of the parameter buffer."""
+        self._params[bucket] = self._buffer(owned.numel()).copy_(owned)
+        return self._params[bucket]
+
+    def copy_main_params(self, bucket: int, owned: torch.Tensor):
+        """The bucket's main parameters into its owned range of the parameter buffer,
+        rounded to its dtype on the device (copy_ would round a cross-device copy on the
+        host, into unpinned memory, and wait for it)."""
+        owned.copy_(self._params[bucket].to(owned.device, non_blocking=self.pin))
 
     def grads(self, bucket: int, shard: torch.Tensor) -> torch.Tensor:
         """fp32 host copy of a bucket's owned gradient shard."""
         if bucket not in self._grads:
-            self._grads[bucket] = torch.empty(shard.numel(), dtype=torch.float32,
-                                              device="cpu", pin_memory=self.pin)
+            self._grads[bucket] = self._buffer(shard.numel())
         host = self._grads[bucket]
         host.copy_(shard, non_blocking=self.pin)
         if self.pin:

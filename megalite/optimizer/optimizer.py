@@ -16,7 +16,7 @@ from torch import nn
 
 from megalite.config import OptimizerConfig
 from megalite.monitoring.timers import NO_TIMERS, Timers
-from megalite.parallel_state import group_rank, group_size
+from megalite.parallel_state import all_reduce_anywhere, group_rank, group_size
 from megalite.tensor_parallel.params import is_embedding_copy, is_tensor_parallel
 
 
@@ -59,9 +59,12 @@ def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
-def adamw_kernel(params: list[torch.Tensor]) -> dict:
-    """torch's fused AdamW when every tensor is a CUDA float, else the foreach one."""
-    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+def adamw_kernel(params: list[torch.Tensor], host_step: bool = False) -> dict:
+    """torch's fused AdamW when every tensor is a CUDA float, or a host float in the host
+    step of --optimizer-cpu-offload (`host_step`; fused on the CPU since torch 2.4: one
+    pass over each tensor, where foreach makes one per operation); else the foreach one."""
+    if params and all(p.is_floating_point() and (p.is_cuda or host_step and p.is_cpu)
+                      for p in params):
         return {"fused": True}
     return {"foreach": True}
 
@@ -77,6 +80,8 @@ class Optimizer:
 
     sharded = False
     """Whether each DP rank keeps only its shard of the optimizer state (ZeRO-1)."""
+    host_step = False
+    """Whether the step runs on the host (--optimizer-cpu-offload)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None, timers: Timers = NO_TIMERS):
@@ -96,7 +101,7 @@ class Optimizer:
              {"params": [s.main for s in self.segments if id(s.param) in no_decay],
               "weight_decay": 0.0}],
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            **adamw_kernel(mains))
+            **adamw_kernel(mains, self.host_step))
 
     def _owned_segments(self) -> list[Segment]:
         return [Segment(p, 0, p.numel(), p) for p in self.params]
@@ -123,10 +128,6 @@ class Optimizer:
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total
-
-    def _comm_device(self) -> torch.device:
-        """Where this rank's collectives run: the model's device."""
-        return self.params[0].device if self.params else torch.device("cpu")
 
     def zero_grad(self):
         for p in self.params:
@@ -163,11 +164,11 @@ class Optimizer:
             if before_update is not None:
                 before_update(squares)
             with self.timers("grad-norm-all-reduce"):
-                # A copy on the collectives' device (the host step of --optimizer-cpu-offload
-                # computes it on the CPU; NCCL reduces only device tensors).
-                squares = squares.to(self._comm_device(), copy=True)
+                # On the host in the host step of --optimizer-cpu-offload, which
+                # all_reduce_anywhere takes over NCCL too. A copy: `before_update` kept it.
+                squares = squares.clone()
                 for group in groups:  # each rank's squares are disjoint: DP shards, TP pieces
-                    dist.all_reduce(squares, group=group)
+                    all_reduce_anywhere(squares, group)
                 grad_norm = squares.sqrt().item()
             # Megatron's rule: scale by max_norm / (norm + 1e-6) only when that is below 1.
             coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
@@ -184,9 +185,8 @@ class Optimizer:
         found_inf = torch.zeros((), device=grads[0].device if grads else "cpu")
         inv_scale = torch.full((), 1.0 / self.grad_scaler.scale, device=found_inf.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        found_inf = found_inf.to(self._comm_device())
         for group in groups:  # max over DP shards and model-parallel pieces
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_anywhere(found_inf, group, dist.ReduceOp.MAX)
         overflow = bool(found_inf.item())
         self.grad_scaler.update(overflow)
         return overflow
@@ -204,7 +204,7 @@ class Optimizer:
         for grad in grads:
             zeros += grad.numel() - torch.count_nonzero(grad)
         for group in [g for g in self._reduce_groups() if group_size(g) > 1]:
-            dist.all_reduce(zeros, group=group)
+            all_reduce_anywhere(zeros, group)  # counted on the host under offload
         return int(zeros.item())
 
     def finish_param_gather(self):
