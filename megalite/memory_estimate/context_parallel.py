@@ -63,11 +63,12 @@ def cp_core_attention_bytes(config, x) -> int | None:
 
 def cp_attention_working_set(config, x) -> int:
     """One layer's transient CP buffers in backward: p2p holds a K/V block and the next
-    one arriving, a dK/dV accumulator and the one arriving, and an fp32 dQ; all_gather the
-    gradient of the gathered K/V before its reduce-scatter."""
+    one arriving, an fp32 dK/dV accumulator and the one arriving, and an fp32 dQ; all_gather
+    the gradient of the gathered K/V before its reduce-scatter."""
     if x.cp == 1:
         return 0
     kv_block = 2 * x.a * x.b * x.s * x.kv
     if config.model.cp_comm_type == "p2p":
-        return 4 * kv_block + 4 * x.b * x.s * x.q
+        accumulator = 2 * max(x.a, 4) * x.b * x.s * x.kv
+        return 2 * kv_block + 2 * accumulator + 4 * x.b * x.s * x.q
     return kv_block * x.cp
