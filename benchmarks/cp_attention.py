@@ -9,7 +9,8 @@ reduce-scatter's input minus this rank's output, the irecv buffers of a batch_is
 
 Closed form (B = b·(s/CP)·kv_heads·d·e, this rank's K or V shard):
 - all_gather: forward 2(CP-1)B, backward 2(CP-1)B;
-- p2p (ring): forward 2(CP-1)B, backward 2(CP-1)B (K/V again) + 2·CP·B (dK/dV accumulators).
+- p2p (ring): forward 2(CP-1)B, backward 2(CP-1)B (K/V again) + 2·CP·B (dK/dV accumulators,
+  fp32: 2·CP·2B for bf16 K/V).
 A step of m micro-batches moves m times this per layer (twice the forward's with full or
 selective recompute, which reruns the attention forward).
 

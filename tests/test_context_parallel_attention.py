@@ -124,11 +124,32 @@ def _dropout_directional(cp, rank, comm_type):
             f(0.0, dropout_p=0.0))
 
 
+def _ring_bf16_grads(cp, rank):
+    """dK and dV of this rank's rows from the ring on bf16 q, k, v (blocks.py's fp32 block
+    gradients, so that only the ring's accumulation rounds)."""
+    q, k, v, dout = full_inputs("gqa", seed=3, dtype=torch.bfloat16)
+    idx = local_rows(cp, rank)
+    q, k, v = (t[:, idx].clone().requires_grad_() for t in (q, k, v))
+    out = context_parallel_attention(q, k, v, cp_group=dist.group.WORLD, comm_type="p2p",
+                                     backend="unfused")
+    out.backward(dout[:, idx])
+    return k.grad, v.grad
+
+
 def _cp_rank(rank, cp):  # cp = the world size
     counts = []
     _count_received(counts)
     results = {case: _run_case(cp, rank, *case, counts) for case in CASES}
-    return results, {c: _dropout_directional(cp, rank, c) for c in ("p2p", "all_gather")}
+    return (results, {c: _dropout_directional(cp, rank, c) for c in ("p2p", "all_gather")},
+            _ring_bf16_grads(cp, rank))
+
+
+def bf16_ulps(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """|actual - expected| in units of bf16's spacing at `expected` (8 significant bits):
+    a correctly rounded result is within 0.5."""
+    _, exponent = torch.frexp(expected)
+    return (actual.double() - expected).abs() / torch.ldexp(torch.ones_like(expected),
+                                                             exponent - 8)
 
 
 @pytest.mark.slow
@@ -141,19 +162,29 @@ def test_context_parallel_attention_matches_full_attention(cp):
         expected = reference(q, k, v, dout)
         for i, name in enumerate(("output", "dq", "dk", "dv")):
             actual = torch.empty_like(expected[i])
-            for rank, (results, _) in enumerate(per_rank):
+            for rank, (results, _, _) in enumerate(per_rank):
                 actual[:, local_rows(cp, rank)] = results[case][i]
             torch.testing.assert_close(actual, expected[i], rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"CP {cp} {case} {name}: {m}")
         closed = cp_comm_bytes(comm_type, cp_size=cp, batch=B, seq_length=S,
                                kv_heads=HEADS[kind][1], head_dim=D, element_size=4)
-        for rank, (results, _) in enumerate(per_rank):
+        for rank, (results, _, _) in enumerate(per_rank):
             assert results[case][4] == (closed.forward, closed.backward), (cp, case, rank)
     for comm_type, (numeric, analytic, once, again, no_dropout) in per_rank[0][1].items():
         assert once == again, comm_type  # the masks depend only on the generator state
         assert abs(once - no_dropout) > 1e-3 * abs(no_dropout), comm_type  # dropout acted
         assert abs(numeric - analytic) < 1e-6 * max(1.0, abs(analytic)), (comm_type, numeric,
                                                                           analytic)
+    # bf16: the ring's dV is the fp32 sum over the CP ranks' blocks rounded once (within
+    # half a bf16 step of the exact sum); a bf16 accumulator rounds at every hop. (dK also
+    # carries the bf16 output through D = rowsum(dO * O), whatever the accumulator.)
+    q, k, v, dout = (t.double() for t in full_inputs("gqa", seed=3, dtype=torch.bfloat16))
+    dv_ref = reference(q, k, v, dout)[3]
+    dv = torch.empty_like(dv_ref)
+    for rank, (_, _, (dk_rank, dv_rank)) in enumerate(per_rank):
+        assert dk_rank.dtype == dv_rank.dtype == torch.bfloat16
+        dv[:, local_rows(cp, rank)] = dv_rank.double()
+    assert bf16_ulps(dv, dv_ref).max() <= 0.5 + 1e-3, (cp, bf16_ulps(dv, dv_ref).max())
 
 
 # ---------------------------------------------------------------- one process
@@ -300,6 +331,19 @@ def test_cp_backend_check():
         cp_backend_check("unfused", "a2a", 0.0)
     with pytest.raises(ConfigError, match="--attention-backend fused"):
         cp_backend_check("fused", "p2p", 0.0)
+
+
+@pytest.mark.parametrize("capability, head_dim, runs", [
+    ((8, 0), 256, True), ((9, 0), 224, True), ((8, 0), 224, True),
+    ((8, 6), 192, True), ((8, 6), 200, False), ((8, 9), 224, False), ((8, 9), 256, True),
+    ((12, 0), 224, False), ((7, 5), 64, False), ((9, 0), 264, False), ((9, 0), 100, False)])
+def test_cuda_flash_kernel_refuses_what_its_backward_cannot_run(capability, head_dim, runs):
+    """torch's CUDA flash backward (torch 2.13, sdp_utils.cpp) needs sm80+, a head size in
+    steps of 8 up to 256, and on sm86-sm89 and sm120-121 (A10, L4, L40S, RTX) not 200-224;
+    a refused block runs blocks.py under sdpa, a ConfigError under flash (block_kernels)."""
+    reason = fused_blocks.cuda_unavailable_reason(capability, torch.bfloat16, head_dim)
+    assert (reason is None) == runs, reason
+    assert fused_blocks.cuda_unavailable_reason((9, 0), torch.float32, 64) is not None
 
 
 def test_ring_block_kernels_follow_the_attention_backend():

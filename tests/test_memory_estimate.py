@@ -24,10 +24,12 @@ import torch
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.validation import validate_args
+from megalite.memory_estimate.activations import sends_held
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.monitoring.memory import SavedActivations
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
 from megalite.pipeline_parallel.stages import rank_stages
 from megalite.spawn import run_distributed
 from megalite.tensor_parallel.params import is_embedding_copy, is_shared_embedding, partition_dim
@@ -379,15 +381,16 @@ def _zero_over_two_ranks(rank, world_size) -> tuple[dict, me.RankMemory, bool]:
 
 
 def _pipeline_send_buffers(rank, world_size) -> tuple[int, int]:
-    """Bytes of the sends still held when the step's last action is done (the executor
-    waits for them only then), against the planner's m x (send forward + send backward)."""
+    """Bytes of the sends still held when the step's last action is done (those in batches
+    of sends only, which the executor waits for only then), against the planner's."""
     config = make_config(["--pipeline-model-parallel-size", "2", "--bf16"], world_size)
     state = ParallelState(config.parallel.grid, rank)
     held = []
     original = None
 
     def wait_all():
-        held.append(sum(t.numel() * t.element_size() for _, t in runner.comm.pending))
+        held.append(sum(t.numel() * t.element_size()
+                        for _, sends in runner.comm.pending for t in sends))
         original()
     model = build_model(config, state, CPU, None)
     optimizer, grad_buffer = build_optimizer(model, config, state)
@@ -395,8 +398,11 @@ def _pipeline_send_buffers(rank, world_size) -> tuple[int, int]:
     runner = StepRunner(model, optimizer, config, state, CPU, grad_buffer)
     original, runner.comm.wait_all = runner.comm.wait_all, wait_all
     runner.train_step(microbatches(config))
-    chunks = me.rank_chunks(config, state.pp_rank, me.DEVICES["cpu"])
-    return held[0], t.num_microbatches * sum(c.send_forward + c.send_backward for c in chunks)
+    (chunk,) = me.rank_chunks(config, state.pp_rank, me.DEVICES["cpu"])
+    send = {FORWARD: chunk.send_forward, BACKWARD: chunk.send_backward, WEIGHT: 0}
+    actions = build_schedule(2, state.pp_rank, t.num_microbatches)
+    return held[0], sum(send[a.kind] for a, keep in zip(actions, sends_held(config, state.pp_rank))
+                        if keep)
 
 
 def _two_rank_measurements(rank, world_size):

@@ -14,12 +14,17 @@ must deadlock; 1F1B must pair as Megatron does.
 """
 
 import contextlib
+import gc
+import types
+import weakref
 
 import pytest
 import torch
 
+from megalite.pipeline_parallel import p2p
 from megalite.pipeline_parallel.executor import run_schedule
-from megalite.pipeline_parallel.p2p import Transfer, action_messages, communication_plan
+from megalite.pipeline_parallel.p2p import (Message, PipelineCommunicator, Transfer,
+                                            action_messages, communication_plan)
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
 from megalite.pipeline_parallel.stages import rank_stages
 
@@ -217,3 +222,46 @@ def test_executor_posts_the_plan_of_gpipe_and_zb_h1(kind, p, m):
         run_schedule(plan, [chunk], microbatches, comm, lambda out, mb: out.sum(),
                      lambda loss: loss, contextlib.nullcontext)
         assert comm.batches == [b for b in plan.batches if b]
+
+
+class FakeWork:
+    def __init__(self):
+        self.waits = 0
+
+    def wait(self):
+        self.waits += 1
+
+
+def test_communicator_lets_go_of_a_send_once_its_batch_is_waited(monkeypatch):
+    """A batch with a receive is waited for at once: its sent tensors are let go then
+    (not held to the end of the step); a batch of sends only is held until wait_all, which
+    waits for each of its works once (NCCL reads a send until its request completes)."""
+    works = []
+
+    def batch_isend_irecv(ops):
+        works.append(FakeWork())
+        return [works[-1]]
+    monkeypatch.setattr(p2p, "dist", types.SimpleNamespace(
+        isend="isend", irecv="irecv", P2POp=lambda op, tensor, peer, group: (op, tensor),
+        batch_isend_irecv=batch_isend_irecv))
+    comm = object.__new__(PipelineCommunicator)  # no process group: dist is faked above
+    comm.next_rank, comm.prev_rank, comm.group = 1, 1, None
+    comm.shape, comm.dtype, comm.device = (2,), torch.float32, torch.device("cpu")
+    comm.pending, comm.bytes_sent = [], 0
+    sent = [Message(mb, 1, False) for mb in range(3)]
+    outbox = {message: torch.ones(2) for message in sent}
+    alive = [weakref.ref(t.untyped_storage()) for t in outbox.values()]
+    gradient = Message(0, 0, True)
+    # Micro-batch 0's activation goes with a receive, 1's and 2's alone.
+    assert list(comm.exchange([Transfer(True, sent[0]), Transfer(False, gradient)],
+                              outbox)) == [gradient]
+    comm.exchange([Transfer(True, sent[1])], outbox)
+    comm.exchange([Transfer(True, sent[2])], outbox)
+    assert not outbox
+    gc.collect()
+    assert [ref() is not None for ref in alive] == [False, True, True]
+    assert [w.waits for w in works] == [1, 0, 0]
+    comm.wait_all()
+    gc.collect()
+    assert [ref() is not None for ref in alive] == [False, False, False]
+    assert [w.waits for w in works] == [1, 1, 1]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel import weight_grad as weight_grad_module
 from megalite.tensor_parallel.weight_grad import (WeightGradStore, defer_weight_grads,
                                                   linear)
 
@@ -154,6 +155,32 @@ def test_whole_model_b_then_w_equals_one_backward(overrides):
     assert deferred == expected
     for name in one:
         assert torch.equal(one[name], split[name]), name
+
+
+def test_w_pass_is_one_engine_call_holding_one_weight_gradient_at_a_time(monkeypatch):
+    """The W pass enters the autograd engine once, not once per weight, and the engine
+    accumulates each dA before it computes the next (never all of a stage's at once)."""
+    model = GPTModel(tiny_gpt_config(), seed=5)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    store = WeightGradStore()
+    with defer_weight_grads(store):
+        model(tokens, tokens).sum().backward()
+    deferred = len(store.pending)
+    assert deferred > 4
+    events, engine_calls = [], []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: events.append("accumulated"))
+    compute = weight_grad_module.weight_grad
+    monkeypatch.setattr(weight_grad_module, "weight_grad",
+                        lambda *args: events.append("computed") or compute(*args))
+    for name in ("backward", "grad"):
+        def counted(*args, entry=getattr(torch.autograd, name), name=name, **kwargs):
+            engine_calls.append(name)
+            return entry(*args, **kwargs)
+        monkeypatch.setattr(torch.autograd, name, counted)
+    store.run()
+    assert len(engine_calls) == 1, engine_calls
+    assert events == ["computed", "accumulated"] * deferred
 
 
 def test_one_store_at_a_time():

@@ -134,8 +134,8 @@ def format_table(config: Config, ranks: list[RankMemory], gpu_gib: float,
                   f"{gpu_gib:g} GiB ({100 * worst.total / GiB / gpu_gib:.0f}%): {verdict} "
                   "for transients, the CUDA context, NCCL buffers and fragmentation",
               f"activations of one micro-batch on that rank: "
-              f"{_gib(worst.activations_per_microbatch)} GiB; p2p buffers held to the end of "
-              f"the step: {_gib(worst.p2p_buffers)} GiB"]
+              f"{_gib(worst.activations_per_microbatch)} GiB; p2p send buffers held at the "
+              f"peak: {_gib(worst.p2p_buffers)} GiB"]
     if worst.host:
         lines.append(f"host memory per GPU (--optimizer-cpu-offload): {_gib(worst.host)} GiB")
     return "\n".join(lines)

@@ -24,7 +24,8 @@ Communication per rank per call, B = bytes of this rank's K (or V) shard, b·(s/
 - all_gather: forward 2(CP-1)B (all-gather of K and V), backward 2(CP-1)B (reduce-scatter
   of dK and dV).
 - p2p: forward 2(CP-1)B (CP-1 ring steps of a K/V block), backward 2(CP-1)B (the K/V blocks
-  again) + 2·CP·B (the dK/dV accumulators: CP hops, the last one home).
+  again) + 2·CP·A (the dK/dV accumulators: CP hops, the last one home; A is B in fp32,
+  the accumulators' dtype, ring.py: 2B for bf16 K/V).
 """
 
 import math
@@ -101,11 +102,11 @@ def cp_comm_bytes(comm_type: str, *, cp_size: int, batch: int, seq_length: int, 
         raise ValueError(f"comm_type {comm_type!r} is not one of {COMM_TYPES}")
     if cp_size == 1:
         return CommBytes(0, 0)
-    shard = batch * (seq_length // cp_size) * kv_heads * head_dim * element_size  # B
-    kv_ring = 2 * (cp_size - 1) * shard
+    elements = batch * (seq_length // cp_size) * kv_heads * head_dim
+    kv_ring = 2 * (cp_size - 1) * elements * element_size  # 2(CP-1)B
     if comm_type == "all_gather":
         return CommBytes(kv_ring, kv_ring)
-    return CommBytes(kv_ring, kv_ring + 2 * cp_size * shard)
+    return CommBytes(kv_ring, kv_ring + 2 * cp_size * elements * max(element_size, 4))
 
 
 # all_gather

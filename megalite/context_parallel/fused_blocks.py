@@ -11,15 +11,16 @@ TransformerEngine's ring and torch's own context parallel
 Kernels (torch.ops.aten, layout [b, heads, s, d]; megalite's [b, s, heads, d] is a view):
 - CPU: _scaled_dot_product_flash_attention_for_cpu and its _backward (any float dtype).
 - CUDA: _scaled_dot_product_flash_attention and its _backward (fp16/bf16, head dim a
-  multiple of 8 up to 256, sm80+). The CUDA path is written against torch 2.13's schemas
-  and has NOT been run on a GPU.
+  multiple of 8 up to 256, sm80+; `cuda_unavailable_reason`). The CUDA path is written
+  against torch 2.13's schemas and has NOT been run on a GPU.
 
 Differences from the kernels' own conventions, handled here:
 - Causal masks: the ring's are aligned to the lower right, is_causal to the upper left. A
   causal block with more keys than rows (the c x 2c diagonal block) runs as an unmasked
   block of the first s_k - s_q keys plus a causal square of the last s_q, merged.
-- GQA: the kernels take as many K/V heads as query heads: K and V are repeated over each
-  group (query head i reads K/V head i // (heads / kv_heads)) and dK, dV summed back.
+- GQA: none to handle. Both kernels take fewer K/V heads than query heads (query head i
+  reads K/V head i // (heads / kv_heads), as SDPA's enable_gqa, which calls them so) and
+  return dK, dV per K/V head, summed over the group inside the op.
 - Dtypes: q, k, v in their own dtype, the log-sum-exp in fp32 (fp64 for fp64 inputs);
   out, lse, dq, dk, dv are returned in (at least) fp32, as blocks.py's, so the merge and
   the ring's accumulators stay in fp32. Each block's output is rounded to the input dtype
@@ -42,14 +43,29 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
         return None
     if device.type != "cuda":
         return f"torch has no fused flash kernel with a log-sum-exp on {device.type}"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch build has no CUDA flash kernel"
+    return cuda_unavailable_reason(torch.cuda.get_device_capability(device), dtype, head_dim)
+
+
+def cuda_unavailable_reason(capability: tuple[int, int], dtype: torch.dtype,
+                            head_dim: int) -> str | None:
+    """Why torch's CUDA flash kernel cannot run the ring's blocks, forward and backward
+    without dropout, on a GPU of this compute capability (None when it can)."""
+    if capability < (8, 0):
+        return "torch's CUDA flash kernel needs an sm80 or newer GPU"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"torch's CUDA flash kernel needs fp16 or bf16 (--fp16/--bf16), not {dtype}"
     if head_dim % 8 or head_dim > 256:
         return f"torch's CUDA flash kernel needs a head size <= 256 in steps of 8, not {head_dim}"
-    if not torch.backends.cuda.is_flash_attention_available():
-        return "this torch build has no CUDA flash kernel"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return "torch's CUDA flash kernel needs an sm80 or newer GPU"
+    # The backward's kernel for head sizes 200-224 needs more shared memory than these
+    # GPUs have (A10, L4, L40S, RTX 30/40/50); torch's SDPA gate refuses them the same way
+    # (sdp_utils.cpp, check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120).
+    # 232-256 runs there without dropout, which these blocks never have.
+    if ((8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1)) and \
+            192 < head_dim <= 224:
+        return (f"torch's CUDA flash backward on sm{capability[0]}{capability[1]} cannot run "
+                f"head size {head_dim} (head sizes 200-224 need an sm80 or sm90 GPU)")
     return None
 
 
@@ -63,18 +79,6 @@ def _parts(s_q: int, s_k: int, causal: bool) -> list[tuple[slice, bool]]:
                          f"with no key; the ring never computes one")
     early = [(slice(0, s_k - s_q), False)] if s_k > s_q else []
     return early + [(slice(s_k - s_q, s_k), True)]
-
-
-def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """[b, s, kv_heads, d] -> [b, s, heads, d], each K/V head repeated over its group."""
-    return t if t.shape[2] == heads else t.repeat_interleave(heads // t.shape[2], dim=2)
-
-
-def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[b, s, heads, d] -> [b, s, kv_heads, d] in fp32: each group's gradients summed."""
-    b, s, heads, d = grad.shape
-    acc = torch.promote_types(grad.dtype, torch.float32)
-    return grad.to(acc).view(b, s, kv_heads, heads // kv_heads, d).sum(dim=3)
 
 
 def _kernel_forward(q, k, v, causal: bool, scale: float):
@@ -109,10 +113,10 @@ def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0
     if dropout_p > 0:
         raise ValueError("the fused ring blocks have no dropout; ring.py runs blocks.py")
     acc = torch.promote_types(q.dtype, torch.float32)
-    heads, out, lse, states = q.shape[2], None, None, []
+    out, lse, states = None, None, []
     for keys, part_causal in _parts(q.shape[1], k.shape[1], causal):
-        part_out, part_lse, state = _kernel_forward(
-            q, _repeat_kv(k[:, keys], heads), _repeat_kv(v[:, keys], heads), part_causal, scale)
+        part_out, part_lse, state = _kernel_forward(q, k[:, keys], v[:, keys], part_causal,
+                                                    scale)
         part_out, part_lse = part_out.to(acc), part_lse.to(acc)
         states.append(state)
         out, lse = ((part_out, part_lse) if out is None
@@ -128,17 +132,15 @@ def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
         raise ValueError("the fused ring blocks have no dropout; ring.py runs blocks.py")
     parts = _parts(q.shape[1], k.shape[1], causal)
     states = rng_state if rng_state is not None else [None] * len(parts)
-    heads, kv_heads = q.shape[2], k.shape[2]
     dout, out = dout.to(q.dtype), out.to(q.dtype)
     # The kernels read the log-sum-exp as a contiguous [b, heads, s_q] (torch's ring does
     # the same for its slices); the kernel's own dtype is fp32 (fp64 for fp64 inputs).
     lse = lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous()
     dq, dks, dvs = 0, [], []
     for (keys, part_causal), state in zip(parts, states):
-        dq_p, dk_p, dv_p = _kernel_backward(
-            dout, q, _repeat_kv(k[:, keys], heads), _repeat_kv(v[:, keys], heads), out, lse,
-            part_causal, scale, state)
+        dq_p, dk_p, dv_p = _kernel_backward(dout, q, k[:, keys], v[:, keys], out, lse,
+                                            part_causal, scale, state)
         dq = dq + dq_p.to(lse.dtype)
-        dks.append(_sum_groups(dk_p, kv_heads))
-        dvs.append(_sum_groups(dv_p, kv_heads))
+        dks.append(dk_p.to(lse.dtype))
+        dvs.append(dv_p.to(lse.dtype))
     return dq, torch.cat(dks, dim=1), torch.cat(dvs, dim=1)

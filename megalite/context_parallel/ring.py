@@ -24,6 +24,8 @@ kernels lack under sdpa, run blocks.py (exact either way).
 Backward walks the same ring: each rank recomputes its blocks from the saved q, k, v, out,
 lse (block_backward), adds the block's dK/dV to the accumulator that arrived with it
 and sends that on; after CP hops every accumulator is back home holding the sum over ranks.
+The accumulators are fp32 (as torch's context parallel's), rounded to the K/V dtype once
+at home: in bf16 each hop would round the partial sum again.
 """
 
 import torch
@@ -150,14 +152,15 @@ class _RingAttention(torch.autograd.Function):
                 grads.append((keys, dk_b, dv_b))
             # The block's accumulator: what earlier ranks added (none at t = 0, the block
             # starts here) plus this rank's part; then it moves on with the block.
-            dkv = torch.zeros_like(kv) if t == 0 else ring.wait(dkv_pending)
+            dkv = (torch.zeros_like(kv, dtype=dq.dtype) if t == 0
+                   else ring.wait(dkv_pending))
             for keys, dk_b, dv_b in grads:
-                dkv[0][:, keys] += dk_b.to(dkv.dtype)
-                dkv[1][:, keys] += dv_b.to(dkv.dtype)
+                dkv[0][:, keys] += dk_b
+                dkv[1][:, keys] += dv_b
             dkv_pending = ring.start(dkv)
             if kv_pending is not None:
                 kv = ring.wait(kv_pending)
-        dk, dv = ring.wait(dkv_pending)  # this rank's own block, home after CP hops
+        dk, dv = ring.wait(dkv_pending).to(k.dtype)  # this rank's own block, home after CP hops
         return dq.to(q.dtype), dk, dv, None, None, None, None
 
 

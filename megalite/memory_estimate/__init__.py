@@ -35,7 +35,7 @@ class RankMemory:
     microbatches_in_flight: float
     """Most micro-batches whose backward has not run, in units of all v chunks."""
     p2p_buffers: int = 0
-    """Part of `activations`: sent activations and gradients held until the step ends."""
+    """Part of `activations`: sent activations and gradients still held at its peak."""
     host: int = 0
     """Bytes in host memory, not in `total` (--optimizer-cpu-offload: the optimizer's
     shards of main parameters, moments and gradients)."""

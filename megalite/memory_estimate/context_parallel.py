@@ -67,11 +67,12 @@ def cp_core_attention_bytes(config, shape) -> int | None:
 
 def cp_attention_working_set(config, shape) -> int:
     """One layer's transient CP buffers in backward: p2p holds a K/V block and the next
-    one arriving, a dK/dV accumulator and the one arriving, and an fp32 dQ; all_gather the
-    gradient of the gathered K/V before its reduce-scatter."""
+    one arriving, an fp32 dK/dV accumulator and the one arriving, and an fp32 dQ; all_gather
+    the gradient of the gathered K/V before its reduce-scatter."""
     if shape.cp == 1:
         return 0
     kv_block = 2 * shape.act_bytes * shape.tokens * shape.kv_width
     if config.model.cp_comm_type == "p2p":
-        return 4 * kv_block + 4 * shape.tokens * shape.query_width
+        accumulator = 2 * max(shape.act_bytes, 4) * shape.tokens * shape.kv_width
+        return 2 * kv_block + 2 * accumulator + 4 * shape.tokens * shape.query_width
     return kv_block * shape.cp

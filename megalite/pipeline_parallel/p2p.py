@@ -62,6 +62,12 @@ class RankPlan:
     batches: list[list[Transfer]]  # batches[j] is posted before actions[j]; one more after
     stages: list[Stage]            # this rank's chunks
 
+    def sends_held(self) -> list[bool]:
+        """Per action, whether what it sends is held until the step ends: its batch (the
+        one after it) has no receive, so nothing waits for it before wait_all. A batch
+        with a receive is waited for at once, and its sent tensors are let go."""
+        return [all(t.send for t in batch) for batch in self.batches[1:]]
+
 
 def action_messages(action: Action, stage: Stage) -> tuple[Message | None, Message | None]:
     """(the message `action` waits for, the one it sends): a forward takes the previous
@@ -135,7 +141,7 @@ class PipelineCommunicator:
                                    state.cp_rank)
         self.group = state.pp_group
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.pending: list = []  # (works to wait, tensor) per send, held until wait_all
+        self.pending: list = []  # (works, sent tensors) of batches not waited for yet
         self.bytes_sent = 0
 
     def exchange(self, batch: list[Transfer], outbox: dict) -> dict:
@@ -154,11 +160,11 @@ class PipelineCommunicator:
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, self.group))
         works = dist.batch_isend_irecv(ops)  # NCCL returns one work for the whole batch
         if received:
-            for work in works:
+            for work in works:  # each once: a gloo work waited twice blocks forever
                 work.wait()
-            works = []  # a gloo work waited twice blocks forever
-        # Sent tensors are held until wait_all; the batch's works are waited once.
-        self.pending += [(works if i == 0 else [], t) for i, t in enumerate(sends)]
+        elif sends:
+            # NCCL reads a sent tensor until its request completes: keep it until then.
+            self.pending.append((works, sends))
         return received
 
     def _checked(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -170,6 +176,7 @@ class PipelineCommunicator:
         return tensor
 
     def wait_all(self):
+        """Wait for the batches of sends only (RankPlan.sends_held)."""
         for works, _ in self.pending:
             for work in works:
                 work.wait()

@@ -9,10 +9,12 @@ backward computes dX (and the bias gradient, cheap and needed by nobody later) a
 (A, X, dY) in the store instead of computing dA; `store.run()` (that micro-batch's W pass)
 computes each dA and accumulates it into A.grad through autograd's own accumulation, so
 the gradient buffer's hooks (readiness, overlapped reduction, fp32 main grads) see the W
-pass exactly as they see a backward. Nothing else of the graph is kept: X is what the
-forward saved anyway, dY what backward would have dropped. Outside the context the
-backward computes dA at once, with the same kernels, so B then W gives bit for bit the
-gradients of one backward.
+pass exactly as they see a backward. The W pass is one call of the autograd engine: each
+deferred dA is a root (`_DeferredWeightGrad`) whose backward computes it, and the engine
+accumulates a parameter's gradient as soon as it arrives, so one dA is alive at a time.
+Nothing else of the graph is kept: X is what the forward saved anyway, dY what backward
+would have dropped. Outside the context the backward computes dA at once, with the same
+kernels, so B then W gives bit for bit the gradients of one backward.
 
 Parameters outside linear layers (norms, embeddings, biases) get their gradients in B.
 """
@@ -35,9 +37,26 @@ class WeightGradStore:
 
     def run(self):
         """Compute every deferred dA = dY^T X and accumulate it into A.grad."""
-        while self.pending:
-            weight, x, grad_output = self.pending.pop()
-            torch.autograd.backward(weight, weight_grad(x, grad_output))
+        # X and dY detached: the engine must not walk back into the B pass's freed graph.
+        roots = [_DeferredWeightGrad.apply(weight, x.detach(), grad_output.detach())
+                 for weight, x, grad_output in self.pending]
+        self.pending.clear()
+        if roots:
+            torch.autograd.backward(roots, [root.new_empty(0) for root in roots])
+
+
+class _DeferredWeightGrad(torch.autograd.Function):
+    """An empty tensor standing for one deferred dA: its backward computes dA and hands
+    it to the weight's own gradient edge."""
+
+    @staticmethod
+    def forward(ctx, weight, x, grad_output):
+        ctx.save_for_backward(x, grad_output)
+        return weight.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        return weight_grad(*ctx.saved_tensors), None, None
 
 
 def weight_grad_deferred(param: torch.Tensor) -> bool:
