@@ -122,8 +122,9 @@ def test_mfu_is_throughput_over_the_peak(level_1, level_2):
 def test_scaling_efficiency_is_tokens_per_second_per_gpu_over_the_baseline(level_1, level_2):
     # One process and --scaling-baseline-tokens-per-sec 100 (level 1 only).
     for log in level_1[1]:
-        assert float(log["scaling"]) == pytest.approx(float(log["tps"]) / 100 * 100, abs=0.06)
-    assert all(log["scaling"] is None for log in level_2[1])
+        assert log["scaling_efficiency_percent"] == pytest.approx(
+            log["tokens_per_second"] / 100 * 100, abs=0.06)
+    assert all(log["scaling_efficiency_percent"] is None for log in level_2[1])
 
 
 def test_memory_on_the_log_line_and_in_tensorboard(level_2):

@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from megalite.atomic_write import atomic_path
 from megalite.megatron_checkpoint.optimizer_state import megatron_param_groups
 from megalite.megatron_checkpoint.reader import LEGACY_FILE, iteration_dir, legacy_rank_dir
 from megalite.megatron_checkpoint.safe_pickle import torch_load
@@ -49,7 +50,10 @@ def add_adam_state(megatron_dir: str) -> int:
     for p in params.values():
         p.grad = torch.randn(p.shape, generator=generator)
     adam.step()
-    torch.save({**record, "optimizer": adam.state_dict()}, path)
+    # A new file renamed over the old: `record`'s tensors are memory-mapped from the old one,
+    # and writing it in place would truncate them under the save (SIGBUS).
+    with atomic_path(path) as staging:
+        torch.save({**record, "optimizer": adam.state_dict()}, staging)
     return 1
 
 
