@@ -102,8 +102,8 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     seed = config.training.seed
     # Megatron's --bf16/--fp16: the model's parameters (and so its activations) in half
     # precision, built on `device` in that dtype (initial values drawn there in fp32 and
-    # rounded); the optimizer keeps fp32 main copies. FSDP2 builds on `meta` and gives
-    # each rank's shards the same values after sharding (fully_shard_model).
+    # rounded); the optimizer keeps fp32 main copies. FSDP2 builds on `meta`, shards
+    # (fully_shard_model), then gives each rank's shards the same values (_initialize_sharded).
     fsdp = config.parallel.use_torch_fsdp2
     chunks = build_model_chunks(
         model_config, seed, state.pp_rank, state.pp_size,
