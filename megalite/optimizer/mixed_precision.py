@@ -50,7 +50,6 @@ class MixedPrecisionOptimizer(Optimizer):
         self.sharded = grad_buffer.shard
         # --optimizer-cpu-offload: main parameters, moments and the step on the host.
         self.host = HostOffload(grad_buffer) if cpu_offload else None
-        self.host_step = cpu_offload
         self.dp_group = grad_buffer.group
         self.param_buffers = [_adopt_params(b) for b in grad_buffer.buckets]
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
@@ -69,6 +68,10 @@ class MixedPrecisionOptimizer(Optimizer):
             return 0, bucket.numel
         rank = self.grad_buffer.dp_rank
         return rank * bucket.shard_size, (rank + 1) * bucket.shard_size
+
+    @property
+    def host_step(self) -> bool:
+        return self.host is not None
 
     def _owned_segments(self) -> list[Segment]:
         segments = []
