@@ -4,6 +4,7 @@ norms, the same gradients after the first step, the same parameters after the la
 the same evaluation loss (docs/design.md §3, §5)."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -82,20 +83,27 @@ def run(config, chunks, state, mode="plain"):
     return steps, first_grads, evaluation
 
 
+@functools.cache
+def reference_run(tied):
+    """The single-process run every layout of one tying is compared with (computed once)."""
+    ref_config = dataclasses.replace(BASE, untie_embeddings_and_output_weights=not tied)
+    reference = torch.nn.ModuleList([GPTModel(ref_config, seed=9)])
+    ref_steps, ref_grads, ref_eval = run(ref_config, reference, None)
+    return ref_steps, ref_grads, ref_eval, dict(reference[0].named_parameters())
+
+
 def compare_layout(rank, tp, pp, v, dp, mode, tied) -> list[str]:
     state = ParallelState(RankGrid(tp * pp * dp, tp, pp), rank)
-    ref_config = dataclasses.replace(BASE, untie_embeddings_and_output_weights=not tied)
-    config = dataclasses.replace(ref_config, padded_vocab_size=pad_vocab_size(VOCAB, 8, tp),
+    config = dataclasses.replace(BASE, untie_embeddings_and_output_weights=not tied,
+                                 padded_vocab_size=pad_vocab_size(VOCAB, 8, tp),
                                  sequence_parallel=tp > 1)
-    reference = torch.nn.ModuleList([GPTModel(ref_config, seed=9)])
     chunks = build_model_chunks(config, 9, state.pp_rank, pp, v, state.tp_group)
-    ref_steps, ref_grads, ref_eval = run(ref_config, reference, None)
+    ref_steps, ref_grads, ref_eval, ref_params = reference_run(tied)
     steps, grads, evaluation = run(config, chunks, state, mode)
     last_stage = state.pp_rank == pp - 1
     problems = step_problems(steps, ref_steps, last_stage)
     if last_stage and abs(evaluation[0] / evaluation[1] - ref_eval[0] / ref_eval[1]) > 1e-5:
         problems.append(f"eval loss {evaluation} vs {ref_eval}")
-    ref_params = dict(reference[0].named_parameters())
     for name, param in chunks.named_parameters():
         ref_name = reference_name(name, param)
         # Adam divides each gradient by its own running RMS, so a gradient that is zero in
