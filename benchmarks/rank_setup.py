@@ -6,7 +6,6 @@ import argparse
 import torch
 
 from megalite.spawn import run_distributed
-from smoke import ON as SMOKE
 
 
 def add_device_flag(parser: argparse.ArgumentParser):
@@ -19,13 +18,6 @@ def describe(device_type: str) -> str:
     return f"{gpus} GPU(s), NCCL" if gpus else "the CPU, gloo"
 
 
-def start_method(device_type: str) -> str:
-    """How torch.multiprocessing starts the ranks: "fork" in SMOKE mode on the CPU, where
-    "spawn" would re-import torch in every rank of every launch (seconds each on a shared
-    2-core machine); "spawn" otherwise, as the measured runs were made (CUDA cannot fork)."""
-    return "fork" if SMOKE and device_type == "cpu" else "spawn"
-
-
 def rank_device(rank: int, device_type: str) -> torch.device:
     """The device of `rank` under megalite.spawn.run_distributed: GPU `rank` on cuda."""
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
@@ -34,5 +26,4 @@ def rank_device(rank: int, device_type: str) -> torch.device:
 def launch(world: int, fn, *args, device_type: str = "cpu") -> list:
     """fn(rank, world, *args) on `world` ranks of `device_type`; each rank's return value.
     No time limit: a measurement takes as long as it takes."""
-    return run_distributed(world, fn, *args, timeout=None, device_type=device_type,
-                           start_method=start_method(device_type))
+    return run_distributed(world, fn, *args, timeout=None, device_type=device_type)

@@ -6,9 +6,15 @@ launch ranks (training itself is launched by torchrun).
 starts `world_size` processes; each joins a process group (gloo on the CPU; NCCL with
 `device_type="cuda"`, rank r on GPU r) through a file:// rendezvous in a fresh temporary
 directory, runs `fn(rank, world_size, *args)` with one intra-op thread, and destroys the
-group. Under "spawn" `fn` must be a module-level function of an importable module (or of
-the script being run): it is pickled by name. Returns each rank's return value
-(picklable), indexed by rank.
+group. `fn` must be a module-level function of an importable module (or of the script
+being run): it is pickled by name. Returns each rank's return value (picklable), indexed
+by rank.
+
+Ranks start from a "forkserver": one clean process, started at the first launch, that has
+imported torch and megalite's training stack and forks every rank of every later launch.
+Under "spawn" each rank re-imports them (seconds per rank on a small machine: most of a
+test's time); a plain "fork" of the caller would copy whatever threads and state it has.
+The ranks see the environment as it was when the server started.
 
 A rank that raises makes run_distributed raise RankFailure with that rank's traceback; the
 other ranks are killed at once (they would otherwise wait forever in a collective). A run
@@ -27,6 +33,10 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# What the forkserver imports once for every rank it forks (names, not imports: the server
+# imports them; megalite.training pulls in the model, the parallel layers and the data).
+FORKSERVER_PRELOAD = ["torch", "megalite.training"]
 
 
 class RankFailure(AssertionError):
@@ -61,8 +71,10 @@ def _worker(rank, world_size, workdir, timeout, device_type, fn, args):
 
 
 def run_distributed(world_size: int, fn, *args, timeout: float | None = 120,
-                    device_type: str = "cpu", start_method: str = "spawn") -> list:
+                    device_type: str = "cpu", start_method: str = "forkserver") -> list:
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # ignored once the server runs
     with tempfile.TemporaryDirectory(prefix="megalite-dist-") as workdir:
         procs = [ctx.Process(target=_worker, args=(rank, world_size, workdir, timeout,
                                                    device_type, fn, args))
