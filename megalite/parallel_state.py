@@ -8,6 +8,7 @@ are far apart. With CP = 1 the CP axis vanishes. The arithmetic is pure (`RankGr
 is tested without processes; `ParallelState` builds the torch.distributed groups from it once.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,7 @@ class RankGrid:
             coords = {"t": t, "c": self.context_rank(rank), "d": d, "p": p}
             groups.setdefault(tuple(coords[a] for a in fixed), []).append(rank)
         for ranks in groups.values():
-            if len(ranks) != _product(sizes[a] for a in axes):
+            if len(ranks) != math.prod(sizes[a] for a in axes):
                 raise RuntimeError(f"rank grid bug: group {ranks} for axes {axes}")
         return sorted(groups.values())
 
@@ -144,13 +145,6 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, async_op: boo
         out, x, group=group, async_op=async_op)
 
 
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 class ParallelState:
     """This rank's coordinates and the process groups it belongs to.
 
@@ -179,14 +173,10 @@ class ParallelState:
         return cls(RankGrid(1), 0, make_groups=False)
 
     def _make(self, all_ranks: list[list[int]]):
-        mine = None
         if not self._make_groups:
-            return mine
-        for ranks in all_ranks:
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        return mine
+            return None
+        groups = [dist.new_group(ranks) for ranks in all_ranks]
+        return next((g for g, ranks in zip(groups, all_ranks) if self.rank in ranks), None)
 
     @property
     def tp_size(self) -> int:
