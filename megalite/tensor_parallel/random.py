@@ -73,6 +73,12 @@ class RNGStatesTracker:
         self.states = {name: state.clone() for name, state in states.items()}
 
 
+def model_parallel_rng(tracker: RNGStatesTracker | None, fork: bool = True):
+    """`tracker.fork()` for draws that must differ per TP (and CP) rank; the default
+    generator when there is no tracker or no `fork`."""
+    return tracker.fork() if tracker is not None and fork else contextlib.nullcontext()
+
+
 def build_rng_tracker(seed: int, tp_rank: int, device, cp_rank: int = 0,
                       tp_size: int = 1) -> RNGStatesTracker:
     """A tracker holding the per-TP-rank "model-parallel-rng" state; under context
