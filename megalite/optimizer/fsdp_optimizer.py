@@ -35,12 +35,8 @@ class FullyShardedOptimizer(Optimizer):
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
 
     def _owned_segments(self) -> list[Segment]:
-        segments = []
-        for p in self.params:
-            start, end = local_shard_range(p)
-            # A detached alias of FSDP's sharded storage: updating it updates the model.
-            segments.append(Segment(p, start, end, p.to_local().detach()))
-        return segments
+        # A detached alias of FSDP's sharded storage: updating it updates the model.
+        return [Segment(p, *local_shard_range(p), p.to_local().detach()) for p in self.params]
 
     def _reduce_groups(self) -> list:
         return [self.dp_group, self.model_parallel_group]

@@ -52,6 +52,8 @@ class MixedPrecisionOptimizer(Optimizer):
         self.host = HostOffload(grad_buffer) if cpu_offload else None
         self.dp_group = grad_buffer.group
         self.param_buffers = [_adopt_params(b) for b in grad_buffer.buckets]
+        self._owned_params = [flat[slice(*self._owned_range(b))]
+                              for b, flat in zip(grad_buffer.buckets, self.param_buffers)]
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
         self._param_views = [self.param_buffers[s.bucket][s.flat] for s in self.segments]
         self._gathers: list = [None] * len(self.param_buffers)
@@ -78,7 +80,7 @@ class MixedPrecisionOptimizer(Optimizer):
         for index, bucket in enumerate(self.grad_buffer.buckets):
             lo, hi = self._owned_range(bucket)
             host = None if self.host is None else \
-                self.host.main_params(index, self.param_buffers[index][lo:hi])
+                self.host.main_params(index, self._owned_params[index])
             for p, offset in zip(bucket.params, bucket.offsets):
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
@@ -102,38 +104,31 @@ class MixedPrecisionOptimizer(Optimizer):
     def _copy_main_to_params(self):
         """Each rank's updated shard, rounded to the parameters' dtype, to every rank."""
         if self.host is not None:
-            for i, (bucket, flat) in enumerate(zip(self.grad_buffer.buckets,
-                                                   self.param_buffers)):
-                lo, hi = self._owned_range(bucket)
-                self.host.copy_main_params(i, flat[lo:hi])
+            for i, owned in enumerate(self._owned_params):
+                self.host.copy_main_params(i, owned)
         else:
             torch._foreach_copy_(self._param_views, [s.main for s in self.segments])
         if not self.sharded or self.grad_buffer.dp == 1:
             return
         with self.timers("params-all-gather"):
-            for i, (bucket, flat) in enumerate(zip(self.grad_buffer.buckets,
-                                                   self.param_buffers)):
-                lo, _ = self._owned_range(bucket)
-                self._gathers[i] = all_gather_into(flat, flat[lo:lo + bucket.shard_size],
-                                                   self.dp_group, async_op=True)
+            for i, (flat, owned) in enumerate(zip(self.param_buffers, self._owned_params)):
+                self._gathers[i] = all_gather_into(flat, owned, self.dp_group, async_op=True)
             if not self.overlap_param_gather:
                 self.finish_param_gather()
 
     def _wait_for_bucket_in_forward(self, index: int):
         if self._gathers[index] is not None:
             with self.timers("params-all-gather"):
-                self._wait_for_bucket(index)
-
-    def _wait_for_bucket(self, index: int):
-        if self._gathers[index] is not None:
-            self._gathers[index].wait()
+                self._gathers[index].wait()
             self._gathers[index] = None
 
     def finish_param_gather(self):
         """Wait for every parameter all-gather still in flight: before reading the
         parameters outside a forward (saving a checkpoint, comparing them in a test)."""
-        for i in range(len(self._gathers)):
-            self._wait_for_bucket(i)
+        for work in self._gathers:
+            if work is not None:
+                work.wait()
+        self._gathers = [None] * len(self._gathers)
 
     @torch.no_grad()
     def reload_main_params(self):
