@@ -26,12 +26,10 @@ def _check_divisible(x: torch.Tensor, dim: int, parts: int, op: str):
                           f"{x.shape[dim]}, not divisible by the tensor-parallel size {parts}")
 
 
-# The collectives. Each returns a new tensor and never writes into its input, which autograd
-# may have saved for backward.
+# The collectives, over a group of more than one rank (`_operator` skips them on one). Each
+# returns a new tensor and never writes into its input, which autograd may have saved.
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
@@ -39,20 +37,14 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 def _split(x: torch.Tensor, dim: int, group, op: str) -> torch.Tensor:
     """This rank's contiguous chunk of `dim`."""
-    tp = group_size(group)
-    if tp == 1:
-        return x
-    _check_divisible(x, dim, tp, op)
-    return x.chunk(tp, dim=dim)[group_rank(group)].contiguous()
+    _check_divisible(x, dim, group_size(group), op)
+    return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
 
 
 def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[n, ...] on each rank -> [tp * n, ...], rank 0's block first."""
-    tp = group_size(group)
-    if tp == 1:
-        return x
     x = x.contiguous()
-    out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
     all_gather_into(out, x, group=group)
     return out
 
@@ -60,33 +52,29 @@ def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[..., n] on each rank -> [..., tp * n]: gather along dim 0, then move the rank blocks."""
     tp = group_size(group)
-    if tp == 1:
-        return x
     stacked = _all_gather_first_dim(x, group).view(tp, *x.shape)     # [tp, ..., n]
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], tp * x.shape[-1])
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group, op: str) -> torch.Tensor:
     """[n, ...] on each rank -> this rank's [n / tp, ...] block of the sum over ranks."""
-    tp = group_size(group)
-    if tp == 1:
-        return x
-    _check_divisible(x, 0, tp, op)
+    _check_divisible(x, 0, group_size(group), op)
     x = x.contiguous()
-    out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
+    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
     reduce_scatter_into(out, x, group=group)
     return out
 
 
 def _operator(name: str, forward, backward):
     """An autograd operator: `forward(x, group)` on the way in, `backward(grad, group)` on
-    its gradient. Each pair below is a collective and its conjugate."""
+    its gradient, both the identity on a group of one. Each pair below is a collective and
+    its conjugate."""
     def fwd(ctx, x, group):
         ctx.group = group
-        return forward(x, group)
+        return forward(x, group) if group_size(group) > 1 else x
 
     def bwd(ctx, grad):
-        return backward(grad, ctx.group), None
+        return (backward(grad, ctx.group) if group_size(ctx.group) > 1 else grad), None
 
     return type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(fwd), "backward": staticmethod(bwd)}).apply
