@@ -113,8 +113,12 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend
     if backend not in _KERNELS:
         raise ValueError(f"backend {backend!r} is not one of {tuple(_KERNELS)}; "
                          "pass the result of resolve_backend()")
+    return _KERNELS[backend](q, k, v, dropout_p, checked_scale(q, k, softmax_scale))
+
+
+def checked_scale(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None) -> float:
+    """softmax_scale, default 1/sqrt(d), once q's heads are checked to be a multiple of k's."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads is not a multiple of "
                          f"{k.shape[2]} key/value heads")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _KERNELS[backend](q, k, v, dropout_p, scale)
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -28,12 +28,11 @@ Communication per rank per call, B = bytes of this rank's K (or V) shard, b·(s/
   the accumulators' dtype, ring.py: 2B for bf16 K/V).
 """
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from megalite.attention_backends import BACKENDS, core_attention
+from megalite.attention_backends import BACKENDS, checked_scale, core_attention
 from megalite.context_parallel.ring import ring_attention
 from megalite.context_split import load_balanced_chunks
 from megalite.errors import ConfigError
@@ -74,10 +73,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if q.shape[1] % 2 or k.shape[1] != q.shape[1]:
         raise ValueError(f"context-parallel attention needs the same even number of local "
                          f"query and key rows (two chunks), got {q.shape[1]} and {k.shape[1]}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"{q.shape[2]} query heads is not a multiple of "
-                         f"{k.shape[2]} key/value heads")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = checked_scale(q, k, softmax_scale)
     if comm_type == "all_gather":
         return _all_gather_attention(q, k, v, cp_group, backend, dropout_p, scale)
     return ring_attention(q, k, v, cp_group, scale, dropout_p, backend)
