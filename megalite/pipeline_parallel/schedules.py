@@ -84,10 +84,7 @@ def _check_rank(pp_size: int, pp_rank: int) -> None:
 def no_pipelining(num_microbatches: int) -> list[Action]:
     """Gradient accumulation on one stage: F0 B0 F1 B1 ... (one activation set alive)."""
     validate_schedule_args(1, num_microbatches, 1)
-    actions = []
-    for i in range(num_microbatches):
-        actions += [Action(FORWARD, i, 0), Action(BACKWARD, i, 0)]
-    return actions
+    return [Action(kind, i, 0) for i in range(num_microbatches) for kind in (FORWARD, BACKWARD)]
 
 
 def warmup_microbatches(pp_size: int, pp_rank: int, num_microbatches: int,
