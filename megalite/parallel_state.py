@@ -158,6 +158,9 @@ class ParallelState:
         self.rank = rank
         self.tp_rank, self.dp_rank, self.pp_rank = grid.coordinates(rank)
         self.cp_rank = grid.context_rank(rank)
+        self.tp_size, self.cp_size = grid.tensor_model_parallel_size, grid.context_parallel_size
+        self.dp_size, self.dp_cp_size = grid.data_parallel_size, grid.dp_cp_size
+        self.pp_size = grid.pipeline_model_parallel_size
         self.tp_group = self._make(grid.tensor_groups())
         self.dp_group = self._make(grid.data_groups())
         self.cp_group = self._make(grid.context_groups())
@@ -177,23 +180,3 @@ class ParallelState:
             return None
         groups = [dist.new_group(ranks) for ranks in all_ranks]
         return next((g for g, ranks in zip(groups, all_ranks) if self.rank in ranks), None)
-
-    @property
-    def tp_size(self) -> int:
-        return self.grid.tensor_model_parallel_size
-
-    @property
-    def pp_size(self) -> int:
-        return self.grid.pipeline_model_parallel_size
-
-    @property
-    def dp_size(self) -> int:
-        return self.grid.data_parallel_size
-
-    @property
-    def cp_size(self) -> int:
-        return self.grid.context_parallel_size
-
-    @property
-    def dp_cp_size(self) -> int:
-        return self.grid.dp_cp_size

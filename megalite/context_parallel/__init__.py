@@ -6,12 +6,7 @@ sequence for this rank's rows, by all-gathering K/V or by ring attention (`--cp-
 """
 
 from megalite.context_parallel.attention import (
-    COMM_TYPES,
-    CommBytes,
-    context_parallel_attention,
-    cp_backend_check,
-    cp_comm_bytes,
-)
+    COMM_TYPES, CommBytes, context_parallel_attention, cp_backend_check, cp_comm_bytes)
 
 __all__ = ["COMM_TYPES", "CommBytes", "context_parallel_attention", "cp_backend_check",
            "cp_comm_bytes"]

@@ -93,15 +93,10 @@ def keeping_tags(module: nn.Module):
 
 def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
     """The submodules of a chunk that become their own FSDP unit, in forward order."""
-    units = []
-    tied_here = chunk.embedding is not None and chunk.output_layer is None and \
-        chunk.post_process
-    if chunk.embedding is not None and not tied_here:
-        units.append(chunk.embedding)
-    units += list(chunk.decoder.layers.values())
-    if chunk.output_layer is not None:
-        units.append(chunk.output_layer)
-    return units
+    tied_here = chunk.output_layer is None and chunk.post_process
+    embedding = [chunk.embedding] if chunk.embedding is not None and not tied_here else []
+    output = [chunk.output_layer] if chunk.output_layer is not None else []
+    return embedding + list(chunk.decoder.layers.values()) + output
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -139,10 +134,9 @@ def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     return first * row, first * row + local.numel()
 
 
-def shard_group(module: nn.Module):
-    """The process group `module`'s FSDP2 parameters are sharded over (apply_fsdp's)."""
-    param = next(p for p in module.parameters() if is_dtensor(p))
-    return param.device_mesh.get_group()
+def shard_group(params):
+    """The process group the FSDP2 parameters among `params` are sharded over (apply_fsdp's)."""
+    return next(p for p in params if is_dtensor(p)).device_mesh.get_group()
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -152,7 +146,7 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     helpers do), so the result may be there."""
     if not is_dtensor(param):
         return param
-    return to_collective_device(param, param.device_mesh.get_group()).full_tensor()
+    return to_collective_device(param, shard_group([param])).full_tensor()
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ class FullyShardedOptimizer(Optimizer):
         self.host_step = cpu_offload  # apply_fsdp's CPUOffloadPolicy put the shards there
         # The group the shards are disjoint over is the one apply_fsdp sharded over (DP, or
         # DP x CP under context parallelism): read from the parameters, not passed again.
-        self.dp_group = shard_group(model)
+        self.dp_group = shard_group(model.parameters())
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
 
     def _owned_segments(self) -> list[Segment]:
