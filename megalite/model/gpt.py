@@ -21,16 +21,14 @@ from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                               gather_from_sequence_parallel_region,
-                                               gather_from_tensor_model_parallel_region,
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
+                                             column_parallel_linear)
+from megalite.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
                                                scatter_to_sequence_parallel_region)
 from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_shared_embedding,
                                              mark_shared_embedding, pad_vocab_rows,
                                              partition_dim, partition_stride, tp_shard)
 from megalite.tensor_parallel.random import checkpoint
-from megalite.tensor_parallel.weight_grad import linear
 
 
 class Embedding(nn.Module):
@@ -225,11 +223,8 @@ class GPTModel(nn.Module):
             # Called as a module, so its forward hooks run (ZeRO-1's deferred gather).
             logits = self.output_layer(x)
         else:  # tied, on the embedding's own stage
-            if self.config.sequence_parallel:
-                x = gather_from_sequence_parallel_region(x, self.tp_group)
-            else:
-                x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-            logits = linear(x, self.embedding.word_embeddings.weight)
+            logits = column_parallel_linear(x, self.embedding.word_embeddings.weight, None,
+                                            self.tp_group, self.config.sequence_parallel)
         if self.padded_vocab_mask is not None:
             logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
         return logits

@@ -27,6 +27,8 @@ bucket: the same fp32 main parameters and moments for the whole model. That is h
 bf16/fp16 parameters are trained under plain data parallelism.
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -59,7 +61,7 @@ class MixedPrecisionOptimizer(Optimizer):
         self._gathers: list = [None] * len(self.param_buffers)
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather:
-            _wait_before_forward(model, grad_buffer, self._wait_for_bucket_in_forward)
+            _wait_before_forward(model, grad_buffer, self._wait_for_buckets_in_forward)
 
     def _reduce_groups(self) -> list:
         # DP shards are disjoint pieces; unsharded, every DP rank holds the same gradients.
@@ -116,11 +118,12 @@ class MixedPrecisionOptimizer(Optimizer):
             if not self.overlap_param_gather:
                 self.finish_param_gather()
 
-    def _wait_for_bucket_in_forward(self, index: int):
-        if self._gathers[index] is not None:
-            with self.timers("params-all-gather"):
-                self._gathers[index].wait()
-            self._gathers[index] = None
+    def _wait_for_buckets_in_forward(self, indices: list[int], _module, _args):
+        for index in indices:
+            if self._gathers[index] is not None:
+                with self.timers("params-all-gather"):
+                    self._gathers[index].wait()
+                self._gathers[index] = None
 
     def finish_param_gather(self):
         """Wait for every parameter all-gather still in flight: before reading the
@@ -170,8 +173,7 @@ class HostOffload:
         """fp32 host copy of a bucket's owned gradient shard."""
         if bucket not in self._grads:
             self._grads[bucket] = self._buffer(shard.numel())
-        host = self._grads[bucket]
-        host.copy_(shard, non_blocking=self.pin)
+        host = self._grads[bucket].copy_(shard, non_blocking=self.pin)
         if self.pin:
             torch.cuda.current_stream(shard.device).synchronize()
         return host
@@ -191,18 +193,11 @@ def _adopt_params(bucket: Bucket) -> torch.Tensor:
 
 
 def _wait_before_forward(model: nn.Module, grad_buffer: GradBuffer, wait):
-    """Forward pre-hooks: a module waits for the all-gathers of its own parameters'
-    buckets before it runs."""
+    """Forward pre-hooks `wait(indices, module, args)`: a module waits for the all-gathers
+    of its own parameters' buckets before it runs."""
     bucket_of = {id(p): i for i, b in enumerate(grad_buffer.buckets) for p in b.params}
     for module in model.modules():
         indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
                           if id(p) in bucket_of})
         if indices:
-            module.register_forward_pre_hook(_waiter(indices, wait))
-
-
-def _waiter(indices: list[int], wait):
-    def hook(_module, _args):
-        for i in indices:
-            wait(i)
-    return hook
+            module.register_forward_pre_hook(functools.partial(wait, indices))

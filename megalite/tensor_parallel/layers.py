@@ -44,6 +44,17 @@ def _parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool =
     return param
 
 
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group, sequence_parallel: bool) -> torch.Tensor:
+    """X A^T + b for this rank's row block A of a column-parallel weight: X all-gathered
+    along seq under sequence parallelism, else entering the TP region through f."""
+    if sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, group)
+    else:
+        x = copy_to_tensor_model_parallel_region(x, group)
+    return linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (the output dim): rank r holds rows block r.
 
@@ -69,11 +80,7 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.group)
-        y = linear(x, self.weight, self.bias)
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.group)
         return y
