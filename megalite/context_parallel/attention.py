@@ -65,8 +65,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     in the same local order. cp_group None or of size 1: plain core_attention. Dropout draws
     from the current default generator: the caller forks the RNG tracker so that each CP
     rank draws its own masks."""
-    cp = group_size(cp_group)
-    if cp == 1:
+    if group_size(cp_group) == 1:
         return core_attention(q, k, v, backend=backend, dropout_p=dropout_p,
                               softmax_scale=softmax_scale)
     cp_backend_check(backend, comm_type, dropout_p)

@@ -27,15 +27,12 @@ import torch
 def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
     """[b, s, heads, d] -> [b, g, heads/g, s, d] in (at least) fp32, g = kv_heads: q, its
     output and gradient [b, g, heads/g, s_q, d], k and v [b, g, 1, s_k, d]."""
-    b, s, h, d = x.shape
-    return x.to(torch.promote_types(x.dtype, torch.float32)).permute(0, 2, 1, 3).reshape(
-        b, g, h // g, s, d)
+    return x.to(torch.promote_types(x.dtype, torch.float32)).transpose(1, 2).unflatten(1, (g, -1))
 
 
 def _ungroup(x: torch.Tensor) -> torch.Tensor:
     """[b, g, heads/g, s, d] -> [b, s, heads, d]."""
-    b, g, r, s, d = x.shape
-    return x.reshape(b, g * r, s, d).permute(0, 2, 1, 3)
+    return x.flatten(1, 2).transpose(1, 2)
 
 
 def _scores(qg, kg, causal: bool, scale: float) -> torch.Tensor:
@@ -76,8 +73,7 @@ def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0
         rng_state = generator.get_state()
         probs = probs * _dropout_mask(probs.shape, dropout_p, q.device, generator)
     out = _ungroup(probs @ vg)
-    b, g, r, sq = lse.shape
-    return out, lse.reshape(b, g * r, sq), rng_state
+    return out, lse.flatten(1, 2), rng_state
 
 
 def merge(out, lse, block_out, block_lse):
@@ -95,8 +91,7 @@ def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
     of q's rows over every block (module docstring) and the gradient dout of out."""
     g = k.shape[2]
     qg, kg, vg, dog, og = (_grouped(t, g) for t in (q, k, v, dout, out))
-    b, h, sq = lse.shape
-    lse_g = lse.to(qg.dtype).reshape(b, g, h // g, sq, 1)
+    lse_g = lse.to(qg.dtype).unflatten(1, (g, -1)).unsqueeze(-1)
     probs = torch.exp(_scores(qg, kg, causal, scale) - lse_g)      # P_b, masked entries 0
     dprobs = dog @ vg.transpose(-2, -1)                            # dO V_bᵀ
     kept = probs

@@ -86,7 +86,6 @@ class GradBuffer:
         self.group, self.shard = group, shard
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.overlap = overlap
-        self.launched_during_backward = 0
         layout = bucket_layout([p.numel() for p in params], [p.dtype for p in params],
                                [is_shared_embedding(p) for p in params], bucket_size)
         self.buckets = [Bucket([params[i] for i in b], grad_dtype or params[b[0]].dtype,

@@ -38,10 +38,9 @@ class Embedding(nn.Module):
         self.tp_group, self.cp_group = tp_group, cp_group
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size,
                                                       config.hidden_size, group=tp_group)
-        self.position_embeddings = None
-        if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                    config.hidden_size)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.position_embedding_type == "learned_absolute" else None)
         self.dropout = SequenceParallelDropout(config, rng_tracker)
 
     def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:

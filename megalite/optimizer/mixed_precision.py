@@ -48,11 +48,10 @@ class MixedPrecisionOptimizer(Optimizer):
                  tp_group, model_parallel_group, grad_buffer: GradBuffer,
                  overlap_param_gather: bool = False, cpu_offload: bool = False,
                  timers: Timers = NO_TIMERS):
-        self.grad_buffer = grad_buffer
+        self.grad_buffer, self.dp_group = grad_buffer, grad_buffer.group
         self.sharded = grad_buffer.shard
         # --optimizer-cpu-offload: main parameters, moments and the step on the host.
         self.host = HostOffload(grad_buffer) if cpu_offload else None
-        self.dp_group = grad_buffer.group
         self.param_buffers = [_adopt_params(b) for b in grad_buffer.buckets]
         self._owned_params = [flat[slice(*self._owned_range(b))]
                               for b, flat in zip(grad_buffer.buckets, self.param_buffers)]

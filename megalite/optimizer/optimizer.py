@@ -85,10 +85,8 @@ class Optimizer:
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None, timers: Timers = NO_TIMERS):
-        self.config = config
-        self.timers = timers
-        self.grad_scaler = grad_scaler
-        self.model_parallel_group = model_parallel_group
+        self.config, self.timers = config, timers
+        self.grad_scaler, self.model_parallel_group = grad_scaler, model_parallel_group
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.segments = self._owned_segments()
         counted = {id(p) for p in params_for_norm(self.params, tp_group)}

@@ -3,9 +3,3 @@
 from megalite.pipeline_parallel.schedules import (
     SCHEDULES, Action, build_schedule, forward_only, gpipe, interleaved_one_f_one_b,
     no_pipelining, one_f_one_b, validate_schedule_args, warmup_microbatches, zb_h1)
-
-__all__ = [
-    "SCHEDULES", "Action", "build_schedule", "forward_only", "gpipe",
-    "interleaved_one_f_one_b", "no_pipelining", "one_f_one_b", "validate_schedule_args",
-    "warmup_microbatches", "zb_h1",
-]

@@ -13,6 +13,8 @@ collectives are looked up on `torch.distributed` at each call, so a benchmark ca
 them to count bytes.
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
@@ -35,7 +37,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _split(x: torch.Tensor, dim: int, group, op: str) -> torch.Tensor:
+def _split(x: torch.Tensor, group, *, dim: int, op: str) -> torch.Tensor:
     """This rank's contiguous chunk of `dim`."""
     _check_divisible(x, dim, group_size(group), op)
     return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
@@ -56,7 +58,7 @@ def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], tp * x.shape[-1])
 
 
-def _reduce_scatter_first_dim(x: torch.Tensor, group, op: str) -> torch.Tensor:
+def _reduce_scatter_first_dim(x: torch.Tensor, group, *, op: str) -> torch.Tensor:
     """[n, ...] on each rank -> this rank's [n / tp, ...] block of the sum over ranks."""
     _check_divisible(x, 0, group_size(group), op)
     x = x.contiguous()
@@ -84,14 +86,6 @@ def _identity(x, group):
     return x
 
 
-def _splitter(dim: int, op: str):
-    return lambda x, group: _split(x, dim, group, op)
-
-
-def _reduce_scatterer(op: str):
-    return lambda x, group: _reduce_scatter_first_dim(x, group, op)
-
-
 # Tensor-parallel region (Megatron-LM §3): f, g and the last-dim scatter/gather.
 
 copy_to_tensor_model_parallel_region = _operator(
@@ -104,12 +98,12 @@ reduce_from_tensor_model_parallel_region = _operator(
 
 scatter_to_tensor_model_parallel_region = _operator(
     "ScatterToTensorModelParallelRegion",
-    _splitter(-1, "scatter_to_tensor_model_parallel_region"), _all_gather_last_dim)
+    partial(_split, dim=-1, op="scatter_to_tensor_model_parallel_region"), _all_gather_last_dim)
 """Keep this rank's chunk of the last dim; backward all-gathers the last dim."""
 
 gather_from_tensor_model_parallel_region = _operator(
     "GatherFromTensorModelParallelRegion", _all_gather_last_dim,
-    _splitter(-1, "gather_from_tensor_model_parallel_region"))
+    partial(_split, dim=-1, op="gather_from_tensor_model_parallel_region"))
 """All-gather the last dim; backward keeps this rank's chunk."""
 
 
@@ -117,20 +111,21 @@ gather_from_tensor_model_parallel_region = _operator(
 
 scatter_to_sequence_parallel_region = _operator(
     "ScatterToSequenceParallelRegion",
-    _splitter(0, "scatter_to_sequence_parallel_region"), _all_gather_first_dim)
+    partial(_split, dim=0, op="scatter_to_sequence_parallel_region"), _all_gather_first_dim)
 """Keep this rank's chunk of dim 0 (sequence); backward all-gathers dim 0."""
 
 reduce_scatter_to_sequence_parallel_region = _operator(
     "ReduceScatterToSequenceParallelRegion",
-    _reduce_scatterer("reduce_scatter_to_sequence_parallel_region"), _all_gather_first_dim)
+    partial(_reduce_scatter_first_dim, op="reduce_scatter_to_sequence_parallel_region"),
+    _all_gather_first_dim)
 """Reduce-scatter dim 0 (sequence); backward all-gathers dim 0."""
 
 _GATHER_SP = "gather_from_sequence_parallel_region"
 # A gathered tensor feeding a tensor-parallel layer gets a partial gradient on each rank.
 _gather_sp_partial_grads = _operator("GatherFromSequenceParallelRegion", _all_gather_first_dim,
-                                     _reduce_scatterer(_GATHER_SP))
+                                     partial(_reduce_scatter_first_dim, op=_GATHER_SP))
 _gather_sp_whole_grads = _operator("GatherFromSequenceParallelRegionSplitGrad",
-                                   _all_gather_first_dim, _splitter(0, _GATHER_SP))
+                                   _all_gather_first_dim, partial(_split, dim=0, op=_GATHER_SP))
 
 
 def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
