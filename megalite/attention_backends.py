@@ -29,8 +29,7 @@ BACKENDS = ("auto", "flash", "sdpa", "unfused")
 
 @functools.cache
 def flash_attn_available() -> bool:
-    # Imported lazily: flash-attn is an optional CUDA-only package, and no CPU path may
-    # import it.
+    # Imported lazily: flash-attn is an optional CUDA-only package no CPU path may import.
     try:
         import flash_attn  # noqa: F401
     except ImportError:
@@ -77,9 +76,8 @@ def _sdpa(q, k, v, dropout_p, scale):
     # every key; a longer query shorter than the keys needs its lower-right band.
     sq, sk = q.shape[2], k.shape[2]
     mask = None if sq in (1, sk) else _future(sq, sk, q.device).logical_not()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                         is_causal=sq == sk, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                         is_causal=sq == sk, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 

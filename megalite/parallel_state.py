@@ -65,8 +65,7 @@ class RankGrid:
         fixed = [a for a in "tcdp" if a not in axes]
         groups = {}
         for rank in range(self.world_size):
-            t, d, p = self.coordinates(rank)
-            coords = {"t": t, "c": self.context_rank(rank), "d": d, "p": p}
+            coords = dict(zip("tdp", self.coordinates(rank)), c=self.context_rank(rank))
             groups.setdefault(tuple(coords[a] for a in fixed), []).append(rank)
         for ranks in groups.values():
             if len(ranks) != math.prod(sizes[a] for a in axes):

@@ -1,10 +1,8 @@
 """Causal attention over a sequence split across the context-parallel (CP) group.
 
-Load balancing (Megatron's scheme): a sequence of length s is cut into 2·CP chunks of c =
-s / (2·CP) tokens and CP rank i holds chunks i and 2·CP-1-i, back to back. Under a causal
-mask chunk j attends to j+1 chunks, so every rank has (i+1) + (2·CP-i) = 2·CP+1 chunk pairs
-of work. A rank's rows stay in increasing global position, which is what makes a plain
-causal mask right on its own 2c rows.
+Load balancing (context_split.py): CP rank i holds chunks i and 2·CP-1-i of c = s / (2·CP)
+tokens, back to back: (i+1) + (2·CP-i) = 2·CP+1 causal chunk pairs of work on every rank. A
+rank's rows stay in increasing global position, so a plain causal mask is right on its 2c rows.
 
 Two ways to see the other ranks' keys and values (`--cp-comm-type`, Megatron's names):
 - all_gather: K and V are all-gathered over CP (one collective; cheap with GQA, where K/V are
@@ -13,10 +11,7 @@ Two ways to see the other ranks' keys and values (`--cp-comm-type`, Megatron's n
   the backward. Works with every `--attention-backend`: a query chunk shorter than its key
   prefix is what core_attention's lower-right causal alignment already does.
 - p2p: ring attention (ring.py): K/V blocks travel round the ring while the current block is
-  computed, partial outputs are merged by their log-sum-exp, backward sends dK/dV round the
-  ring the same way. Each block runs on a kernel that returns its log-sum-exp: torch's fused
-  flash kernels under sdpa and flash (fused_blocks.py), the explicit fp32 one under unfused
-  (blocks.py); ring.block_kernels.
+  computed, partial outputs merge by their log-sum-exp, backward sends dK/dV round the ring.
 
 Communication per rank per call, B = bytes of this rank's K (or V) shard, b·(s/CP)·g·d·e
 (g = key/value heads on this rank), counted as the bytes a rank receives from the others

@@ -96,8 +96,7 @@ def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
     dprobs = dog @ vg.transpose(-2, -1)                            # dO V_bᵀ
     kept = probs
     if dropout_p > 0:
-        generator = torch.Generator(device=q.device)
-        generator.set_state(rng_state)
+        generator = torch.Generator(device=q.device).set_state(rng_state)
         mask = _dropout_mask(probs.shape, dropout_p, q.device, generator)
         kept, dprobs = probs * mask, dprobs * mask
     delta = (dog * og).sum(dim=-1, keepdim=True)                   # D

@@ -100,10 +100,8 @@ class _RingAttention(torch.autograd.Function):
             ring, c = _RingExchange(group), q.shape[1] // 2
             kv = torch.stack([k, v])  # one message per step for K and V
             # No keys yet: a zero output of weight exp(-inf); step 0 then covers every row.
-            out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32),
-                              device=q.device)
-            lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=out.dtype,
-                             device=q.device)
+            out = q.new_zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32))
+            lse = out.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"))
             rng_states = []  # one per block, in the order computed
             for t in range(cp):
                 pending = ring.start(kv) if t < cp - 1 else None
@@ -144,8 +142,7 @@ class _RingAttention(torch.autograd.Function):
                     grads.append((keys, dk_b, dv_b))
                 # The block's accumulator: what earlier ranks added (none at t = 0, the block
                 # starts here) plus this rank's part; then it moves on with the block.
-                dkv = (torch.zeros_like(kv, dtype=dq.dtype) if t == 0
-                       else ring.wait(dkv_pending))
+                dkv = torch.zeros_like(kv, dtype=dq.dtype) if t == 0 else ring.wait(dkv_pending)
                 for keys, dk_b, dv_b in grads:
                     dkv[0][:, keys] += dk_b
                     dkv[1][:, keys] += dv_b

@@ -16,19 +16,18 @@ reduce-scatters their gradients after it:
 - ZeRO-2 (optim_grads): parameters kept gathered from the forward to the backward
   (reshard_after_forward=False), gradients and optimizer state sharded.
 
-The sharded fp32 parameters are the optimizer's main copy (optimizer/fsdp_optimizer.py):
-with --bf16/--fp16 FSDP's MixedPrecisionPolicy gathers them in half precision for compute
-and reduces gradients in fp32 under --accumulate-allreduce-grads-in-fp32 (no separate fp32
-main copy exists). Gradients are summed over DP, not averaged (the loss is already divided
-by the global batch's token count, see train_step.py). With m micro-batches per step they
-are accumulated unsharded and reduce-scattered once, after the last micro-batch
-(`set_requires_gradient_sync`): P gradient elements per rank, one reduce-scatter per
-step. With --fsdp-grad-reduce-every-micro-batch each unit reduce-scatters after every
-micro-batch's backward and FSDP2 adds the result into the sharded gradients (Megatron-
-FSDP's way): a rank holds unsharded only the gradients of the unit whose backward runs,
-for m reduce-scatters per step. A tied embedding used on the same stage as the output
-layer stays in the chunk's own unit (gathered for the whole forward of the chunk): as its
-own unit it would be resharded after the embedding lookup, before the output layer reads it.
+The sharded fp32 parameters are the optimizer's main copy (optimizer/fsdp_optimizer.py);
+FSDP's MixedPrecisionPolicy gathers them in the compute dtype and reduces gradients in fp32
+under --accumulate-allreduce-grads-in-fp32. Gradients are summed over DP, not averaged (the
+loss is already divided by the global batch's token count, see train_step.py). With m
+micro-batches per step they are accumulated unsharded and reduce-scattered once, after the
+last micro-batch (`set_requires_gradient_sync`): P gradient elements per rank, one
+reduce-scatter per step. With --fsdp-grad-reduce-every-micro-batch each unit reduce-scatters
+after every micro-batch's backward and FSDP2 adds the result into the sharded gradients
+(Megatron-FSDP's way): a rank holds unsharded only the gradients of the unit whose backward
+runs, for m reduce-scatters per step. A tied embedding used on the same stage as the output
+layer stays in the chunk's own unit (gathered for the whole forward of the chunk): as its own
+unit it would be resharded after the embedding lookup, before the output layer reads it.
 """
 
 import contextlib
@@ -160,14 +159,12 @@ def copy_into(param: torch.Tensor, value: torch.Tensor):
         param.copy_(value)
 
 
-def fully_shard_model(chunks: nn.ModuleList, config, state,
-                      device: torch.device) -> nn.ModuleList:
+def fully_shard_model(chunks: nn.ModuleList, config, state, device: torch.device) -> nn.ModuleList:
     """--use-torch-fsdp2 on the chunks build_model made on `meta` (shapes and tags, no
     storage), then storage for this rank's shards only, left for the caller to initialise
     (torchtitan's build -> shard -> initialise): no rank ever holds its whole model."""
     p, par = config.precision, config.parallel
-    # CP ranks hold the same parameters as DP ranks do: shard over DP x CP (as ZeRO-1 and
-    # Megatron-FSDP do), which also sums the gradients over both.
+    # Over DP x CP (module docstring, as ZeRO-1 and Megatron-FSDP), which sums grads over both.
     apply_fsdp(chunks, state.dp_cp_group, device, strategy=par.data_parallel_sharding_strategy,
                param_dtype=p.params_dtype, reduce_dtype=config.grad_dtype,
                cpu_offload=par.optimizer_cpu_offload)

@@ -48,8 +48,7 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, c.kv_channels)
-        q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group,
-                                      c.kv_channels)
+        q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group, c.kv_channels)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if rope_table is not None:  # cos/sin for every position of x's rows
             q, k = apply_rotary(q, rope_table[:s]), apply_rotary(k, rope_table[:s])
@@ -66,8 +65,7 @@ class SelfAttention(nn.Module):
         out = out.transpose(0, 1).reshape(s, b, -1)
         return self.linear_proj(out)
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor) -> torch.Tensor:
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.config.attention_dropout if self.training else 0.0
         # Attention dropout acts on this rank's heads (and, under CP, queries) only: its
         # mask must differ per TP and CP rank, so it draws from the model-parallel stream.
@@ -76,5 +74,4 @@ class SelfAttention(nn.Module):
                 return context_parallel_attention(
                     q, k, v, cp_group=self.cp_group, comm_type=self.config.cp_comm_type,
                     backend=self.config.attention_backend, dropout_p=dropout)
-            return core_attention(q, k, v, backend=self.config.attention_backend,
-                                  dropout_p=dropout)
+            return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=dropout)

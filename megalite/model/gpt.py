@@ -34,8 +34,7 @@ from megalite.tensor_parallel.random import checkpoint
 class Embedding(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
         super().__init__()
-        self.config = config
-        self.tp_group, self.cp_group = tp_group, cp_group
+        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size,
                                                       config.hidden_size, group=tp_group)
         self.position_embeddings = (
@@ -70,9 +69,8 @@ class Decoder(nn.Module):
                  rng_tracker=None, cp_group=None):
         super().__init__()
         self.config, self.rng_tracker = config, rng_tracker
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, rng_tracker,
-                                                              cp_group)
-                                     for i in layers})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, tp_group, rng_tracker, cp_group) for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
@@ -121,8 +119,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, seed: int, tp_group=None, rng_tracker=None,
                  stage: Stage | None = None, cp_group=None):
         super().__init__()
-        self.config = config
-        self.tp_group, self.cp_group = tp_group, cp_group
+        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.stage = stage or Stage(chunk=0, pp_rank=0, pp_size=1, num_chunks=1)
         self.pre_process, self.post_process = self.stage.is_first, self.stage.is_last
         self.embedding = (Embedding(config, tp_group, rng_tracker, cp_group)
@@ -158,8 +155,7 @@ class GPTModel(nn.Module):
             return None
         if self._rotary is None or self._rotary.device != device:
             self._rotary = rotary_table(rotary_frequencies(
-                c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base,
-                device=device))
+                c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base, device=device))
             cp = group_size(self.cp_group)
             if cp > 1:
                 self._rotary = self._rotary[local_positions(c.seq_length, cp,

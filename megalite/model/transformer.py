@@ -57,15 +57,15 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None) -> torch.Tensor:
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rope_table,
-                                                 kv_cache))
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rope_table, kv_cache))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
 class SequenceParallelDropout(nn.Module):
-    """Dropout on the residual stream. Without SP every TP rank holds the same activations
-    and must drop the same elements (default RNG, seeded alike on all TP ranks); under SP
-    each rank holds a different sequence shard, so it draws from its own TP-rank stream."""
+    """Dropout on the residual stream and the embedding's output. Without SP every TP rank
+    holds the same activations and must drop the same elements (default RNG, seeded alike on
+    all TP ranks); under SP each rank holds a different sequence shard, so it draws from its
+    own TP-rank stream."""
 
     def __init__(self, config: GPTConfig, rng_tracker=None):
         super().__init__()

@@ -44,8 +44,7 @@ class LRScheduler:
     """Sets the optimizer's learning rate from the number of samples consumed."""
 
     def __init__(self, optimizer, config: SchedulerConfig):
-        self.optimizer = optimizer
-        self.config = config
+        self.optimizer, self.config = optimizer, config
         self.num_steps = 0
         self._apply()
 

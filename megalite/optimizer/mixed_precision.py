@@ -1,6 +1,6 @@
-"""fp32 main parameters for bf16/fp16 model parameters (Micikevicius et al. 2018), their
-optimizer state optionally sharded over data parallelism: ZeRO-1 (Rajbhandari et al. 2020,
-"P_os"), Megatron's distributed optimizer.
+"""fp32 main parameters for bf16/fp16 model parameters (Micikevicius et al. 2018; Megatron's
+`Float16OptimizerWithFloat16Params`), their optimizer state optionally sharded over data
+parallelism: ZeRO-1 (Rajbhandari et al. 2020, "P_os"), Megatron's `DistributedOptimizer`.
 
 The layout is the gradient buffer's (distributed/grad_buffer.py): flat buckets padded to a
 multiple of the DP size, each cut into DP equal shards. The model's parameters are made
@@ -9,22 +9,17 @@ bucket: it keeps fp32 main copies of (its pieces of) the parameters in that shar
 their Adam moments, and nothing for the rest, so optimizer memory is 12 bytes x
 parameters / DP. One step:
 
-  1. the gradient buffer reduce-scatters each bucket over DP (during backward under
-     --overlap-grad-reduce): rank r holds the sum of shard r, in the buffer itself;
-  2-3. optimizer.py's step: unscale (fp16), agree on overflow across every rank, clip by
-     the global norm, AdamW on the owned shard in fp32;
+  1. the gradient buffer reduce-scatters each bucket: rank r holds the sum of shard r;
+  2-3. optimizer.py's step (unscale, overflow, clip, AdamW) on the owned shard in fp32;
   4. round the shard into the parameters' dtype in place in the parameter buffer and
      all-gather the buckets over DP, in place too. Under --overlap-param-gather the
      all-gathers are only launched here; the first forward that needs a bucket's
      parameters waits for it (a forward pre-hook), so the gather overlaps the data
      loading and the forward of earlier layers.
 
-Gradients are summed, not averaged, over DP: every rank's loss is already divided by the
-loss-token count of the whole global batch (see megalite/train_step.py).
-
-Without sharding (a gradient buffer with shard=False) every rank owns the whole of every
-bucket: the same fp32 main parameters and moments for the whole model. That is how
-bf16/fp16 parameters are trained under plain data parallelism.
+Gradients are summed, not averaged, over DP (the loss is already divided by the global
+batch's loss-token count, train_step.py). Without sharding (shard=False) every rank owns
+every bucket whole: how bf16/fp16 parameters train under plain data parallelism.
 """
 
 import functools
@@ -40,9 +35,8 @@ from megalite.parallel_state import all_gather_into
 
 
 class MixedPrecisionOptimizer(Optimizer):
-    """AdamW on fp32 main parameters (Megatron's `Float16OptimizerWithFloat16Params`),
-    their state sharded over DP as Megatron's `DistributedOptimizer` when the gradient
-    buffer reduce-scatters (`grad_buffer.shard`, --use-distributed-optimizer)."""
+    """Sharded when the gradient buffer reduce-scatters (`grad_buffer.shard`,
+    --use-distributed-optimizer)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler,
                  tp_group, model_parallel_group, grad_buffer: GradBuffer,
@@ -78,10 +72,9 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def _owned_segments(self) -> list[Segment]:
         segments = []
-        for index, bucket in enumerate(self.grad_buffer.buckets):
+        for index, (bucket, owned) in enumerate(zip(self.grad_buffer.buckets, self._owned_params)):
             lo, hi = self._owned_range(bucket)
-            host = None if self.host is None else \
-                self.host.main_params(index, self._owned_params[index])
+            host = None if self.host is None else self.host.main_params(index, owned)
             for p, offset in zip(bucket.params, bucket.offsets):
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
@@ -151,8 +144,7 @@ class HostOffload:
 
     def __init__(self, grad_buffer: GradBuffer):
         self.pin = grad_buffer.buckets[0].flat.is_cuda if grad_buffer.buckets else False
-        self._params: dict[int, torch.Tensor] = {}
-        self._grads: dict[int, torch.Tensor] = {}
+        self._params, self._grads = {}, {}  # bucket index -> host buffer
 
     def _buffer(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32, device="cpu", pin_memory=self.pin)

@@ -70,9 +70,7 @@ def adamw_kernel(params: list[torch.Tensor], host_step: bool = False) -> dict:
 
 
 class Optimizer:
-    """One optimizer step: unscale (fp16), check for overflow, clip, AdamW.
-
-    `model_parallel_group` holds every rank with a different piece of the same model
+    """`model_parallel_group` holds every rank with a different piece of the same model
     replica: the grad norm and the overflow decision are agreed across it (and across DP
     when the state is sharded), so all ranks clip by the same factor and skip the same
     steps. Data-parallel gradients arrive already summed (megalite/distributed/grad_buffer.py).

@@ -3,17 +3,12 @@ GPipe, Huang et al. 2019; zero bubble, Qi et al. 2024).
 
 A schedule is this rank's ordered list of `Action`s: forward, backward or weight-gradient
 pass of one microbatch through one model chunk. A schedule that lists WEIGHT actions splits
-each backward in two (Qi et al. §2): BACKWARD then computes only the input gradient (B),
-which the previous stage waits for, and that microbatch's WEIGHT (W) later computes the
-weight gradients, which only the optimizer needs. Without WEIGHT actions BACKWARD is the
-whole backward. Nothing here communicates; p2p.py pairs the sends and receives
-the actions imply into batches that meet the neighbours' (from all ranks' lists), the
-executor runs them, and tests/test_schedules.py simulates all ranks' lists together to
-check they cannot deadlock and reach the paper's bubble.
-
-Placement the schedules assume: with p pipeline ranks and v chunks per rank, chunk c on
-rank r is global stage `c*p + r`. Stage s's forward of a microbatch needs stage s-1's
-forward of it; stage s's backward needs stage s+1's backward.
+each backward in two (Qi et al. §2; weight_grad.py): BACKWARD computes only the input
+gradient (B), which the previous stage waits for, and that microbatch's WEIGHT (W) later the
+weight gradients. Without WEIGHT actions BACKWARD is the whole backward. Nothing here
+communicates: p2p.py pairs the sends and receives the actions imply, the executor runs them,
+and simulate.py runs all ranks' lists together (deadlocks, bubble), on the placement of
+stages.py (chunk c of rank r is global stage c*p + r).
 """
 
 from dataclasses import dataclass

@@ -69,8 +69,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group, *, op: str) -> torch.Tenso
 
 def _operator(name: str, forward, backward):
     """An autograd operator: `forward(x, group)` on the way in, `backward(grad, group)` on
-    its gradient, both the identity on a group of one. Each pair below is a collective and
-    its conjugate."""
+    its gradient. Each pair below is a collective and its conjugate."""
     def fwd(ctx, x, group):
         ctx.group = group
         return forward(x, group) if group_size(group) > 1 else x
