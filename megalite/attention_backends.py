@@ -29,8 +29,7 @@ BACKENDS = ("auto", "flash", "sdpa", "unfused")
 
 @functools.cache
 def flash_attn_available() -> bool:
-    # Imported lazily: flash-attn is an optional CUDA-only package, and no CPU path may
-    # import it.
+    # Imported lazily: flash-attn is an optional CUDA-only package no CPU path may import.
     try:
         import flash_attn  # noqa: F401
     except ImportError:
@@ -77,9 +76,8 @@ def _sdpa(q, k, v, dropout_p, scale):
     # every key; a longer query shorter than the keys needs its lower-right band.
     sq, sk = q.shape[2], k.shape[2]
     mask = None if sq in (1, sk) else _future(sq, sk, q.device).logical_not()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                         is_causal=sq == sk, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                         is_causal=sq == sk, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 
@@ -113,8 +111,12 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend
     if backend not in _KERNELS:
         raise ValueError(f"backend {backend!r} is not one of {tuple(_KERNELS)}; "
                          "pass the result of resolve_backend()")
+    return _KERNELS[backend](q, k, v, dropout_p, checked_scale(q, k, softmax_scale))
+
+
+def checked_scale(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None) -> float:
+    """softmax_scale, default 1/sqrt(d), once q's heads are checked to be a multiple of k's."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads is not a multiple of "
                          f"{k.shape[2]} key/value heads")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _KERNELS[backend](q, k, v, dropout_p, scale)
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

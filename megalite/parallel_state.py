@@ -8,6 +8,7 @@ are far apart. With CP = 1 the CP axis vanishes. The arithmetic is pure (`RankGr
 is tested without processes; `ParallelState` builds the torch.distributed groups from it once.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +65,10 @@ class RankGrid:
         fixed = [a for a in "tcdp" if a not in axes]
         groups = {}
         for rank in range(self.world_size):
-            t, d, p = self.coordinates(rank)
-            coords = {"t": t, "c": self.context_rank(rank), "d": d, "p": p}
+            coords = dict(zip("tdp", self.coordinates(rank)), c=self.context_rank(rank))
             groups.setdefault(tuple(coords[a] for a in fixed), []).append(rank)
         for ranks in groups.values():
-            if len(ranks) != _product(sizes[a] for a in axes):
+            if len(ranks) != math.prod(sizes[a] for a in axes):
                 raise RuntimeError(f"rank grid bug: group {ranks} for axes {axes}")
         return sorted(groups.values())
 
@@ -144,13 +144,6 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, async_op: boo
         out, x, group=group, async_op=async_op)
 
 
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 class ParallelState:
     """This rank's coordinates and the process groups it belongs to.
 
@@ -164,6 +157,9 @@ class ParallelState:
         self.rank = rank
         self.tp_rank, self.dp_rank, self.pp_rank = grid.coordinates(rank)
         self.cp_rank = grid.context_rank(rank)
+        self.tp_size, self.cp_size = grid.tensor_model_parallel_size, grid.context_parallel_size
+        self.dp_size, self.dp_cp_size = grid.data_parallel_size, grid.dp_cp_size
+        self.pp_size = grid.pipeline_model_parallel_size
         self.tp_group = self._make(grid.tensor_groups())
         self.dp_group = self._make(grid.data_groups())
         self.cp_group = self._make(grid.context_groups())
@@ -179,31 +175,7 @@ class ParallelState:
         return cls(RankGrid(1), 0, make_groups=False)
 
     def _make(self, all_ranks: list[list[int]]):
-        mine = None
         if not self._make_groups:
-            return mine
-        for ranks in all_ranks:
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        return mine
-
-    @property
-    def tp_size(self) -> int:
-        return self.grid.tensor_model_parallel_size
-
-    @property
-    def pp_size(self) -> int:
-        return self.grid.pipeline_model_parallel_size
-
-    @property
-    def dp_size(self) -> int:
-        return self.grid.data_parallel_size
-
-    @property
-    def cp_size(self) -> int:
-        return self.grid.context_parallel_size
-
-    @property
-    def dp_cp_size(self) -> int:
-        return self.grid.dp_cp_size
+            return None
+        groups = [dist.new_group(ranks) for ranks in all_ranks]
+        return next((g for g, ranks in zip(groups, all_ranks) if self.rank in ranks), None)

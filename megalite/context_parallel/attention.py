@@ -1,10 +1,8 @@
 """Causal attention over a sequence split across the context-parallel (CP) group.
 
-Load balancing (Megatron's scheme): a sequence of length s is cut into 2·CP chunks of c =
-s / (2·CP) tokens and CP rank i holds chunks i and 2·CP-1-i, back to back. Under a causal
-mask chunk j attends to j+1 chunks, so every rank has (i+1) + (2·CP-i) = 2·CP+1 chunk pairs
-of work. A rank's rows stay in increasing global position, which is what makes a plain
-causal mask right on its own 2c rows.
+Load balancing (context_split.py): CP rank i holds chunks i and 2·CP-1-i of c = s / (2·CP)
+tokens, back to back: (i+1) + (2·CP-i) = 2·CP+1 causal chunk pairs of work on every rank. A
+rank's rows stay in increasing global position, so a plain causal mask is right on its 2c rows.
 
 Two ways to see the other ranks' keys and values (`--cp-comm-type`, Megatron's names):
 - all_gather: K and V are all-gathered over CP (one collective; cheap with GQA, where K/V are
@@ -13,10 +11,7 @@ Two ways to see the other ranks' keys and values (`--cp-comm-type`, Megatron's n
   the backward. Works with every `--attention-backend`: a query chunk shorter than its key
   prefix is what core_attention's lower-right causal alignment already does.
 - p2p: ring attention (ring.py): K/V blocks travel round the ring while the current block is
-  computed, partial outputs are merged by their log-sum-exp, backward sends dK/dV round the
-  ring the same way. Each block runs on a kernel that returns its log-sum-exp: torch's fused
-  flash kernels under sdpa and flash (fused_blocks.py), the explicit fp32 one under unfused
-  (blocks.py); ring.block_kernels.
+  computed, partial outputs merge by their log-sum-exp, backward sends dK/dV round the ring.
 
 Communication per rank per call, B = bytes of this rank's K (or V) shard, b·(s/CP)·g·d·e
 (g = key/value heads on this rank), counted as the bytes a rank receives from the others
@@ -28,12 +23,11 @@ Communication per rank per call, B = bytes of this rank's K (or V) shard, b·(s/
   the accumulators' dtype, ring.py: 2B for bf16 K/V).
 """
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from megalite.attention_backends import BACKENDS, core_attention
+from megalite.attention_backends import BACKENDS, checked_scale, core_attention
 from megalite.context_parallel.ring import ring_attention
 from megalite.context_split import load_balanced_chunks
 from megalite.errors import ConfigError
@@ -66,18 +60,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     in the same local order. cp_group None or of size 1: plain core_attention. Dropout draws
     from the current default generator: the caller forks the RNG tracker so that each CP
     rank draws its own masks."""
-    cp = group_size(cp_group)
-    if cp == 1:
+    if group_size(cp_group) == 1:
         return core_attention(q, k, v, backend=backend, dropout_p=dropout_p,
                               softmax_scale=softmax_scale)
     cp_backend_check(backend, comm_type, dropout_p)
     if q.shape[1] % 2 or k.shape[1] != q.shape[1]:
         raise ValueError(f"context-parallel attention needs the same even number of local "
                          f"query and key rows (two chunks), got {q.shape[1]} and {k.shape[1]}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"{q.shape[2]} query heads is not a multiple of "
-                         f"{k.shape[2]} key/value heads")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = checked_scale(q, k, softmax_scale)
     if comm_type == "all_gather":
         return _all_gather_attention(q, k, v, cp_group, backend, dropout_p, scale)
     return ring_attention(q, k, v, cp_group, scale, dropout_p, backend)

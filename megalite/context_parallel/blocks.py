@@ -24,24 +24,15 @@ in (at least) fp32, as the unfused backend's.
 import torch
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _grouped(q, k, v):
-    """q -> [b, g, heads/g, s_q, d]; k, v -> [b, g, 1, s_k, d], g = kv_heads, in fp32."""
-    acc = _acc_dtype(q.dtype)
-    b, sq, h, d = q.shape
-    g = k.shape[2]
-    qg = q.to(acc).permute(0, 2, 1, 3).reshape(b, g, h // g, sq, d)
-    kg, vg = (t.to(acc).permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))
-    return qg, kg, vg
+def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
+    """[b, s, heads, d] -> [b, g, heads/g, s, d] in (at least) fp32, g = kv_heads: q, its
+    output and gradient [b, g, heads/g, s_q, d], k and v [b, g, 1, s_k, d]."""
+    return x.to(torch.promote_types(x.dtype, torch.float32)).transpose(1, 2).unflatten(1, (g, -1))
 
 
 def _ungroup(x: torch.Tensor) -> torch.Tensor:
     """[b, g, heads/g, s, d] -> [b, s, heads, d]."""
-    b, g, r, s, d = x.shape
-    return x.reshape(b, g * r, s, d).permute(0, 2, 1, 3)
+    return x.flatten(1, 2).transpose(1, 2)
 
 
 def _scores(qg, kg, causal: bool, scale: float) -> torch.Tensor:
@@ -72,7 +63,7 @@ def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0
     of q's rows against this block of keys only. rng_state is the default generator's state
     before the dropout draw (None without dropout), for block_backward. Differentiable, so a
     test can take its gradients with autograd."""
-    qg, kg, vg = _grouped(q, k, v)
+    qg, kg, vg = (_grouped(t, k.shape[2]) for t in (q, k, v))
     scores = _scores(qg, kg, causal, scale)
     lse = scores.logsumexp(dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
@@ -82,8 +73,7 @@ def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0
         rng_state = generator.get_state()
         probs = probs * _dropout_mask(probs.shape, dropout_p, q.device, generator)
     out = _ungroup(probs @ vg)
-    b, g, r, sq = lse.shape
-    return out, lse.reshape(b, g * r, sq), rng_state
+    return out, lse.flatten(1, 2), rng_state
 
 
 def merge(out, lse, block_out, block_lse):
@@ -99,19 +89,14 @@ def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
                    dropout_p: float = 0.0, rng_state=None):
     """(dq, dk, dv) in fp32, this block's part of the gradients, given the MERGED out and lse
     of q's rows over every block (module docstring) and the gradient dout of out."""
-    qg, kg, vg = _grouped(q, k, v)
-    b, sq, h, d = q.shape
     g = k.shape[2]
-    acc = qg.dtype
-    dog = dout.to(acc).permute(0, 2, 1, 3).reshape(b, g, h // g, sq, d)
-    og = out.to(acc).permute(0, 2, 1, 3).reshape(b, g, h // g, sq, d)
-    lse_g = lse.to(acc).reshape(b, g, h // g, sq, 1)
+    qg, kg, vg, dog, og = (_grouped(t, g) for t in (q, k, v, dout, out))
+    lse_g = lse.to(qg.dtype).unflatten(1, (g, -1)).unsqueeze(-1)
     probs = torch.exp(_scores(qg, kg, causal, scale) - lse_g)      # P_b, masked entries 0
     dprobs = dog @ vg.transpose(-2, -1)                            # dO V_bᵀ
     kept = probs
     if dropout_p > 0:
-        generator = torch.Generator(device=q.device)
-        generator.set_state(rng_state)
+        generator = torch.Generator(device=q.device).set_state(rng_state)
         mask = _dropout_mask(probs.shape, dropout_p, q.device, generator)
         kept, dprobs = probs * mask, dprobs * mask
     delta = (dog * og).sum(dim=-1, keepdim=True)                   # D

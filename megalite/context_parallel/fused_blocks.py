@@ -2,17 +2,15 @@
 results, without its [b, heads, s_q, s_k] fp32 scores (c = 8k rows, 32 heads: 16 GiB a block).
 
 Each block runs FlashAttention's tiled forward, which returns the block's log-sum-exp, and
-its backward, which takes out and lse: given the MERGED out and lse of the whole row (as
-blocks.block_backward), it recomputes P_b = exp(S_b - lse) and D = rowsum(dO∘O) from them,
-so each block's dQ, dK, dV are its exact share (blocks.py's docstring). This is what
-TransformerEngine's ring and torch's own context parallel
-(torch/distributed/tensor/experimental/_context_parallel/_attention.py) do.
+its backward given the MERGED out and lse of the whole row, as blocks.block_backward (whose
+docstring shows why each block's dQ, dK, dV are then its exact share). TransformerEngine's
+ring and torch's own context parallel (torch/distributed/tensor/experimental/
+_context_parallel/_attention.py) do the same.
 
 Kernels (torch.ops.aten, layout [b, heads, s, d]; megalite's [b, s, heads, d] is a view):
 - CPU: _scaled_dot_product_flash_attention_for_cpu and its _backward (any float dtype).
-- CUDA: _scaled_dot_product_flash_attention and its _backward (fp16/bf16, head dim a
-  multiple of 8 up to 256, sm80+; `cuda_unavailable_reason`). The CUDA path is written
-  against torch 2.13's schemas and has NOT been run on a GPU.
+- CUDA: _scaled_dot_product_flash_attention and its _backward (`cuda_unavailable_reason`),
+  written against torch 2.13's schemas and NOT run on a GPU.
 
 Differences from the kernels' own conventions, handled here:
 - Causal masks: the ring's are aligned to the lower right, is_causal to the upper left. A
@@ -25,8 +23,8 @@ Differences from the kernels' own conventions, handled here:
   out, lse, dq, dk, dv are returned in (at least) fp32, as blocks.py's, so the merge and
   the ring's accumulators stay in fp32. Each block's output is rounded to the input dtype
   by the kernel before the merge (as in TransformerEngine).
-- No dropout: the CPU kernel has none, and a CUDA block's philox mask is not redrawn here;
-  ring.py runs blocks.py (exact, masks redrawn) whenever attention dropout is on.
+- No dropout (ring.py runs blocks.py then): the CPU kernel has none, and a CUDA block's
+  philox mask is not redrawn here.
 """
 
 import torch
@@ -115,12 +113,10 @@ def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0
     acc = torch.promote_types(q.dtype, torch.float32)
     out, lse, states = None, None, []
     for keys, part_causal in _parts(q.shape[1], k.shape[1], causal):
-        part_out, part_lse, state = _kernel_forward(q, k[:, keys], v[:, keys], part_causal,
-                                                    scale)
+        part_out, part_lse, state = _kernel_forward(q, k[:, keys], v[:, keys], part_causal, scale)
         part_out, part_lse = part_out.to(acc), part_lse.to(acc)
         states.append(state)
-        out, lse = ((part_out, part_lse) if out is None
-                    else merge(out, lse, part_out, part_lse))
+        out, lse = (part_out, part_lse) if out is None else merge(out, lse, part_out, part_lse)
     return out, lse, states
 
 

@@ -96,72 +96,61 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, dropout_p, kernels):
         with torch.autocast(q.device.type, enabled=False):
-            return _RingAttention._forward(ctx, q, k, v, group, scale, dropout_p, kernels)
+            cp, rank = group_size(group), group_rank(group)
+            ring, c = _RingExchange(group), q.shape[1] // 2
+            kv = torch.stack([k, v])  # one message per step for K and V
+            # No keys yet: a zero output of weight exp(-inf); step 0 then covers every row.
+            out = q.new_zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32))
+            lse = out.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"))
+            rng_states = []  # one per block, in the order computed
+            for t in range(cp):
+                pending = ring.start(kv) if t < cp - 1 else None
+                for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
+                    block_out, block_lse, rng_state = kernels.block_forward(
+                        q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=causal, scale=scale,
+                        dropout_p=dropout_p)
+                    rng_states.append(rng_state)
+                    out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
+                                                          block_out, block_lse)
+                if pending is not None:
+                    kv = ring.wait(pending)
+            out = out.to(q.dtype)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.group, ctx.scale, ctx.dropout_p = group, scale, dropout_p
+            ctx.rng_states, ctx.kernels = rng_states, kernels
+            return out
 
     @staticmethod
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):
-            return _RingAttention._backward(ctx, dout)
-
-    @staticmethod
-    def _forward(ctx, q, k, v, group, scale, dropout_p, kernels):
-        cp, rank = group_size(group), group_rank(group)
-        ring, c = _RingExchange(group), q.shape[1] // 2
-        kv = torch.stack([k, v])  # one message per step for K and V
-        # No keys yet: a zero output of weight exp(-inf); step 0 then covers every row.
-        out = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32),
-                          device=q.device)
-        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=out.dtype,
-                         device=q.device)
-        rng_states = []  # one per block, in the order computed
-        for t in range(cp):
-            pending = ring.start(kv) if t < cp - 1 else None
-            for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
-                block_out, block_lse, rng_state = kernels.block_forward(
-                    q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=causal, scale=scale,
-                    dropout_p=dropout_p)
-                rng_states.append(rng_state)
-                out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
-                                                      block_out, block_lse)
-            if pending is not None:
-                kv = ring.wait(pending)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.dropout_p, ctx.rng_states = group, scale, dropout_p, rng_states
-        ctx.kernels = kernels
-        return out
-
-    @staticmethod
-    def _backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        cp, rank = group_size(group), group_rank(group)
-        ring, c = _RingExchange(group), q.shape[1] // 2
-        kv = torch.stack([k, v])
-        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
-        dkv_pending, rng_states = None, iter(ctx.rng_states)
-        for t in range(cp):
-            kv_pending = ring.start(kv) if t < cp - 1 else None
-            grads = []
-            for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
-                dq_b, dk_b, dv_b = ctx.kernels.block_backward(
-                    dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                    lse[:, :, rows], causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
-                    rng_state=next(rng_states))
-                dq[:, rows] += dq_b
-                grads.append((keys, dk_b, dv_b))
-            # The block's accumulator: what earlier ranks added (none at t = 0, the block
-            # starts here) plus this rank's part; then it moves on with the block.
-            dkv = (torch.zeros_like(kv, dtype=dq.dtype) if t == 0
-                   else ring.wait(dkv_pending))
-            for keys, dk_b, dv_b in grads:
-                dkv[0][:, keys] += dk_b
-                dkv[1][:, keys] += dv_b
-            dkv_pending = ring.start(dkv)
-            if kv_pending is not None:
-                kv = ring.wait(kv_pending)
-        dk, dv = ring.wait(dkv_pending).to(k.dtype)  # this rank's own block, home after CP hops
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+            q, k, v, out, lse = ctx.saved_tensors
+            group = ctx.group
+            cp, rank = group_size(group), group_rank(group)
+            ring, c = _RingExchange(group), q.shape[1] // 2
+            kv = torch.stack([k, v])
+            dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+            dkv_pending, rng_states = None, iter(ctx.rng_states)
+            for t in range(cp):
+                kv_pending = ring.start(kv) if t < cp - 1 else None
+                grads = []
+                for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
+                    dq_b, dk_b, dv_b = ctx.kernels.block_backward(
+                        dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                        lse[:, :, rows], causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
+                        rng_state=next(rng_states))
+                    dq[:, rows] += dq_b
+                    grads.append((keys, dk_b, dv_b))
+                # The block's accumulator: what earlier ranks added (none at t = 0, the block
+                # starts here) plus this rank's part; then it moves on with the block.
+                dkv = torch.zeros_like(kv, dtype=dq.dtype) if t == 0 else ring.wait(dkv_pending)
+                for keys, dk_b, dv_b in grads:
+                    dkv[0][:, keys] += dk_b
+                    dkv[1][:, keys] += dv_b
+                dkv_pending = ring.start(dkv)
+                if kv_pending is not None:
+                    kv = ring.wait(kv_pending)
+            dk, dv = ring.wait(dkv_pending).to(k.dtype)  # this rank's own block, home after CP hops
+            return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def ring_attention(q, k, v, group, scale: float, dropout_p: float, backend: str) -> torch.Tensor:

@@ -16,19 +16,18 @@ reduce-scatters their gradients after it:
 - ZeRO-2 (optim_grads): parameters kept gathered from the forward to the backward
   (reshard_after_forward=False), gradients and optimizer state sharded.
 
-The sharded fp32 parameters are the optimizer's main copy (optimizer/fsdp_optimizer.py):
-with --bf16/--fp16 FSDP's MixedPrecisionPolicy gathers them in half precision for compute
-and reduces gradients in fp32 under --accumulate-allreduce-grads-in-fp32 (no separate fp32
-main copy exists). Gradients are summed over DP, not averaged (the loss is already divided
-by the global batch's token count, see train_step.py). With m micro-batches per step they
-are accumulated unsharded and reduce-scattered once, after the last micro-batch
-(`set_requires_gradient_sync`): P gradient elements per rank, one reduce-scatter per
-step. With --fsdp-grad-reduce-every-micro-batch each unit reduce-scatters after every
-micro-batch's backward and FSDP2 adds the result into the sharded gradients (Megatron-
-FSDP's way): a rank holds unsharded only the gradients of the unit whose backward runs,
-for m reduce-scatters per step. A tied embedding used on the same stage as the output
-layer stays in the chunk's own unit (gathered for the whole forward of the chunk): as its
-own unit it would be resharded after the embedding lookup, before the output layer reads it.
+The sharded fp32 parameters are the optimizer's main copy (optimizer/fsdp_optimizer.py);
+FSDP's MixedPrecisionPolicy gathers them in the compute dtype and reduces gradients in fp32
+under --accumulate-allreduce-grads-in-fp32. Gradients are summed over DP, not averaged (the
+loss is already divided by the global batch's token count, see train_step.py). With m
+micro-batches per step they are accumulated unsharded and reduce-scattered once, after the
+last micro-batch (`set_requires_gradient_sync`): P gradient elements per rank, one
+reduce-scatter per step. With --fsdp-grad-reduce-every-micro-batch each unit reduce-scatters
+after every micro-batch's backward and FSDP2 adds the result into the sharded gradients
+(Megatron-FSDP's way): a rank holds unsharded only the gradients of the unit whose backward
+runs, for m reduce-scatters per step. A tied embedding used on the same stage as the output
+layer stays in the chunk's own unit (gathered for the whole forward of the chunk): as its own
+unit it would be resharded after the embedding lookup, before the output layer reads it.
 """
 
 import contextlib
@@ -93,15 +92,10 @@ def keeping_tags(module: nn.Module):
 
 def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
     """The submodules of a chunk that become their own FSDP unit, in forward order."""
-    units = []
-    tied_here = chunk.embedding is not None and chunk.output_layer is None and \
-        chunk.post_process
-    if chunk.embedding is not None and not tied_here:
-        units.append(chunk.embedding)
-    units += list(chunk.decoder.layers.values())
-    if chunk.output_layer is not None:
-        units.append(chunk.output_layer)
-    return units
+    tied_here = chunk.output_layer is None and chunk.post_process
+    embedding = [chunk.embedding] if chunk.embedding is not None and not tied_here else []
+    output = [chunk.output_layer] if chunk.output_layer is not None else []
+    return embedding + list(chunk.decoder.layers.values()) + output
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -139,10 +133,9 @@ def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     return first * row, first * row + local.numel()
 
 
-def shard_group(module: nn.Module):
-    """The process group `module`'s FSDP2 parameters are sharded over (apply_fsdp's)."""
-    param = next(p for p in module.parameters() if is_dtensor(p))
-    return param.device_mesh.get_group()
+def shard_group(params):
+    """The process group the FSDP2 parameters among `params` are sharded over (apply_fsdp's)."""
+    return next(p for p in params if is_dtensor(p)).device_mesh.get_group()
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -152,7 +145,7 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     helpers do), so the result may be there."""
     if not is_dtensor(param):
         return param
-    return to_collective_device(param, param.device_mesh.get_group()).full_tensor()
+    return to_collective_device(param, shard_group([param])).full_tensor()
 
 
 @torch.no_grad()
@@ -166,14 +159,12 @@ def copy_into(param: torch.Tensor, value: torch.Tensor):
         param.copy_(value)
 
 
-def fully_shard_model(chunks: nn.ModuleList, config, state,
-                      device: torch.device) -> nn.ModuleList:
+def fully_shard_model(chunks: nn.ModuleList, config, state, device: torch.device) -> nn.ModuleList:
     """--use-torch-fsdp2 on the chunks build_model made on `meta` (shapes and tags, no
     storage), then storage for this rank's shards only, left for the caller to initialise
     (torchtitan's build -> shard -> initialise): no rank ever holds its whole model."""
     p, par = config.precision, config.parallel
-    # CP ranks hold the same parameters as DP ranks do: shard over DP x CP (as ZeRO-1 and
-    # Megatron-FSDP do), which also sums the gradients over both.
+    # Over DP x CP (module docstring, as ZeRO-1 and Megatron-FSDP), which sums grads over both.
     apply_fsdp(chunks, state.dp_cp_group, device, strategy=par.data_parallel_sharding_strategy,
                param_dtype=p.params_dtype, reduce_dtype=config.grad_dtype,
                cpu_offload=par.optimizer_cpu_offload)

@@ -17,9 +17,8 @@ micro-batch's gradient into the fp32 buffer and drops it, as Megatron's main_gra
 
 Under --overlap-grad-reduce a bucket's collective is launched asynchronously as soon as
 its last gradient of the step has been accumulated, while the backward of earlier layers
-is still running (Li et al. 2020, PyTorch DDP §3.2.3). Under a zero-bubble schedule a
-linear layer's weight gradient arrives in the micro-batch's W pass, not its B pass
-(tensor_parallel/weight_grad.py), and is counted there.
+is still running (Li et al. 2020, PyTorch DDP §3.2.3); a weight gradient deferred to a
+zero-bubble W pass is counted there (weight_grad.weight_grad_deferred).
 
 A tied embedding used on two pipeline stages gets a bucket of its own: its copies on the
 first and last stage then sit at the same offsets of identically laid-out buckets, so the
@@ -60,10 +59,8 @@ class Bucket:
 
 def bucket_layout(numels: list[int], dtypes: list[torch.dtype], shared: list[bool],
                   bucket_size: int) -> list[list[int]]:
-    """The parameters (indices) of each bucket, from sizes alone, so the memory planner
-    lays buckets out as this buffer does without allocating: consecutive runs of one dtype
-    of at most `bucket_size` elements (a larger parameter alone), then each shared
-    embedding alone."""
+    """The parameters (indices) of each bucket (module docstring; a larger parameter alone),
+    from sizes alone, so the memory planner lays buckets out as this buffer does."""
     out, size = [], 0
     for i in (i for i in range(len(numels)) if not shared[i]):
         if not out or dtypes[i] != dtypes[out[-1][0]] or size + numels[i] > bucket_size:
@@ -80,13 +77,11 @@ def padded_size(numel: int, dp: int) -> int:
 
 
 class GradBuffer:
-    def __init__(self, params: list[nn.Parameter], group, bucket_size: int, *,
-                 shard: bool = False, overlap: bool = False,
-                 grad_dtype: torch.dtype | None = None):
+    def __init__(self, params: list[nn.Parameter], group, bucket_size: int, *, shard: bool = False,
+                 overlap: bool = False, grad_dtype: torch.dtype | None = None):
         self.group, self.shard = group, shard
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.overlap = overlap
-        self.launched_during_backward = 0
         layout = bucket_layout([p.numel() for p in params], [p.dtype for p in params],
                                [is_shared_embedding(p) for p in params], bucket_size)
         self.buckets = [Bucket([params[i] for i in b], grad_dtype or params[b[0]].dtype,

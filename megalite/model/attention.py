@@ -8,8 +8,6 @@ QKV column-parallel, output projection row-parallel), so the same full weight se
 every TP size.
 """
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -19,20 +17,18 @@ from megalite.config import GPTConfig
 from megalite.model.rotary import apply_rotary
 from megalite.parallel_state import group_size
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
+from megalite.tensor_parallel.random import checkpoint, model_parallel_rng
 
 
 class SelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
         super().__init__()
-        c = config
-        tp = group_size(tp_group)
-        self.config = c
+        c = self.config = config
         self.rng_tracker = rng_tracker
         # Under context parallelism x holds this rank's chunks of each sequence; the core
         # attention reaches the keys and values of the others (docs/design.md §10).
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
-        self.num_groups = c.num_query_groups // tp
+        self.num_groups = c.num_query_groups // group_size(tp_group)
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         qkv_size = c.query_projection_size + 2 * c.kv_projection_size
         self.linear_qkv = ColumnParallelLinear(c.hidden_size, qkv_size, group=tp_group,
@@ -52,8 +48,7 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, c.kv_channels)
-        q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group,
-                                      c.kv_channels)
+        q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group, c.kv_channels)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if rope_table is not None:  # cos/sin for every position of x's rows
             q, k = apply_rotary(q, rope_table[:s]), apply_rotary(k, rope_table[:s])
@@ -70,20 +65,13 @@ class SelfAttention(nn.Module):
         out = out.transpose(0, 1).reshape(s, b, -1)
         return self.linear_proj(out)
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor) -> torch.Tensor:
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.config.attention_dropout if self.training else 0.0
         # Attention dropout acts on this rank's heads (and, under CP, queries) only: its
         # mask must differ per TP and CP rank, so it draws from the model-parallel stream.
-        with self._model_parallel_rng(dropout):
+        with model_parallel_rng(self.rng_tracker, dropout != 0.0):  # no draws: no swap
             if self.cp_group is not None:
                 return context_parallel_attention(
                     q, k, v, cp_group=self.cp_group, comm_type=self.config.cp_comm_type,
                     backend=self.config.attention_backend, dropout_p=dropout)
-            return core_attention(q, k, v, backend=self.config.attention_backend,
-                                  dropout_p=dropout)
-
-    def _model_parallel_rng(self, dropout: float):
-        if self.rng_tracker is None or dropout == 0.0:  # no draws: no generator swap
-            return contextlib.nullcontext()
-        return self.rng_tracker.fork(MODEL_PARALLEL_RNG)
+            return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=dropout)

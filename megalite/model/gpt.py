@@ -11,41 +11,36 @@ import hashlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.context_split import local_positions
 from megalite.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.model.rotary import rotary_frequencies, rotary_table
-from megalite.model.transformer import TransformerLayer
+from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                               gather_from_sequence_parallel_region,
-                                               gather_from_tensor_model_parallel_region,
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
+                                             column_parallel_linear)
+from megalite.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
                                                scatter_to_sequence_parallel_region)
 from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_shared_embedding,
                                              mark_shared_embedding, pad_vocab_rows,
                                              partition_dim, partition_stride, tp_shard)
-from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG, checkpoint
-from megalite.tensor_parallel.weight_grad import linear
+from megalite.tensor_parallel.random import checkpoint
 
 
 class Embedding(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
         super().__init__()
-        self.config = config
-        self.tp_group, self.cp_group = tp_group, cp_group
-        self.rng_tracker = rng_tracker
+        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size,
                                                       config.hidden_size, group=tp_group)
-        self.position_embeddings = None
-        if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                    config.hidden_size)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.position_embedding_type == "learned_absolute" else None)
+        self.dropout = SequenceParallelDropout(config, rng_tracker)
 
     def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         """tokens [batch, seq] at positions position_offset.. (under CP: this rank's
@@ -61,15 +56,9 @@ class Embedding(nn.Module):
                                          device=tokens.device)
             x = x + self.position_embeddings(positions)
         x = x.transpose(0, 1)
-        p = self.config.hidden_dropout if self.training else 0.0
-        if not self.config.sequence_parallel:
-            return F.dropout(x, p)
-        x = scatter_to_sequence_parallel_region(x.contiguous(), self.tp_group)
-        # Each rank now holds a different shard: draw its own dropout mask.
-        fork = (self.rng_tracker.fork(MODEL_PARALLEL_RNG) if self.rng_tracker is not None
-                else contextlib.nullcontext())
-        with fork:
-            return F.dropout(x, p)
+        if self.config.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x.contiguous(), self.tp_group)
+        return self.dropout(x)
 
 
 class Decoder(nn.Module):
@@ -80,9 +69,8 @@ class Decoder(nn.Module):
                  rng_tracker=None, cp_group=None):
         super().__init__()
         self.config, self.rng_tracker = config, rng_tracker
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, rng_tracker,
-                                                              cp_group)
-                                     for i in layers})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, tp_group, rng_tracker, cp_group) for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
@@ -91,17 +79,14 @@ class Decoder(nn.Module):
             for index, layer in self.layers.items():
                 x = layer(x, rope_table, kv_cache.layers[int(index)])
         else:
-            for group, recompute in self._layer_groups():
+            layers = list(self.layers.values())
+            for run, recompute in recompute_groups(self.config, len(layers)):
+                forward = _run_layers(layers[run.start:run.stop])
                 if recompute and torch.is_grad_enabled():
-                    x = checkpoint(_run_layers(group), self.rng_tracker, x, rope_table)
+                    x = checkpoint(forward, self.rng_tracker, x, rope_table)
                 else:
-                    x = _run_layers(group)(x, rope_table)
+                    x = forward(x, rope_table)
         return x if self.final_layernorm is None else self.final_layernorm(x)
-
-    def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
-        layers = list(self.layers.values())
-        return [(layers[run.start:run.stop], recompute)
-                for run, recompute in recompute_groups(self.config, len(layers))]
 
 
 def recompute_groups(config: GPTConfig, num_layers: int) -> list[tuple[range, bool]]:
@@ -134,8 +119,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, seed: int, tp_group=None, rng_tracker=None,
                  stage: Stage | None = None, cp_group=None):
         super().__init__()
-        self.config = config
-        self.tp_group, self.cp_group = tp_group, cp_group
+        self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.stage = stage or Stage(chunk=0, pp_rank=0, pp_size=1, num_chunks=1)
         self.pre_process, self.post_process = self.stage.is_first, self.stage.is_last
         self.embedding = (Embedding(config, tp_group, rng_tracker, cp_group)
@@ -171,8 +155,7 @@ class GPTModel(nn.Module):
             return None
         if self._rotary is None or self._rotary.device != device:
             self._rotary = rotary_table(rotary_frequencies(
-                c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base,
-                device=device))
+                c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base, device=device))
             cp = group_size(self.cp_group)
             if cp > 1:
                 self._rotary = self._rotary[local_positions(c.seq_length, cp,
@@ -235,11 +218,8 @@ class GPTModel(nn.Module):
             # Called as a module, so its forward hooks run (ZeRO-1's deferred gather).
             logits = self.output_layer(x)
         else:  # tied, on the embedding's own stage
-            if self.config.sequence_parallel:
-                x = gather_from_sequence_parallel_region(x, self.tp_group)
-            else:
-                x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-            logits = linear(x, self.embedding.word_embeddings.weight)
+            logits = column_parallel_linear(x, self.embedding.word_embeddings.weight, None,
+                                            self.tp_group, self.config.sequence_parallel)
         if self.padded_vocab_mask is not None:
             logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
         return logits

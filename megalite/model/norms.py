@@ -39,7 +39,6 @@ def build_norm(config: GPTConfig) -> nn.Module:
     else:
         norm = LayerNorm(config.hidden_size, eps=config.norm_epsilon)
     for param in norm.parameters():
-        # Under SP each rank's norm sees a different sequence shard: its grads are partial
-        # sums to all-reduce across the TP group.
+        # Fed this rank's sequence shard under SP: a partial grad (params.py).
         mark_sequence_parallel(param, config.sequence_parallel)
     return norm

@@ -1,16 +1,11 @@
 """Rotary position embedding (Su et al. 2021), in the non-interleaved "rotate half" form
-Megatron and HF Llama use, so exported weights need no permutation.
-
-The model computes the cos/sin table once per chunk (GPTModel.rope_table) and every
-layer reads it: no layer recomputes the cosines and sines of its angles. A layer takes the
-rows of its positions, `table[offset:offset + seq]`.
-"""
+Megatron and HF Llama use, so exported weights need no permutation. Every layer reads the
+one cos/sin table of its chunk (GPTModel.rope_table), the rows of its positions."""
 
 import torch
 
 
-def rotary_frequencies(seq_length: int, rotary_dim: int, base: int,
-                       device=None) -> torch.Tensor:
+def rotary_frequencies(seq_length: int, rotary_dim: int, base: int, device=None) -> torch.Tensor:
     """Angles [seq, rotary_dim]: position p times base^(-2i/rotary_dim), each half repeated."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=device,
                                             dtype=torch.float32) / rotary_dim))

@@ -5,8 +5,6 @@ this rank's shard of the sequence; the column-parallel layers all-gather it and 
 row-parallel layers reduce-scatter back to it.
 """
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +14,7 @@ from megalite.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.params import mark_stacked
-from megalite.tensor_parallel.random import MODEL_PARALLEL_RNG
+from megalite.tensor_parallel.random import model_parallel_rng
 
 
 class MLP(nn.Module):
@@ -59,26 +57,23 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None) -> torch.Tensor:
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rope_table,
-                                                 kv_cache))
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rope_table, kv_cache))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
 class SequenceParallelDropout(nn.Module):
-    """Dropout on the residual stream. Without SP every TP rank holds the same activations
-    and must drop the same elements (default RNG, seeded alike on all TP ranks); under SP
-    each rank holds a different sequence shard, so it draws from its own TP-rank stream."""
+    """Dropout on the residual stream and the embedding's output. Without SP every TP rank
+    holds the same activations and must drop the same elements (default RNG, seeded alike on
+    all TP ranks); under SP each rank holds a different sequence shard, so it draws from its
+    own TP-rank stream."""
 
     def __init__(self, config: GPTConfig, rng_tracker=None):
         super().__init__()
-        self.p = config.hidden_dropout
-        self.fork = config.sequence_parallel and rng_tracker is not None
+        self.p, self.sequence_parallel = config.hidden_dropout, config.sequence_parallel
         self.rng_tracker = rng_tracker
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        context = (self.rng_tracker.fork(MODEL_PARALLEL_RNG) if self.fork
-                   else contextlib.nullcontext())
-        with context:
+        with model_parallel_rng(self.rng_tracker, self.sequence_parallel):
             return F.dropout(x, self.p, training=True)

@@ -4,6 +4,7 @@ the gradients are counted by the optimizer, which knows which shard it stepped
 
 import torch
 
+from megalite.distributed.fsdp import shard_group
 from megalite.optimizer.optimizer import params_for_norm, squared_norm
 from megalite.parallel_state import all_reduce_anywhere, group_size
 from megalite.tensor_parallel.params import is_dtensor
@@ -20,7 +21,7 @@ def params_norm(params: list[torch.Tensor], tp_group, model_parallel_group) -> f
     squares = squared_norm([p.to_local() if is_dtensor(p) else p.detach() for p in counted])
     groups = [model_parallel_group]
     if params and is_dtensor(params[0]):
-        groups.append(params[0].device_mesh.get_group())
+        groups.append(shard_group(params))
     for group in groups:
         if group_size(group) > 1:
             all_reduce_anywhere(squares, group)

@@ -1,16 +1,13 @@
 """AdamW on FSDP2's sharded parameters (ZeRO-2/3, megalite/distributed/fsdp.py).
 
 Each DP rank steps only its rows of every parameter: the fp32 local shard of the DTensor,
-which is at once the model's parameter (FSDP gathers it, in bf16/fp16 under mixed
-precision, for the next forward) and the main copy, so AdamW updates it in place and no
-copy back exists. Its gradient is the local shard of the reduce-scattered DTensor gradient.
-The grad norm and fp16 overflow are agreed over DP (the shards are disjoint) and the
+at once the model's parameter (FSDP gathers it for the forward) and the main copy, so AdamW
+updates it in place; its gradient is the local shard of the reduce-scattered gradient. The
+grad norm and fp16 overflow are agreed over DP (the shards are disjoint) and the
 model-parallel group, as under ZeRO-1. Working on the plain local tensors keeps every
-kernel one of optimizer.py's (foreach or fused) and every collective explicit.
-
-Under --optimizer-cpu-offload FSDP's CPUOffloadPolicy keeps these shards (and so the Adam
-state made like them) and their gradients in host memory: the step runs on the host, with
-torch's fused CPU AdamW.
+kernel one of optimizer.py's (foreach or fused) and every collective explicit. Under
+--optimizer-cpu-offload the shards, their Adam state and gradients live on the host
+(CPUOffloadPolicy), where the step runs torch's fused CPU AdamW.
 
 Each shard is a Segment [start, end) of the flattened TP-shard parameter, exactly what a
 ZeRO-1 rank owns of it, so checkpoints hold the same per-DP-rank optimizer files.
@@ -31,16 +28,12 @@ class FullyShardedOptimizer(Optimizer):
         self.host_step = cpu_offload  # apply_fsdp's CPUOffloadPolicy put the shards there
         # The group the shards are disjoint over is the one apply_fsdp sharded over (DP, or
         # DP x CP under context parallelism): read from the parameters, not passed again.
-        self.dp_group = shard_group(model)
+        self.dp_group = shard_group(model.parameters())
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
 
     def _owned_segments(self) -> list[Segment]:
-        segments = []
-        for p in self.params:
-            start, end = local_shard_range(p)
-            # A detached alias of FSDP's sharded storage: updating it updates the model.
-            segments.append(Segment(p, start, end, p.to_local().detach()))
-        return segments
+        # A detached alias of FSDP's sharded storage: updating it updates the model.
+        return [Segment(p, *local_shard_range(p), p.to_local().detach()) for p in self.params]
 
     def _reduce_groups(self) -> list:
         return [self.dp_group, self.model_parallel_group]

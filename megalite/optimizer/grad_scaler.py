@@ -26,14 +26,10 @@ class ConstantGradScaler:
 class DynamicGradScaler:
     def __init__(self, initial_scale: float, min_scale: float, window: int, hysteresis: int,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5):
-        self.scale = float(initial_scale)
-        self.min_scale = float(min_scale)
-        self.window = window
-        self.hysteresis = hysteresis
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self._clean_steps = 0
-        self._hysteresis_left = hysteresis
+        self.scale, self.min_scale = float(initial_scale), float(min_scale)
+        self.window, self.hysteresis = window, hysteresis
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self._clean_steps, self._hysteresis_left = 0, hysteresis
 
     def update(self, found_inf: bool):
         if found_inf:

@@ -19,23 +19,18 @@ def learning_rate(config: SchedulerConfig, num_steps: int) -> float:
         return max_lr
     if num_steps > config.decay_steps:
         return min_lr
-    ratio = (num_steps - config.warmup_steps) / (config.decay_steps - config.warmup_steps)
-    if config.decay_style == "linear":
-        coeff = 1.0 - ratio
-    elif config.decay_style == "cosine":
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    else:
-        coeff = _wsd_coefficient(config, num_steps)
-    return min_lr + coeff * (max_lr - min_lr)
+    if config.decay_style != "WSD":
+        ratio = (num_steps - config.warmup_steps) / (config.decay_steps - config.warmup_steps)
+        style = config.decay_style
+    else:  # stable at max_lr until the last wsd_decay_steps, then anneal to min_lr
+        anneal_start = config.decay_steps - config.wsd_decay_steps
+        ratio = max(num_steps - anneal_start, 0) / config.wsd_decay_steps
+        style = config.wsd_decay_style
+    return min_lr + _decay(style, ratio) * (max_lr - min_lr)
 
 
-def _wsd_coefficient(config: SchedulerConfig, num_steps: int) -> float:
-    """Stable at max_lr until the last wsd_decay_steps, then anneal to min_lr."""
-    anneal_start = config.decay_steps - config.wsd_decay_steps
-    if num_steps <= anneal_start:
-        return 1.0
-    ratio = (num_steps - anneal_start) / config.wsd_decay_steps
-    style = config.wsd_decay_style
+def _decay(style: str, ratio: float) -> float:
+    """The coefficient of max_lr - min_lr, from 1 at ratio 0 to 0 at ratio 1."""
     if style == "linear":
         return 1.0 - ratio
     if style == "cosine":
@@ -49,8 +44,7 @@ class LRScheduler:
     """Sets the optimizer's learning rate from the number of samples consumed."""
 
     def __init__(self, optimizer, config: SchedulerConfig):
-        self.optimizer = optimizer
-        self.config = config
+        self.optimizer, self.config = optimizer, config
         self.num_steps = 0
         self._apply()
 

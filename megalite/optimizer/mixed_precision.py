@@ -1,6 +1,6 @@
-"""fp32 main parameters for bf16/fp16 model parameters (Micikevicius et al. 2018), their
-optimizer state optionally sharded over data parallelism: ZeRO-1 (Rajbhandari et al. 2020,
-"P_os"), Megatron's distributed optimizer.
+"""fp32 main parameters for bf16/fp16 model parameters (Micikevicius et al. 2018; Megatron's
+`Float16OptimizerWithFloat16Params`), their optimizer state optionally sharded over data
+parallelism: ZeRO-1 (Rajbhandari et al. 2020, "P_os"), Megatron's `DistributedOptimizer`.
 
 The layout is the gradient buffer's (distributed/grad_buffer.py): flat buckets padded to a
 multiple of the DP size, each cut into DP equal shards. The model's parameters are made
@@ -9,23 +9,20 @@ bucket: it keeps fp32 main copies of (its pieces of) the parameters in that shar
 their Adam moments, and nothing for the rest, so optimizer memory is 12 bytes x
 parameters / DP. One step:
 
-  1. the gradient buffer reduce-scatters each bucket over DP (during backward under
-     --overlap-grad-reduce): rank r holds the sum of shard r, in the buffer itself;
-  2-3. optimizer.py's step: unscale (fp16), agree on overflow across every rank, clip by
-     the global norm, AdamW on the owned shard in fp32;
+  1. the gradient buffer reduce-scatters each bucket: rank r holds the sum of shard r;
+  2-3. optimizer.py's step (unscale, overflow, clip, AdamW) on the owned shard in fp32;
   4. round the shard into the parameters' dtype in place in the parameter buffer and
      all-gather the buckets over DP, in place too. Under --overlap-param-gather the
      all-gathers are only launched here; the first forward that needs a bucket's
      parameters waits for it (a forward pre-hook), so the gather overlaps the data
      loading and the forward of earlier layers.
 
-Gradients are summed, not averaged, over DP: every rank's loss is already divided by the
-loss-token count of the whole global batch (see megalite/train_step.py).
-
-Without sharding (a gradient buffer with shard=False) every rank owns the whole of every
-bucket: the same fp32 main parameters and moments for the whole model. That is how
-bf16/fp16 parameters are trained under plain data parallelism.
+Gradients are summed, not averaged, over DP (the loss is already divided by the global
+batch's loss-token count, train_step.py). Without sharding (shard=False) every rank owns
+every bucket whole: how bf16/fp16 parameters train under plain data parallelism.
 """
+
+import functools
 
 import torch
 from torch import nn
@@ -38,26 +35,26 @@ from megalite.parallel_state import all_gather_into
 
 
 class MixedPrecisionOptimizer(Optimizer):
-    """AdamW on fp32 main parameters (Megatron's `Float16OptimizerWithFloat16Params`),
-    their state sharded over DP as Megatron's `DistributedOptimizer` when the gradient
-    buffer reduce-scatters (`grad_buffer.shard`, --use-distributed-optimizer)."""
+    """Sharded when the gradient buffer reduce-scatters (`grad_buffer.shard`,
+    --use-distributed-optimizer)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler,
                  tp_group, model_parallel_group, grad_buffer: GradBuffer,
                  overlap_param_gather: bool = False, cpu_offload: bool = False,
                  timers: Timers = NO_TIMERS):
-        self.grad_buffer = grad_buffer
+        self.grad_buffer, self.dp_group = grad_buffer, grad_buffer.group
         self.sharded = grad_buffer.shard
         # --optimizer-cpu-offload: main parameters, moments and the step on the host.
         self.host = HostOffload(grad_buffer) if cpu_offload else None
-        self.dp_group = grad_buffer.group
         self.param_buffers = [_adopt_params(b) for b in grad_buffer.buckets]
+        self._owned_params = [flat[slice(*self._owned_range(b))]
+                              for b, flat in zip(grad_buffer.buckets, self.param_buffers)]
         super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
         self._param_views = [self.param_buffers[s.bucket][s.flat] for s in self.segments]
         self._gathers: list = [None] * len(self.param_buffers)
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather:
-            _wait_before_forward(model, grad_buffer, self._wait_for_bucket_in_forward)
+            _wait_before_forward(model, grad_buffer, self._wait_for_buckets_in_forward)
 
     def _reduce_groups(self) -> list:
         # DP shards are disjoint pieces; unsharded, every DP rank holds the same gradients.
@@ -75,10 +72,9 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def _owned_segments(self) -> list[Segment]:
         segments = []
-        for index, bucket in enumerate(self.grad_buffer.buckets):
+        for index, (bucket, owned) in enumerate(zip(self.grad_buffer.buckets, self._owned_params)):
             lo, hi = self._owned_range(bucket)
-            host = None if self.host is None else \
-                self.host.main_params(index, self.param_buffers[index][lo:hi])
+            host = None if self.host is None else self.host.main_params(index, owned)
             for p, offset in zip(bucket.params, bucket.offsets):
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
@@ -102,38 +98,32 @@ class MixedPrecisionOptimizer(Optimizer):
     def _copy_main_to_params(self):
         """Each rank's updated shard, rounded to the parameters' dtype, to every rank."""
         if self.host is not None:
-            for i, (bucket, flat) in enumerate(zip(self.grad_buffer.buckets,
-                                                   self.param_buffers)):
-                lo, hi = self._owned_range(bucket)
-                self.host.copy_main_params(i, flat[lo:hi])
+            for i, owned in enumerate(self._owned_params):
+                self.host.copy_main_params(i, owned)
         else:
             torch._foreach_copy_(self._param_views, [s.main for s in self.segments])
         if not self.sharded or self.grad_buffer.dp == 1:
             return
         with self.timers("params-all-gather"):
-            for i, (bucket, flat) in enumerate(zip(self.grad_buffer.buckets,
-                                                   self.param_buffers)):
-                lo, _ = self._owned_range(bucket)
-                self._gathers[i] = all_gather_into(flat, flat[lo:lo + bucket.shard_size],
-                                                   self.dp_group, async_op=True)
+            for i, (flat, owned) in enumerate(zip(self.param_buffers, self._owned_params)):
+                self._gathers[i] = all_gather_into(flat, owned, self.dp_group, async_op=True)
             if not self.overlap_param_gather:
                 self.finish_param_gather()
 
-    def _wait_for_bucket_in_forward(self, index: int):
-        if self._gathers[index] is not None:
-            with self.timers("params-all-gather"):
-                self._wait_for_bucket(index)
-
-    def _wait_for_bucket(self, index: int):
-        if self._gathers[index] is not None:
-            self._gathers[index].wait()
-            self._gathers[index] = None
+    def _wait_for_buckets_in_forward(self, indices: list[int], _module, _args):
+        for index in indices:
+            if self._gathers[index] is not None:
+                with self.timers("params-all-gather"):
+                    self._gathers[index].wait()
+                self._gathers[index] = None
 
     def finish_param_gather(self):
         """Wait for every parameter all-gather still in flight: before reading the
         parameters outside a forward (saving a checkpoint, comparing them in a test)."""
-        for i in range(len(self._gathers)):
-            self._wait_for_bucket(i)
+        for work in self._gathers:
+            if work is not None:
+                work.wait()
+        self._gathers = [None] * len(self._gathers)
 
     @torch.no_grad()
     def reload_main_params(self):
@@ -154,8 +144,7 @@ class HostOffload:
 
     def __init__(self, grad_buffer: GradBuffer):
         self.pin = grad_buffer.buckets[0].flat.is_cuda if grad_buffer.buckets else False
-        self._params: dict[int, torch.Tensor] = {}
-        self._grads: dict[int, torch.Tensor] = {}
+        self._params, self._grads = {}, {}  # bucket index -> host buffer
 
     def _buffer(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.float32, device="cpu", pin_memory=self.pin)
@@ -175,8 +164,7 @@ class HostOffload:
         """fp32 host copy of a bucket's owned gradient shard."""
         if bucket not in self._grads:
             self._grads[bucket] = self._buffer(shard.numel())
-        host = self._grads[bucket]
-        host.copy_(shard, non_blocking=self.pin)
+        host = self._grads[bucket].copy_(shard, non_blocking=self.pin)
         if self.pin:
             torch.cuda.current_stream(shard.device).synchronize()
         return host
@@ -196,18 +184,11 @@ def _adopt_params(bucket: Bucket) -> torch.Tensor:
 
 
 def _wait_before_forward(model: nn.Module, grad_buffer: GradBuffer, wait):
-    """Forward pre-hooks: a module waits for the all-gathers of its own parameters'
-    buckets before it runs."""
+    """Forward pre-hooks `wait(indices, module, args)`: a module waits for the all-gathers
+    of its own parameters' buckets before it runs."""
     bucket_of = {id(p): i for i, b in enumerate(grad_buffer.buckets) for p in b.params}
     for module in model.modules():
         indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
                           if id(p) in bucket_of})
         if indices:
-            module.register_forward_pre_hook(_waiter(indices, wait))
-
-
-def _waiter(indices: list[int], wait):
-    def hook(_module, _args):
-        for i in indices:
-            wait(i)
-    return hook
+            module.register_forward_pre_hook(functools.partial(wait, indices))

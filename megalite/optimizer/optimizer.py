@@ -70,9 +70,7 @@ def adamw_kernel(params: list[torch.Tensor], host_step: bool = False) -> dict:
 
 
 class Optimizer:
-    """One optimizer step: unscale (fp16), check for overflow, clip, AdamW.
-
-    `model_parallel_group` holds every rank with a different piece of the same model
+    """`model_parallel_group` holds every rank with a different piece of the same model
     replica: the grad norm and the overflow decision are agreed across it (and across DP
     when the state is sharded), so all ranks clip by the same factor and skip the same
     steps. Data-parallel gradients arrive already summed (megalite/distributed/grad_buffer.py).
@@ -85,23 +83,20 @@ class Optimizer:
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None, timers: Timers = NO_TIMERS):
-        self.config = config
-        self.timers = timers
-        self.grad_scaler = grad_scaler
-        self.model_parallel_group = model_parallel_group
+        self.config, self.timers = config, timers
+        self.grad_scaler, self.model_parallel_group = grad_scaler, model_parallel_group
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.segments = self._owned_segments()
         counted = {id(p) for p in params_for_norm(self.params, tp_group)}
         self._norm_segments = [s for s in self.segments if id(s.param) in counted]
         no_decay = {id(p) for n, p in model.named_parameters() if no_weight_decay(n, p)}
-        mains = [s.main for s in self.segments]
         self.adam = torch.optim.AdamW(
             [{"params": [s.main for s in self.segments if id(s.param) not in no_decay],
               "weight_decay": config.weight_decay},
              {"params": [s.main for s in self.segments if id(s.param) in no_decay],
               "weight_decay": 0.0}],
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            **adamw_kernel(mains, self.host_step))
+            **adamw_kernel([s.main for s in self.segments], self.host_step))
 
     def _owned_segments(self) -> list[Segment]:
         return [Segment(p, 0, p.numel(), p) for p in self.params]
@@ -121,13 +116,9 @@ class Optimizer:
     def optimizer_state_bytes(self) -> int:
         """Bytes of the main parameters this rank's optimizer steps (fp32 copies or shards;
         the parameters themselves for plain fp32 AdamW) and of their Adam moments."""
-        total = 0
-        for s in self.segments:
-            total += s.main.numel() * s.main.element_size()
-            for value in self.adam.state.get(s.main, {}).values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
-        return total
+        return sum(t.numel() * t.element_size() for s in self.segments
+                   for t in [s.main, *self.adam.state.get(s.main, {}).values()]
+                   if torch.is_tensor(t) and t.dim() > 0)
 
     def zero_grad(self):
         for p in self.params:
@@ -199,8 +190,7 @@ class Optimizer:
         grads = [s.main.grad for s in self._norm_segments if s.main.grad is not None]
         if not any(s.main.grad is not None for s in self.segments):
             return None
-        device = self.segments[0].main.device
-        zeros = torch.zeros((), dtype=torch.float64, device=device)
+        zeros = torch.zeros((), dtype=torch.float64, device=self.segments[0].main.device)
         for grad in grads:
             zeros += grad.numel() - torch.count_nonzero(grad)
         for group in [g for g in self._reduce_groups() if group_size(g) > 1]:

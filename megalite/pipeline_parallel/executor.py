@@ -1,10 +1,7 @@
 """One executor for every schedule: run this rank's plan (p2p.py), its list of
 (forward|backward|weight, microbatch, chunk) actions with, before each, the batch of sends
 and receives that meets the neighbours' batches, and accumulate the loss on the last stage.
-
-A schedule with weight actions splits each backward: its backward computes the input
-gradients and leaves the linear layers' weight gradients in a store (weight_grad.py),
-which the micro-batch's weight action runs."""
+A schedule with weight actions splits each backward (weight_grad.py's B and W passes)."""
 
 import contextlib
 from typing import Callable

@@ -139,8 +139,7 @@ class PipelineCommunicator:
                                    state.cp_rank)
         self.prev_rank = grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank - 1) % p,
                                    state.cp_rank)
-        self.group = state.pp_group
-        self.shape, self.dtype, self.device = shape, dtype, device
+        self.group, self.shape, self.dtype, self.device = state.pp_group, shape, dtype, device
         self.pending: list = []  # (works, sent tensors) of batches not waited for yet
         self.bytes_sent = 0
 

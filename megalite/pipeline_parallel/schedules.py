@@ -3,17 +3,12 @@ GPipe, Huang et al. 2019; zero bubble, Qi et al. 2024).
 
 A schedule is this rank's ordered list of `Action`s: forward, backward or weight-gradient
 pass of one microbatch through one model chunk. A schedule that lists WEIGHT actions splits
-each backward in two (Qi et al. §2): BACKWARD then computes only the input gradient (B),
-which the previous stage waits for, and that microbatch's WEIGHT (W) later computes the
-weight gradients, which only the optimizer needs. Without WEIGHT actions BACKWARD is the
-whole backward. Nothing here communicates; p2p.py pairs the sends and receives
-the actions imply into batches that meet the neighbours' (from all ranks' lists), the
-executor runs them, and tests/test_schedules.py simulates all ranks' lists together to
-check they cannot deadlock and reach the paper's bubble.
-
-Placement the schedules assume: with p pipeline ranks and v chunks per rank, chunk c on
-rank r is global stage `c*p + r`. Stage s's forward of a microbatch needs stage s-1's
-forward of it; stage s's backward needs stage s+1's backward.
+each backward in two (Qi et al. §2; weight_grad.py): BACKWARD computes only the input
+gradient (B), which the previous stage waits for, and that microbatch's WEIGHT (W) later the
+weight gradients. Without WEIGHT actions BACKWARD is the whole backward. Nothing here
+communicates: p2p.py pairs the sends and receives the actions imply, the executor runs them,
+and simulate.py runs all ranks' lists together (deadlocks, bubble), on the placement of
+stages.py (chunk c of rank r is global stage c*p + r).
 """
 
 from dataclasses import dataclass
@@ -36,8 +31,9 @@ class Action:
 
 
 def validate_schedule_args(pp_size: int, num_microbatches: int, num_chunks: int = 1,
-                           schedule: str = "1f1b") -> None:
-    """Raise ConfigError, naming the flags, for (p, m, v) no schedule here can run."""
+                           schedule: str = "1f1b", pp_rank: int | None = None) -> None:
+    """Raise ConfigError, naming the flags, for (p, m, v) no schedule here can run, and
+    ValueError for a `pp_rank` outside the pipeline."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, "
                           f"got {schedule!r}")
@@ -58,36 +54,28 @@ def validate_schedule_args(pp_size: int, num_microbatches: int, num_chunks: int 
         raise ConfigError(f"the number of model chunks per pipeline rank (set by "
                           f"--num-layers-per-virtual-pipeline-stage) must be >= 1, "
                           f"got {num_chunks}")
-    if num_chunks == 1:
-        return
-    if pp_size == 1:
+    if num_chunks > 1 and pp_size == 1:
         raise ConfigError(
             f"--num-layers-per-virtual-pipeline-stage gives {num_chunks} model chunks per "
             f"rank, which interleaves a pipeline; it needs --pipeline-model-parallel-size "
             f"> 1, got 1")
     # The interleaved schedule cycles through the chunks in groups of p microbatches, so a
     # partial last group would leave chunks without a full round of microbatches.
-    if num_microbatches % pp_size != 0:
+    if num_chunks > 1 and num_microbatches % pp_size != 0:
         raise ConfigError(
             f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage) runs "
             f"microbatches in groups of --pipeline-model-parallel-size: "
             f"--global-batch-size / (--micro-batch-size x DP) = m must be a multiple of "
             f"--pipeline-model-parallel-size; got m={num_microbatches}, "
             f"--pipeline-model-parallel-size={pp_size}")
-
-
-def _check_rank(pp_size: int, pp_rank: int) -> None:
-    if not 0 <= pp_rank < pp_size:
+    if pp_rank is not None and not 0 <= pp_rank < pp_size:
         raise ValueError(f"pipeline rank {pp_rank} is outside 0..{pp_size - 1}")
 
 
 def no_pipelining(num_microbatches: int) -> list[Action]:
     """Gradient accumulation on one stage: F0 B0 F1 B1 ... (one activation set alive)."""
     validate_schedule_args(1, num_microbatches, 1)
-    actions = []
-    for i in range(num_microbatches):
-        actions += [Action(FORWARD, i, 0), Action(BACKWARD, i, 0)]
-    return actions
+    return [Action(kind, i, 0) for i in range(num_microbatches) for kind in (FORWARD, BACKWARD)]
 
 
 def warmup_microbatches(pp_size: int, pp_rank: int, num_microbatches: int,
@@ -101,8 +89,7 @@ def warmup_microbatches(pp_size: int, pp_rank: int, num_microbatches: int,
     (2*(p-r-1)), capped at m*v. With m == p there is no steady state worth having, so all
     forwards run first, as in Megatron.
     """
-    validate_schedule_args(pp_size, num_microbatches, num_chunks)
-    _check_rank(pp_size, pp_rank)
+    validate_schedule_args(pp_size, num_microbatches, num_chunks, pp_rank=pp_rank)
     if num_chunks == 1:
         return min(pp_size - pp_rank - 1, num_microbatches)
     total = num_microbatches * num_chunks
@@ -157,8 +144,7 @@ def gpipe(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
 
     Same bubble as 1F1B, (p-1)/m, but all m microbatches' activations are alive at once.
     """
-    validate_schedule_args(pp_size, num_microbatches, 1, "gpipe")
-    _check_rank(pp_size, pp_rank)
+    validate_schedule_args(pp_size, num_microbatches, 1, "gpipe", pp_rank)
     return ([Action(FORWARD, i, 0) for i in range(num_microbatches)] +
             [Action(BACKWARD, i, 0) for i in range(num_microbatches)])
 
@@ -178,8 +164,7 @@ def zb_h1(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
     With F, B, W the times of the three passes and W <= F, W <= B, the bubble is
     (p-1)(F+B-W) / (m(F+B+W)): a third of 1F1B's (p-1)/m when F = B = W.
     """
-    validate_schedule_args(pp_size, num_microbatches, 1, "zb-h1")
-    _check_rank(pp_size, pp_rank)
+    validate_schedule_args(pp_size, num_microbatches, 1, "zb-h1", pp_rank)
     actions, weights = [], 0
     for action in one_f_one_b(pp_size, pp_rank, num_microbatches):
         actions.append(action)
@@ -201,8 +186,7 @@ def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int,
     """The training schedule for this (p, m, v) and --pipeline-schedule: accumulation,
     1F1B or interleaved 1F1B, GPipe, ZB-H1. Without pipelining every schedule is
     gradient accumulation (no bubble to fill, so no backward is split)."""
-    validate_schedule_args(pp_size, num_microbatches, num_chunks, schedule)
-    _check_rank(pp_size, pp_rank)
+    validate_schedule_args(pp_size, num_microbatches, num_chunks, schedule, pp_rank)
     if pp_size == 1:
         return no_pipelining(num_microbatches)
     if schedule == "gpipe":

@@ -2,11 +2,8 @@
 
 Each rank executes its action list in order; an action starts when the rank's previous
 action has finished and the action it depends on, on whichever rank, has finished. Sends
-are free and asynchronous, so the only waiting is for data. Dependencies, with chunk c on
-rank r being global stage s of S = p*v stages (`stages.Stage`):
-- forward of (microbatch, s) needs forward of (microbatch, s-1);
-- backward of (microbatch, s) needs its own forward and backward of (microbatch, s+1);
-- weight-gradient pass W of (microbatch, s) needs its own backward.
+are free and asynchronous, so the only waiting is for data (`_dependencies`: on the
+global stages s of `stages.Stage`, F needs F of s-1, B its F and B of s+1, W its B).
 If every rank is waiting on an action no rank can run next, the schedules deadlock.
 
 Costs: F a chunk's forward, B its input gradient and W its weight gradient. A schedule

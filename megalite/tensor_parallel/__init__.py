@@ -12,13 +12,3 @@ from megalite.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region)
 from megalite.tensor_parallel.random import (
     MODEL_PARALLEL_RNG, RNGStatesTracker, build_rng_tracker, model_parallel_seed)
-
-__all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "allreduce_sequence_parallel_grads", "vocab_parallel_cross_entropy",
-    "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
-    "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
-    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
-    "MODEL_PARALLEL_RNG", "RNGStatesTracker", "build_rng_tracker", "model_parallel_seed",
-]

@@ -52,15 +52,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         # The saved softmax becomes the gradient in place: backward runs once per forward.
         grad, elsewhere, local_target = ctx.saved_tensors
-        # d loss / d z = softmax - onehot(target), the onehot only on the target's rank.
         grad.scatter_add_(-1, local_target.unsqueeze(-1),
                           -(~elsewhere).to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 group) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
     """Per-token loss [...] from this rank's vocabulary shard of the logits [..., V / tp]
     (computed in fp32) and global target ids [...] in [0, V). Equals
     F.cross_entropy(full_logits, target, reduction='none'); masking is the caller's job.

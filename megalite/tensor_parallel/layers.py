@@ -1,18 +1,14 @@
 """Tensor-parallel layers (Megatron-LM §3; sequence parallelism: Korthikanti et al. 2022).
 
-Activations are sequence-first, [seq, batch, hidden]; under sequence parallelism the
-activations between layers are sharded along seq, [seq / tp, batch, hidden].
+Activations are sequence-first (model/gpt.py), [seq / tp, batch, hidden] between layers
+under sequence parallelism.
 
-Every parameter is tagged where it is created (`megalite/tensor_parallel/params.py`): a
-sharded one as tensor parallel along its `partition_dim`, so the model initialises every
-layout from the same full tensor (`params.tp_shard`); a replicated one whose gradient
-differs across the TP group (it sees only this rank's sequence shard: row-parallel biases
-and norms under sequence parallelism) as sequence parallel: sum those grads with
-`allreduce_sequence_parallel_grads` before the optimizer step.
-The matrix products go through `weight_grad.linear`, so a zero-bubble schedule can
-defer their weight gradients to a later W pass.
-Parameters start as zeros, on the current default device and dtype (the model builds them
-where they will live) and overwrites every one.
+Every parameter is tagged where it is created (params.py): a shard as tensor parallel along
+its `partition_dim`, a replicated one fed this rank's sequence shard as sequence parallel
+(`allreduce_sequence_parallel_grads` sums its grads before the optimizer step). The matrix
+products go through `weight_grad.linear`, so a zero-bubble schedule can defer their weight
+gradients to a W pass. Parameters start as zeros on the current default device and dtype
+(the model builds them where they will live, then overwrites every one).
 """
 
 import torch
@@ -44,6 +40,16 @@ def _parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool =
     return param
 
 
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group, sequence_parallel: bool) -> torch.Tensor:
+    """X A^T + b for this rank's row block A: X all-gathered along seq under SP, else f."""
+    if sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, group)
+    else:
+        x = copy_to_tensor_model_parallel_region(x, group)
+    return linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (the output dim): rank r holds rows block r.
 
@@ -65,23 +71,15 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _divide(
             output_size, group_size(group), "ColumnParallelLinear output size")
         self.weight = _parameter(self.output_size_per_partition, input_size, partition_dim=0)
-        self.bias = (_parameter(self.output_size_per_partition, partition_dim=0)
-                     if bias else None)
+        self.bias = _parameter(self.output_size_per_partition, partition_dim=0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.group)
-        y = linear(x, self.weight, self.bias)
-        if self.gather_output:
-            y = gather_from_tensor_model_parallel_region(y, self.group)
-        return y
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, "
-                f"out_per_partition={self.output_size_per_partition}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (f"in={self.input_size}, out={self.output_size}, out_per_partition="
+                f"{self.output_size_per_partition}, sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):
@@ -101,8 +99,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = _divide(
             input_size, group_size(group), "RowParallelLinear input size")
         self.weight = _parameter(output_size, self.input_size_per_partition, partition_dim=1)
-        # Under sequence parallelism each rank adds the bias to its own sequence shard, so
-        # its gradient is a partial sum across the group.
+        # Added to this rank's sequence shard under SP: a partial grad (params.py).
         self.bias = (_parameter(output_size, partition_dim=None,
                                 sequence_parallel=sequence_parallel) if bias else None)
 
@@ -117,9 +114,8 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, "
-                f"in_per_partition={self.input_size_per_partition}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (f"in={self.input_size}, out={self.output_size}, in_per_partition="
+                f"{self.input_size_per_partition}, sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -13,6 +13,8 @@ collectives are looked up on `torch.distributed` at each call, so a benchmark ca
 them to count bytes.
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
@@ -26,33 +28,25 @@ def _check_divisible(x: torch.Tensor, dim: int, parts: int, op: str):
                           f"{x.shape[dim]}, not divisible by the tensor-parallel size {parts}")
 
 
-# The collectives. Each returns a new tensor and never writes into its input, which autograd
-# may have saved for backward.
+# The collectives, over a group of more than one rank (`_operator` skips them on one). Each
+# returns a new tensor and never writes into its input, which autograd may have saved.
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
 
 
-def _split(x: torch.Tensor, dim: int, group, op: str) -> torch.Tensor:
+def _split(x: torch.Tensor, group, *, dim: int, op: str) -> torch.Tensor:
     """This rank's contiguous chunk of `dim`."""
-    tp = group_size(group)
-    if tp == 1:
-        return x
-    _check_divisible(x, dim, tp, op)
-    return x.chunk(tp, dim=dim)[group_rank(group)].contiguous()
+    _check_divisible(x, dim, group_size(group), op)
+    return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
 
 
 def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[n, ...] on each rank -> [tp * n, ...], rank 0's block first."""
-    tp = group_size(group)
-    if tp == 1:
-        return x
     x = x.contiguous()
-    out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
     all_gather_into(out, x, group=group)
     return out
 
@@ -60,20 +54,15 @@ def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[..., n] on each rank -> [..., tp * n]: gather along dim 0, then move the rank blocks."""
     tp = group_size(group)
-    if tp == 1:
-        return x
     stacked = _all_gather_first_dim(x, group).view(tp, *x.shape)     # [tp, ..., n]
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], tp * x.shape[-1])
 
 
-def _reduce_scatter_first_dim(x: torch.Tensor, group, op: str) -> torch.Tensor:
+def _reduce_scatter_first_dim(x: torch.Tensor, group, *, op: str) -> torch.Tensor:
     """[n, ...] on each rank -> this rank's [n / tp, ...] block of the sum over ranks."""
-    tp = group_size(group)
-    if tp == 1:
-        return x
-    _check_divisible(x, 0, tp, op)
+    _check_divisible(x, 0, group_size(group), op)
     x = x.contiguous()
-    out = x.new_empty((x.shape[0] // tp, *x.shape[1:]))
+    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
     reduce_scatter_into(out, x, group=group)
     return out
 
@@ -83,10 +72,10 @@ def _operator(name: str, forward, backward):
     its gradient. Each pair below is a collective and its conjugate."""
     def fwd(ctx, x, group):
         ctx.group = group
-        return forward(x, group)
+        return forward(x, group) if group_size(group) > 1 else x
 
     def bwd(ctx, grad):
-        return backward(grad, ctx.group), None
+        return (backward(grad, ctx.group) if group_size(ctx.group) > 1 else grad), None
 
     return type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(fwd), "backward": staticmethod(bwd)}).apply
@@ -94,14 +83,6 @@ def _operator(name: str, forward, backward):
 
 def _identity(x, group):
     return x
-
-
-def _splitter(dim: int, op: str):
-    return lambda x, group: _split(x, dim, group, op)
-
-
-def _reduce_scatterer(op: str):
-    return lambda x, group: _reduce_scatter_first_dim(x, group, op)
 
 
 # Tensor-parallel region (Megatron-LM §3): f, g and the last-dim scatter/gather.
@@ -116,12 +97,12 @@ reduce_from_tensor_model_parallel_region = _operator(
 
 scatter_to_tensor_model_parallel_region = _operator(
     "ScatterToTensorModelParallelRegion",
-    _splitter(-1, "scatter_to_tensor_model_parallel_region"), _all_gather_last_dim)
+    partial(_split, dim=-1, op="scatter_to_tensor_model_parallel_region"), _all_gather_last_dim)
 """Keep this rank's chunk of the last dim; backward all-gathers the last dim."""
 
 gather_from_tensor_model_parallel_region = _operator(
     "GatherFromTensorModelParallelRegion", _all_gather_last_dim,
-    _splitter(-1, "gather_from_tensor_model_parallel_region"))
+    partial(_split, dim=-1, op="gather_from_tensor_model_parallel_region"))
 """All-gather the last dim; backward keeps this rank's chunk."""
 
 
@@ -129,20 +110,21 @@ gather_from_tensor_model_parallel_region = _operator(
 
 scatter_to_sequence_parallel_region = _operator(
     "ScatterToSequenceParallelRegion",
-    _splitter(0, "scatter_to_sequence_parallel_region"), _all_gather_first_dim)
+    partial(_split, dim=0, op="scatter_to_sequence_parallel_region"), _all_gather_first_dim)
 """Keep this rank's chunk of dim 0 (sequence); backward all-gathers dim 0."""
 
 reduce_scatter_to_sequence_parallel_region = _operator(
     "ReduceScatterToSequenceParallelRegion",
-    _reduce_scatterer("reduce_scatter_to_sequence_parallel_region"), _all_gather_first_dim)
+    partial(_reduce_scatter_first_dim, op="reduce_scatter_to_sequence_parallel_region"),
+    _all_gather_first_dim)
 """Reduce-scatter dim 0 (sequence); backward all-gathers dim 0."""
 
 _GATHER_SP = "gather_from_sequence_parallel_region"
 # A gathered tensor feeding a tensor-parallel layer gets a partial gradient on each rank.
 _gather_sp_partial_grads = _operator("GatherFromSequenceParallelRegion", _all_gather_first_dim,
-                                     _reduce_scatterer(_GATHER_SP))
+                                     partial(_reduce_scatter_first_dim, op=_GATHER_SP))
 _gather_sp_whole_grads = _operator("GatherFromSequenceParallelRegionSplitGrad",
-                                   _all_gather_first_dim, _splitter(0, _GATHER_SP))
+                                   _all_gather_first_dim, partial(_split, dim=0, op=_GATHER_SP))
 
 
 def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):

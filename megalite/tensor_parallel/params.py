@@ -65,8 +65,7 @@ def is_embedding_copy(param: nn.Parameter) -> bool:
 def copy_tags(tags: dict, param: nn.Parameter):
     """Set on `param` the tags (and any other attributes) in `tags`, another parameter
     object's `vars()`: FSDP2 replaces each parameter by a new DTensor one."""
-    for key, value in tags.items():
-        setattr(param, key, value)
+    vars(param).update(tags)
 
 
 def main_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -114,9 +113,8 @@ def local_shard(full: torch.Tensor, param: nn.Parameter, name: str, tp_rank: int
     model's parameter."""
     full = tp_shard(full, param, name, tp_rank, tp_size)
     if full.shape != param.shape:
-        raise CheckpointError(f"parameter {name}: the checkpoint gives shape "
-                              f"{tuple(full.shape)} for this rank, the model has "
-                              f"{tuple(param.shape)}")
+        raise CheckpointError(f"parameter {name}: the checkpoint gives shape {tuple(full.shape)} "
+                              f"for this rank, the model has {tuple(param.shape)}")
     return full
 
 

@@ -6,9 +6,6 @@ keep identical copies: the default generator is seeded identically across the gr
 Dropout on sharded activations (attention probabilities of this rank's heads) must draw
 independent masks per shard: it runs inside `tracker.fork()`, which swaps in a generator
 state seeded differently per TP rank and swaps the default state back afterwards.
-
-Device-agnostic: the tracked state is the default generator of `device` (the CPU
-generator, or the accelerator's through torch.get_device_module).
 """
 
 import contextlib
@@ -73,6 +70,12 @@ class RNGStatesTracker:
         self.states = {name: state.clone() for name, state in states.items()}
 
 
+def model_parallel_rng(tracker: RNGStatesTracker | None, fork: bool = True):
+    """`tracker.fork()` for draws that must differ per TP (and CP) rank; the default
+    generator when there is no tracker or no `fork`."""
+    return tracker.fork() if tracker is not None and fork else contextlib.nullcontext()
+
+
 def build_rng_tracker(seed: int, tp_rank: int, device, cp_rank: int = 0,
                       tp_size: int = 1) -> RNGStatesTracker:
     """A tracker holding the per-TP-rank "model-parallel-rng" state; under context
@@ -93,16 +96,15 @@ def checkpoint(function, rng_tracker: RNGStatesTracker | None, *args):
     saved = rng_tracker.get_states() if rng_tracker is not None else None
 
     def contexts():
+        if rng_tracker is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
         return contextlib.nullcontext(), _tracker_states(rng_tracker, saved)
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              preserve_rng_state=True, context_fn=contexts)
 
 
 @contextlib.contextmanager
-def _tracker_states(rng_tracker: RNGStatesTracker | None, states):
-    if rng_tracker is None:
-        yield
-        return
+def _tracker_states(rng_tracker: RNGStatesTracker, states):
     current = rng_tracker.get_states()
     rng_tracker.set_states(states)
     try:

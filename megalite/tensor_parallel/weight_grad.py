@@ -46,9 +46,6 @@ class WeightGradStore:
 
 
 class _DeferredWeightGrad(torch.autograd.Function):
-    """An empty tensor standing for one deferred dA: its backward computes dA and hands
-    it to the weight's own gradient edge."""
-
     @staticmethod
     def forward(ctx, weight, x, grad_output):
         ctx.save_for_backward(x, grad_output)
