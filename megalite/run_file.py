@@ -113,8 +113,9 @@ def _convert(action: argparse.Action, value, where: str):
 
 
 def _scalar(action: argparse.Action, value, where: str):
-    if isinstance(value, bool) or isinstance(value, (list, dict)) or value is None:
-        raise ConfigError(f"{where}: expected a {_type_name(action)}, got {value!r}")
+    if value is None or isinstance(value, (bool, list, dict)):
+        kind = {int: "integer", float: "number"}.get(action.type, "string")
+        raise ConfigError(f"{where}: expected a {kind}, got {value!r}")
     if action.type is int and not isinstance(value, int):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if action.type is float and not isinstance(value, (int, float)):
@@ -128,10 +129,6 @@ def _scalar(action: argparse.Action, value, where: str):
         raise ConfigError(f"{where}: {converted!r} is not one of "
                           f"{', '.join(map(str, action.choices))}")
     return converted
-
-
-def _type_name(action: argparse.Action) -> str:
-    return {int: "integer", float: "number"}.get(action.type, "string")
 
 
 def dump_run_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:

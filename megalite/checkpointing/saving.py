@@ -60,9 +60,7 @@ def rng_file(rank: int) -> str:
 def canonical_name(name: str, param: nn.Parameter) -> str:
     """Chunk parameters are "<chunk>.<single-process name>"; a tied output layer on the
     last stage is a copy of the word embeddings."""
-    if is_embedding_copy(param):
-        return "embedding.word_embeddings.weight"
-    return name.split(".", 1)[1]
+    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name.split(".", 1)[1]
 
 
 def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
@@ -152,7 +150,6 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                                               group_rank(state.dp_cp_group)))
     save_tensor_file(_rng_state(rng_tracker), staging / rng_file(dist.get_rank()))
     dist.barrier()
-    final = None
     if dist.get_rank() == 0:
         scaler = optimizer.grad_scaler
         metadata = {"format_version": FORMAT_VERSION, "megalite_version": megalite.__version__,
@@ -164,10 +161,10 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                     "scheduler": scheduler.state_dict(),
                     "grad_scaler": scaler.state_dict() if scaler is not None else None,
                     "config": _jsonable(dataclasses.asdict(config)), "run_file": run_file}
-        final = commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
+        commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
         apply_retention(save, ckpt.keep_last)
     dist.barrier()
-    return final or checkpoint_dir(save, iteration)
+    return checkpoint_dir(save, iteration)
 
 
 def _optimizer_shard(optimizer, names: dict[int, str]) -> dict:

@@ -203,6 +203,14 @@ def _read_tracker(save: Path) -> int | str:
     return int(text)
 
 
+def tracked_checkpoint(save: Path) -> tuple[int, Path]:
+    """(iteration, directory) the tracker in `save` names; `release` is iteration 0."""
+    iteration = _read_tracker(save)
+    if iteration == RELEASE:
+        return 0, save / RELEASE
+    return iteration, checkpoint_dir(save, iteration)
+
+
 def _is_complete(directory: Path) -> bool:
     try:
         return bool(read_metadata(directory))
@@ -235,13 +243,10 @@ def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
             f"checkpoint tracker {load / TRACKER_FILENAME} is missing but {load} holds "
             f"checkpoint directories {found}; write the iteration to resume from into it, "
             f"or point --load elsewhere")
-    iteration = _read_tracker(load)
-    if iteration == RELEASE:
-        read_metadata(load / RELEASE)  # metadata has no iteration to check: Megatron's is 0
-        return 0, load / RELEASE
-    directory = checkpoint_dir(load, iteration)
+    iteration, directory = tracked_checkpoint(load)
     record = read_metadata(directory)
-    if record["iteration"] != iteration:
+    # A release checkpoint's metadata has no iteration to check: Megatron's is 0.
+    if directory.name != RELEASE and record["iteration"] != iteration:
         raise CheckpointError(f"checkpoint {directory} records iteration {record['iteration']}, "
                               f"but its name and the tracker say {iteration}")
     return iteration, directory

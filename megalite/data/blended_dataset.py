@@ -50,14 +50,11 @@ def parse_data_path(values: Sequence[str]) -> Tuple[List[float], List[str]]:
     if len(values) % 2 != 0:
         raise ConfigError(f"--data-path: {len(values)} values; a weighted list needs "
                           "weight-prefix pairs 'w1 p1 w2 p2 ...'")
-    weights = []
-    for position, text in enumerate(values[0::2]):
-        weight = _as_weight(text)
-        if weight is None:
-            raise ConfigError(f"--data-path: expected a weight before prefix "
-                              f"{values[2 * position + 1]!r}, got {text!r}")
-        weights.append(weight)
-    return normalize_weights(weights), values[1::2]
+    for text, prefix in zip(values[0::2], values[1::2]):
+        if _as_weight(text) is None:
+            raise ConfigError(f"--data-path: expected a weight before prefix {prefix!r}, "
+                              f"got {text!r}")
+    return normalize_weights([_as_weight(t) for t in values[0::2]]), values[1::2]
 
 
 def normalize_weights(weights: Sequence[float]) -> List[float]:

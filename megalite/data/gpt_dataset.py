@@ -77,13 +77,12 @@ def split_documents(num_documents: int, split: str = "969,30,1") -> List[Tuple[i
     bounds but the first are shifted by the rounding excess so the last one is exactly
     `num_documents`.
     """
-    fractions = parse_split(split)
     bounds = [0]
-    for fraction in fractions:
+    for fraction in parse_split(split):
         bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
     excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+    bounds = [0] + [b - excess for b in bounds[1:]]
+    return list(zip(bounds, bounds[1:]))
 
 
 # --- Index cache: built once by the builder rank, read by everyone ---
@@ -115,12 +114,9 @@ def build_or_load_indices(description: dict, names: Sequence[str],
     prefix = os.path.join(cache_dir, f"{description_hash(description)}-{description['class']}")
     paths = {name: f"{prefix}-{name}.npy" for name in names}
     description_path = f"{prefix}-description.json"
-
-    def complete() -> bool:
-        return all(os.path.isfile(p) for p in [description_path, *paths.values()])
-
+    files = [description_path, *paths.values()]
     arrays = None
-    if is_builder and not complete():
+    if is_builder and not all(map(os.path.isfile, files)):
         t0 = time.perf_counter()
         arrays = build()
         os.makedirs(cache_dir, exist_ok=True)
@@ -134,8 +130,7 @@ def build_or_load_indices(description: dict, names: Sequence[str],
     barrier()
     if arrays is not None:
         return arrays, prefix
-
-    if not complete():
+    if not all(map(os.path.isfile, files)):
         raise DataError(f"index cache {prefix}-*.npy is missing after the builder rank's "
                         f"turn: is the data cache directory {cache_dir!r} on a filesystem "
                         "every rank can see?")
