@@ -1,12 +1,6 @@
-"""Conversion between megalite's single-process weights and HuggingFace `transformers` models.
-
-    hf_config_and_state_dict(model_config, state_dict, **hf_config_kwargs)
-        -> (GPT2Config | LlamaConfig, HF state dict)
-    export_to_hf(model_config, state_dict, output_dir, dtype=None, overwrite=False,
-                 **hf_config_kwargs) -> output_dir, which AutoModelForCausalLM loads
-    import_from_hf(hf_dir_or_model, allow_gelu_approximation=False)
-        -> (GPTConfig fields, megalite state dict with vocab_size vocabulary rows)
-    pad_vocab(state_dict, padded_vocab_size) -> state dict with padded vocabulary rows
+"""Conversion between megalite's single-process weights and HuggingFace `transformers` models:
+`export_to_hf` writes a directory AutoModelForCausalLM loads, `import_from_hf` reads one back
+(`pad_vocab` then pads its vocabulary rows), `hf_config_and_state_dict` converts in memory.
 
 `state_dict` is the single-process `GPTModel(config, seed).state_dict()` (no TP or PP).
 Two styles have a one-to-one HF counterpart; anything else is refused with a ConfigError

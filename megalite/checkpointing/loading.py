@@ -1,10 +1,12 @@
-"""Loading a checkpoint into this rank's model chunks and optimizer, at any layout.
+"""Loading a checkpoint (saving.py's files) into this rank's model chunks and optimizer.
 
-Each parameter is rebuilt as the full single-process tensor from the saved shards, then
-cut for this rank (see saving.py for the files). The same goes for each optimizer tensor
-(fp32 main copy, Adam moments): the DP segments of every saved TP shard are placed at
-their ranges, the TP shards joined (params.tp_unshard), and this rank's owned range taken
-out. Files are memory-mapped, so a rank reads only the pieces it touches.
+At any (TP, PP, v, DP) layout, no converter: every parameter and each of its optimizer
+tensors (fp32 main copy, Adam moments) is reassembled into the full single-process tensor
+from the saved shards (TP pieces joined along their partition dim by params.tp_unshard, DP
+segments placed at their ranges) and cut again for this rank. Vocabulary padding, which
+depends on TP, is zero in weights and Adam moments alike, so it is dropped or added as
+zeros. Files are memory-mapped, so a rank reads only the pieces it touches. RNG states only
+mean something at the same layout; at another they are left as seeded.
 """
 
 import random

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: what each rank writes and reads, at any layout (docs/design.md §8).
+"""Sharded checkpoints: what each rank writes (docs/design.md §8); loading.py reads them back.
 
 Files of `iter_0000100/` (made visible atomically by storage.py):
   model_tp{t}_pp{p}.pt      DP and CP rank 0 of each (TP, PP) pair: {"params": name -> this TP
@@ -14,17 +14,10 @@ Files of `iter_0000100/` (made visible atomically by storage.py):
                             scheduler and loss scaler state, versions, the config
 Names are the single-process model's (megalite/model/gpt.py keys layers by global index),
 and the last stage's copy of a tied embedding is not saved: it is the embedding.
-
-Loading at another (TP, PP, v, DP) layout needs no converter: every parameter (and each
-of its optimizer tensors) is reassembled into the full single-process tensor from the
-saved shards (TP pieces joined along their partition dim by params.tp_unshard, DP
-segments placed at their ranges) and cut again for this rank. Vocabulary padding, which
-depends on TP, is zero in weights and Adam moments alike, so it is dropped or added as
-zeros. RNG states only mean something at the same layout; at another they are left as
-seeded.
 """
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -160,7 +153,9 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                     "consumed_valid_samples": train_state.consumed_valid_samples,
                     "scheduler": scheduler.state_dict(),
                     "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                    "config": _jsonable(dataclasses.asdict(config)), "run_file": run_file}
+                    # What JSON cannot hold (dtypes, enums) as its str().
+                    "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+                    "run_file": run_file}
         commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
         apply_retention(save, ckpt.keep_last)
     dist.barrier()
@@ -206,12 +201,3 @@ def model_fields(model_config) -> dict:
     fields = dataclasses.asdict(model_config)
     return {f: fields[f] for f in RECORDED_FIELDS if f in fields}
 
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
