@@ -77,8 +77,8 @@ def _read_mapping(node, path: str, actions: dict, values: dict, where: dict):
                 raise ConfigError(f"{_at(path, key_node)}: key {key!r} sets the same flag as "
                                   f"line {where[action.dest]}")
             where[action.dest] = key_node.start_mark.line + 1
-            value = yaml.safe_load(yaml.serialize(value_node))
-            values[action.dest] = _convert(action, value, f"{_at(path, key_node)}: {key}")
+            values[action.dest] = _convert(action, yaml.safe_load(yaml.serialize(value_node)),
+                                           f"{_at(path, key_node)}: {key}")
         elif isinstance(value_node, yaml.MappingNode):
             _read_mapping(value_node, path, actions, values, where)  # a group
         else:

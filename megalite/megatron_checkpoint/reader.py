@@ -316,9 +316,8 @@ def _read_torch_dist(directory: Path, names: set[str] | None) -> MegatronCheckpo
         else:
             state[name] = tensor
     layout.check_state(state, config, str(directory), names)
-    iteration = int(common.get("iteration", 0))
-    rest = {k: v for k, v in common.items() if k != "args"}
-    return MegatronCheckpoint(directory, "torch_dist", iteration, args, config, state, rest)
+    return MegatronCheckpoint(directory, "torch_dist", int(common.get("iteration", 0)), args,
+                              config, state, {k: v for k, v in common.items() if k != "args"})
 
 
 def _common_state(directory: Path, keys: list[str], loaded: dict) -> dict:
