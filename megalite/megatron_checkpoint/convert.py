@@ -86,8 +86,7 @@ def import_megatron(load: str, save: str, ckpt_format: str | None = None,
     rows = ckpt.config.padded_vocab_size
     vocab = vocab_size or ckpt.config.vocab_size or rows
     if vocab > rows:
-        raise ConfigError(f"--vocab-size {vocab} exceeds the checkpoint's {rows} vocabulary "
-                          f"rows")
+        raise ConfigError(f"--vocab-size {vocab} exceeds the checkpoint's {rows} vocabulary rows")
     config = dataclasses.replace(ckpt.config, vocab_size=vocab)
     adam, why = adam_state(ckpt)
     if adam is None:

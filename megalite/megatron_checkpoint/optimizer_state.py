@@ -54,8 +54,8 @@ def _rank_state(names: list[str], shapes: dict, record) -> tuple[dict, int]:
     groups = megatron_param_groups(names, shapes)
     saved = [g["params"] for g in adam["param_groups"]]
     if [len(g) for g in saved] != [len(g) for g in groups]:
-        raise _NotOneToOne(f"its optimizer's param groups ({[len(g) for g in saved]} parameters) "
-                      f"are not Megatron's default grouping of the model "
+        raise _NotOneToOne(f"its optimizer's param groups ({[len(g) for g in saved]} "
+                           f"parameters) are not Megatron's default grouping of the model "
                            f"({[len(g) for g in groups]})")
     out, step = {}, None
     for gi, (ids, group_names) in enumerate(zip(saved, groups)):
