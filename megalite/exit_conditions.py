@@ -31,16 +31,12 @@ class ExitConditions:
     def _record(self, signum, _frame):
         self.received = signum
 
-    @property
-    def enabled(self) -> bool:
-        return self.config.exit_signal_handler or self.config.exit_duration_in_mins is not None
-
     def check(self) -> str | None:
         """Every rank, every iteration: why all ranks stop now, or None."""
-        if not self.enabled:
+        limit = self.config.exit_duration_in_mins
+        if not self.config.exit_signal_handler and limit is None:
             return None
         minutes = (time.monotonic() - self.start) / 60.0
-        limit = self.config.exit_duration_in_mins
         flags = torch.tensor([self.received or 0, limit is not None and minutes > limit],
                              dtype=torch.float32, device=self.device)
         if dist.is_initialized():

@@ -1,12 +1,6 @@
-"""Conversion between megalite's single-process weights and HuggingFace `transformers` models.
-
-    hf_config_and_state_dict(model_config, state_dict, **hf_config_kwargs)
-        -> (GPT2Config | LlamaConfig, HF state dict)
-    export_to_hf(model_config, state_dict, output_dir, dtype=None, overwrite=False,
-                 **hf_config_kwargs) -> output_dir, which AutoModelForCausalLM loads
-    import_from_hf(hf_dir_or_model, allow_gelu_approximation=False)
-        -> (GPTConfig fields, megalite state dict with vocab_size vocabulary rows)
-    pad_vocab(state_dict, padded_vocab_size) -> state dict with padded vocabulary rows
+"""Conversion between megalite's single-process weights and HuggingFace `transformers` models:
+`export_to_hf` writes a directory AutoModelForCausalLM loads, `import_from_hf` reads one back
+(`pad_vocab` then pads its vocabulary rows), `hf_config_and_state_dict` converts in memory.
 
 `state_dict` is the single-process `GPTModel(config, seed).state_dict()` (no TP or PP).
 Two styles have a one-to-one HF counterpart; anything else is refused with a ConfigError
@@ -47,6 +41,7 @@ import torch
 from megalite.atomic_write import staged_directory
 from megalite.errors import ConfigError
 from megalite.config import GPTConfig
+from megalite.tensor_parallel.params import VOCAB_PARAMS, pad_vocab_rows
 
 STYLES = {
     "GPT-2": dict(normalization="LayerNorm", swiglu=False,
@@ -67,8 +62,17 @@ _LLAMA_LAYER = {"input_layernorm": "input_layernorm",
                 "pre_mlp_layernorm": "post_attention_layernorm",
                 "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
                 "mlp.linear_fc2": "mlp.down_proj"}
-_EMBEDDING = "embedding.word_embeddings.weight"
-_OUTPUT = "output_layer.weight"
+_EMBEDDING, _OUTPUT = VOCAB_PARAMS
+# HF config attribute -> GPTConfig field, in both directions; STYLES fixes the rest.
+_CONFIG_NAMES = {
+    "GPT-2": dict(n_layer="num_layers", n_embd="hidden_size", n_head="num_attention_heads",
+                  n_inner="ffn_hidden_size", n_positions="max_position_embeddings",
+                  layer_norm_epsilon="norm_epsilon"),
+    "Llama": dict(num_hidden_layers="num_layers", hidden_size="hidden_size",
+                  intermediate_size="ffn_hidden_size", num_attention_heads="num_attention_heads",
+                  num_key_value_heads="num_query_groups", head_dim="kv_channels",
+                  max_position_embeddings="max_position_embeddings", rms_norm_eps="norm_epsilon"),
+}
 
 
 def _transformers():
@@ -143,19 +147,13 @@ def _hf_config(style: str, c: GPTConfig, vocab: int, **kwargs):
     tf = _transformers()
     common = dict(vocab_size=vocab, initializer_range=c.init_method_std, bos_token_id=None,
                   eos_token_id=None)
+    common.update({hf: getattr(c, field) for hf, field in _CONFIG_NAMES[style].items()})
     if style == "GPT-2":
         return tf.GPT2Config(**{**common, **dict(
-            n_positions=c.max_position_embeddings, n_embd=c.hidden_size, n_layer=c.num_layers,
-            n_head=c.num_attention_heads, n_inner=c.ffn_hidden_size,
-            activation_function="gelu", layer_norm_epsilon=c.norm_epsilon,
-            resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout,
+            activation_function="gelu", resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout,
             attn_pdrop=c.attention_dropout, tie_word_embeddings=True), **kwargs})
     return tf.LlamaConfig(**{**common, **dict(
-        hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_query_groups, head_dim=c.kv_channels, hidden_act="silu",
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_epsilon,
-        rope_theta=float(c.rotary_base), attention_bias=False, mlp_bias=False,
+        hidden_act="silu", rope_theta=float(c.rotary_base), attention_bias=False, mlp_bias=False,
         attention_dropout=c.attention_dropout,
         tie_word_embeddings=not c.untie_embeddings_and_output_weights), **kwargs})
 
@@ -218,6 +216,7 @@ def _refuse(name: str, value, want) -> None:
 
 
 def _gpt2_fields(hf, allow_gelu_approximation: bool) -> dict:
+    """The fields no table holds, once what megalite would compute differently is refused."""
     act = hf.activation_function
     if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast") and allow_gelu_approximation:
         warnings.warn(f"HF config activation_function={act!r} is the tanh approximation of "
@@ -227,17 +226,11 @@ def _gpt2_fields(hf, allow_gelu_approximation: bool) -> dict:
     for name, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                        ("add_cross_attention", False), ("tie_word_embeddings", True)):
         _refuse(name, getattr(hf, name, want), want)
-    h, heads = hf.n_embd, hf.n_head
-    return dict(num_layers=hf.n_layer, hidden_size=h, ffn_hidden_size=hf.n_inner or 4 * h,
-                num_attention_heads=heads, num_query_groups=heads, kv_channels=h // heads,
-                seq_length=hf.n_positions, max_position_embeddings=hf.n_positions,
-                vocab_size=hf.vocab_size, position_embedding_type="learned_absolute",
-                normalization="LayerNorm", norm_epsilon=hf.layer_norm_epsilon, swiglu=False,
-                add_bias_linear=True, untie_embeddings_and_output_weights=False,
-                rotary_base=10000)
+    return dict(rotary_base=10000)
 
 
 def _llama_fields(hf) -> dict:
+    """As _gpt2_fields."""
     # transformers 5 keeps rope_theta in rope_parameters; 4.x in rope_theta / rope_scaling.
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     _refuse("rope_type", rope.get("rope_type", rope.get("type", "default")), "default")
@@ -246,17 +239,7 @@ def _llama_fields(hf) -> dict:
     for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         _refuse(name, getattr(hf, name, want), want)
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000))
-    return dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
-                ffn_hidden_size=hf.intermediate_size,
-                num_attention_heads=hf.num_attention_heads,
-                num_query_groups=hf.num_key_value_heads or hf.num_attention_heads,
-                kv_channels=getattr(hf, "head_dim", None)
-                or hf.hidden_size // hf.num_attention_heads,
-                seq_length=hf.max_position_embeddings,
-                max_position_embeddings=hf.max_position_embeddings, vocab_size=hf.vocab_size,
-                position_embedding_type="rope", normalization="RMSNorm",
-                norm_epsilon=hf.rms_norm_eps, swiglu=True, add_bias_linear=False,
-                untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
+    return dict(untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
                 rotary_base=int(theta) if float(theta).is_integer() else theta)
 
 
@@ -280,8 +263,14 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
         raise ConfigError(f"HF config model_type={hf.model_type!r} is not supported "
                           "(megalite converts gpt2 and llama)")
     style = "GPT-2" if hf.model_type == "gpt2" else "Llama"
-    fields = (_gpt2_fields(hf, allow_gelu_approximation) if style == "GPT-2"
-              else _llama_fields(hf))
+    fields = {f: getattr(hf, name, None) for name, f in _CONFIG_NAMES[style].items()}
+    fields.update(STYLES[style], **(_gpt2_fields(hf, allow_gelu_approximation)
+                                    if style == "GPT-2" else _llama_fields(hf)))
+    heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
+    fields.update(seq_length=fields["max_position_embeddings"], vocab_size=hf.vocab_size,
+                  ffn_hidden_size=fields["ffn_hidden_size"] or 4 * hidden,  # GPT-2's n_inner
+                  num_query_groups=fields.get("num_query_groups") or heads,
+                  kv_channels=fields.get("kv_channels") or hidden // heads)
     if isinstance(hf_dir_or_model, (str, os.PathLike)):
         hf_dir_or_model = tf.AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
     sd = {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
@@ -299,13 +288,9 @@ def pad_vocab(state_dict: dict[str, torch.Tensor],
               padded_vocab_size: int) -> dict[str, torch.Tensor]:
     """A copy of `state_dict` whose vocabulary tensors have padded_vocab_size rows, the new
     ones zero as in megalite's init (see megalite.validation.pad_vocab_size for the size)."""
-    padded = dict(state_dict)
-    for name in (_EMBEDDING, _OUTPUT):
-        if name not in padded:
-            continue
-        t = padded[name]
-        if t.shape[0] > padded_vocab_size:
-            raise ConfigError(f"{name} has {t.shape[0]} rows, more than padded_vocab_size "
-                              f"{padded_vocab_size}")
-        padded[name] = torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])])
-    return padded
+    for name in [n for n in VOCAB_PARAMS if n in state_dict]:
+        if state_dict[name].shape[0] > padded_vocab_size:
+            raise ConfigError(f"{name} has {state_dict[name].shape[0]} rows, more than "
+                              f"padded_vocab_size {padded_vocab_size}")
+    return {n: pad_vocab_rows(t, padded_vocab_size) if n in VOCAB_PARAMS else t
+            for n, t in state_dict.items()}

@@ -77,8 +77,8 @@ def _read_mapping(node, path: str, actions: dict, values: dict, where: dict):
                 raise ConfigError(f"{_at(path, key_node)}: key {key!r} sets the same flag as "
                                   f"line {where[action.dest]}")
             where[action.dest] = key_node.start_mark.line + 1
-            value = yaml.safe_load(yaml.serialize(value_node))
-            values[action.dest] = _convert(action, value, f"{_at(path, key_node)}: {key}")
+            values[action.dest] = _convert(action, yaml.safe_load(yaml.serialize(value_node)),
+                                           f"{_at(path, key_node)}: {key}")
         elif isinstance(value_node, yaml.MappingNode):
             _read_mapping(value_node, path, actions, values, where)  # a group
         else:
@@ -113,8 +113,9 @@ def _convert(action: argparse.Action, value, where: str):
 
 
 def _scalar(action: argparse.Action, value, where: str):
-    if isinstance(value, bool) or isinstance(value, (list, dict)) or value is None:
-        raise ConfigError(f"{where}: expected a {_type_name(action)}, got {value!r}")
+    if value is None or isinstance(value, (bool, list, dict)):
+        kind = {int: "integer", float: "number"}.get(action.type, "string")
+        raise ConfigError(f"{where}: expected a {kind}, got {value!r}")
     if action.type is int and not isinstance(value, int):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if action.type is float and not isinstance(value, (int, float)):
@@ -128,10 +129,6 @@ def _scalar(action: argparse.Action, value, where: str):
         raise ConfigError(f"{where}: {converted!r} is not one of "
                           f"{', '.join(map(str, action.choices))}")
     return converted
-
-
-def _type_name(action: argparse.Action) -> str:
-    return {int: "integer", float: "number"}.get(action.type, "string")
 
 
 def dump_run_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:

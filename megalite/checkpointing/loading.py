@@ -1,10 +1,12 @@
-"""Loading a checkpoint into this rank's model chunks and optimizer, at any layout.
+"""Loading a checkpoint (saving.py's files) into this rank's model chunks and optimizer.
 
-Each parameter is rebuilt as the full single-process tensor from the saved shards, then
-cut for this rank (see saving.py for the files). The same goes for each optimizer tensor
-(fp32 main copy, Adam moments): the DP segments of every saved TP shard are placed at
-their ranges, the TP shards joined (params.tp_unshard), and this rank's owned range taken
-out. Files are memory-mapped, so a rank reads only the pieces it touches.
+At any (TP, PP, v, DP) layout, no converter: every parameter and each of its optimizer
+tensors (fp32 main copy, Adam moments) is reassembled into the full single-process tensor
+from the saved shards (TP pieces joined along their partition dim by params.tp_unshard, DP
+segments placed at their ranges) and cut again for this rank. Vocabulary padding, which
+depends on TP, is zero in weights and Adam moments alike, so it is dropped or added as
+zeros. Files are memory-mapped, so a rank reads only the pieces it touches. RNG states only
+mean something at the same layout; at another they are left as seeded.
 """
 
 import random
@@ -26,7 +28,7 @@ from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.params import local_shard, tp_unshard
 
 # Before SwiGLU's gate and up were fused into linear_fc1 = [gate; up], the gate was saved
-# as its own parameter; such checkpoints still load (SavedCheckpoint._legacy_gate).
+# as its own parameter; such checkpoints still load (SavedCheckpoint._with_legacy_gate).
 _LEGACY_GATE = "linear_fc1_gate"
 
 
@@ -61,16 +63,16 @@ class SavedCheckpoint:
         return (files, files[0]["partition_dims"].get(name),
                 files[0].get("partition_strides", {}).get(name, 1))
 
-    def _legacy_gate(self, name: str) -> str | None:
-        """The separate gate projection a SwiGLU checkpoint saved before gate and up were
-        fused into linear_fc1 (transformer.MLP), if `name` is such a checkpoint's up."""
+    def _with_legacy_gate(self, name: str, read) -> torch.Tensor:
+        """`read(name)`; of a SwiGLU checkpoint saved before gate and up were fused into
+        linear_fc1 (transformer.MLP), its separate gate stacked on top: [gate; up]."""
         gate = name.replace("mlp.linear_fc1.", f"mlp.{_LEGACY_GATE}.")
-        return gate if gate != name and gate in self.stage_of else None
+        if gate != name and gate in self.stage_of:
+            return torch.cat([read(gate), read(name)])
+        return read(name)
 
     def param(self, name: str) -> torch.Tensor:
-        if (gate := self._legacy_gate(name)) is not None:
-            return torch.cat([self._param(gate), self._param(name)])
-        return self._param(name)
+        return self._with_legacy_gate(name, self._param)
 
     def _param(self, name: str) -> torch.Tensor:
         files, dim, stride = self._tp_shards(name)
@@ -78,10 +80,7 @@ class SavedCheckpoint:
 
     def optimizer_tensor(self, name: str, key: str) -> torch.Tensor:
         """The full fp32 tensor `key` ("main", "exp_avg" or "exp_avg_sq") of `name`."""
-        if (gate := self._legacy_gate(name)) is not None:
-            return torch.cat([self._optimizer_tensor(gate, key),
-                              self._optimizer_tensor(name, key)])
-        return self._optimizer_tensor(name, key)
+        return self._with_legacy_gate(name, lambda n: self._optimizer_tensor(n, key))
 
     def _optimizer_tensor(self, name: str, key: str) -> torch.Tensor:
         files, dim, stride = self._tp_shards(name)
@@ -140,48 +139,52 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     meta = read_metadata(directory)
     check_model_compatible(meta["model"], model_fields(config.model), checkpoint=directory)
     saved = SavedCheckpoint(directory, meta)
-    with torch.no_grad():
-        for name, param in chunks.named_parameters():
-            name = canonical_name(name, param)
-            copy_into(param, local_shard(saved.param(name), param, name, state.tp_rank,
-                                         state.tp_size))
+    load_params(chunks, state, saved.param)
     optimizer.reload_main_params()
-    load_optim = ckpt.load_optim and not ckpt.finetune and meta["has_optimizer"]
-    if ckpt.load_optim and not ckpt.finetune and not meta["has_optimizer"] and \
-            dist.get_rank() == 0:
-        print(f" > {directory} holds no optimizer state (saved with --no-save-optim): "
-              "Adam starts afresh", flush=True)
-    if load_optim:
-        _load_optimizer(saved, optimizer, chunks, state)
-        if optimizer.grad_scaler is not None and meta["grad_scaler"] is not None:
-            optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    if ckpt.load_optim and not ckpt.finetune:
+        if meta["has_optimizer"]:
+            load_optimizer(optimizer, chunks, state, saved.optimizer_step(),
+                           saved.optimizer_tensor)
+            if optimizer.grad_scaler is not None and meta["grad_scaler"] is not None:
+                optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+        elif dist.get_rank() == 0:
+            print(f" > {directory} holds no optimizer state (saved with --no-save-optim): "
+                  "Adam starts afresh", flush=True)
     if ckpt.finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
     scheduler.load_state_dict(meta["scheduler"])
-    zero = optimizer.sharded
     if ckpt.load_rng and meta.get("has_rng", True):
-        if saved_layout(meta["layout"]) == layout_of(state.grid, len(chunks), zero):
+        current = layout_of(state.grid, len(chunks), optimizer.sharded)
+        if saved_layout(meta["layout"]) == current:
             _set_rng_state(load_tensor_file(directory / rng_file(dist.get_rank())), rng_tracker)
         elif dist.get_rank() == 0:
             print(f" > not restoring RNG states: saved at layout {meta['layout']}, running "
-                  f"at {layout_of(state.grid, len(chunks), zero)}", flush=True)
+                  f"at {current}", flush=True)
     return {"iteration": iteration,
             "consumed_train_samples": meta["consumed_train_samples"],
             "consumed_valid_samples": meta["consumed_valid_samples"]}
 
 
 @torch.no_grad()
-def _load_optimizer(saved: SavedCheckpoint, optimizer, chunks: nn.ModuleList,
-                    state: ParallelState):
+def load_params(chunks: nn.ModuleList, state: ParallelState, full) -> None:
+    """Every chunk parameter set to this rank's TP shard of `full(name)`, the parameter's
+    single-process tensor."""
+    for name, param in chunks.named_parameters():
+        name = canonical_name(name, param)
+        copy_into(param, local_shard(full(name), param, name, state.tp_rank, state.tp_size))
+
+
+@torch.no_grad()
+def load_optimizer(optimizer, chunks: nn.ModuleList, state: ParallelState, step: int,
+                   full) -> None:
+    """Each segment this rank's optimizer owns: its fp32 main copy and Adam moments cut
+    from `full(name, key)`, the single-process tensors, and Adam's `step`."""
     names = {id(p): canonical_name(n, p) for n, p in chunks.named_parameters()}
-    step = saved.optimizer_step()
     for s in optimizer.segments:
         name = names[id(s.param)]
-        values = {}
-        for k in ("main", *MOMENTS):
-            full = saved.optimizer_tensor(name, k)
-            local = local_shard(full, s.param, name, state.tp_rank, state.tp_size)
-            values[k] = local.reshape(-1)[s.start:s.end]
+        values = {k: local_shard(full(name, k), s.param, name, state.tp_rank,
+                                 state.tp_size).reshape(-1)[s.start:s.end]
+                  for k in ("main", *MOMENTS)}
         s.main.copy_(values.pop("main").view_as(s.main))
         optimizer.restore_state(s, step, values)  # on the main tensor's device
 

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: what each rank writes and reads, at any layout (docs/design.md §8).
+"""Sharded checkpoints: what each rank writes (docs/design.md §8); loading.py reads them back.
 
 Files of `iter_0000100/` (made visible atomically by storage.py):
   model_tp{t}_pp{p}.pt      DP and CP rank 0 of each (TP, PP) pair: {"params": name -> this TP
@@ -14,17 +14,10 @@ Files of `iter_0000100/` (made visible atomically by storage.py):
                             scheduler and loss scaler state, versions, the config
 Names are the single-process model's (megalite/model/gpt.py keys layers by global index),
 and the last stage's copy of a tied embedding is not saved: it is the embedding.
-
-Loading at another (TP, PP, v, DP) layout needs no converter: every parameter (and each
-of its optimizer tensors) is reassembled into the full single-process tensor from the
-saved shards (TP pieces joined along their partition dim by params.tp_unshard, DP
-segments placed at their ranges) and cut again for this rank. Vocabulary padding, which
-depends on TP, is zero in weights and Adam moments alike, so it is dropped or added as
-zeros. RNG states only mean something at the same layout; at another they are left as
-seeded.
 """
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -60,9 +53,7 @@ def rng_file(rank: int) -> str:
 def canonical_name(name: str, param: nn.Parameter) -> str:
     """Chunk parameters are "<chunk>.<single-process name>"; a tied output layer on the
     last stage is a copy of the word embeddings."""
-    if is_embedding_copy(param):
-        return "embedding.word_embeddings.weight"
-    return name.split(".", 1)[1]
+    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name.split(".", 1)[1]
 
 
 def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
@@ -152,7 +143,6 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                                               group_rank(state.dp_cp_group)))
     save_tensor_file(_rng_state(rng_tracker), staging / rng_file(dist.get_rank()))
     dist.barrier()
-    final = None
     if dist.get_rank() == 0:
         scaler = optimizer.grad_scaler
         metadata = {"format_version": FORMAT_VERSION, "megalite_version": megalite.__version__,
@@ -163,11 +153,13 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                     "consumed_valid_samples": train_state.consumed_valid_samples,
                     "scheduler": scheduler.state_dict(),
                     "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                    "config": _jsonable(dataclasses.asdict(config)), "run_file": run_file}
-        final = commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
+                    # What JSON cannot hold (dtypes, enums) as its str().
+                    "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+                    "run_file": run_file}
+        commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
         apply_retention(save, ckpt.keep_last)
     dist.barrier()
-    return final or checkpoint_dir(save, iteration)
+    return checkpoint_dir(save, iteration)
 
 
 def _optimizer_shard(optimizer, names: dict[int, str]) -> dict:
@@ -209,12 +201,3 @@ def model_fields(model_config) -> dict:
     fields = dataclasses.asdict(model_config)
     return {f: fields[f] for f in RECORDED_FIELDS if f in fields}
 
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)

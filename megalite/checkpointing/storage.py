@@ -122,15 +122,16 @@ def guarded_load(source: Path | BinaryIO, what: str, allowed: Sequence = (),
                               f"{error!r}") from error
 
 
-def _check_file_names(files: Any, where: str) -> list[str]:
-    """Listed names stay inside the checkpoint dir, so `dir / name` never escapes it."""
+def _missing_files(files: Any, where: str, directory: Path) -> list[str]:
+    """Those of `files` not in `directory`. Listed names must stay inside it, so
+    `directory / name` never escapes it."""
     if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
         raise CheckpointError(f"{where}: 'files' must be a list of file names, got {files!r}")
     escaping = [f for f in files if Path(f).is_absolute() or ".." in Path(f).parts]
     if escaping:
         raise CheckpointError(f"{where}: file names must be relative to the checkpoint "
                               f"directory, got {escaping}")
-    return files
+    return [f for f in files if not (directory / f).is_file()]
 
 
 def commit(save: str | Path, iteration: int, metadata: dict,
@@ -145,8 +146,7 @@ def commit(save: str | Path, iteration: int, metadata: dict,
     aside = final.with_name(final.name + ".old")
     if not staging.is_dir():
         raise CheckpointError(f"staging directory {staging} does not exist (no prepare_staging)")
-    _check_file_names(expected_files, f"checkpoint {final}")
-    missing = [f for f in expected_files if not (staging / f).is_file()]
+    missing = _missing_files(expected_files, f"checkpoint {final}", staging)
     if missing:
         raise CheckpointError(f"cannot commit checkpoint {final}: {len(missing)} of "
                               f"{len(expected_files)} files missing from {staging}: {missing}")
@@ -178,11 +178,10 @@ def read_metadata(directory: str | Path) -> dict:
     if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
         raise CheckpointError(f"checkpoint metadata {path} is garbled: expected a JSON object "
                               f"with an integer 'iteration' and a 'files' list")
-    files = _check_file_names(record.get("files"), f"checkpoint metadata {path}")
-    missing = [f for f in files if not (directory / f).is_file()]
+    missing = _missing_files(record.get("files"), f"checkpoint metadata {path}", directory)
     if missing:
         raise CheckpointError(f"incomplete checkpoint {directory}: {len(missing)} of "
-                              f"{len(files)} listed files missing: {missing}")
+                              f"{len(record['files'])} listed files missing: {missing}")
     return record
 
 
@@ -201,6 +200,14 @@ def _read_tracker(save: Path) -> int | str:
         raise CheckpointError(f"checkpoint tracker {tracker} is garbled: expected an iteration "
                               f"number or '{RELEASE}', found {text[:50]!r}")
     return int(text)
+
+
+def tracked_checkpoint(save: Path) -> tuple[int, Path]:
+    """(iteration, directory) the tracker in `save` names; `release` is iteration 0."""
+    iteration = _read_tracker(save)
+    if iteration == RELEASE:
+        return 0, save / RELEASE
+    return iteration, checkpoint_dir(save, iteration)
 
 
 def _is_complete(directory: Path) -> bool:
@@ -235,13 +242,10 @@ def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
             f"checkpoint tracker {load / TRACKER_FILENAME} is missing but {load} holds "
             f"checkpoint directories {found}; write the iteration to resume from into it, "
             f"or point --load elsewhere")
-    iteration = _read_tracker(load)
-    if iteration == RELEASE:
-        read_metadata(load / RELEASE)  # metadata has no iteration to check: Megatron's is 0
-        return 0, load / RELEASE
-    directory = checkpoint_dir(load, iteration)
+    iteration, directory = tracked_checkpoint(load)
     record = read_metadata(directory)
-    if record["iteration"] != iteration:
+    # A release checkpoint's metadata has no iteration to check: Megatron's is 0.
+    if directory.name != RELEASE and record["iteration"] != iteration:
         raise CheckpointError(f"checkpoint {directory} records iteration {record['iteration']}, "
                               f"but its name and the tracker say {iteration}")
     return iteration, directory

@@ -7,11 +7,9 @@ each dataset is read in its own (already shuffled) order. The two indices are ca
 the GPT dataset's, under a hash of the component datasets, the weights and the size.
 """
 
-from __future__ import annotations
-
 import math
 from array import array
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -23,14 +21,14 @@ from megalite.errors import ConfigError, DataError
 SIZE_MARGIN = 1.005
 
 
-def _as_weight(text: str) -> Optional[float]:
+def _as_weight(text: str) -> float | None:
     try:
         return float(text)
     except ValueError:
         return None
 
 
-def parse_data_path(values: Sequence[str]) -> Tuple[List[float], List[str]]:
+def parse_data_path(values: Sequence[str]) -> tuple[list[float], list[str]]:
     """`--data-path` values -> (normalised weights, prefixes).
 
     `["p1"]` -> one dataset; `["p1", "p2"]` -> equal weights; `["w1", "p1", "w2", "p2"]` ->
@@ -50,17 +48,14 @@ def parse_data_path(values: Sequence[str]) -> Tuple[List[float], List[str]]:
     if len(values) % 2 != 0:
         raise ConfigError(f"--data-path: {len(values)} values; a weighted list needs "
                           "weight-prefix pairs 'w1 p1 w2 p2 ...'")
-    weights = []
-    for position, text in enumerate(values[0::2]):
-        weight = _as_weight(text)
-        if weight is None:
-            raise ConfigError(f"--data-path: expected a weight before prefix "
-                              f"{values[2 * position + 1]!r}, got {text!r}")
-        weights.append(weight)
-    return normalize_weights(weights), values[1::2]
+    for text, prefix in zip(values[0::2], values[1::2]):
+        if _as_weight(text) is None:
+            raise ConfigError(f"--data-path: expected a weight before prefix {prefix!r}, "
+                              f"got {text!r}")
+    return normalize_weights([_as_weight(t) for t in values[0::2]]), values[1::2]
 
 
-def normalize_weights(weights: Sequence[float]) -> List[float]:
+def normalize_weights(weights: Sequence[float]) -> list[float]:
     """Weights divided by their sum (in float64, as Megatron's `normalize`); each must be > 0."""
     for weight in weights:
         if not (math.isfinite(weight) and weight > 0):
@@ -70,12 +65,12 @@ def normalize_weights(weights: Sequence[float]) -> List[float]:
     return (array / np.sum(array)).tolist()
 
 
-def component_num_samples(num_samples: int, weights: Sequence[float]) -> List[int]:
+def component_num_samples(num_samples: int, weights: Sequence[float]) -> list[int]:
     """Samples to build for each component of a blend of `num_samples` (Megatron's margin)."""
     return [int(math.ceil(num_samples * w * SIZE_MARGIN)) for w in weights]
 
 
-def build_blending_indices(weights: Sequence[float], size: int) -> Dict[str, np.ndarray]:
+def build_blending_indices(weights: Sequence[float], size: int) -> dict[str, np.ndarray]:
     """dataset_index[i] = which dataset serves blend sample i; dataset_sample_index[i] = which
     of its samples. Greedy: the dataset whose count lags its share `weight * max(i, 1)` most.
     """
@@ -113,7 +108,7 @@ class BlendedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, *,
-                 cache_dir: Optional[str] = None, is_builder: bool = True,
+                 cache_dir: str | None = None, is_builder: bool = True,
                  barrier: Callable[[], None] = lambda: None):
         if len(datasets) != len(weights) or not datasets:
             raise ConfigError(f"--data-path: {len(weights)} weights for {len(datasets)} datasets")
@@ -149,7 +144,7 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.dataset_index.shape[0]
 
-    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
         dataset = self.datasets[int(self.dataset_index[idx])]

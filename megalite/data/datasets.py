@@ -62,16 +62,15 @@ def check_token_ids(prefix: str, ds: IndexedDataset, padded_vocab_size: int):
     dtype cannot hold such an id."""
     if ds.dtype.kind == "u" and np.iinfo(ds.dtype).max < padded_vocab_size:
         return
-    tokens = ds.tokens
     chunk = 1 << 26
-    for start in range(0, len(tokens), chunk):
-        block = tokens[start:start + chunk]
+    for start in range(0, len(ds.tokens), chunk):
+        block = ds.tokens[start:start + chunk]
         top, bottom = int(block.max()), int(block.min())
         if top >= padded_vocab_size or bottom < 0:
-            bad = top if top >= padded_vocab_size else bottom
-            raise DataError(f"--data-path {prefix}: token id {bad} is outside the tokenizer's "
-                            f"padded vocabulary [0, {padded_vocab_size}); was it preprocessed "
-                            "with another tokenizer?")
+            raise DataError(f"--data-path {prefix}: token id "
+                            f"{top if top >= padded_vocab_size else bottom} is outside the "
+                            f"tokenizer's padded vocabulary [0, {padded_vocab_size}); was it "
+                            "preprocessed with another tokenizer?")
 
 
 def _build_split(split: int, num_samples: int, weights, prefixes, indexed, data: DataConfig,

@@ -19,15 +19,13 @@ A "document" here is one sequence of the indexed dataset, as in Megatron's GPT d
 (which is split by sequence): preprocess_data writes one sequence per non-empty document.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import logging
 import os
 import re
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -50,7 +48,7 @@ _SAMPLE_INDEX_CHUNK = 1 << 22
 
 # --- --split ---
 
-def parse_split(split: str) -> List[float]:
+def parse_split(split: str) -> list[float]:
     """`--split "969,30,1"` (or "98/2/0", or "100") -> three weights normalised to sum 1."""
     text = split.strip() if isinstance(split, str) else ""
     parts = re.split(r"[,/]", text) if text else []
@@ -69,7 +67,7 @@ def parse_split(split: str) -> List[float]:
     return [w / total for w in weights]
 
 
-def split_documents(num_documents: int, split: str = "969,30,1") -> List[Tuple[int, int]]:
+def split_documents(num_documents: int, split: str = "969,30,1") -> list[tuple[int, int]]:
     """The (start, end) document ranges of train, valid and test.
 
     Megatron's rule (`_get_split_indices`, legacy `get_train_valid_test_split_`): each
@@ -77,13 +75,12 @@ def split_documents(num_documents: int, split: str = "969,30,1") -> List[Tuple[i
     bounds but the first are shifted by the rounding excess so the last one is exactly
     `num_documents`.
     """
-    fractions = parse_split(split)
     bounds = [0]
-    for fraction in fractions:
+    for fraction in parse_split(split):
         bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
     excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - excess for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+    bounds = [0] + [b - excess for b in bounds[1:]]
+    return list(zip(bounds, bounds[1:]))
 
 
 # --- Index cache: built once by the builder rank, read by everyone ---
@@ -99,9 +96,9 @@ def array_digest(array: np.ndarray) -> str:
 
 
 def build_or_load_indices(description: dict, names: Sequence[str],
-                          build: Callable[[], Dict[str, np.ndarray]], cache_dir: Optional[str],
+                          build: Callable[[], dict[str, np.ndarray]], cache_dir: str | None,
                           is_builder: bool, barrier: Callable[[], None],
-                          ) -> Tuple[Dict[str, np.ndarray], Optional[str]]:
+                          ) -> tuple[dict[str, np.ndarray], str | None]:
     """Return the arrays `names` for `description`, and the cache file prefix (or None).
 
     With no `cache_dir` every process builds in memory. Otherwise the builder builds on a
@@ -115,12 +112,9 @@ def build_or_load_indices(description: dict, names: Sequence[str],
     prefix = os.path.join(cache_dir, f"{description_hash(description)}-{description['class']}")
     paths = {name: f"{prefix}-{name}.npy" for name in names}
     description_path = f"{prefix}-description.json"
-
-    def complete() -> bool:
-        return all(os.path.isfile(p) for p in [description_path, *paths.values()])
-
+    files = [description_path, *paths.values()]
     arrays = None
-    if is_builder and not complete():
+    if is_builder and not all(map(os.path.isfile, files)):
         t0 = time.perf_counter()
         arrays = build()
         os.makedirs(cache_dir, exist_ok=True)
@@ -134,8 +128,7 @@ def build_or_load_indices(description: dict, names: Sequence[str],
     barrier()
     if arrays is not None:
         return arrays, prefix
-
-    if not complete():
+    if not all(map(os.path.isfile, files)):
         raise DataError(f"index cache {prefix}-*.npy is missing after the builder rank's "
                         f"turn: is the data cache directory {cache_dir!r} on a filesystem "
                         "every rank can see?")
@@ -270,10 +263,10 @@ class GPTDataset(torch.utils.data.Dataset):
             builder has written; e.g. `torch.distributed.barrier`.
     """
 
-    def __init__(self, indexed_dataset, document_ids, num_samples: Optional[int],
+    def __init__(self, indexed_dataset, document_ids, num_samples: int | None,
                  seq_length: int, seed: int, *, name: str = "",
-                 eod_token: Optional[int] = None, eod_mask_loss: bool = False,
-                 cache_dir: Optional[str] = None, is_builder: bool = True,
+                 eod_token: int | None = None, eod_mask_loss: bool = False,
+                 cache_dir: str | None = None, is_builder: bool = True,
                  barrier: Callable[[], None] = lambda: None):
         if seq_length < 1:
             raise ConfigError(f"--seq-length must be >= 1, got {seq_length}")
@@ -285,9 +278,8 @@ class GPTDataset(torch.utils.data.Dataset):
         document_ids = np.asarray(document_ids)
         if document_ids.ndim != 1 or document_ids.size == 0:
             raise DataError(f"{name}: the split holds no documents (check --split)")
-        if not np.issubdtype(document_ids.dtype, np.integer) or (
-            document_ids.min() < 0 or document_ids.max() >= len(lengths)
-        ):
+        if not np.issubdtype(document_ids.dtype, np.integer) or \
+                document_ids.min() < 0 or document_ids.max() >= len(lengths):
             raise DataError(f"{name}: document ids must be integers in [0, {len(lengths)})")
         if int(np.sum(lengths[document_ids], dtype=np.int64)) == 0:
             raise DataError(f"{name}: the split's {document_ids.size} documents hold no tokens")
@@ -327,7 +319,7 @@ class GPTDataset(torch.utils.data.Dataset):
             parts.append(get(int(self.document_index[doc_end]), offset=0, length=offset_end + 1))
         return np.concatenate(parts).astype(np.int64)
 
-    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
         text = torch.from_numpy(self.sample_tokens(int(self.shuffle_index[idx])))

@@ -42,14 +42,6 @@ def best_dtype(vocab_size):
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
 
 
-def _dtype_code(dtype):
-    dtype = np.dtype(dtype)
-    if dtype not in _CODE_OF:
-        raise DataError(f"unsupported token dtype {dtype}: expected one of "
-                        f"{sorted(str(np.dtype(d)) for d in DTYPE_CODES.values())}")
-    return _CODE_OF[dtype]
-
-
 def _token_limits(dtype, vocab_size):
     """[low, high) of the ids a builder accepts: the vocabulary, within what dtype can hold."""
     if np.dtype(dtype).kind == "f":
@@ -75,7 +67,9 @@ class IndexedDatasetBuilder:
     def __init__(self, bin_path, dtype, vocab_size=None):
         self.bin_path = str(bin_path)
         self.dtype = np.dtype(dtype)
-        self._code = _dtype_code(self.dtype)
+        if self.dtype not in _CODE_OF:
+            raise DataError(f"unsupported token dtype {self.dtype}: expected one of "
+                            f"{sorted(str(np.dtype(d)) for d in DTYPE_CODES.values())}")
         self.vocab_size = vocab_size
         self._limits = _token_limits(self.dtype, vocab_size)
         self._tmp_bin = self.bin_path + ".tmp"
@@ -131,7 +125,7 @@ class IndexedDatasetBuilder:
         pointers *= self.dtype.itemsize
         with atomic_path(idx_path) as tmp_idx:
             with open(tmp_idx, "wb") as f:
-                f.write(_HEADER.pack(_MAGIC, _VERSION, self._code, len(lengths),
+                f.write(_HEADER.pack(_MAGIC, _VERSION, _CODE_OF[self.dtype], len(lengths),
                                      len(self._doc_idx)))
                 f.write(lengths.tobytes())
                 f.write(pointers.tobytes())
@@ -207,7 +201,9 @@ class IndexedDataset:
 
     def get(self, idx, offset=0, length=None):
         """Tokens `[offset, offset + length)` of sequence `idx` (to its end by default)."""
-        idx = self._sequence(idx)
+        if not -len(self) <= idx < len(self):
+            raise IndexError(f"{self.path_prefix}: sequence {idx} out of range [0, {len(self)})")
+        idx %= len(self)
         size = int(self.sequence_lengths[idx])
         if length is None:
             length = size - offset
@@ -228,12 +224,6 @@ class IndexedDataset:
 
     def __setstate__(self, path_prefix):
         self.__init__(path_prefix)
-
-    def _sequence(self, idx):
-        n = len(self)
-        if not -n <= idx < n:
-            raise IndexError(f"{self.path_prefix}: sequence {idx} out of range [0, {n})")
-        return idx % n
 
 
 def _map(path, what, expected_size=None, described_by=None):

@@ -10,9 +10,7 @@ uninterrupted one would have read from there, and it drops a final partial globa
 same samples per step, a different split among ranks.)
 """
 
-from __future__ import annotations
-
-from typing import Dict, Iterator, List, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -57,7 +55,7 @@ class MicroBatchSampler:
         global_batches = (self.total_samples - self.consumed_samples) // self.global_batch_size
         return global_batches * (self.local_batch_size // self.micro_batch_size)
 
-    def __iter__(self) -> Iterator[List[int]]:
+    def __iter__(self) -> Iterator[list[int]]:
         G, mbs = self.global_batch_size, self.micro_batch_size
         for batch_start in range(self.consumed_samples, self.total_samples - G + 1, G):
             local_start = batch_start + self.local_start
@@ -65,7 +63,7 @@ class MicroBatchSampler:
                 yield list(range(start, start + mbs))
 
 
-def collate_samples(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+def collate_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack a micro-batch's samples: each key becomes a [micro_batch_size, ...] tensor."""
     keys = samples[0].keys()
     for sample in samples[1:]:

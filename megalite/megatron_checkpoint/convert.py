@@ -20,13 +20,12 @@ from megalite.megatron_checkpoint.optimizer_state import AdamState, adam_state
 from megalite.megatron_checkpoint.reader import MegatronCheckpoint, read_checkpoint
 
 # Model-shape flags of pretrain_gpt.py the import checks against the checkpoint's args:
-# flag dest -> (GPTConfig field, type); switches are (field, value when given).
-SHAPE_FLAGS = {n: (n, t) for n, t in (
-    ("num_layers", int), ("hidden_size", int), ("ffn_hidden_size", int),
-    ("num_attention_heads", int), ("num_query_groups", int), ("kv_channels", int),
-    ("seq_length", int), ("max_position_embeddings", int), ("rotary_base", int),
-    ("rotary_percent", float), ("norm_epsilon", float), ("position_embedding_type", str),
-    ("normalization", str))}
+# GPTConfig field (the flag's dest) -> type; switches are flag dest -> (field, value when given).
+SHAPE_FLAGS = dict(
+    num_layers=int, hidden_size=int, ffn_hidden_size=int, num_attention_heads=int,
+    num_query_groups=int, kv_channels=int, seq_length=int, max_position_embeddings=int,
+    rotary_base=int, rotary_percent=float, norm_epsilon=float, position_embedding_type=str,
+    normalization=str)
 SHAPE_SWITCHES = {"swiglu": ("swiglu", True), "disable_bias_linear": ("add_bias_linear", False),
                   "untie_embeddings_and_output_weights":
                       ("untie_embeddings_and_output_weights", True)}
@@ -52,7 +51,7 @@ def add_megatron_args(parser: argparse.ArgumentParser):
                         "(default: every saved row)")
     g = parser.add_argument_group("model flags checked against the Megatron args "
                                   "(--import-megatron; optional)")
-    for name, (_, kind) in SHAPE_FLAGS.items():
+    for name, kind in SHAPE_FLAGS.items():
         g.add_argument(_flag(name), type=kind, default=argparse.SUPPRESS)
     for name in (*SHAPE_SWITCHES, "group_query_attention"):
         g.add_argument(_flag(name), action="store_true", default=argparse.SUPPRESS)
@@ -71,11 +70,10 @@ def check_flags(ckpt: MegatronCheckpoint, given: dict) -> None:
     """`given`: flag dest -> value of the model flags on the command line. Any that
     disagrees with the checkpoint's args is named, with both values."""
     c = ckpt.config
-    wanted = {SHAPE_FLAGS[n][0] if n in SHAPE_FLAGS else SHAPE_SWITCHES[n][0]:
-              v if n in SHAPE_FLAGS else SHAPE_SWITCHES[n][1]
-              for n, v in given.items() if n in SHAPE_FLAGS or (n in SHAPE_SWITCHES and v)}
+    wanted = [(n, v) if n in SHAPE_FLAGS else SHAPE_SWITCHES[n] for n, v in given.items()
+              if n in SHAPE_FLAGS or (n in SHAPE_SWITCHES and v)]
     differing = [f"{f}: checkpoint args {getattr(c, f)!r}, command line {v!r}"
-                 for f, v in wanted.items() if getattr(c, f) != v]
+                 for f, v in wanted if getattr(c, f) != v]
     if differing:
         raise ConfigError(f"Megatron checkpoint {ckpt.directory} holds another model than the "
                           f"flags describe; differing fields:\n  " + "\n  ".join(differing))
@@ -88,18 +86,15 @@ def import_megatron(load: str, save: str, ckpt_format: str | None = None,
     rows = ckpt.config.padded_vocab_size
     vocab = vocab_size or ckpt.config.vocab_size or rows
     if vocab > rows:
-        raise ConfigError(f"--vocab-size {vocab} exceeds the checkpoint's {rows} vocabulary "
-                          f"rows")
+        raise ConfigError(f"--vocab-size {vocab} exceeds the checkpoint's {rows} vocabulary rows")
     config = dataclasses.replace(ckpt.config, vocab_size=vocab)
     adam, why = adam_state(ckpt)
     if adam is None:
         print(f"note: {ckpt.directory}: {why}; a run from the imported checkpoint starts a "
               f"fresh optimizer (Adam moments zero, step 0)", flush=True)
-    consumed = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
-    steps = ckpt.common.get("opt_param_scheduler", {}).get("num_steps", consumed)
     return write_megalite_checkpoint(
-        save, config, ckpt.state, ckpt.iteration, consumed, steps, adam,
-        {"converted_from_megatron": str(ckpt.directory), "ckpt_format": ckpt.ckpt_format})
+        save, config, ckpt.state, ckpt.iteration, ckpt.consumed("train"), ckpt.scheduler_steps,
+        adam, {"converted_from_megatron": str(ckpt.directory), "ckpt_format": ckpt.ckpt_format})
 
 
 def write_megalite_checkpoint(save: str, config, state: dict[str, torch.Tensor],

@@ -23,12 +23,12 @@ from megalite.config import GPTConfig
 from megalite.errors import CheckpointError
 from megalite.model.gpt import GPTModel
 from megalite.pipeline_parallel.stages import Stage
+from megalite.tensor_parallel.params import VOCAB_PARAMS
 from megalite.validation import pad_vocab_size
 
 FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
                "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT = "output_layer.weight"
+EMBEDDING, OUTPUT = VOCAB_PARAMS
 LAYER_PREFIX = "decoder.layers."
 
 # Megatron args -> GPTConfig fields megalite reads, with Megatron's defaults.

@@ -10,18 +10,16 @@ in Megatron. Adam's state is carried over where it maps one to one (optimizer_st
 otherwise a message says the optimizer starts fresh.
 """
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.checkpointing.loading import load_optimizer, load_params
 from megalite.checkpointing.saving import canonical_name, model_fields
 from megalite.checkpointing.storage import MODEL_FIELDS, check_model_compatible
-from megalite.distributed.fsdp import copy_into
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint.optimizer_state import adam_state
 from megalite.megatron_checkpoint.reader import MegatronCheckpoint, read_checkpoint
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.params import local_shard
 
 
 def check_compatible(ckpt: MegatronCheckpoint, model_config) -> None:
@@ -49,22 +47,15 @@ def load_megatron_checkpoint(load: str, chunks: nn.ModuleList, optimizer, schedu
     ckpt = read_checkpoint(load, names={canonical_name(n, p) for n, p in
                                         chunks.named_parameters()}, optimizer=load_optim)
     check_compatible(ckpt, config.model)
-    with torch.no_grad():
-        for name, param in chunks.named_parameters():
-            name = canonical_name(name, param)
-            copy_into(param, local_shard(ckpt.state[name], param, name, state.tp_rank,
-                                         state.tp_size))
+    load_params(chunks, state, lambda name: ckpt.state[name])
     optimizer.reload_main_params()
     if load_optim:
         _load_optimizer(ckpt, optimizer, chunks, state)
     if finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    consumed = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
-    steps = ckpt.common.get("opt_param_scheduler", {}).get("num_steps", consumed)
-    scheduler.load_state_dict({"num_steps": steps})
-    return {"iteration": ckpt.iteration, "consumed_train_samples": consumed,
-            "consumed_valid_samples": int(getattr(ckpt.args, "consumed_valid_samples", 0)
-                                          or 0)}
+    scheduler.load_state_dict({"num_steps": ckpt.scheduler_steps})
+    return {"iteration": ckpt.iteration, "consumed_train_samples": ckpt.consumed("train"),
+            "consumed_valid_samples": ckpt.consumed("valid")}
 
 
 def _load_optimizer(ckpt: MegatronCheckpoint, optimizer, chunks: nn.ModuleList,
@@ -75,14 +66,6 @@ def _load_optimizer(ckpt: MegatronCheckpoint, optimizer, chunks: nn.ModuleList,
             print(f" > {ckpt.directory}: {reason}; the optimizer starts fresh (Adam moments "
                   f"zero, step 0)", flush=True)
         return
-    names = {id(p): canonical_name(n, p) for n, p in chunks.named_parameters()}
-    with torch.no_grad():
-        for s in optimizer.segments:
-            name = names[id(s.param)]
-            values = {k: local_shard(adam.tensors[name][k], s.param, name, state.tp_rank,
-                                     state.tp_size).reshape(-1)[s.start:s.end]
-                      for k in ("main", "exp_avg", "exp_avg_sq")}
-            s.main.copy_(values.pop("main").view_as(s.main))
-            optimizer.restore_state(s, adam.step, values)
+    load_optimizer(optimizer, chunks, state, adam.step, lambda name, k: adam.tensors[name][k])
     if dist.get_rank() == 0:
         print(f" > {ckpt.directory}: Adam state carried over (step {adam.step})", flush=True)

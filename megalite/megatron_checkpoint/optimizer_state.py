@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.checkpointing.saving import MOMENTS
 from megalite.megatron_checkpoint import layout
 from megalite.tensor_parallel.params import partition_dim, partition_stride, tp_unshard
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -55,8 +54,8 @@ def _rank_state(names: list[str], shapes: dict, record) -> tuple[dict, int]:
     groups = megatron_param_groups(names, shapes)
     saved = [g["params"] for g in adam["param_groups"]]
     if [len(g) for g in saved] != [len(g) for g in groups]:
-        raise _NotOneToOne(f"its optimizer's param groups ({[len(g) for g in saved]} parameters) "
-                      f"are not Megatron's default grouping of the model "
+        raise _NotOneToOne(f"its optimizer's param groups ({[len(g) for g in saved]} "
+                           f"parameters) are not Megatron's default grouping of the model "
                            f"({[len(g) for g in groups]})")
     out, step = {}, None
     for gi, (ids, group_names) in enumerate(zip(saved, groups)):
@@ -76,9 +75,12 @@ def _rank_state(names: list[str], shapes: dict, record) -> tuple[dict, int]:
     return out, step or 0
 
 
-def legacy_adam_state(ckpt, params: dict) -> tuple[AdamState | None, str]:
+def adam_state(ckpt) -> tuple[AdamState | None, str]:
     """Merged Adam state of every rank of a legacy checkpoint (reader's optimizer_shards:
     (tp, pp) -> (names in saved order, shapes, optimizer entry)), or None and why not."""
+    if ckpt.ckpt_format != "torch":
+        return None, ("the torch_dist format's optimizer state is not read (only the legacy "
+                      "format's non-distributed Adam maps one to one)")
     if getattr(ckpt.args, "use_distributed_optimizer", False):
         return None, ("it was saved with --use-distributed-optimizer, whose state "
                       "(distrib_optim.pt) does not map one to one")
@@ -94,7 +96,7 @@ def legacy_adam_state(ckpt, params: dict) -> tuple[AdamState | None, str]:
             return None, f"mp rank (TP {tp}, PP {pp}): {why}"
         for name, tensors in state.items():
             per_name.setdefault(name, []).append(tensors)
-    merged = {}
+    params, merged = layout.meta_params(ckpt.config), {}
     for name, shards in per_name.items():
         if name not in ckpt.state:
             continue  # not read (another stage's), or a tied output layer's copy
@@ -106,10 +108,3 @@ def legacy_adam_state(ckpt, params: dict) -> tuple[AdamState | None, str]:
     if missing:
         return None, f"its optimizer state lacks {missing[:3]}"
     return AdamState(step, merged), ""
-
-
-def adam_state(ckpt) -> tuple[AdamState | None, str]:
-    if ckpt.ckpt_format != "torch":
-        return None, ("the torch_dist format's optimizer state is not read (only the legacy "
-                      "format's non-distributed Adam maps one to one)")
-    return legacy_adam_state(ckpt, layout.meta_params(ckpt.config))

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Storage
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalite.checkpointing.storage import RELEASE, TRACKER_FILENAME, checkpoint_dir
+from megalite.checkpointing.storage import RELEASE, TRACKER_FILENAME, tracked_checkpoint
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.safe_pickle import load_dcp_metadata, torch_load
@@ -62,22 +62,21 @@ class MegatronCheckpoint:
     """Legacy format: (tp, pp) -> (parameter names in saved order, their shard shapes, the
     file's `optimizer` entry), for optimizer_state.py."""
 
+    def consumed(self, split: str) -> int:
+        """The run's consumed samples of `split` ("train" or "valid")."""
+        return int(getattr(self.args, f"consumed_{split}_samples", 0) or 0)
+
+    @property
+    def scheduler_steps(self) -> int:
+        """The learning-rate scheduler's step; Megatron's counts samples."""
+        return self.common.get("opt_param_scheduler", {}).get("num_steps",
+                                                              self.consumed("train"))
+
 
 def iteration_dir(load: str | Path) -> tuple[int, Path] | None:
     """(iteration, directory) the Megatron tracker in `load` names; None without one."""
     load = Path(load)
-    tracker = load / TRACKER_FILENAME
-    if not tracker.is_file():
-        return None
-    try:
-        text = tracker.read_text().strip()
-    except (OSError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"checkpoint tracker {tracker} is unreadable: {error}") from error
-    if text == RELEASE:
-        return 0, load / RELEASE
-    if not text.isdigit():
-        raise CheckpointError(f"checkpoint tracker {tracker} is garbled: {text[:50]!r}")
-    return int(text), checkpoint_dir(load, int(text))  # Megatron's iter_XXXXXXX too
+    return tracked_checkpoint(load) if (load / TRACKER_FILENAME).is_file() else None
 
 
 def formats_present(directory: Path) -> list[str]:
@@ -142,9 +141,9 @@ def _saved_stage(name: str, stages: list[range]) -> int:
 
 def _read_legacy(directory: Path, names: set[str] | None, optimizer: bool) -> MegatronCheckpoint:
     present = sorted(p.name for p in directory.iterdir() if _MP_RANK.fullmatch(p.name))
-    first = torch_load(directory / present[0] / LEGACY_FILE, f"{directory / present[0]}/"
-                                                             f"{LEGACY_FILE}")
-    args = _field(first, "args", directory / present[0] / LEGACY_FILE)
+    first_path = directory / present[0] / LEGACY_FILE
+    first = torch_load(first_path, str(first_path))
+    args = _field(first, "args", first_path)
     config = layout.config_from_args(args, str(directory))
     tp = getattr(args, "tensor_model_parallel_size", 1)
     pp = getattr(args, "pipeline_model_parallel_size", 1)
@@ -317,9 +316,8 @@ def _read_torch_dist(directory: Path, names: set[str] | None) -> MegatronCheckpo
         else:
             state[name] = tensor
     layout.check_state(state, config, str(directory), names)
-    iteration = int(common.get("iteration", 0))
-    rest = {k: v for k, v in common.items() if k != "args"}
-    return MegatronCheckpoint(directory, "torch_dist", iteration, args, config, state, rest)
+    return MegatronCheckpoint(directory, "torch_dist", int(common.get("iteration", 0)), args,
+                              config, state, {k: v for k, v in common.items() if k != "args"})
 
 
 def _common_state(directory: Path, keys: list[str], loaded: dict) -> dict:

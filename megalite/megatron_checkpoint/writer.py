@@ -41,18 +41,15 @@ BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 
 
 
 def check_target_layout(config: GPTConfig, tp: int, pp: int) -> None:
-    c = config
     if tp < 1 or pp < 1:
         raise ConfigError(f"target TP and PP must be >= 1, got TP {tp}, PP {pp}")
-    for what, value in (("num_query_groups", c.num_query_groups),
-                        ("num_attention_heads", c.num_attention_heads),
-                        ("ffn_hidden_size", c.ffn_hidden_size)):
-        if value % tp:
+    for what in ("num_query_groups", "num_attention_heads", "ffn_hidden_size"):
+        if getattr(config, what) % tp:
             raise ConfigError(f"--target-tensor-parallel-size {tp} does not divide {what} "
-                              f"{value}")
-    if c.num_layers % pp:
+                              f"{getattr(config, what)}")
+    if config.num_layers % pp:
         raise ConfigError(f"--target-pipeline-parallel-size {pp} does not divide "
-                          f"num_layers {c.num_layers}")
+                          f"num_layers {config.num_layers}")
 
 
 def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.Tensor],
@@ -101,8 +98,8 @@ def _write_legacy(directory: Path, config: GPTConfig, state: dict, common: dict,
                 source = layout.EMBEDDING if name not in state else name
                 # tp_shard's rule is megalite's TP split, which is Megatron's (layout.py);
                 # no name: the vocabulary rows are padded for the target TP already.
-                shard = tp_shard(state[source], params[source], "", t, tp)
-                model[layout.local_layer_name(name, layers.start)] = shard.clone()
+                model[layout.local_layer_name(name, layers.start)] = tp_shard(
+                    state[source], params[source], "", t, tp).clone()
             path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
             path.parent.mkdir()
             torch.save({"model": model, **common}, path)
