@@ -18,10 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
-                      _data, _checkpointing, _logging, _distributed):
+                      _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp):
         add_group(parser)
-    _add_monitoring_args(parser)
-    _add_fsdp_args(parser)
     parser.add_argument("--yaml-cfg", default=None, metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
                              "flat); flags on the command line override it. Megatron's flag "
@@ -109,11 +107,6 @@ def _parallelism(parser):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="Accumulate and reduce fp16 gradients in an fp32 buffer (always on "
                         "with --bf16, as in Megatron).")
-    _add_pipeline_schedule_args(g)
-    _add_context_parallel_args(g)
-
-
-def _add_pipeline_schedule_args(g):
     g.add_argument(
         "--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"],
         help="Pipeline schedule, with p stages, m micro-batches per step and F, B, W the "
@@ -128,9 +121,6 @@ def _add_pipeline_schedule_args(g):
              "as in 1F1B), each deferred W keeping its linear layers' inputs and output "
              "gradients. gpipe and zb-h1 go beyond Megatron-LM (megalite's own choices) "
              "and run one model chunk per stage (no interleaving).")
-
-
-def _add_context_parallel_args(g):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="CP: split each sequence over this many ranks (2 x CP load-balanced "
                         "chunks; --seq-length must divide by 2 x CP).")
@@ -141,7 +131,7 @@ def _add_context_parallel_args(g):
                         "gathered; cheap with GQA). Megatron's a2a is not implemented.")
 
 
-def _add_fsdp_args(parser):
+def _fsdp(parser):
     g = parser.add_argument_group("fully sharded data parallelism")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="Shard parameters, gradients and optimizer state over data-parallel "
@@ -282,7 +272,7 @@ def _logging(parser):
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
 
 
-def _add_monitoring_args(parser):
+def _monitoring(parser):
     """Megatron's logging and profiling flags for seeing what a run does (issue 17)."""
     g = parser.add_argument_group("monitoring")
     g.add_argument("--peak-tflops", type=float, default=None,
