@@ -134,12 +134,10 @@ class StepRunner:
         inf or NaN in any gradient it counts makes it non-finite, with no pass of its own."""
         local = torch.stack([~torch.isfinite(loss).all(),
                              ~torch.isfinite(squares.to(loss.device))]).float()
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        flags = torch.empty(world, 2, device=loss.device)
-        if world > 1:
+        flags = local[None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flags = torch.empty(dist.get_world_size(), 2, device=loss.device)
             all_gather_into(flags.view(-1), local, dist.group.WORLD)
-        else:
-            flags[0] = local
         for column, what in ((0, "lm loss"), (1, "a gradient")):
             ranks = flags[:, column].nonzero().view(-1).tolist()
             if ranks:

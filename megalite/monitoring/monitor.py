@@ -55,7 +55,7 @@ class IntervalReport:
 class Monitor:
     def __init__(self, config: Config, state: ParallelState, device: torch.device,
                  model: nn.Module, optimizer, timers: Timers):
-        self.config, self.m = config, config.monitoring
+        self.m = config.monitoring
         self.state, self.device = state, device
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

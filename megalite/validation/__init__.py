@@ -3,13 +3,12 @@
 Megatron's derived defaults are applied here, each once: ffn size, kv channels, query
 groups, padded vocabulary, data-parallel size, global batch (micro-batch x DP when unset)
 and everything counted in samples from it (run length, warm-up, decay). Two entry points:
-`validate_args` for training, `validate_model_args` for the tools, which need the model,
-the parallel layout and the batch but no optimizer, schedule or data source. The parallel
-layout and the batch are checked in layout.py, the checks all parts share in checks.py.
+`validate_args` for training, `validate_model_args` for the tools (no optimizer, schedule
+or data). The parallel layout and the batch are checked in layout.py, the checks all parts
+share in checks.py.
 """
 
 import dataclasses
-import math
 
 from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedConfig,
                             GPTConfig, LoggingConfig, MonitoringConfig, OptimizerConfig,
@@ -70,7 +69,7 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     """Megatron's padding: round up to a multiple of divisible_by x TP so every TP shard
     of the embedding and output layer has the same number of rows."""
     multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    return -(-vocab_size // multiple) * multiple
 
 
 # Model.
