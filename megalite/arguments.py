@@ -18,11 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
-                      _data, _checkpointing, _logging, _distributed):
+                      _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp):
         add_group(parser)
-    _add_monitoring_args(parser)
-    _add_fsdp_args(parser)
-    parser.add_argument("--yaml-cfg", default=None, metavar="FILE",
+    parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
                              "flat); flags on the command line override it. Megatron's flag "
                              "name; megalite's meaning (Megatron's file has its own schema).")
@@ -35,20 +33,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _model(parser):
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
-    g.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="MLP hidden size (default 4 x hidden size).")
-    g.add_argument("--num-attention-heads", type=int, default=None,
-                   help="Number of attention heads.")
+    g.add_argument("--num-layers", type=int, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, help="Transformer hidden size.")
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP hidden size (default 4 x hidden size).")
+    g.add_argument("--num-attention-heads", type=int, help="Number of attention heads.")
     g.add_argument("--group-query-attention", action="store_true",
                    help="Use grouped-query attention (--num-query-groups K/V heads).")
     g.add_argument("--num-query-groups", type=int, default=1,
                    help="Number of K/V head groups under --group-query-attention.")
-    g.add_argument("--kv-channels", type=int, default=None,
+    g.add_argument("--kv-channels", type=int,
                    help="Per-head dimension (default hidden size / heads).")
-    g.add_argument("--seq-length", type=int, default=None, help="Sequence length to train on.")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
+    g.add_argument("--seq-length", type=int, help="Sequence length to train on.")
+    g.add_argument("--max-position-embeddings", type=int,
                    help="Size of the learned position table (default --seq-length).")
     g.add_argument("--position-embedding-type", default="learned_absolute",
                    choices=["learned_absolute", "rope"], help="Position embedding.")
@@ -79,13 +75,13 @@ def _model(parser):
     g.add_argument("--use-flash-attn", action="store_true",
                    help="Alias of --attention-backend flash (flash-attn: head size <= 256 "
                         "and a multiple of 8).")
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
                    help="Activation recompute: whole transformer layers (full) or only the "
                         "core attention (selective).")
-    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
                    help="full: checkpoint groups of --recompute-num-layers layers (uniform), "
                         "or the first --recompute-num-layers layers of each stage (block).")
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-num-layers", type=int)
     g.add_argument("--compile-layers", action="store_true",
                    help="torch.compile each transformer layer (megalite's own flag; Megatron "
                         "has none). Same results within bf16 round-off; the first steps "
@@ -96,11 +92,11 @@ def _parallelism(parser):
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="ZeRO-1: shard optimizer state across data-parallel ranks.")
-    g.add_argument("--ddp-bucket-size", type=int, default=None,
+    g.add_argument("--ddp-bucket-size", type=int,
                    help="Elements per data-parallel gradient all-reduce (default 40M).")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Reduce each gradient bucket as soon as backward completes it.")
@@ -109,11 +105,6 @@ def _parallelism(parser):
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="Accumulate and reduce fp16 gradients in an fp32 buffer (always on "
                         "with --bf16, as in Megatron).")
-    _add_pipeline_schedule_args(g)
-    _add_context_parallel_args(g)
-
-
-def _add_pipeline_schedule_args(g):
     g.add_argument(
         "--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1"],
         help="Pipeline schedule, with p stages, m micro-batches per step and F, B, W the "
@@ -128,9 +119,6 @@ def _add_pipeline_schedule_args(g):
              "as in 1F1B), each deferred W keeping its linear layers' inputs and output "
              "gradients. gpipe and zb-h1 go beyond Megatron-LM (megalite's own choices) "
              "and run one model chunk per stage (no interleaving).")
-
-
-def _add_context_parallel_args(g):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="CP: split each sequence over this many ranks (2 x CP load-balanced "
                         "chunks; --seq-length must divide by 2 x CP).")
@@ -141,7 +129,7 @@ def _add_context_parallel_args(g):
                         "gathered; cheap with GQA). Megatron's a2a is not implemented.")
 
 
-def _add_fsdp_args(parser):
+def _fsdp(parser):
     g = parser.add_argument_group("fully sharded data parallelism")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="Shard parameters, gradients and optimizer state over data-parallel "
@@ -167,13 +155,13 @@ def _add_fsdp_args(parser):
 
 def _training(parser):
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None,
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--global-batch-size", type=int,
                    help="Samples per optimizer step (default micro batch x DP); the schedule "
                         "(--lr-*-iters) is counted in samples of this batch.")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--exit-interval", type=int, default=None,
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--train-samples", type=int)
+    g.add_argument("--exit-interval", type=int,
                    help="Exit after the iteration that is a multiple of this.")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
@@ -187,23 +175,21 @@ def _training(parser):
 
 def _learning_rate(parser):
     g = parser.add_argument_group("learning rate")
-    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "WSD"])
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+    g.add_argument("--lr-warmup-fraction", type=float,
                    help="Warm-up as a fraction of the decay steps.")
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--lr-decay-iters", type=int, default=None,
-                   help="Default --train-iters.")
-    g.add_argument("--lr-decay-samples", type=int, default=None,
-                   help="Default --train-samples.")
+    g.add_argument("--lr-decay-iters", type=int, help="Default --train-iters.")
+    g.add_argument("--lr-decay-samples", type=int, help="Default --train-samples.")
     g.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int)
+    g.add_argument("--lr-wsd-decay-samples", type=int)
 
 
 def _mixed_precision(parser):
@@ -212,8 +198,7 @@ def _mixed_precision(parser):
                    help="bf16 parameters, fp32 main parameters; gradients accumulated and "
                         "reduced in fp32 (--accumulate-allreduce-grads-in-fp32 implied).")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="Static fp16 loss scale (default: dynamic).")
+    g.add_argument("--loss-scale", type=float, help="Static fp16 loss scale (default: dynamic).")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
@@ -224,19 +209,19 @@ def _data(parser):
     g = parser.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
                    help="Synthetic counting documents (Megatron's mock GPT dataset).")
-    g.add_argument("--vocab-size", type=int, default=None,
+    g.add_argument("--vocab-size", type=int,
                    help="Vocabulary size for --mock-data / NullTokenizer.")
-    g.add_argument("--data-path", nargs="*", default=None,
+    g.add_argument("--data-path", nargs="*",
                    help="Indexed dataset prefixes, optionally weighted: [w1] p1 [w2 p2 ...].")
     g.add_argument("--split", default="969,30,1",
                    help="Train/valid/test proportions of each dataset's documents.")
-    g.add_argument("--data-cache-path", default=None,
+    g.add_argument("--data-cache-path",
                    help="Where sample indices are cached (default: beside the data).")
-    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", default=None,
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model",
                    help="SentencePiece model, or tokenizer.json for HuggingFaceTokenizer.")
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json.")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt.")
+    g.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json.")
+    g.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt.")
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="No loss on positions whose input token is end-of-document.")
     g.add_argument("--num-workers", type=int, default=2, help="Data loader worker processes.")
@@ -244,11 +229,11 @@ def _data(parser):
 
 def _checkpointing(parser):
     g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="Directory to write checkpoints to.")
-    g.add_argument("--load", default=None,
+    g.add_argument("--save", help="Directory to write checkpoints to.")
+    g.add_argument("--load",
                    help="Directory to resume from (its newest complete checkpoint); "
                         "point it at --save so a restarted job resumes by itself.")
-    g.add_argument("--save-interval", type=int, default=None,
+    g.add_argument("--save-interval", type=int,
                    help="Save every this many iterations (and always at exit).")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=0,
                    help="Delete all but the newest N checkpoints (0: keep all); the one "
@@ -261,7 +246,7 @@ def _checkpointing(parser):
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM or SIGUSR1 (any rank) save at the next iteration and "
                         "exit 0.")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+    g.add_argument("--exit-duration-in-mins", type=float,
                    help="Save and exit once training has run this long.")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false",
@@ -273,8 +258,8 @@ def _logging(parser):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-throughput", action="store_true",
                    help="Add TFLOP/s/GPU and tokens/s to the log line.")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--scaling-baseline-tokens-per-sec", type=float, default=None,
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--scaling-baseline-tokens-per-sec", type=float,
                    metavar="TOKENS_PER_SEC",
                    help="Tokens/s of one GPU on this model (megalite's own flag; e.g. from "
                         "tools/check_cluster.py): adds the scaling efficiency, tokens/s per "
@@ -282,10 +267,10 @@ def _logging(parser):
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
 
 
-def _add_monitoring_args(parser):
+def _monitoring(parser):
     """Megatron's logging and profiling flags for seeing what a run does (issue 17)."""
     g = parser.add_argument_group("monitoring")
-    g.add_argument("--peak-tflops", type=float, default=None,
+    g.add_argument("--peak-tflops", type=float,
                    help="Dense peak TFLOP/s of one device, for the MFU on the log line "
                         "(megalite's own flag; default: a table of common GPUs, see "
                         "megalite/monitoring/peak_flops.py; no MFU on a CPU without it).")
@@ -302,7 +287,7 @@ def _add_monitoring_args(parser):
     g.add_argument("--log-straggler", action="store_true",
                    help="Name the slowest and fastest rank (and host) by compute time "
                         "each log interval.")
-    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int,
                    help="Every N iterations compare the data-parallel replicas' parameter "
                         "hashes; stop with an error naming the ranks if they differ.")
     g.add_argument("--log-params-norm", action="store_true")
@@ -313,7 +298,7 @@ def _add_monitoring_args(parser):
     g.add_argument("--profile-step-start", type=int, default=10)
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
-    g.add_argument("--profile-dir", default=None,
+    g.add_argument("--profile-dir",
                    help="Where traces go (megalite's own flag; default --tensorboard-dir, "
                         "else ./profile).")
     g.add_argument("--record-memory-history", action="store_true",
@@ -325,6 +310,6 @@ def _add_monitoring_args(parser):
 
 def _distributed(parser):
     g = parser.add_argument_group("distributed")
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"],
                    help="Default: nccl when an accelerator is visible, else gloo.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)

@@ -128,9 +128,8 @@ def next_token_logits(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> 
 def max_positions(config: GPTConfig) -> int:
     """Positions the model has embeddings for: its rotary angles cover --seq-length,
     a learned table --max-position-embeddings."""
-    if config.position_embedding_type == "rope":
-        return config.seq_length
-    return config.max_position_embeddings
+    rope = config.position_embedding_type == "rope"
+    return config.seq_length if rope else config.max_position_embeddings
 
 
 def check_length(prompt_length: int, max_new_tokens: int, config: GPTConfig):

@@ -27,28 +27,18 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def accelerator_type() -> str | None:
-    """'cuda' (or another accelerator's device type) when one is visible, else None."""
-    if not torch.accelerator.is_available():
-        return None
-    return torch.accelerator.current_accelerator().type
-
-
-def choose_backend(config: DistributedConfig) -> str:
-    accel = accelerator_type()
+def initialize_distributed(config: DistributedConfig) -> tuple[int, int, torch.device]:
+    """Init the default process group; returns (rank, world size, device)."""
+    # 'cuda' (or another accelerator's device type) when one is visible.
+    accel = (torch.accelerator.current_accelerator().type
+             if torch.accelerator.is_available() else None)
     backend = config.backend or ("nccl" if accel else "gloo")
     if backend == "nccl" and accel is None:
         raise ConfigError("--distributed-backend nccl needs a GPU and none is visible; "
                           "use --distributed-backend gloo to train on the CPU")
-    return backend
-
-
-def initialize_distributed(config: DistributedConfig) -> tuple[int, int, torch.device]:
-    """Init the default process group; returns (rank, world size, device)."""
-    backend = choose_backend(config)
     device = torch.device("cpu")
     if backend == "nccl":
-        device = torch.device(accelerator_type(), int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device(accel, int(os.environ.get("LOCAL_RANK", "0")))
         # In torch since 2.6 (pytorch#143186 renamed set_device_idx for the 2.6 release).
         torch.accelerator.set_device_index(device.index)
         allow_tf32(device)

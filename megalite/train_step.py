@@ -67,27 +67,22 @@ class StepRunner:
                  state: ParallelState, device: torch.device,
                  grad_buffer: GradBuffer | None = None, timers: Timers = NO_TIMERS):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, config.precision
+        self.state, self.device, self.grad_buffer, self.timers = state, device, grad_buffer, timers
         # fp16's loss scaler skips the steps whose gradients overflow instead.
         self.check_for_nan = config.checkpoint.check_for_nan and not config.precision.fp16
-        self.timers = timers
-        self.num_microbatches = config.training.num_microbatches
-        self.device = device
-        self.fsdp = is_fully_sharded(chunks)
-        self.fsdp_defer_grad_reduce = (self.fsdp and
+        self.num_microbatches = m = config.training.num_microbatches
+        fsdp = is_fully_sharded(chunks)
+        self.fsdp_defer_grad_reduce = (fsdp and
                                        not config.parallel.fsdp_grad_reduce_every_micro_batch)
-        if grad_buffer is None and state.dp_cp_size > 1 and not self.fsdp:
+        if grad_buffer is None and state.dp_cp_size > 1 and not fsdp:
             raise ValueError("data and context parallelism need a GradBuffer (or FSDP) to "
                              "reduce the gradients")
-        self.grad_buffer = grad_buffer
-        self.state = state
-        pp, pp_rank, num_microbatches = state.pp_size, state.pp_rank, self.num_microbatches
-        pipeline_schedule, v = config.parallel.pipeline_schedule, len(chunks)
+        pp, v, schedule = state.pp_size, len(chunks), config.parallel.pipeline_schedule
         # Each rank's p2p batches are paired with its neighbours', so plan from every rank's list.
         self.schedule = communication_plan(
-            [build_schedule(pp, r, num_microbatches, v, pipeline_schedule) for r in range(pp)],
-            v)[pp_rank]
+            [build_schedule(pp, r, m, v, schedule) for r in range(pp)], v)[state.pp_rank]
         self.eval_schedule = communication_plan(
-            [forward_only(pp, r, num_microbatches, v) for r in range(pp)], v)[pp_rank]
+            [forward_only(pp, r, m, v) for r in range(pp)], v)[state.pp_rank]
         self.comm = None
         if pp > 1:
             # Activations travel in the compute dtype (under FSDP2 the gathered
@@ -139,12 +134,10 @@ class StepRunner:
         inf or NaN in any gradient it counts makes it non-finite, with no pass of its own."""
         local = torch.stack([~torch.isfinite(loss).all(),
                              ~torch.isfinite(squares.to(loss.device))]).float()
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        flags = torch.empty(world, 2, device=loss.device)
-        if world > 1:
+        flags = local[None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flags = torch.empty(dist.get_world_size(), 2, device=loss.device)
             all_gather_into(flags.view(-1), local, dist.group.WORLD)
-        else:
-            flags[0] = local
         for column, what in ((0, "lm loss"), (1, "a gradient")):
             ranks = flags[:, column].nonzero().view(-1).tolist()
             if ranks:

@@ -32,7 +32,7 @@ from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
 from megalite.model.gpt import build_model_chunks, initialize_parameters
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
-from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers
+from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers, synchronize
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
@@ -135,9 +135,8 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
                     timers: Timers = NO_TIMERS) -> tuple[Optimizer, GradBuffer | None]:
     """The gradient buffer (reduced over DP x CP: all-reduce, or reduce-scatter for ZeRO-1,
     whose shards are laid over DP x CP as Megatron's are; none under FSDP2, which reduces
-    its own gradients) and
-    the optimizer reading it: ZeRO-1 with --use-distributed-optimizer; fp32 main
-    parameters (unsharded) for bf16/fp16 model parameters; plain AdamW otherwise."""
+    its own gradients) and the optimizer reading it: ZeRO-1 with --use-distributed-optimizer;
+    fp32 main parameters (unsharded) for bf16/fp16 model parameters; plain AdamW otherwise."""
     scaler = build_grad_scaler(config.precision)
     p = config.parallel
     if config.optimizer_kind is OptimizerKind.FULLY_SHARDED:  # FSDP2 reduces the gradients
@@ -177,8 +176,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     model = build_model(config, state, device, rng_tracker)
     # One set of phase timers for the step, the optimizer and the monitor that reports them
     # (--log-straggler compares the compute phases across ranks).
-    mon = config.monitoring
-    timers = Timers(mon.timing_log_level, device, extra=COMPUTE if mon.log_straggler else ())
+    timers = Timers(config.monitoring.timing_log_level, device,
+                    extra=COMPUTE if config.monitoring.log_straggler else ())
     optimizer, grad_buffer = build_optimizer(model, config, state, timers)
     monitor = Monitor(config, state, device, model, optimizer, timers)
     runner = StepRunner(model, optimizer, config, state, device, grad_buffer, timers)
@@ -259,17 +258,16 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         except torch.OutOfMemoryError:
             monitor.on_out_of_memory()
             raise
-        loss, skipped, grad_norm = result.loss, result.skipped, result.grad_norm
-        if not skipped:
+        if not result.skipped:
             scheduler.step(t.global_batch_size)
         # As Megatron logs it: the rate after this iteration's scheduler step, which the
         # next iteration uses.
         lr = scheduler.lr
-        _synchronize(device)
+        synchronize(device)  # or the time measures the kernels' launch, not their work
         elapsed = time.perf_counter() - start
         progress.iteration += 1
         progress.consumed_train_samples += t.global_batch_size
-        stats.add(loss, skipped, elapsed)
+        stats.add(result.loss, result.skipped, elapsed)
         monitor.after_step(progress.iteration)
         logging = progress.iteration % log.log_interval == 0
         # Decided alike on every rank (the statistics are collectives), and only where
@@ -280,11 +278,11 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         extra = monitor.statistics() if logging or scalars else {}
         if scalars:
             tensorboard.scalars(progress.iteration, {
-                "lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                "lm loss": result.loss, "learning-rate": lr, "grad-norm": result.grad_norm,
                 "loss-scale": loss_scale, "batch-size": t.global_batch_size,
                 "num-zeros": extra.get("num_zeros"), "params-norm": extra.get("params_norm")})
         if logging:
-            _log_interval(config, progress, stats, lr, loss_scale, grad_norm, flops_per_step,
+            _log_interval(config, progress, stats, lr, loss_scale, result.grad_norm, flops_per_step,
                           tensorboard, monitor, extra)
             stats = IntervalStats()
         if valid is not None and progress.iteration % t.eval_interval == 0:
@@ -307,12 +305,6 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
     if save and saved_at != progress.iteration:
         save(progress.iteration)
     return False
-
-
-def _synchronize(device: torch.device):
-    # Kernels run asynchronously on an accelerator: wait, or the timing measures launches.
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr: float,

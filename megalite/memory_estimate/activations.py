@@ -45,7 +45,6 @@ class _Shapes:
     """Hidden size, h."""
     residual_seq: int
     """Rows of the residual stream: seq / TP under SP, else seq."""
-    sequence_parallel: bool
     act_bytes: int
     """Bytes per activation element (the parameters' dtype)."""
     mixed: bool
@@ -87,8 +86,7 @@ def _shapes(config: Config, device: Device) -> _Shapes:
     t, a = par.tensor_model_parallel_size, config.precision.params_bytes
     s = m.seq_length // par.context_parallel_size
     return _Shapes(seq=s, micro_batch=config.training.micro_batch_size, hidden=m.hidden_size,
-                   residual_seq=s // t if m.sequence_parallel else s,
-                   sequence_parallel=m.sequence_parallel, act_bytes=a, mixed=a == 2,
+                   residual_seq=s // t if m.sequence_parallel else s, act_bytes=a, mixed=a == 2,
                    query_width=m.query_projection_size // t,
                    kv_width=m.kv_projection_size // t, heads=m.num_attention_heads // t,
                    ffn_width=m.ffn_hidden_size // t, vocab=m.padded_vocab_size // t, tp=t,
@@ -188,11 +186,8 @@ def mlp_saved_bytes(config: Config, shape: _Shapes) -> int:
 def layer_saved_bytes(config: Config, shape: _Shapes) -> int:
     """One transformer layer, without recompute or with selective recompute."""
     selective = config.model.recompute_granularity == "selective"
-    return (2 * norm_saved_bytes(config, shape)
-            + norm_output_bytes(config, shape)
-            + attention_saved_bytes(config, shape, selective)
-            + norm_output_bytes(config, shape)
-            + mlp_saved_bytes(config, shape))
+    return (2 * norm_saved_bytes(config, shape) + 2 * norm_output_bytes(config, shape)
+            + attention_saved_bytes(config, shape, selective) + mlp_saved_bytes(config, shape))
 
 
 def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
@@ -236,7 +231,7 @@ class ChunkActivations:
 
 def chunk_activations(config: Config, shape: _Shapes, num_layers: int, pre: bool,
                       post: bool) -> ChunkActivations:
-    contiguous = shape.sequence_parallel or not pre
+    contiguous = config.model.sequence_parallel or not pre
     layer = layer_saved_bytes(config, shape)
     residual = shape.act_bytes * shape.residual_tokens * shape.hidden
     saved, working = 0, cp_attention_working_set(config, shape)

@@ -10,15 +10,9 @@ import sys
 import torch
 
 
-def memory_fields(device: torch.device) -> tuple[str, ...]:
-    """The names memory_stats reports on `device`, in a fixed order (the same on every
-    rank, so ranks can stack them)."""
-    if device.type == "cuda":
-        return ("allocated", "reserved", "max allocated")
-    return ("RSS", "max RSS")
-
-
 def memory_stats(device: torch.device) -> dict[str, float]:
+    """By name, in an order fixed by the device type (the same on every rank, so ranks can
+    stack them)."""
     if device.type == "cuda":
         return {"allocated": torch.cuda.memory_allocated(device),
                 "reserved": torch.cuda.memory_reserved(device),

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import Config
-from megalite.monitoring.memory import memory_fields, memory_stats
+from megalite.monitoring.memory import memory_stats
 from megalite.monitoring.peak_flops import compute_dtype, peak_tflops
 from megalite.monitoring.profiling import Profiler
 from megalite.monitoring.replica_check import check_replicas
@@ -55,7 +55,7 @@ class IntervalReport:
 class Monitor:
     def __init__(self, config: Config, state: ParallelState, device: torch.device,
                  model: nn.Module, optimizer, timers: Timers):
-        self.config, self.m = config, config.monitoring
+        self.m = config.monitoring
         self.state, self.device = state, device
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -120,8 +120,7 @@ class Monitor:
         names = list(PHASES)
         elapsed = self.timers.elapsed(reset=True)
         busy = sum(elapsed.get(n, 0.0) for n in COMPUTE)
-        local = torch.tensor([*(memory[f] for f in memory_fields(self.device)), busy,
-                              *(elapsed.get(n, 0.0) for n in names)],
+        local = torch.tensor([*memory.values(), busy, *(elapsed.get(n, 0.0) for n in names)],
                              dtype=torch.float64, device=self.device)
         table = torch.empty(self.world_size * local.numel(), dtype=torch.float64,
                             device=self.device)
@@ -131,12 +130,12 @@ class Monitor:
         if self.peak_tflops:
             report.mfu_percent = 100.0 * tflops_per_gpu / self.peak_tflops
             report.scalars["mfu-percent"] = report.mfu_percent
-        for i, name in enumerate(memory_fields(self.device)):
+        for i, name in enumerate(memory):
             top = table[:, i].max().item()
             report.memory_mib[name] = top / MIB
             if self.m.log_memory_to_tensorboard:
                 report.scalars[f"mem-{name.lower().replace(' ', '-')}-bytes"] = top
-        k = len(memory_fields(self.device))
+        k = len(memory)
         if self.m.log_straggler:
             report.lines.append(self._straggler_line(table[:, k] / iters))
         per_rank_ms = table[:, k + 1:] * 1e3 / iters

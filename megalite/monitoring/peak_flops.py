@@ -20,20 +20,11 @@ from megalite.config import DTYPE_NAMES
 # (pattern in torch.cuda.get_device_name, table key), searched in order: the first match wins,
 # so a variant ("H200 NVL", "GB200") comes before the family name it contains.
 DEVICE_PATTERNS = [
-    (r"H100 NVL", "H100 NVL"),
-    (r"H100.*PCIe", "H100 PCIe"),
-    (r"H100", "H100 SXM"),
-    (r"\bH200 NVL", "H200 NVL"),
-    (r"H200", "H200"),
-    (r"A100", "A100"),
-    (r"L40S", "L40S"),
-    (r"\bL4\b", "L4"),
-    (r"\bA10\b", "A10"),
-    (r"V100S", "V100S PCIe"),
-    (r"V100-PCIE", "V100 PCIe"),
-    (r"V100", "V100"),
-    (r"GB200", "GB200"),
-    (r"B200", "B200"),
+    (r"H100 NVL", "H100 NVL"), (r"H100.*PCIe", "H100 PCIe"), (r"H100", "H100 SXM"),
+    (r"\bH200 NVL", "H200 NVL"), (r"H200", "H200"),
+    (r"A100", "A100"), (r"L40S", "L40S"), (r"\bL4\b", "L4"), (r"\bA10\b", "A10"),
+    (r"V100S", "V100S PCIe"), (r"V100-PCIE", "V100 PCIe"), (r"V100", "V100"),
+    (r"GB200", "GB200"), (r"B200", "B200"),
     (r"MI300X", "MI300X"),
 ]
 

@@ -55,10 +55,8 @@ def synchronize(device: torch.device | None):
 
 
 class Timer:
-    def __init__(self, name: str, device: torch.device | None):
-        self.name, self.device = name, device
-        self.elapsed_s = 0.0
-        self._started = None
+    def __init__(self, device: torch.device | None):
+        self.device, self.elapsed_s, self._started = device, 0.0, None
 
     def start(self):
         synchronize(self.device)
@@ -70,28 +68,20 @@ class Timer:
         self._started = None
 
 
-class _Phase:
-    """One use of a phase: its timer (if timed) and its profiler range (if profiling)."""
-
-    def __init__(self, timer: Timer | None, name: str | None):
-        self.timer, self.range = timer, None
-        if name is not None:
-            self.range = torch.profiler.record_function(name)
-
-    def __enter__(self):
-        if self.range is not None:
-            self.range.__enter__()
-        if self.timer is not None:
-            self.timer.start()
-
-    def __exit__(self, *exc):
-        if self.timer is not None:
-            self.timer.stop()
-        if self.range is not None:
-            self.range.__exit__(*exc)
-
-
 _NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _phase(timer: Timer | None, name: str | None):
+    """One use of a phase: its timer (if timed) inside its profiler range (if profiling)."""
+    with _NOTHING if name is None else torch.profiler.record_function(name):
+        if timer is not None:
+            timer.start()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.stop()
 
 
 class Timers:
@@ -101,7 +91,7 @@ class Timers:
 
     def __init__(self, level: int = 0, device: torch.device | None = None,
                  extra: tuple[str, ...] = ()):
-        self.timers = {name: Timer(name, device) for name, (lvl, _) in PHASES.items()
+        self.timers = {name: Timer(device) for name, (lvl, _) in PHASES.items()
                        if lvl <= level or name in extra}
         self.profiling = False
 
@@ -109,7 +99,7 @@ class Timers:
         timer = self.timers.get(name)
         if timer is None and not self.profiling:
             return _NOTHING
-        return _Phase(timer, name if self.profiling else None)
+        return _phase(timer, name if self.profiling else None)
 
     def elapsed(self, reset: bool = True) -> dict[str, float]:
         """Seconds in each timed phase since the last reset."""

@@ -3,19 +3,18 @@
 Megatron's derived defaults are applied here, each once: ffn size, kv channels, query
 groups, padded vocabulary, data-parallel size, global batch (micro-batch x DP when unset)
 and everything counted in samples from it (run length, warm-up, decay). Two entry points:
-`validate_args` for training, `validate_model_args` for the tools, which need the model,
-the parallel layout and the batch but no optimizer, schedule or data source. The parallel
-layout and the batch are checked in layout.py, the checks all parts share in checks.py.
+`validate_args` for training, `validate_model_args` for the tools (no optimizer, schedule
+or data). The parallel layout and the batch are checked in layout.py, the checks all parts
+share in checks.py.
 """
 
 import dataclasses
-import math
 
 from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedConfig,
                             GPTConfig, LoggingConfig, MonitoringConfig, OptimizerConfig,
                             ParallelConfig, PrecisionConfig, SchedulerConfig, TrainingConfig)
 from megalite.errors import ConfigError
-from megalite.validation.checks import check_fraction, check_positive, flag, require
+from megalite.validation.checks import check_fraction, check_positive, flag, from_flags, require
 from megalite.validation.layout import batch, parallel_config, validate_pipeline_schedule
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -35,9 +34,7 @@ def validate_args(args, world_size: int = 1,
         training=dataclasses.replace(config.training, train_iters=train_iters,
                                      train_samples=train_samples),
         scheduler=_scheduler_config(args, global_batch, train_samples),
-        data=DataConfig(mock_data=args.mock_data, data_path=tuple(args.data_path or ()),
-                        split=args.split, data_cache_path=args.data_cache_path,
-                        eod_mask_loss=args.eod_mask_loss, num_workers=args.num_workers),
+        data=from_flags(DataConfig, args, data_path=tuple(args.data_path or ())),
         monitoring=_validate_monitoring(args, world_size))
 
 
@@ -53,7 +50,7 @@ def validate_model_args(args, world_size: int = 1,
                     "pipeline_model_parallel_size", "distributed_timeout_minutes")
     parallel = parallel_config(args, world_size)
     micro, global_batch, num_micro = batch(args, parallel)
-    parallel = validate_pipeline_schedule(args, parallel, num_micro)
+    validate_pipeline_schedule(args, parallel, num_micro)
     return Config(
         model=_model_config(args, parallel, _vocab_size(args, tokenizer_vocab_size)),
         parallel=parallel,
@@ -62,11 +59,7 @@ def validate_model_args(args, world_size: int = 1,
                                 eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                                 seed=args.seed),
         precision=_precision_config(args),
-        logging=LoggingConfig(log_interval=args.log_interval,
-                              log_throughput=args.log_throughput,
-                              tensorboard_dir=args.tensorboard_dir,
-                              tensorboard_log_interval=args.tensorboard_log_interval,
-                              scaling_baseline_tokens_per_sec=args.scaling_baseline_tokens_per_sec),
+        logging=from_flags(LoggingConfig, args),
         distributed=DistributedConfig(backend=args.distributed_backend,
                                       timeout_minutes=args.distributed_timeout_minutes),
         checkpoint=_checkpoint_config(args))
@@ -76,7 +69,7 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     """Megatron's padding: round up to a multiple of divisible_by x TP so every TP shard
     of the embedding and output layer has the same number of rows."""
     multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    return -(-vocab_size // multiple) * multiple
 
 
 # Model.
@@ -98,22 +91,15 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
     _check_positions(args, kv_channels)
     check_fraction(args, "attention_dropout", "hidden_dropout")
     check_positive(args, "init_method_std")
-    return GPTConfig(
-        num_layers=args.num_layers, hidden_size=hidden, ffn_hidden_size=_ffn_size(args, tp),
-        num_attention_heads=heads, num_query_groups=groups, kv_channels=kv_channels,
-        seq_length=args.seq_length,
+    return from_flags(
+        GPTConfig, args, ffn_hidden_size=_ffn_size(args, tp), num_query_groups=groups,
+        kv_channels=kv_channels,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         padded_vocab_size=pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp),
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent, normalization=args.normalization,
-        norm_epsilon=args.norm_epsilon, swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-        init_method_std=args.init_method_std,
-        attention_backend=_attention_backend(args, kv_channels),
+        vocab_size=vocab_size, attention_backend=_attention_backend(args, kv_channels),
         # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
-        sequence_parallel=args.sequence_parallel and tp > 1, vocab_size=vocab_size,
-        compile_layers=args.compile_layers, cp_comm_type=args.cp_comm_type, **_recompute(args))
+        sequence_parallel=args.sequence_parallel and tp > 1,
+        recompute_num_layers=_recompute_num_layers(args))
 
 
 def _ffn_size(args, tp: int) -> int:
@@ -140,7 +126,7 @@ def _check_positions(args, kv_channels: int):
                           f"--rotary-percent={args.rotary_percent} must be even")
 
 
-def _recompute(args) -> dict:
+def _recompute_num_layers(args) -> int:
     """Megatron's rules: full recompute names its method; selective takes none."""
     granularity, method, n = (args.recompute_granularity, args.recompute_method,
                               args.recompute_num_layers)
@@ -152,8 +138,7 @@ def _recompute(args) -> dict:
                           f"--recompute-granularity full only (got --recompute-granularity="
                           f"{granularity})")
     check_positive(args, "recompute_num_layers")
-    return dict(recompute_granularity=granularity, recompute_method=method,
-                recompute_num_layers=n or 1)
+    return n or 1
 
 
 def _check_tensor_parallel_split(args, heads: int, groups: int, tp: int):
@@ -233,9 +218,7 @@ def _optimizer_config(args) -> OptimizerConfig:
     if args.clip_grad < 0 or args.weight_decay < 0 or args.adam_eps <= 0:
         raise ConfigError(f"need --clip-grad >= 0, --weight-decay >= 0, --adam-eps > 0; got "
                           f"{args.clip_grad}, {args.weight_decay}, {args.adam_eps}")
-    return OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-                           adam_eps=args.adam_eps, clip_grad=args.clip_grad)
+    return from_flags(OptimizerConfig, args)
 
 
 def _scheduler_config(args, global_batch: int, train_samples: int) -> SchedulerConfig:
@@ -287,11 +270,7 @@ def _precision_config(args) -> PrecisionConfig:
     if args.loss_scale_window <= 0 or args.hysteresis <= 0:
         raise ConfigError(f"--loss-scale-window={args.loss_scale_window} and "
                           f"--hysteresis={args.hysteresis} must be positive")
-    return PrecisionConfig(bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
-                           initial_loss_scale=args.initial_loss_scale,
-                           min_loss_scale=args.min_loss_scale,
-                           loss_scale_window=int(args.loss_scale_window),
-                           hysteresis=args.hysteresis)
+    return from_flags(PrecisionConfig, args, loss_scale_window=int(args.loss_scale_window))
 
 
 def _checkpoint_config(args) -> CheckpointConfig:
@@ -303,13 +282,10 @@ def _checkpoint_config(args) -> CheckpointConfig:
                           f"{args.keep_last_n_checkpoints}")
     if args.finetune and args.load is None:
         raise ConfigError("--finetune needs --load (the checkpoint to start from)")
-    return CheckpointConfig(save=args.save, load=args.load, save_interval=args.save_interval,
-                            keep_last=args.keep_last_n_checkpoints,
-                            save_optim=not args.no_save_optim, load_optim=not args.no_load_optim,
-                            load_rng=not args.no_load_rng, finetune=args.finetune,
-                            exit_signal_handler=args.exit_signal_handler,
-                            exit_duration_in_mins=args.exit_duration_in_mins,
-                            check_for_nan=args.check_for_nan_in_loss_and_grad)
+    return from_flags(CheckpointConfig, args, keep_last=args.keep_last_n_checkpoints,
+                      save_optim=not args.no_save_optim, load_optim=not args.no_load_optim,
+                      load_rng=not args.no_load_rng,
+                      check_for_nan=args.check_for_nan_in_loss_and_grad)
 
 
 def _validate_monitoring(args, world_size: int) -> MonitoringConfig:
@@ -323,16 +299,5 @@ def _validate_monitoring(args, world_size: int) -> MonitoringConfig:
         if outside:
             raise ConfigError(f"--profile-ranks {outside} outside the world of {world_size} "
                               "ranks")
-    return MonitoringConfig(
-        peak_tflops=args.peak_tflops, log_memory_to_tensorboard=args.log_memory_to_tensorboard,
-        timing_log_level=args.timing_log_level, timing_log_option=args.timing_log_option,
-        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
-        log_straggler=args.log_straggler,
-        check_weight_hash_across_dp_replicas_interval=(
-            args.check_weight_hash_across_dp_replicas_interval),
-        log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-        profile=args.profile, profile_step_start=args.profile_step_start,
-        profile_step_end=args.profile_step_end, profile_ranks=tuple(args.profile_ranks),
-        profile_dir=args.profile_dir or args.tensorboard_dir or "profile",
-        record_memory_history=args.record_memory_history,
-        memory_snapshot_path=args.memory_snapshot_path)
+    return from_flags(MonitoringConfig, args, profile_ranks=tuple(args.profile_ranks),
+                      profile_dir=args.profile_dir or args.tensorboard_dir or "profile")

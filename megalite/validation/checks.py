@@ -1,5 +1,7 @@
 """The checks every part of the validation shares: required and positive flags, fractions,
-and the flag's name as the user typed it."""
+and the flag's name as the user typed it; and the copy of flags into a config's fields."""
+
+import dataclasses
 
 from megalite.errors import ConfigError
 
@@ -25,3 +27,9 @@ def check_fraction(args, *names):
     for name in names:
         if not 0.0 <= getattr(args, name) < 1.0:
             raise ConfigError(f"{flag(name)} must be in [0, 1), got {getattr(args, name)}")
+
+
+def from_flags(cls, args, **derived):
+    """`cls` built with `derived`, every other field the value of the flag of its name."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in derived}, **derived)

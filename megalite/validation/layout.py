@@ -2,14 +2,12 @@
 pipeline schedule, and the global batch split into micro-batches; each check names the flags
 and values that do not fit together."""
 
-import dataclasses
-
 from megalite.config import DEFAULT_BUCKET_SIZE, ParallelConfig
 from megalite.context_parallel import cp_backend_check
 from megalite.errors import ConfigError
 from megalite.parallel_state import RankGrid
 from megalite.pipeline_parallel.schedules import validate_schedule_args
-from megalite.validation.checks import check_positive
+from megalite.validation.checks import check_positive, from_flags
 
 
 def parallel_config(args, world_size: int) -> ParallelConfig:
@@ -17,7 +15,7 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
     cp = _validate_context_parallel(args)
     dp = RankGrid(world_size, tp, pp, cp).data_parallel_size
     check_positive(args, "ddp_bucket_size")
-    fsdp_fields = _validate_fsdp(args)
+    _check_fsdp(args)
     if args.overlap_param_gather and not (args.use_distributed_optimizer
                                           and args.overlap_grad_reduce):
         # As in Megatron: only ZeRO-1 gathers parameters, and the overlap of the gather
@@ -29,14 +27,11 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
     # Megatron forces fp32 gradient accumulation and reduction under --bf16: summing
     # micro-batches and ranks in 8 mantissa bits loses the small updates.
     fp32_grads = args.accumulate_allreduce_grads_in_fp32 or args.bf16
-    return ParallelConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=_virtual_stages(args, pp), data_parallel_size=dp,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        ddp_bucket_size=args.ddp_bucket_size or DEFAULT_BUCKET_SIZE,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        accumulate_allreduce_grads_in_fp32=fp32_grads, context_parallel_size=cp, **fsdp_fields)
+    return from_flags(ParallelConfig, args,
+                      virtual_pipeline_model_parallel_size=_virtual_stages(args, pp),
+                      data_parallel_size=dp,
+                      ddp_bucket_size=args.ddp_bucket_size or DEFAULT_BUCKET_SIZE,
+                      accumulate_allreduce_grads_in_fp32=fp32_grads)
 
 
 def _validate_context_parallel(args) -> int:
@@ -59,8 +54,7 @@ def _validate_context_parallel(args) -> int:
     return cp
 
 
-def validate_pipeline_schedule(args, parallel: ParallelConfig,
-                                num_microbatches: int) -> ParallelConfig:
+def validate_pipeline_schedule(args, parallel: ParallelConfig, num_microbatches: int):
     """--pipeline-schedule: gpipe and zb-h1 run one model chunk per pipeline rank; zb-h1's
     split backward is not traced by torch.compile."""
     schedule = args.pipeline_schedule
@@ -72,13 +66,11 @@ def validate_pipeline_schedule(args, parallel: ParallelConfig,
                           "--compile-layers or use --pipeline-schedule 1f1b")
     validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
                            parallel.virtual_pipeline_model_parallel_size or 1, schedule)
-    return dataclasses.replace(parallel, pipeline_schedule=schedule)
 
 
-def _validate_fsdp(args) -> dict:
+def _check_fsdp(args):
     """ParallelConfig's FSDP2 and offload fields."""
-    fsdp, strategy = args.use_torch_fsdp2, args.data_parallel_sharding_strategy
-    offload = args.optimizer_cpu_offload
+    fsdp, offload = args.use_torch_fsdp2, args.optimizer_cpu_offload
     if fsdp and args.use_distributed_optimizer:
         raise ConfigError("--use-torch-fsdp2 (ZeRO-2/3) and --use-distributed-optimizer "
                           "(ZeRO-1) both shard the optimizer state: choose one")
@@ -100,14 +92,10 @@ def _validate_fsdp(args) -> dict:
     if offload and not (fsdp or args.use_distributed_optimizer):
         raise ConfigError("--optimizer-cpu-offload needs --use-torch-fsdp2 or "
                           "--use-distributed-optimizer (got neither)")
-    every_micro_batch = args.fsdp_grad_reduce_every_micro_batch
-    if every_micro_batch and not fsdp:
+    if args.fsdp_grad_reduce_every_micro_batch and not fsdp:
         raise ConfigError("--fsdp-grad-reduce-every-micro-batch needs --use-torch-fsdp2 "
                           "(plain DP and ZeRO-1 reduce once per step, after the last "
                           "micro-batch)")
-    return dict(use_torch_fsdp2=fsdp, data_parallel_sharding_strategy=strategy,
-                optimizer_cpu_offload=offload,
-                fsdp_grad_reduce_every_micro_batch=every_micro_batch)
 
 
 def _virtual_stages(args, pp: int) -> int | None:
