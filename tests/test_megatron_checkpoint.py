@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import megalite.megatron_checkpoint.reader as reader
+import megalite.megatron_checkpoint.torch_dist as torch_dist
 from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.storage import find_checkpoint_to_load, read_metadata
 from megalite.errors import CheckpointError
@@ -337,8 +338,8 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path, monkeypatch, fmt):
     torch_load = reader.torch_load
     monkeypatch.setattr(reader, "torch_load", lambda source, what: (
         files.append(Path(what).parent.name), torch_load(source, what))[1])
-    read_data = reader._SafeReader.read_data
-    monkeypatch.setattr(reader._SafeReader, "read_data", lambda self, plan, planner: (
+    read_data = torch_dist._SafeReader.read_data
+    monkeypatch.setattr(torch_dist._SafeReader, "read_data", lambda self, plan, planner: (
         rows.extend((i.storage_index.fqn, i.storage_offsets, i.lengths) for i in plan.items),
         read_data(self, plan, planner))[1])
     part = reader.read_checkpoint(tmp_path / "m", names=stage_0, optimizer=False)
