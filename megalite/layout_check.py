@@ -114,13 +114,26 @@ class LayoutRun:
     values: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
+# One ParallelState per rank grid for the life of the process: every rank of the launch
+# meets in each `new_group` (a store barrier), ~35 of them per grid at 8 ranks, which cost
+# more than a tiny layout's steps; the layouts of a grid differ in flags, not in groups.
+_STATES: dict = {}
+
+
+def parallel_state(grid, rank: int) -> ParallelState:
+    """This rank's ParallelState of `grid`, created (collectively) the first time."""
+    if grid not in _STATES:
+        _STATES[grid] = ParallelState(grid, rank)
+    return _STATES[grid]
+
+
 def build_run(flags: list[str], world_size: int, rank: int, device: torch.device):
     """pretrain_gpt.py's pieces for `flags` on ranks [0, world_size) of the launch:
     (config, state, model, optimizer, runner, micro-batch iterator). Every rank of the
     launch calls this (process groups are created collectively); a rank outside the
     layout gets None for everything but config and state."""
     config = validate_args(parse_args(flags), world_size)
-    state = ParallelState(config.parallel.grid, rank)
+    state = parallel_state(config.parallel.grid, rank)
     if rank >= world_size:
         return config, state, None, None, None, None
     set_seed(config.training.seed)
