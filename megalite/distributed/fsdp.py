@@ -32,6 +32,7 @@ own unit it would be resharded after the embedding lookup, before the output lay
 """
 
 import contextlib
+import math
 import sys
 import warnings
 
@@ -135,7 +136,7 @@ def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     if local.shape[0] != min(per_rank, rows - first):
         raise RuntimeError(f"FSDP shard of {tuple(param.shape)} on DP rank {rank}: "
                            f"{local.shape[0]} rows, expected {min(per_rank, rows - first)}")
-    row = param[0].numel() if rows else 0
+    row = math.prod(param.shape[1:])  # (not param[0]: indexing a DTensor all-gathers it)
     return first * row, first * row + local.numel()
 
 
