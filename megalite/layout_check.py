@@ -1,6 +1,7 @@
 """Every layout against one process: the numerical contract (docs/design.md §3) checked over
 whatever backend the caller runs on, gloo on CPUs in the test suite, NCCL on the user's
-GPUs in tools/check_cluster.py (§18). One implementation of the comparisons, for both.
+GPUs in tools/check_cluster.py (docs/design.md §13). One implementation of the comparisons,
+for both.
 
 The tensor comparisons (`gather_tensor_parallel`, `reference_name`, `step_problems`,
 `tensor_problem`) take a layout's tensors to the single-process ones. `run_layout` builds a

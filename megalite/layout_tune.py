@@ -1,4 +1,4 @@
-"""Which layout to train a model with (issue 25; docs/design.md §18): the candidate layouts
+"""Which layout to train a model with (issue 25; docs/design.md §13): the candidate layouts
 at a world size, the messages each sends per step, and the estimate that prunes them before
 tools/check_cluster.py times the survivors. The cluster check measures bus bandwidth at the
 sizes `step_traffic` lists, so it measures what the layouts send.
