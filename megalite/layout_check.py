@@ -122,7 +122,10 @@ _STATES: dict = {}
 
 
 def parallel_state(grid, rank: int) -> ParallelState:
-    """This rank's ParallelState of `grid`, created (collectively) the first time."""
+    """This rank's ParallelState of `grid`, created (collectively) the first time; a world
+    of one has no groups (its one process needs none, and no other rank meets it)."""
+    if grid.world_size == 1:
+        return ParallelState.single_process()
     if grid not in _STATES:
         _STATES[grid] = ParallelState(grid, rank)
     return _STATES[grid]

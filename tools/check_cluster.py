@@ -34,6 +34,7 @@ default is a 4-layer hidden-64 GPT small enough for a CPU).
 
 import argparse
 import contextlib
+import fnmatch
 import glob
 import math
 import os
@@ -98,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="Every other flag is pretrain_gpt.py's.")
     parser.add_argument("--output-dir", required=True, help="Where REPORT.md goes.")
     parser.add_argument("--checks", nargs="+", default=CHECKS, choices=CHECKS)
-    parser.add_argument("--layouts", nargs="+", default=None, metavar="TEXT",
-                        help="Check only the layouts whose name contains one of these.")
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="NAME",
+                        help="Check only these layouts, by the name the report gives them; "
+                        "shell wildcards select several (\"TP2*\").")
     parser.add_argument("--steps", type=int, default=2,
                         help="Steps per layout (default 2: the second catches state carried "
                         "between steps).")
@@ -117,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tune", action="store_true",
                         help="Time the layouts the memory planner says fit, pruned by the "
                         "measured bandwidth.")
+    parser.add_argument("--tune-micro-batch-sizes", nargs="+", type=int, default=[1, 2, 4],
+                        metavar="N", help="Micro-batch sizes --tune tries (default 1 2 4).")
     parser.add_argument("--tune-max", type=int, default=6,
                         help="Layouts --tune times besides the default (default 6).")
     parser.add_argument("--recovery-nproc", type=int, default=None,
@@ -166,7 +170,8 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 # ------------------------------------------------------------------ 1. correctness
 
 def selected(layout, args) -> bool:
-    return not args.layouts or any(text in layout.name for text in args.layouts)
+    return not args.layouts or any(fnmatch.fnmatchcase(layout.name, pattern)
+                                   for pattern in args.layouts)
 
 
 def checked_configs(model: list[str], args, world: int) -> list:
@@ -424,7 +429,8 @@ def device_capacity(device, world: int) -> int:
             // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
-def tune_candidates(model: list[str], world: int, device) -> tuple[list[Candidate], list[str]]:
+def tune_candidates(model: list[str], args, world: int, device) -> tuple[list[Candidate],
+                                                                         list[str]]:
     """The layouts worth estimating and how many each step left; enumerated on rank 0 (a
     few hundred configs planned) and sent to the others."""
     result = [None]
@@ -432,11 +438,13 @@ def tune_candidates(model: list[str], world: int, device) -> tuple[list[Candidat
         planner = device.type if device.type == "cuda" else "cpu"
         capacity = device_capacity(device, world)
         lean, valid = candidates(model, world, tune_global_batch(world),
-                                 lambda config: planned_bytes(config, planner) <= capacity)
+                                 lambda config: planned_bytes(config, planner) <= capacity,
+                                 args.tune_micro_batch_sizes)
         result[0] = lean, [
             f"{valid} layouts validate_args accepts (TP with SP, PP with 1 or 2 virtual "
-            "stages, CP, DP; plain DP, ZeRO-1 or FSDP2 in either strategy; micro-batch 1, 2 "
-            f"or 4); {len(lean)} fit {capacity / GiB:.1f} GiB a rank by the memory planner, "
+            "stages, CP, DP; plain DP, ZeRO-1 or FSDP2 in either strategy; micro-batch "
+            f"{' / '.join(map(str, args.tune_micro_batch_sizes))}); {len(lean)} fit "
+            f"{capacity / GiB:.1f} GiB a rank by the memory planner, "
             "each with the least recompute (none, selective, full) that fits: recompute only "
             "buys memory with compute"]
     dist.broadcast_object_list(result, src=0)
@@ -777,8 +785,10 @@ def scaling_chart(plt, points, path: str):
     for level in (90, 80):
         ax.axhline(level, linestyle="--", color="grey")
         ax.text(n[-1], level, f" {level}%", va="center")
-    ax.set(xscale="log", xlabel="ranks", ylabel="efficiency (%)", ylim=(0, 110),
-           title="Weak scaling: tokens/s per rank vs 1 rank")
+    ax.set(xscale="log", xlabel="ranks", ylabel="efficiency (%)",
+           ylim=(0, max(110, 110 * max(eff))), title="Weak scaling: tokens/s per rank vs 1 rank")
+    ax.set_xticks(n, [str(v) for v in n])
+    ax.minorticks_off()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -833,7 +843,7 @@ def write_report(output_dir: str, sections: list[Section], charts: dict, header:
 def run_checks(model: list[str], args, rank: int, world: int, device) -> tuple[list, dict]:
     sections, charts, measured = [], {}, {}
     # Enumerated first: the collectives check measures what these layouts send too.
-    lean, notes = tune_candidates(model, world, device) if args.tune else ([], [])
+    lean, notes = tune_candidates(model, args, world, device) if args.tune else ([], [])
     checked = checked_configs(model, args, world)
     checks = {"correctness": lambda: check_correctness(model, args, rank, world, device),
               "collectives": lambda: check_collectives(args, rank, world, device,
@@ -892,6 +902,9 @@ def check_flags(args):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if min(args.tune_micro_batch_sizes) <= 0:
+        raise ConfigError(f"--tune-micro-batch-sizes must be positive, got "
+                          f"{args.tune_micro_batch_sizes}")
     if args.message_sizes and min(args.message_sizes) <= 0:
         raise ConfigError(f"--message-sizes must be positive, got {args.message_sizes}")
 
