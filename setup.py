@@ -14,7 +14,7 @@ setup(
     extras_require={
         "flash": ["flash-attn>=2.5"],
         "hf": ["tokenizers>=0.15", "transformers>=4.45"],
-        "plot": ["matplotlib"],  # tools/plot_schedule.py
+        "plot": ["matplotlib"],  # tools/plot_schedule.py, tools/check_cluster.py's charts
         "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45"],
     },
 )

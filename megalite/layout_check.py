@@ -1,6 +1,7 @@
 """Every layout against one process: the numerical contract (docs/design.md §3) checked over
 whatever backend the caller runs on, gloo on CPUs in the test suite, NCCL on the user's
-GPUs in tools/check_cluster.py (§18). One implementation of the comparisons, for both.
+GPUs in tools/check_cluster.py (docs/design.md §13). One implementation of the comparisons,
+for both.
 
 The tensor comparisons (`gather_tensor_parallel`, `reference_name`, `step_problems`,
 `tensor_problem`) take a layout's tensors to the single-process ones. `run_layout` builds a
@@ -114,13 +115,29 @@ class LayoutRun:
     values: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
+# One ParallelState per rank grid for the life of the process: every rank of the launch
+# meets in each `new_group` (a store barrier), ~35 of them per grid at 8 ranks, which cost
+# more than a tiny layout's steps; the layouts of a grid differ in flags, not in groups.
+_STATES: dict = {}
+
+
+def parallel_state(grid, rank: int) -> ParallelState:
+    """This rank's ParallelState of `grid`, created (collectively) the first time; a world
+    of one has no groups (its one process needs none, and no other rank meets it)."""
+    if grid.world_size == 1:
+        return ParallelState.single_process()
+    if grid not in _STATES:
+        _STATES[grid] = ParallelState(grid, rank)
+    return _STATES[grid]
+
+
 def build_run(flags: list[str], world_size: int, rank: int, device: torch.device):
     """pretrain_gpt.py's pieces for `flags` on ranks [0, world_size) of the launch:
     (config, state, model, optimizer, runner, micro-batch iterator). Every rank of the
     launch calls this (process groups are created collectively); a rank outside the
     layout gets None for everything but config and state."""
     config = validate_args(parse_args(flags), world_size)
-    state = ParallelState(config.parallel.grid, rank)
+    state = parallel_state(config.parallel.grid, rank)
     if rank >= world_size:
         return config, state, None, None, None, None
     set_seed(config.training.seed)

@@ -1,14 +1,15 @@
-"""Prove megalite on this cluster (issue 25; docs/design.md §18): every layout against one
+"""Prove megalite on this cluster (issue 25; docs/design.md §13): every layout against one
 process over the real backend, collective bandwidth, weak scaling, checkpoint throughput,
-and (--tune) the fastest layout for a model. Run it the way training runs:
+a killed rank's recovery, and (--tune) the fastest layout for a model. Run it the way training runs:
 
     torchrun --nproc-per-node 8 tools/check_cluster.py --output-dir cluster-report
     srun --ntasks-per-node 8 ... torchrun ... tools/check_cluster.py --output-dir ... --tune
 
 On GPUs it uses NCCL, on CPUs gloo (--distributed-backend as in pretrain_gpt.py). Rank 0
 writes REPORT.md (and PNG charts when matplotlib, the `plot` extra, is installed) to
---output-dir. Exit status 1 when a layout differs from one process; the measurements are
-reported against the exercise's targets but never fail the check. docs/troubleshooting.md
+--output-dir. Exit status 1 when a layout differs from one process or the killed rank's job
+does not resume; the measurements are reported against the exercise's targets but never
+fail the check. docs/troubleshooting.md
 says what each failure means.
 
 1. Correctness: each layout of megalite/layout_check.layouts_for(world size), filling the
@@ -17,24 +18,34 @@ says what each failure means.
    the initial values exactly, then per step the loss and grad norm (and the values after
    the update) in fp32 to the contract's tolerance; on GPUs also in bf16, to a stated bound.
 2. Collectives: bus bandwidth of all-reduce, all-gather, reduce-scatter and paired p2p at
-   --message-sizes, within a node and, with several nodes, across them (nccl-tests'
-   busbw: all-reduce x 2(n-1)/n, all-gather and reduce-scatter x (n-1)/n, p2p x 1).
+   the sizes the checked and tuned layouts send (megalite/layout_tune.step_traffic) or
+   --message-sizes, within a node and, with several nodes, across them (nccl-tests' busbw).
 3. Scaling: weak scaling of the DP layout on the first 1, 2, 4, ... ranks and all of them.
 4. Checkpoints: save and load throughput of megalite's checkpoints, and the projected save
    time of --project-model-size at this world size (the planner's parameter count).
-5. --tune: the layouts the memory planner says fit, timed, by tokens/s.
+   Recovery: rank 0 runs a torchrun of its own with --max-restarts 1, SIGKILLs one of its
+   workers after a checkpoint, and times from the kill to the first resumed step.
+5. --tune: the layouts the memory planner says fit, pruned by an estimate from the measured
+   bandwidth (megalite/layout_tune.py), the best few timed against the default, by tokens/s.
 
 Every flag it does not know is pretrain_gpt.py's and changes the model it checks (the
 default is a 4-layer hidden-64 GPT small enough for a CPU).
 """
 
 import argparse
+import contextlib
+import fnmatch
 import glob
+import math
 import os
+import re
 import shutil
+import signal
 import socket
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -43,11 +54,16 @@ import torch.distributed as dist
 
 from megalite.arguments import parse_args
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.storage import TRACKER_FILENAME
 from megalite.config import DistributedConfig
 from megalite.errors import ConfigError, MegaliteError
 from megalite.initialize import initialize_distributed
 from megalite.layout_check import (BF16, FP32, build_run, first_difference, layouts_for,
                                    run_layout)
+from megalite.layout_tune import (Candidate, Estimate, algorithm_factor, candidates,
+                                  communication_seconds, compute_seconds, nearest_bandwidth,
+                                  planned_bytes, prune_by_bandwidth,
+                                  step_traffic)
 from megalite.memory_estimate import GiB, most_loaded_rank, num_model_parameters
 from megalite.monitoring.peak_flops import compute_dtype, peak_tflops
 from megalite.optimizer.lr_scheduler import LRScheduler
@@ -73,32 +89,46 @@ MODEL = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", 
          "--disable-bias-linear", "--adam-eps", "1e-4",
          "--weight-decay", "0.1", "--clip-grad", "0.5", "--seed", "1234",
          "--train-iters", "1000", "--num-workers", "0"]
-TARGETS = {"scaling to 8": 0.9, "scaling at 32": 0.8, "13B save (s)": 120.0}
+TARGETS = {"scaling to 8": 0.9, "scaling at 32": 0.8, "13B save (s)": 120.0,
+           "recovery (s)": 300.0}
+CHECKS = ["correctness", "collectives", "scaling", "checkpoint", "recovery"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      epilog="Every other flag is pretrain_gpt.py's.")
     parser.add_argument("--output-dir", required=True, help="Where REPORT.md goes.")
-    parser.add_argument("--checks", nargs="+", default=["correctness", "collectives",
-                                                        "scaling", "checkpoint"],
-                        choices=["correctness", "collectives", "scaling", "checkpoint"])
-    parser.add_argument("--layouts", nargs="+", default=None, metavar="TEXT",
-                        help="Check only the layouts whose name contains one of these.")
-    parser.add_argument("--steps", type=int, default=3, help="Steps per layout (default 3).")
+    parser.add_argument("--checks", nargs="+", default=CHECKS, choices=CHECKS)
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="NAME",
+                        help="Check only these layouts, by the name the report gives them; "
+                        "shell wildcards select several (\"TP2*\").")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="Steps per layout (default 2: the second catches state carried "
+                        "between steps).")
     parser.add_argument("--bf16-check", choices=["auto", "on", "off"], default="auto",
                         help="Also check every layout in bf16 (auto: on GPUs).")
     parser.add_argument("--message-sizes", nargs="+", type=float, default=None,
-                        metavar="MIB", help="Collective sizes in MiB (default 1 16 128 on "
-                        "GPUs, 0.0625 1 4 on CPUs).")
-    parser.add_argument("--timed-steps", type=int, default=5,
-                        help="Steps timed per world size and per tuned layout (default 5).")
+                        metavar="MIB", help="Collective sizes in MiB (default: the sizes "
+                        "the checked and tuned layouts send).")
+    parser.add_argument("--timed-steps", type=int, default=3,
+                        help="Steps timed per world size and per tuned layout (default 3).")
     parser.add_argument("--project-model-size", default="13B",
                         help="Model whose save time to project (examples/configs/*_<size>*).")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="Where to write the test checkpoint (default: --output-dir).")
     parser.add_argument("--tune", action="store_true",
-                        help="Time every layout the memory planner says fits.")
+                        help="Time the layouts the memory planner says fit, pruned by the "
+                        "measured bandwidth.")
+    parser.add_argument("--tune-micro-batch-sizes", nargs="+", type=int, default=[1, 2, 4],
+                        metavar="N", help="Micro-batch sizes --tune tries (default 1 2 4).")
+    parser.add_argument("--tune-max", type=int, default=6,
+                        help="Layouts --tune times besides the default (default 6).")
+    parser.add_argument("--recovery-nproc", type=int, default=None,
+                        help="Workers of the recovery check's own torchrun (default: 2, or "
+                        "the node's ranks if fewer).")
+    parser.add_argument("--recovery-limit", type=float, default=360.0,
+                        help="Seconds the recovery check waits for a checkpoint, and then "
+                        "for the resumed step (default 360).")
     return parser
 
 
@@ -107,6 +137,7 @@ class Section:
     title: str
     lines: list[str] = field(default_factory=list)
     failed: bool = False
+    seconds: float | None = None
 
 
 # ------------------------------------------------------------------ helpers
@@ -138,12 +169,26 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 
 # ------------------------------------------------------------------ 1. correctness
 
+def selected(layout, args) -> bool:
+    return not args.layouts or any(fnmatch.fnmatchcase(layout.name, pattern)
+                                   for pattern in args.layouts)
+
+
+def checked_configs(model: list[str], args, world: int) -> list:
+    """The configs of the layouts the correctness check runs (those validate_args takes)."""
+    out = []
+    for layout in filter(lambda layout: selected(layout, args), layouts_for(world)):
+        with contextlib.suppress(ConfigError):
+            out.append(validate_args(parse_args(model + batch_flags(max(4, 2 * world))
+                                                + list(layout.flags)), world))
+    return out
+
+
 def check_correctness(model: list[str], args, rank: int, world: int,
                       device: torch.device) -> Section:
     section = Section("Correctness: every layout against one process")
     batch = batch_flags(max(4, 2 * world))
-    layouts = [layout for layout in layouts_for(world)
-               if not args.layouts or any(text in layout.name for text in args.layouts)]
+    layouts = [layout for layout in layouts_for(world) if selected(layout, args)]
     precisions = {"fp32": ([], FP32)}
     if args.bf16_check == "on" or (args.bf16_check == "auto" and device.type != "cpu"):
         precisions["bf16"] = (["--bf16"], BF16)
@@ -212,18 +257,18 @@ def bus_bandwidths(group, ranks: list[int], size: int, device) -> dict[str, floa
     """GB/s of nccl-tests' bus bandwidth for `size` bytes over `group` (None: not in it;
     every rank of the launch calls this for the same timings)."""
     n = len(ranks)
-    numel = size // 4 // n * n
+    numel = max(size // 4 // n, 1) * n
     x = torch.ones(numel, device=device)
     part = torch.ones(numel // n, device=device)
     me = dist.get_rank()
     inside = group is not None and me in ranks
-    ops = {"all-reduce": (lambda: dist.all_reduce(x, group=group), 2 * (n - 1) / n),
-           "all-gather": (lambda: all_gather_into(x, part, group), (n - 1) / n),
-           "reduce-scatter": (lambda: reduce_scatter_into(part, x, group), (n - 1) / n)}
+    ops = {"all-reduce": lambda: dist.all_reduce(x, group=group),
+           "all-gather": lambda: all_gather_into(x, part, group),
+           "reduce-scatter": lambda: reduce_scatter_into(part, x, group)}
     out = {}
-    for name, (fn, factor) in ops.items():
+    for name, fn in ops.items():
         seconds = time_collective(fn if inside else (lambda: None), device)
-        out[name] = numel * 4 / seconds * factor / 1e9
+        out[name] = numel * 4 / seconds * algorithm_factor(name, n) / 1e9
     # Paired p2p: rank i of the list with rank i + n/2, both directions at once.
     half = n // 2
     peer = None
@@ -237,51 +282,111 @@ def bus_bandwidths(group, ranks: list[int], size: int, device) -> dict[str, floa
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer),
                                                 dist.P2POp(dist.irecv, recv, peer)]):
                 work.wait()
-    out["p2p (each direction)"] = numel * 4 / time_collective(exchange, device) / 1e9
+    out["p2p"] = numel * 4 / time_collective(exchange, device) / 1e9
     return out
 
 
-def check_collectives(args, rank: int, world: int, device) -> Section:
+def layout_messages(configs) -> dict[int, set[str]]:
+    """bytes -> what sends a message of about that size, over the layouts `configs`: sizes
+    within 25% of the smallest of a run of them are measured once, at the largest."""
+    sent = sorted((msg.size, msg.what) for config in configs for msg in step_traffic(config))
+    sizes, first = {}, None
+    for size, what in sent:
+        if first is None or size > 1.25 * first:
+            first, names = size, set()
+        sizes.pop(next((s for s in sizes if sizes[s] is names), None), None)
+        names.add(what)
+        sizes[size] = names
+    return sizes
+
+
+def check_collectives(args, rank: int, world: int, device, configs, measured) -> Section:
+    """Bus bandwidth at the sizes the layouts `configs` send (or --message-sizes), into
+    `measured` {(op, bytes): GB/s over all ranks} for the tuner and the chart."""
     section = Section("Collectives: bus bandwidth (GB/s, nccl-tests' busbw)")
-    sizes = args.message_sizes or ([1, 16, 128] if device.type != "cpu" else [1 / 16, 1, 4])
+    if world == 1:
+        section.lines.append("One rank: no collective to measure.")
+        return section
+    sizes = ({int(mib * 2 ** 20): {"--message-sizes"} for mib in args.message_sizes}
+             if args.message_sizes else layout_messages(configs))
     node, nodes, leaders = node_groups(world)
     scopes = [("all ranks", dist.group.WORLD, list(range(world)))]
     if len(nodes) > 1:
         scopes += [("within a node", node, next(r for r in nodes if rank in r)),
                    ("across nodes (one rank a node)", leaders, [r[0] for r in nodes])]
-    if world == 1:
-        section.lines.append("One rank: no collective to measure.")
-        return section
     rows = []
     for scope, group, ranks in scopes:
-        for mib in sizes:
-            bandwidth = bus_bandwidths(group, ranks, int(mib * 2 ** 20), device)
-            rows.append([scope, f"{mib:g}"] + [f"{bw:.2f}" for bw in bandwidth.values()])
-    section.lines += [f"{len(nodes)} node(s), {world} ranks; sizes in MiB; the slowest rank's "
-                      "time of 5 calls after one warm-up.", ""]
-    section.lines += table(["ranks", "MiB", "all-reduce", "all-gather", "reduce-scatter",
-                            "p2p (each direction)"], rows)
+        for size in sorted(sizes):
+            bandwidth = bus_bandwidths(group, ranks, size, device)
+            if scope == "all ranks":
+                measured.update({(op, size): bw for op, bw in bandwidth.items()})
+            rows.append([scope, f"{size / 2 ** 10:g}", ", ".join(sorted(sizes[size]))]
+                        + [f"{bw:.3g}" for bw in bandwidth.values()])
+    section.lines += [f"{len(nodes)} node(s), {world} ranks; the slowest rank's time of 5 "
+                      "calls after one warm-up. The sizes are those the checked and tuned "
+                      "layouts send (megalite/layout_tune.step_traffic: a DP bucket, a TP "
+                      "activation, a PP activation, an FSDP2 unit, a CP K/V chunk) unless "
+                      "--message-sizes is given.", ""]
+    section.lines += table(["ranks", "KiB", "sent by", "all-reduce", "all-gather",
+                            "reduce-scatter", "p2p (each direction)"], rows)
     return section
 
 
 # ------------------------------------------------------------------ 3. scaling, 5. tuning
 
+class PeakMemory:
+    """Peak memory a rank adds while the block runs: on GPUs torch.cuda.max_memory_allocated
+    above what was allocated at the start; on CPUs the resident set sampled every 2 ms
+    above its size at the start (freed memory of earlier runs is reused, so an
+    underestimate)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        while not self._done.wait(0.002):
+            self.peak = max(self.peak, self._rss() - self.base)
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base, self._done = self._rss(), threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            self._done.set()
+            self._thread.join()
+
+
 def time_steps(flags: list[str], world: int, rank: int, device, steps: int):
-    """Median seconds per step of `flags` on the first `world` ranks after one warm-up
-    step (the slowest rank's; a median, as a shared machine makes single steps noisy),
-    and the config."""
-    config, _, model, optimizer, runner, batches = build_run(flags, world, rank, device)
+    """(median seconds per step of `flags` on the first `world` ranks after one warm-up
+    step, the slowest rank's; the most any rank's memory grew; the config). A median:
+    a shared machine makes single steps noisy."""
     seconds = None
-    if model is not None:
-        n, times = config.training.num_microbatches, []
-        for _ in range(steps + 1):
-            start = time.perf_counter()
-            runner.train_step([next(batches) for _ in range(n)])
-            sync(device)
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times[1:])
+    with PeakMemory(device) as memory:
+        config, _, model, optimizer, runner, batches = build_run(flags, world, rank, device)
+        if model is not None:
+            n, times = config.training.num_microbatches, []
+            for _ in range(steps + 1):
+                start = time.perf_counter()
+                runner.train_step([next(batches) for _ in range(n)])
+                sync(device)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times[1:])
+            del model, optimizer, runner
     dist.barrier()
-    return max(s for s in gathered(seconds) if s is not None), config
+    return max(s for s in gathered(seconds) if s is not None), max(gathered(memory.peak)), config
 
 
 def world_sizes(world: int) -> list[int]:
@@ -298,8 +403,8 @@ def check_scaling(model: list[str], args, rank: int, world: int, device, charts)
     rows, points = [], []
     base = None
     for n in world_sizes(world):
-        seconds, config = time_steps(model + batch_flags(per_rank * n), n, rank, device,
-                                     args.timed_steps)
+        seconds, _, config = time_steps(model + batch_flags(per_rank * n), n, rank, device,
+                                        args.timed_steps)
         tokens = per_rank * n * config.model.seq_length / seconds / n
         base = base or tokens
         points.append((n, tokens / base))
@@ -316,54 +421,138 @@ def check_scaling(model: list[str], args, rank: int, world: int, device, charts)
     return section
 
 
-def check_tuning(model: list[str], args, rank: int, world: int, device) -> Section:
-    section = Section("Layout tuning: tokens/s of every layout the planner says fits")
-    global_batch = max(8, 2 * world)
-    capacity = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    default = ("DP, micro-batch 1 (default)", batch_flags(global_batch, 1))
-    candidates = [default]
-    for layout in layouts_for(world):
-        if "FSDP2" in layout.name or any(k in layout.name for k in (" gpipe", " zb-h1",
-                                                                    " all_gather")):
-            continue  # the tuner tries ZeRO-1 and 1F1B / interleaved / p2p
-        for micro in (1, 2, 4):
-            if layout.flags or micro > 1:  # (DP alone at micro-batch 1 is the default)
-                    candidates.append((f"{layout.name}, micro-batch {micro}",
-                                   batch_flags(global_batch, micro) + list(layout.flags)))
-    rows = []
-    for name, flags in candidates:
-        try:
-            config = validate_args(parse_args(model + flags), world)
-        except ConfigError:
-            continue
-        planned = most_loaded_rank(config, device.type if device.type == "cuda" else "cpu")
-        if planned.total > capacity:
-            continue
-        print0(f"  tune {name}")
-        seconds, _ = time_steps(model + flags, world, rank, device, args.timed_steps)
-        tokens = global_batch * config.model.seq_length / seconds
-        peak = peak_tflops(device, compute_dtype(config.precision.params_dtype))
-        flops = num_floating_point_operations(config.model, global_batch) / seconds / world
-        mfu = f"{100 * flops / 1e12 / peak:.1f}" if peak else "n/a"
-        rows.append((tokens, name, flags, mfu, planned.total / GiB))
-    rows.sort(key=lambda row: -row[0])
-    default_tokens = next(row[0] for row in rows if row[1] == default[0])
-    winner = rows[0]
-    section.lines += [f"Global batch {global_batch}; {len(rows)} layouts fit (planned memory "
-                      f"of the most loaded rank under {capacity / GiB:.1f} GiB), median of "
-                      f"{args.timed_steps} steps after one warm-up.", ""]
-    section.lines += table(["layout", "tokens/s", "vs default", "MFU %", "planned GiB"],
-                           [[n, f"{t:.1f}", f"{t / default_tokens:.2f}x", m, f"{g:.3f}"]
-                            for t, n, _, m, g in rows])
-    section.lines += ["", f"Winner: {winner[1]}, {winner[0] / default_tokens:.2f}x the default "
-                      "layout measured in the same run:", "", "```bash",
-                      f"torchrun --nproc-per-node {world} pretrain_gpt.py "
-                      + " ".join(model + winner[2]), "```"]
+def device_capacity(device, world: int) -> int:
+    """Bytes a rank may plan for: the GPU's memory, or the host's split over its ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def tune_candidates(model: list[str], args, world: int, device) -> tuple[list[Candidate],
+                                                                         list[str]]:
+    """The layouts worth estimating and how many each step left; enumerated on rank 0 (a
+    few hundred configs planned) and sent to the others."""
+    result = [None]
+    if dist.get_rank() == 0:
+        planner = device.type if device.type == "cuda" else "cpu"
+        capacity = device_capacity(device, world)
+        lean, valid = candidates(model, world, tune_global_batch(world),
+                                 lambda config: planned_bytes(config, planner) <= capacity,
+                                 args.tune_micro_batch_sizes)
+        result[0] = lean, [
+            f"{valid} layouts validate_args accepts (TP with SP, PP with 1 or 2 virtual "
+            "stages, CP, DP; plain DP, ZeRO-1 or FSDP2 in either strategy; micro-batch "
+            f"{' / '.join(map(str, args.tune_micro_batch_sizes))}); {len(lean)} fit "
+            f"{capacity / GiB:.1f} GiB a rank by the memory planner, "
+            "each with the least recompute (none, selective, full) that fits: recompute only "
+            "buys memory with compute"]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
+def tune_global_batch(world: int) -> int:
+    return max(8, 2 * world)
+
+
+def check_tuning(model: list[str], args, rank: int, world: int, device, measured,
+                 lean: list[Candidate], notes: list[str]) -> Section:
+    section = Section("Layout tuning: the layouts the planner says fit, pruned, timed")
+    if not lean:
+        section.lines.append("No layout fits the device memory by the planner.")
+        return section
+    # The default: plain DP at micro-batch 1; if it does not fit, the first that does.
+    default = next((c for c in lean if c.flags == tuple(batch_flags(tune_global_batch(world)))),
+                   lean[0])
+    if not measured:  # --checks without collectives: measure what the candidates send
+        check_collectives(args, rank, world, device, [c.config for c in lean], measured)
+    print0(f"  tune {default.name} (default)")
+    timed = {default.name: time_steps(model + list(default.flags), world, rank, device,
+                                      args.timed_steps)}
+    flops = num_floating_point_operations(default.config.model,
+                                          default.config.training.global_batch_size) / world
+    rate = flops / timed[default.name][0]
+    busbw = nearest_bandwidth(measured) if measured else (lambda op, size: math.inf)
+    estimates = [Estimate(c, compute_seconds(c.config, world, rate),
+                          communication_seconds(c.config, busbw)) for c in lean]
+    kept, dropped = prune_by_bandwidth(estimates)
+    for estimate in kept[:args.tune_max]:
+        name = estimate.candidate.name
+        if name not in timed:
+            print0(f"  tune {name}")
+            timed[name] = time_steps(model + list(estimate.candidate.flags), world, rank,
+                                     device, args.timed_steps)
+    # The default again, last: of its two timings the faster counts, so a machine that got
+    # busier during the tuning does not make the others look faster than it.
+    print0(f"  tune {default.name} (default, again)")
+    again = time_steps(model + list(default.flags), world, rank, device, args.timed_steps)
+    timed[default.name] = min(timed[default.name], again, key=lambda result: result[0])
+    by_name = {e.candidate.name: e for e in estimates}
+    rows = sorted(((name, *result) for name, result in timed.items()), key=lambda r: r[1])
+    section.lines += tuning_summary(notes, len(dropped), len(kept), world, args) + [""]
+    section.lines += tuning_table(rows, by_name, default, world, device)
+    section.lines += verdict(rows, by_name, default, model, world)
     return section
 
 
+def tuning_summary(notes, dropped: int, kept: int, world: int, args) -> list[str]:
+    timed = min(kept, args.tune_max)
+    return [f"Global batch {tune_global_batch(world)}; " + "; ".join(notes)
+            + f"; {dropped} dropped because their communication alone (the messages of "
+            "megalite/layout_tune.step_traffic at the bus bandwidth measured above, no "
+            "overlap) takes longer than the best layout's estimated whole step (compute at "
+            "the FLOP rate the default layout measured, with the pipeline bubble and "
+            f"recompute, plus its communication): such a layout cannot win; of the {kept} "
+            f"left, the {timed} with the shortest estimated step (--tune-max {args.tune_max}) "
+            f"and the default are timed, the median of {args.timed_steps} steps after one "
+            "warm-up (the default first and again last, the faster kept). MFU needs the "
+            "device's peak FLOP rate (n/a on CPUs; --peak-tflops gives one). Measured memory "
+            "is the most any rank's grew while the layout was built and run: "
+            "max_memory_allocated on GPUs; on CPUs the resident set, which understates "
+            "(memory freed by an earlier layout is reused without growing it)."]
+
+
+def tuning_table(rows, by_name, default, world: int, device) -> list[str]:
+    default_seconds = next(r[1] for r in rows if r[0] == default.name)
+    peak = peak_tflops(device, compute_dtype(default.config.precision.params_dtype),
+                       default.config.monitoring.peak_tflops)
+    what = "max_memory_allocated" if device.type == "cuda" else "peak RSS growth"
+    out = []
+    for name, seconds, memory, config in rows:
+        batch = config.training.global_batch_size
+        tokens = batch * config.model.seq_length / seconds
+        flops = num_floating_point_operations(config.model, batch) / seconds / world
+        mfu = f"{100 * flops / 1e12 / peak:.1f}" if peak else "n/a"
+        planned = most_loaded_rank(config, device.type if device.type == "cuda" else "cpu")
+        out.append([name + (" (default)" if name == default.name else ""), f"{tokens:.1f}",
+                    f"{default_seconds / seconds:.2f}x", mfu,
+                    f"{by_name[name].step * 1e3:.1f}", f"{seconds * 1e3:.1f}",
+                    f"{planned.total / 2 ** 20:.1f}", f"{memory / 2 ** 20:.1f}"])
+    return table(["layout", "tokens/s", "vs default", "MFU %", "estimated ms/step",
+                  "measured ms/step", "planned MiB", f"measured MiB ({what})"], out)
+
+
+def verdict(rows, by_name, default, model, world: int) -> list[str]:
+    winner = rows[0]
+    default_seconds = next(r[1] for r in rows if r[0] == default.name)
+    flags = " ".join(model + list(by_name[winner[0]].candidate.flags))
+    command = ["", "```bash", f"torchrun --nproc-per-node {world} pretrain_gpt.py {flags}",
+               "```"]
+    if winner[0] != default.name:
+        return ["", f"Winner: {winner[0]}, {default_seconds / winner[1]:.2f}x the default "
+                "layout's tokens/s, measured in the same run:"] + command
+    estimated_best = min(by_name.values(), key=lambda e: e.step).candidate.name
+    why = ("the estimate also ranks it first: it sends the least (one all-reduce of the "
+           "gradients a step) and splits no matrix multiply, and the model is too small for "
+           "a split to pay" if estimated_best == default.name else
+           f"the estimate ranked {estimated_best} first, but measured it is slower: the "
+           "estimate's FLOP rate comes from the default layout, and smaller matrix "
+           "multiplies (TP, CP) or more micro-batches run at a lower rate than it")
+    if default.flags != tuple(batch_flags(tune_global_batch(world))):
+        why = "plain DP at micro-batch 1 does not fit by the planner, so the default here is " \
+            "the first layout that does"
+    return ["", f"No layout is faster than the default ({default.name}); {why}. The default "
+            "stays the command to run:"] + command
 # ------------------------------------------------------------------ 4. checkpoints
 
 def projected_parameters(size: str) -> tuple[int, str]:
@@ -419,49 +608,268 @@ def check_checkpoint(model: list[str], args, rank: int, world: int, device) -> S
                       f"{world} ranks: {size * bytes_per_param / 1e9:.0f} GB at the measured "
                       f"{save_rate / 1e9:.3f} GB/s = {projected:.0f} s ({verdict} the "
                       "2-minute target; assumes the rate measured here holds at that size, "
-                      "which a small checkpoint understates on fast storage).",
-                      "", "Not measured yet: a kill-and-restart of one rank timed from the kill "
-                      "to the first resumed step (the 5-minute recovery target)."]
+                      "which a small checkpoint understates on fast storage)."]
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
     return section
 
 
+
+# ------------------------------------------------------------------ 4b. recovery
+
+# What a worker inherits from the check's own launcher and must not pass to the child's.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                "MASTER_PORT")
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of a torchrun agent's workers (its children with LOCAL_RANK set)."""
+    workers = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != agent_pid:
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError):
+            continue
+        if b"LOCAL_RANK" in env:
+            workers[int(env[b"LOCAL_RANK"])] = int(pid)
+    return workers
+
+
+class Child:
+    """A torchrun of pretrain_gpt.py whose output lines are kept with their arrival time."""
+
+    def __init__(self, command: list[str], env: dict):
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def first(self, pattern: str, after: float = 0.0):
+        """(arrival time, match) of the first line after `after` matching `pattern`."""
+        for when, line in list(self.lines):
+            match = re.search(pattern, line)
+            if when >= after and match:
+                return when, match
+        return None
+
+    def wait_for(self, condition, deadline: float):
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            found = condition()
+            if found:
+                return found
+            time.sleep(0.05)
+        return condition()
+
+    def stop(self):
+        """SIGTERM the agent (it stops its workers); SIGKILL all after 30 s."""
+        if self.proc.poll() is None:
+            workers = worker_pids(self.proc.pid)
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                for pid in [self.proc.pid, *workers.values()]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                self.proc.wait()
+        self._reader.join(10)
+
+    def tail(self, n: int = 15) -> str:
+        return "\n".join(line for _, line in self.lines[-n:])
+
+
+def recovery_command(model: list[str], nproc: int, directory: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), "--max-restarts", "1", os.path.join(ROOT, "pretrain_gpt.py"), *model,
+            *batch_flags(2 * nproc), "--save", directory, "--load", directory,
+            "--save-interval", "3", "--log-interval", "1", "--eval-iters", "0"]
+
+
+def time_recovery(model: list[str], nproc: int, directory: str, limit: float) -> dict:
+    """Train under torchrun --max-restarts 1, SIGKILL the last worker once a checkpoint is
+    published, and time from the kill to the end of the first resumed iteration (the
+    line training's monitor prints then). {"problem": text} when that does not happen."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    child = Child(recovery_command(model, nproc, directory), env)
+    try:
+        tracker = os.path.join(directory, TRACKER_FILENAME)
+        if not child.wait_for(lambda: os.path.exists(tracker), time.monotonic() + limit):
+            return {"problem": "no checkpoint was published before the limit:\n" + child.tail()}
+        killed = max(worker_pids(child.proc.pid).items())
+        start = time.monotonic()
+        os.kill(killed[1], signal.SIGKILL)
+        resumed = child.wait_for(lambda: child.first(r"recovery time: ([\d.]+) s from process "
+                                                     r"start .*\((\d+)\)", start),
+                                 start + limit)
+        if not resumed:
+            return {"problem": f"no resumed iteration within {limit:.0f} s of the kill:\n"
+                    + child.tail()}
+        loaded = child.first(r"resuming from \S+ at iteration (\d+)", start)
+        return {"seconds": resumed[0] - start, "worker_seconds": float(resumed[1][1]),
+                "iteration": int(resumed[1][2]), "loaded": int(loaded[1][1]) if loaded else None,
+                "killed": killed[0]}
+    finally:
+        child.stop()
+
+
+def check_recovery(model: list[str], args, rank: int, world: int) -> Section:
+    section = Section("Recovery: one rank killed, the job restarted from its checkpoint")
+    nproc = args.recovery_nproc or min(2, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    directory = os.path.join(os.path.abspath(args.checkpoint_dir or args.output_dir),
+                             "check-cluster-recovery")
+    result = [None]
+    if rank == 0:  # the other ranks wait (idle) in the broadcast
+        shutil.rmtree(directory, ignore_errors=True)
+        result[0] = time_recovery(model, nproc, directory, args.recovery_limit)
+        shutil.rmtree(directory, ignore_errors=True)
+    dist.broadcast_object_list(result, src=0)
+    r = result[0]
+    section.lines += [f"Rank 0 launched `torchrun --standalone --nproc-per-node {nproc} "
+                      "--max-restarts 1 pretrain_gpt.py` (the check's model, a checkpoint "
+                      "every 3 iterations), SIGKILLed one worker once a checkpoint was "
+                      "published, and timed from the kill to the end of the first iteration "
+                      "after the restart (torchrun noticing the death, stopping the others, "
+                      "restarting every worker, the rendezvous, loading the checkpoint, one "
+                      "step). A single-node restart: a lost node is the job scheduler's "
+                      "requeue or torchrun's elastic rendezvous (README, \"Checkpoints: "
+                      "save, resume, reshard, export\").",
+                      ""]
+    if "problem" in r:
+        section.failed = True
+        section.lines += ["**FAIL**: " + r["problem"].replace("\n", "  \n")]
+        return section
+    verdict = "meets" if r["seconds"] < TARGETS["recovery (s)"] else "misses"
+    section.lines += table(["killed local rank", "resumed from iteration", "first resumed "
+                            "iteration", "kill -> first resumed step (s)", "of which the "
+                            "restarted worker's own (s)"],
+                           [[r["killed"], r["loaded"], r["iteration"], f"{r['seconds']:.1f}",
+                             f"{r['worker_seconds']:.1f}"]])
+    section.lines += ["", f"{r['seconds']:.1f} s {verdict} the 5-minute recovery target."]
+    if r["loaded"] is None or r["iteration"] != r["loaded"] + 1:
+        section.failed = True
+        section.lines += ["", f"**FAIL**: the first iteration after the restart is "
+                          f"{r['iteration']}, not the one after the checkpoint loaded "
+                          f"({r['loaded']})."]
+    return section
+
 # ------------------------------------------------------------------ the report
 
-def write_report(output_dir: str, sections: list[Section], charts: dict, header: list[str]):
-    os.makedirs(output_dir, exist_ok=True)
-    lines = ["# megalite cluster check", ""] + header + [""]
+def import_pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when the `plot` extra is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        plt = None
-        lines += ["(No charts: matplotlib is not installed; `pip install -e .[plot]`.)", ""]
-    if plt is not None and "scaling.png" in charts:
-        n, eff = zip(*charts["scaling.png"])
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(n, [100 * e for e in eff], "o-", label="measured")
-        for level in (90, 80):
-            ax.axhline(level, linestyle="--", color="grey")
-            ax.text(n[-1], level, f" {level}%", va="center")
-        ax.set(xscale="log", xlabel="ranks", ylabel="efficiency (%)", ylim=(0, 110),
-               title="Weak scaling: tokens/s per rank vs 1 rank")
-        fig.tight_layout()
-        fig.savefig(os.path.join(output_dir, "scaling.png"))
-        lines += ["![weak scaling](scaling.png)", ""]
+        return None
+    return plt
+
+
+def scaling_chart(plt, points, path: str):
+    n, eff = zip(*points)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(n, [100 * e for e in eff], "o-", label="measured")
+    for level in (90, 80):
+        ax.axhline(level, linestyle="--", color="grey")
+        ax.text(n[-1], level, f" {level}%", va="center")
+    ax.set(xscale="log", xlabel="ranks", ylabel="efficiency (%)",
+           ylim=(0, max(110, 110 * max(eff))), title="Weak scaling: tokens/s per rank vs 1 rank")
+    ax.set_xticks(n, [str(v) for v in n])
+    ax.minorticks_off()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def bandwidth_chart(plt, measured: dict, path: str):
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for op in dict.fromkeys(op for op, _ in measured):
+        sizes = sorted(size for o, size in measured if o == op)
+        ax.plot([s / 2 ** 10 for s in sizes], [measured[op, s] for s in sizes], "o-", label=op)
+    ax.set(xscale="log", yscale="log", xlabel="message (KiB)", ylabel="bus bandwidth (GB/s)",
+           title="Collectives over all ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_charts(output_dir: str, charts: dict) -> list[str]:
+    """The PNGs of `charts` ("scaling.png": points, "busbw.png": measured) and the report's
+    lines linking them, or a line saying why there are none."""
+    if not charts:
+        return []
+    plt = import_pyplot()
+    if plt is None:
+        return ["(Charts skipped: matplotlib is not installed; `pip install -e .[plot]` "
+                "installs it.)", ""]
+    draw = {"scaling.png": (scaling_chart, "weak scaling"),
+            "busbw.png": (bandwidth_chart, "collective bus bandwidth")}
+    lines = []
+    for name, data in charts.items():
+        fn, title = draw[name]
+        fn(plt, data, os.path.join(output_dir, name + ".tmp.png"))
+        os.replace(os.path.join(output_dir, name + ".tmp.png"), os.path.join(output_dir, name))
+        lines += [f"![{title}]({name})", ""]
+    return lines
+
+
+def write_report(output_dir: str, sections: list[Section], charts: dict, header: list[str]):
+    os.makedirs(output_dir, exist_ok=True)
+    lines = ["# megalite cluster check", ""] + header + [""] + write_charts(output_dir, charts)
     for section in sections:
-        lines += [f"## {section.title}{' — FAILED' if section.failed else ''}", ""]
+        took = f" ({section.seconds:.0f} s)" if section.seconds is not None else ""
+        lines += [f"## {section.title}{' — FAILED' if section.failed else ''}{took}", ""]
         lines += section.lines + [""]
-    with open(os.path.join(output_dir, "REPORT.md"), "w") as f:
+    path = os.path.join(output_dir, "REPORT.md")
+    with open(path + ".tmp", "w") as f:
         f.write("\n".join(lines))
+    os.replace(path + ".tmp", path)
+
+
+def run_checks(model: list[str], args, rank: int, world: int, device) -> tuple[list, dict]:
+    sections, charts, measured = [], {}, {}
+    # Enumerated first: the collectives check measures what these layouts send too.
+    lean, notes = tune_candidates(model, args, world, device) if args.tune else ([], [])
+    checked = checked_configs(model, args, world)
+    checks = {"correctness": lambda: check_correctness(model, args, rank, world, device),
+              "collectives": lambda: check_collectives(args, rank, world, device,
+                                                       checked + [c.config for c in lean],
+                                                       measured),
+              "scaling": lambda: check_scaling(model, args, rank, world, device, charts),
+              "checkpoint": lambda: check_checkpoint(model, args, rank, world, device),
+              "recovery": lambda: check_recovery(model, args, rank, world)}
+    if args.tune:
+        checks["tune"] = lambda: check_tuning(model, args, rank, world, device, measured, lean,
+                                              notes)
+    for name in args.checks + (["tune"] if args.tune else []):
+        print0(f"check_cluster: {name}")
+        start = time.perf_counter()
+        sections.append(checks[name]())
+        sections[-1].seconds = time.perf_counter() - start
+        if measured and name == "collectives":
+            charts["busbw.png"] = measured
+    return sections, charts
 
 
 def main(argv=None) -> int:
     args, model_flags = build_parser().parse_known_args(argv)
     model = MODEL + model_flags
     try:
+        check_flags(args)
         backend = parse_args(model).distributed_backend
         rank, world, device = initialize_distributed(DistributedConfig(backend=backend))
     except MegaliteError as e:
@@ -471,18 +879,8 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     started = time.time()
-    sections, charts = [], {}
-    checks = {"correctness": lambda: check_correctness(model, args, rank, world, device),
-              "collectives": lambda: check_collectives(args, rank, world, device),
-              "scaling": lambda: check_scaling(model, args, rank, world, device, charts),
-              "checkpoint": lambda: check_checkpoint(model, args, rank, world, device)}
     try:
-        for name in args.checks:
-            print0(f"check_cluster: {name}")
-            sections.append(checks[name]())
-        if args.tune:
-            print0("check_cluster: tune")
-            sections.append(check_tuning(model, args, rank, world, device))
+        sections, charts = run_checks(model, args, rank, world, device)
     except MegaliteError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
@@ -497,6 +895,18 @@ def main(argv=None) -> int:
         print(f"report: {os.path.join(args.output_dir, 'REPORT.md')}", flush=True)
     dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def check_flags(args):
+    for flag in ("steps", "timed_steps", "tune_max", "recovery_nproc", "recovery_limit"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if min(args.tune_micro_batch_sizes) <= 0:
+        raise ConfigError(f"--tune-micro-batch-sizes must be positive, got "
+                          f"{args.tune_micro_batch_sizes}")
+    if args.message_sizes and min(args.message_sizes) <= 0:
+        raise ConfigError(f"--message-sizes must be positive, got {args.message_sizes}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ unit it would be resharded after the embedding lookup, before the output layer r
 """
 
 import contextlib
+import math
 import sys
 import warnings
 
@@ -129,7 +130,7 @@ def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     if local.shape[0] != min(per_rank, rows - first):
         raise RuntimeError(f"FSDP shard of {tuple(param.shape)} on DP rank {rank}: "
                            f"{local.shape[0]} rows, expected {min(per_rank, rows - first)}")
-    row = param[0].numel() if rows else 0
+    row = math.prod(param.shape[1:])  # (not param[0]: indexing a DTensor all-gathers it)
     return first * row, first * row + local.numel()
 
 

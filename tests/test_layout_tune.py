@@ -1,0 +1,148 @@
+"""megalite/layout_tune.py against closed forms: the message sizes of a layout (what the
+cluster check measures bandwidth at), the candidate layouts, the pruning rule; and
+tools/check_cluster.py's report with and without matplotlib."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalite.arguments import parse_args
+from megalite.layout_tune import (Candidate, Estimate, algorithm_factor, candidates,
+                                  communication_seconds, nearest_bandwidth, prune_by_bandwidth,
+                                  step_traffic)
+from megalite.validation import validate_args
+
+ROOT = Path(__file__).resolve().parents[1]
+# V = 61, h = 64, L = 4, 8 heads in 4 groups (kv width 32), SwiGLU f = 96, s = 32, no
+# biases: a layer holds 2h (norms) + h(h + 2*32) (QKV) + h^2 (proj) + 2hf (fc1) + fh (fc2).
+MODEL = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
+         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
+         "--group-query-attention", "--num-query-groups", "4", "--swiglu",
+         "--ffn-hidden-size", "96", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--seq-length", "32", "--disable-bias-linear",
+         "--lr", "1e-3", "--train-iters", "10"]
+V, H, S, F = 61, 64, 32, 96
+LAYER = 2 * H + H * (H + 2 * 32) + H * H + 2 * H * F + F * H
+
+
+def config(world: int, *flags, micro: int = 2, global_batch: int = 16):
+    return validate_args(parse_args(MODEL + ["--micro-batch-size", str(micro),
+                                             "--global-batch-size", str(global_batch),
+                                             *flags]), world)
+
+
+def by_what(cfg) -> dict:
+    return {msg.what: msg for msg in step_traffic(cfg)}
+
+
+def test_data_parallel_messages_are_the_gradient_buckets():
+    # The tied embedding has a bucket of its own (grad_buffer); the layers and the final
+    # norm share the other, fp32 gradients.
+    msgs = by_what(config(4))
+    assert msgs["DP gradient buckets"].size == 4 * (4 * LAYER + H)
+    assert (msgs["DP gradient buckets"].op, msgs["DP gradient buckets"].count) == ("all-reduce", 2)
+    zero1 = by_what(config(4, "--use-distributed-optimizer"))
+    assert zero1["ZeRO-1 gradient buckets"].op == "reduce-scatter"
+    assert zero1["ZeRO-1 parameter gather"].size == 4 * (4 * LAYER + H)
+
+
+def test_fsdp2_gathers_a_layer_per_unit():
+    for strategy, gathers in (("optim_grads_params", 2), ("optim_grads", 1)):
+        msgs = by_what(config(4, "--use-torch-fsdp2", "--data-parallel-sharding-strategy",
+                              strategy))
+        gather = msgs["FSDP2 unit gather"]
+        # The largest unit is a layer; the 4 layers and the root (the tied embedding and
+        # the final norm) are gathered.
+        assert (gather.size, gather.count) == (4 * LAYER, gathers * 5), strategy
+
+
+def test_tp_pp_cp_messages_are_the_activations():
+    micro = 2
+    msgs = by_what(config(8, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                          "--pipeline-model-parallel-size", "2", micro=micro))
+    # 16 sequences / (micro 2 x DP 2) = 4 micro-batches; 2 layers a stage.
+    assert msgs["TP activations"].size == micro * S * H * 4
+    assert msgs["TP activations"].count == 2 * 4 * 4
+    assert msgs["PP activations"].size == micro * S * H * 4 // 2  # the SP shard
+    assert msgs["PP activations"].count == 2 * 4
+    cp = by_what(config(2, "--context-parallel-size", "2", micro=micro))
+    # One K or V chunk: micro x s/CP x 4 groups x 8 channels.
+    assert cp["CP K/V (p2p)"].size == micro * S // 2 * 32 * 4
+
+
+def test_algorithm_factors_are_nccl_tests():
+    assert algorithm_factor("all-reduce", 4) == 1.5
+    assert algorithm_factor("all-gather", 4) == algorithm_factor("reduce-scatter", 4) == 0.75
+    assert algorithm_factor("p2p", 2) == 1.0
+
+
+def test_communication_time_is_bytes_over_bus_bandwidth():
+    cfg = config(4)
+    # 2 all-reduces of the buckets (4 * LAYER and 4 * V * H bytes: padded to DP) at 1 GB/s.
+    seconds = communication_seconds(cfg, lambda op, size: 1.0)
+    expected = sum(2 * 3 / 4 * msg.size * msg.count for msg in step_traffic(cfg)) / 1e9
+    assert seconds == pytest.approx(expected)
+    busbw = nearest_bandwidth({("all-reduce", 1000): 1.0, ("all-reduce", 10 ** 6): 5.0})
+    assert busbw("all-reduce", 2000) == 1.0 and busbw("all-reduce", 5 * 10 ** 5) == 5.0
+
+
+def test_a_layout_whose_communication_exceeds_the_best_step_is_dropped():
+    def estimate(name, compute, communication):
+        return Estimate(Candidate(name, (), config(1)), compute, communication)
+    best, slow_compute, chatty = estimate("a", 1.0, 0.5), estimate("b", 3.0, 0.1), \
+        estimate("c", 0.1, 1.6)
+    kept, dropped = prune_by_bandwidth([chatty, slow_compute, best])
+    assert [e.candidate.name for e in kept] == ["a", "b"]
+    assert [e.candidate.name for e in dropped] == ["c"]
+
+
+def test_candidates_take_the_least_recompute_that_fits():
+    lean, valid = candidates(MODEL, 4, 16, lambda cfg: True)
+    assert lean and valid == len(lean)
+    assert not any("selective" in c.name or "full" in c.name for c in lean)
+    names = {c.name for c in lean}
+    assert {"DP4, micro-batch 1", "TP2 x DP2 ZeRO-1, micro-batch 2",
+            "PP2 (v2) x DP2 FSDP2 optim_grads, micro-batch 4", "CP4, micro-batch 1"} <= names
+    # Nothing fits without recompute: every layout gets the selective kind.
+    recomputed, _ = candidates(MODEL, 4, 16,
+                               lambda cfg: cfg.model.recompute_granularity is not None)
+    assert len(recomputed) == len(lean)
+    assert all(c.name.split(",")[0].endswith(" selective") for c in recomputed)
+    for c in lean:  # each candidate is the config of its own flags
+        assert validate_args(parse_args(MODEL + list(c.flags)), 4) == c.config
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("check_cluster",
+                                                  ROOT / "tools" / "check_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHARTS = {"scaling.png": [(1, 1.0), (2, 0.93), (4, 0.85)],
+          "busbw.png": {("all-reduce", 1024): 0.1, ("all-reduce", 2 ** 20): 2.0,
+                        ("p2p", 1024): 0.2, ("p2p", 2 ** 20): 3.0}}
+
+
+def test_the_report_without_matplotlib_says_why_there_are_no_charts(tmp_path, monkeypatch):
+    tool = load_tool()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    tool.write_report(str(tmp_path), [tool.Section("A check", ["a line"])], CHARTS, ["head"])
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "Charts skipped: matplotlib is not installed; `pip install -e .[plot]`" in report
+    assert "## A check" in report and not list(tmp_path.glob("*.png"))
+
+
+def test_the_report_with_matplotlib_links_both_charts(tmp_path):
+    pytest.importorskip("matplotlib")
+    tool = load_tool()
+    tool.write_report(str(tmp_path), [], CHARTS, ["head"])
+    report = (tmp_path / "REPORT.md").read_text()
+    for name in CHARTS:
+        assert f"]({name})" in report
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["REPORT.md", "busbw.png",
+                                                          "scaling.png"]
