@@ -127,3 +127,21 @@ def _wait_for_first_failure(procs, deadline: float | None):
         multiprocessing.connection.wait(
             [p.sentinel for p in running],
             timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def torchrun_workers(agent_pid: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of a torchrun agent's workers (its children with LOCAL_RANK set), read
+    from /proc (Linux): how a test or the cluster check kills one rank of a live job."""
+    workers = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != agent_pid:
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError):
+            continue
+        if b"LOCAL_RANK" in env:
+            workers[int(env[b"LOCAL_RANK"])] = int(pid)
+    return workers

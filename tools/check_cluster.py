@@ -68,6 +68,7 @@ from megalite.memory_estimate import GiB, most_loaded_rank, num_model_parameters
 from megalite.monitoring.peak_flops import compute_dtype, peak_tflops
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.parallel_state import all_gather_into, reduce_scatter_into
+from megalite.spawn import torchrun_workers
 from megalite.training import TrainState
 from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_args, validate_model_args
@@ -623,23 +624,6 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_PORT")
 
 
-def worker_pids(agent_pid: int) -> dict[int, int]:
-    """LOCAL_RANK -> pid of a torchrun agent's workers (its children with LOCAL_RANK set)."""
-    workers = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != agent_pid:
-                    continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except (OSError, ValueError):
-            continue
-        if b"LOCAL_RANK" in env:
-            workers[int(env[b"LOCAL_RANK"])] = int(pid)
-    return workers
-
-
 class Child:
     """A torchrun of pretrain_gpt.py whose output lines are kept with their arrival time."""
 
@@ -673,7 +657,7 @@ class Child:
     def stop(self):
         """SIGTERM the agent (it stops its workers); SIGKILL all after 30 s."""
         if self.proc.poll() is None:
-            workers = worker_pids(self.proc.pid)
+            workers = torchrun_workers(self.proc.pid)
             self.proc.terminate()
             try:
                 self.proc.wait(30)
@@ -708,7 +692,7 @@ def time_recovery(model: list[str], nproc: int, directory: str, limit: float) ->
         tracker = os.path.join(directory, TRACKER_FILENAME)
         if not child.wait_for(lambda: os.path.exists(tracker), time.monotonic() + limit):
             return {"problem": "no checkpoint was published before the limit:\n" + child.tail()}
-        killed = max(worker_pids(child.proc.pid).items())
+        killed = max(torchrun_workers(child.proc.pid).items())
         start = time.monotonic()
         os.kill(killed[1], signal.SIGKILL)
         resumed = child.wait_for(lambda: child.first(r"recovery time: ([\d.]+) s from process "

@@ -20,7 +20,7 @@ from megalite.errors import NumericalError
 from megalite.model.gpt import GPTModel
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.spawn import run_distributed
+from megalite.spawn import run_distributed, torchrun_workers
 from megalite.train_step import StepRunner
 from megalite.training_log import parse_log
 
@@ -102,24 +102,6 @@ def test_checkpoint_loads_at_another_layout(saved_3d, tmp_path, nproc, layout):
     assert abs(loss - reference) <= 2e-6 * reference, (loss, reference)
 
 
-def _worker_pids(torchrun_pid: int) -> dict[int, int]:
-    """LOCAL_RANK -> pid of torchrun's worker processes."""
-    workers = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if parent != torchrun_pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except (OSError, ValueError):
-            continue
-        if b"LOCAL_RANK" in env:
-            workers[int(env[b"LOCAL_RANK"])] = int(pid)
-    return workers
-
-
 def _start_and_wait_for_checkpoint(save: Path, *flags, extra=()) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(torchrun(2, *flags, extra=extra), cwd=ROOT, env=env, text=True,
@@ -145,7 +127,7 @@ def test_signal_on_one_rank_stops_all_ranks_with_a_checkpoint(tmp_path, uninterr
     save = tmp_path / "ckpt"
     flags = [*FAULT_RUN, "--save", str(save), "--exit-signal-handler"]
     proc = _start_and_wait_for_checkpoint(save, *flags)
-    os.kill(_worker_pids(proc.pid)[1], signal.SIGUSR1)
+    os.kill(torchrun_workers(proc.pid)[1], signal.SIGUSR1)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "received signal SIGUSR1" in out
@@ -160,7 +142,7 @@ def test_killed_rank_restarts_and_ends_where_the_uninterrupted_run_ends(tmp_path
     save = tmp_path / "ckpt"
     flags = [*FAULT_RUN, "--save", str(save), "--load", str(save)]
     proc = _start_and_wait_for_checkpoint(save, *flags, extra=("--max-restarts", "1"))
-    os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+    os.kill(torchrun_workers(proc.pid)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert "resuming from" in out, "the run ended before the kill (or never restarted)"
