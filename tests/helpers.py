@@ -11,8 +11,13 @@ should not import each other).
 - gather_tensor_parallel, reference_name, step_problems, tensor_problem: the layout
   comparisons, from megalite/layout_check.py (tools/check_cluster.py runs the same ones);
 - random_batches, saved_activation_bytes: a layout's slice of a global batch, and the
-  saved-tensor bytes of a forward.
+  saved-tensor bytes of a forward;
+- load_tool / untracked: a tools/ script as a module, and the checkout's untracked files.
 """
+
+import importlib.util
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -22,6 +27,24 @@ from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTCon
 # The layout comparisons live in the package, shared with tools/check_cluster.py.
 from megalite.layout_check import (gather_tensor_parallel, reference_name,  # noqa: F401
                                    step_problems, tensor_problem)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package: the scripts run as files)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def untracked() -> set[str]:
+    """The checkout's untracked files (git status), to see that a command left none."""
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                         cwd=ROOT, capture_output=True, text=True)
+    return set(out.stdout.splitlines()) if out.returncode == 0 else set()
+
 
 # ------------------------------------------------------------------------------ configs
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import untracked
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 CHECKED_ELSEWHERE = {"guide.md", "troubleshooting.md"}  # tests/test_docs.py
@@ -51,12 +53,6 @@ def test_the_pages_show_commands():
     """The extraction finds the benchmark commands (a regex gone wrong would pass nothing)."""
     pages = {page for page, _, _ in COMMANDS}
     assert "benchmarks.md" in pages and len(COMMANDS) >= 20, COMMANDS
-
-
-def untracked() -> set[str]:
-    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
-                         cwd=ROOT, capture_output=True, text=True)
-    return set(out.stdout.splitlines()) if out.returncode == 0 else set()
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ in this process (the same entry points, minus the interpreter start-up); the res
 """
 
 import contextlib
-import importlib.util
 import io
 import os
 import re
@@ -21,6 +20,8 @@ import pytest
 import torch
 
 from megalite.training import pretrain
+
+from tests.helpers import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "troubleshooting.md"
@@ -47,13 +48,6 @@ def commands(section: str) -> list[str]:
     """The command lines of a section's bash blocks, continuation lines joined."""
     return [line.strip() for block in blocks(section, "bash")
             for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(command: str) -> tuple[int, str]:

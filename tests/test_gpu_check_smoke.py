@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_doc_commands import untracked
+from tests.helpers import untracked
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 

@@ -2,9 +2,7 @@
 cluster check measures bandwidth at), the candidate layouts, the pruning rule; and
 tools/check_cluster.py's report with and without matplotlib."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,7 +12,8 @@ from megalite.layout_tune import (Candidate, Estimate, algorithm_factor, candida
                                   step_traffic)
 from megalite.validation import validate_args
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import load_tool
+
 # V = 61, h = 64, L = 4, 8 heads in 4 groups (kv width 32), SwiGLU f = 96, s = 32, no
 # biases: a layer holds 2h (norms) + h(h + 2*32) (QKV) + h^2 (proj) + 2hf (fc1) + fh (fc2).
 MODEL = ["--mock-data", "--vocab-size", "61", "--make-vocab-size-divisible-by", "1",
@@ -114,21 +113,13 @@ def test_candidates_take_the_least_recompute_that_fits():
         assert validate_args(parse_args(MODEL + list(c.flags)), 4) == c.config
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("check_cluster",
-                                                  ROOT / "tools" / "check_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 CHARTS = {"scaling.png": [(1, 1.0), (2, 0.93), (4, 0.85)],
           "busbw.png": {("all-reduce", 1024): 0.1, ("all-reduce", 2 ** 20): 2.0,
                         ("p2p", 1024): 0.2, ("p2p", 2 ** 20): 3.0}}
 
 
 def test_the_report_without_matplotlib_says_why_there_are_no_charts(tmp_path, monkeypatch):
-    tool = load_tool()
+    tool = load_tool("check_cluster")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
     tool.write_report(str(tmp_path), [tool.Section("A check", ["a line"])], CHARTS, ["head"])
     report = (tmp_path / "REPORT.md").read_text()
@@ -138,7 +129,7 @@ def test_the_report_without_matplotlib_says_why_there_are_no_charts(tmp_path, mo
 
 def test_the_report_with_matplotlib_links_both_charts(tmp_path):
     pytest.importorskip("matplotlib")
-    tool = load_tool()
+    tool = load_tool("check_cluster")
     tool.write_report(str(tmp_path), [], CHARTS, ["head"])
     report = (tmp_path / "REPORT.md").read_text()
     for name in CHARTS:

@@ -2,7 +2,6 @@
 item 6): their README commands run without --lr, --train-iters or a data source, and a
 bad model flag is still refused by name."""
 
-import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -11,6 +10,8 @@ import pytest
 import sentencepiece as spm
 
 from megalite.training import pretrain
+
+from tests.helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -25,13 +26,6 @@ def readme_command(tool: str, placeholder: str, replacement: list[str]) -> list[
     assert placeholder in line, line
     line = line.replace(placeholder, shlex.join(replacement))
     return shlex.split(line)[2:]
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_estimate_memory_readme_command(capsys):
