@@ -149,8 +149,8 @@ def main():
     p.add_argument("--profile-step", type=int, default=None)
     p.add_argument("--trace", default=None, help="Where to write the gzipped chrome trace.")
     p.add_argument("--deterministic", action="store_true",
-                   help="torch.use_deterministic_algorithms(True): no atomics in backward "
-                        "(set CUBLAS_WORKSPACE_CONFIG=:4096:8 as well on a GPU).")
+                   help="On a GPU, torch.use_deterministic_algorithms(True): no atomics in "
+                        "backward (set CUBLAS_WORKSPACE_CONFIG=:4096:8 as well).")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile's backend for --compile-layers (default torch's, "
                         "inductor); SMOKE=1 uses aot_eager: the same graph capture and "
@@ -162,7 +162,10 @@ def main():
     if args.compile_backend and "--compile-layers" in flags:
         torch.compile = functools.partial(torch.compile, backend=args.compile_backend)
         print(f">> torch.compile backend: {args.compile_backend}", flush=True)
-    if args.deterministic:
+    if args.deterministic and torch.cuda.is_available():
+        # Only a GPU has the atomics this forbids: the CPU kernels megalite runs are
+        # deterministic already (the CPU suite's bit-exact resumes hold without it), and the
+        # call imports torch._dynamo, ~2 s of every SMOKE process on a CPU.
         torch.use_deterministic_algorithms(True)
     instrument(args.profile_step, args.trace, args.report_optimizer)
     code = pretrain(flags)
