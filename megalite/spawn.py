@@ -35,8 +35,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What the forkserver imports once for every rank it forks (names, not imports: the server
-# imports them; megalite.training pulls in the model, the parallel layers and the data).
-FORKSERVER_PRELOAD = ["torch", "megalite.training"]
+# imports them; megalite.training pulls in the model, the parallel layers and the data;
+# torch.optim.Optimizer's constructor imports torch._dynamo, ~1.5 s a rank, and it starts
+# no thread, so it forks safely).
+FORKSERVER_PRELOAD = ["torch", "megalite.training", "torch._dynamo"]
 
 
 class RankFailure(AssertionError):
