@@ -48,8 +48,11 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, c.kv_channels)
-        q = qkv[:, :, :, :-2].reshape(s, b, self.num_groups * self.heads_per_group, c.kv_channels)
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        # One split, not an index per tensor: its backward is one concatenation, where each
+        # index's backward would zero-fill a tensor of qkv's size and copy into it.
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.num_groups * self.heads_per_group, c.kv_channels)
+        k, v = k.squeeze(3), v.squeeze(3)
         if rope_table is not None:  # cos/sin for every position of x's rows
             q, k = apply_rotary(q, rope_table[:s]), apply_rotary(k, rope_table[:s])
         # Backends take [batch, seq, heads, dim]; grouped K/V heads stay grouped.
