@@ -12,9 +12,11 @@ from megalite.model.gpt import GPTModel
 from megalite.tensor_parallel.fp8 import Fp8Recipe
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.training import pretrain
+from megalite.training_log import parse_log
 from megalite.validation import validate_args
 
-from tests.helpers import flags_with, tiny_gpt_config
+from tests.helpers import checkpoint_tensors, flags_with, tiny_gpt_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = [Fp8Recipe("e4m3", "tensorwise"), Fp8Recipe("hybrid", "tensorwise"),
@@ -123,3 +125,35 @@ def test_fp8_flags_reach_the_model_config():
     config = validate_args(parse_args(flags_with("--fp8-format", "e4m3", "--fp8-recipe",
                                                  "rowwise")))
     assert (config.model.fp8_format, config.model.fp8_recipe) == ("e4m3", "rowwise")
+
+
+CHECKPOINT_FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+                              "--attention-dropout", "0", "--hidden-dropout", "0",
+                              vocab_size=61, make_vocab_size_divisible_by=None, hidden_size=32,
+                              seq_length=16, micro_batch_size=2, global_batch_size=4,
+                              train_iters=3, lr="3e-3")
+
+
+def _pretrain(capsys, *flags) -> dict[int, float]:
+    """pretrain_gpt.py in this process (fp32 master weights on the CPU): {iteration: loss}."""
+    capsys.readouterr()
+    assert pretrain([*CHECKPOINT_FLAGS, *flags]) == 0
+    return {log["iteration"]: log["lm_loss"] for log in parse_log(capsys.readouterr().out)}
+
+
+def _layout(tensors: dict) -> dict:
+    return {key: (value.shape, value.dtype) if torch.is_tensor(value) else type(value)
+            for key, value in tensors.items()}
+
+
+def test_fp8_and_plain_runs_resume_from_each_other(tmp_path, capsys):
+    """An FP8 checkpoint holds what a plain one holds (master weights and optimizer state in
+    their own dtypes, nothing of FP8); a plain run resumes from it, and an FP8 run from the
+    plain run's checkpoint."""
+    fp8 = ["--fp8-format", "hybrid"]
+    first = _pretrain(capsys, *fp8, "--save", str(tmp_path / "fp8"), "--train-iters", "2")
+    second = _pretrain(capsys, "--load", str(tmp_path / "fp8"), "--save", str(tmp_path / "plain"))
+    third = _pretrain(capsys, *fp8, "--load", str(tmp_path / "plain"), "--train-iters", "4")
+    assert (list(first), list(second), list(third)) == ([1, 2], [3], [4])
+    assert _layout(checkpoint_tensors(tmp_path / "fp8")) == \
+        _layout(checkpoint_tensors(tmp_path / "plain"))
