@@ -149,7 +149,7 @@ class _Fp8Linear(torch.autograd.Function):
         y = scaled_mm(xq, wq, x.dtype)
         if bias is not None:
             y = y + bias
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -171,7 +171,7 @@ class _Fp8Linear(torch.autograd.Function):
             gq_t, dtype = gq.t(), grad_output.dtype
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = scaled_mm(gq, wq, dtype).view(*grad_output.shape[:-1], wq.data.shape[1])
+            grad_x = scaled_mm(gq, wq, dtype).reshape(*grad_output.shape[:-1], wq.data.shape[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g2d.sum(0)
         if ctx.needs_input_grad[1]:
@@ -187,6 +187,9 @@ def _wgrad(g_data, g_scale, x_data, x_scale, *, dtype):
     return scaled_mm(Quantized(g_data, g_scale), Quantized(x_data, x_scale), dtype)
 
 
+# Run eagerly inside a compiled layer (a graph break on each side): traced, the backward of
+# this function failed on a view of a gradient whose strides differed from the traced ones.
+@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                recipe: Fp8Recipe, group, *, row_parallel: bool) -> torch.Tensor:
     """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way)."""
