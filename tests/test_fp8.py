@@ -9,6 +9,7 @@ import torch
 from megalite.arguments import parse_args
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPTModel
+from megalite.tensor_parallel import fp8
 from megalite.tensor_parallel.fp8 import Fp8Recipe
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
@@ -150,10 +151,20 @@ def test_fp8_and_plain_runs_resume_from_each_other(tmp_path, capsys):
     """An FP8 checkpoint holds what a plain one holds (master weights and optimizer state in
     their own dtypes, nothing of FP8); a plain run resumes from it, and an FP8 run from the
     plain run's checkpoint."""
-    fp8 = ["--fp8-format", "hybrid"]
-    first = _pretrain(capsys, *fp8, "--save", str(tmp_path / "fp8"), "--train-iters", "2")
+    fp8_flags = ["--fp8-format", "hybrid"]
+    first = _pretrain(capsys, *fp8_flags, "--save", str(tmp_path / "fp8"), "--train-iters", "2")
     second = _pretrain(capsys, "--load", str(tmp_path / "fp8"), "--save", str(tmp_path / "plain"))
-    third = _pretrain(capsys, *fp8, "--load", str(tmp_path / "plain"), "--train-iters", "4")
+    third = _pretrain(capsys, *fp8_flags, "--load", str(tmp_path / "plain"), "--train-iters", "4")
     assert (list(first), list(second), list(third)) == ([1, 2], [3], [4])
     assert _layout(checkpoint_tensors(tmp_path / "fp8")) == \
         _layout(checkpoint_tensors(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize("capability, shapes, message", [
+    ((8, 0), ((32, 32), (32, 32)), "compute capability >= 8.9.*has 8.0"),
+    ((9, 0), ((24, 32), (32, 32)), r"\[24, 32\] x \[32, 32\] has a dim that is not a multiple"),
+])
+def test_fp8_gemm_refused_on_gpus_that_cannot_run_it(monkeypatch, capability, shapes, message):
+    monkeypatch.setattr(fp8, "_capability", lambda device: capability)
+    with pytest.raises(ConfigError, match=message):
+        fp8._check_cuda(*shapes, "cuda:0")

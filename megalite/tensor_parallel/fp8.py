@@ -109,10 +109,10 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tenso
 
 
 def _check_cuda(a_shape, b_shape, device):
-    if _capability(device) < (8, 9):
+    major, minor = _capability(device)
+    if (major, minor) < (8, 9):
         raise ConfigError(f"--fp8-format needs FP8 tensor cores (compute capability >= 8.9: "
-                          f"Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} has "
-                          f"{'.'.join(map(str, _capability(device)))}")
+                          f"Ada, Hopper, Blackwell); GPU {device} has {major}.{minor}")
     if any(d % 16 for d in (*a_shape, b_shape[1])):
         raise ConfigError(f"--fp8-format: an FP8 GEMM of [{a_shape[0]}, {a_shape[1]}] x "
                           f"[{b_shape[0]}, {b_shape[1]}] has a dim that is not a multiple of "
