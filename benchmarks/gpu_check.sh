@@ -15,7 +15,10 @@
 # offload under torchrun against ZeRO-1, saved and resumed; a Megatron checkpoint from
 # megalite's exporter loaded by each optimizer against a CPU load; ring attention's fused
 # blocks and merge (CP 2, 4 emulated) and its autograd function; the zero-bubble B/W split
-# bit-equal to one backward; a CUDA memory snapshot without --profile.
+# bit-equal to one backward; a CUDA memory snapshot without --profile; FP8 (--fp8-format
+# hybrid) against bf16 on Llama-3-8B layer shapes, both compiled: tokens/s ratio and the loss
+# after FP8_ITERS (default 300) steps on the same data, FP8 within 1% (about 6 minutes: it
+# does not fit the default budget after the other steps; run it alone with STEPS=fp8).
 #
 # One "PASS|FAIL|SKIP <step>: detail" line per step, the results (">>" lines) under it, and
 # a summary; a failing step never stops the next, and every step is cut to what is left of
@@ -27,7 +30,7 @@
 # Env: BUDGET_S (default 540; 1200 under SMOKE, where each step may take 4x its GPU limit),
 # PYTHON, PEAK_TFLOPS (default 989: H100/H200 SXM dense bf16), EXTRA_PERF_FLAGS (appended
 # to the MFU runs, e.g. an opt-in compile flag), STEPS (run only these step names; the
-# others SKIP), SMOKE=1.
+# others SKIP), FP8_ITERS, SMOKE=1.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export REPO=$PWD
@@ -125,6 +128,23 @@ if [ "$SMOKE" = 1 ]; then
     COMPILE_BACKEND=aot_eager
 fi
 export PERF="--bf16 --attention-backend sdpa --lr 1e-4 --eval-iters 0 --log-throughput"
+# Llama-3-8B's layer shapes (hidden 4096, SwiGLU 14336, GQA 32/8, RoPE base 500000) with a
+# 32000 vocabulary (128256 would cost the memory of ~5 layers), as many layers as the planner
+# fits in 80% of the GPU; 4 micro-batches of 2 x 2048 tokens a step, FP8_ITERS steps.
+export LLAMA8B="--vocab-size 32000 --hidden-size 4096 --ffn-hidden-size 14336
+  --num-attention-heads 32 --group-query-attention --num-query-groups 8 --seq-length 2048
+  --max-position-embeddings 2048 --position-embedding-type rope --rotary-base 500000
+  --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+  --attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 8"
+export FP8_ITERS=${FP8_ITERS:-300} FP8_FIT="--fit 0.8" FP8_COMPILE="--compile-layers"
+if [ "$SMOKE" = 1 ]; then
+    LLAMA8B="--vocab-size 256 --num-layers 2 --hidden-size 32 --num-attention-heads 4
+      --seq-length 32 --max-position-embeddings 32 --num-workers 0
+      --position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention --num-query-groups 2 --disable-bias-linear
+      --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0
+      --micro-batch-size 2 --global-batch-size 4"
+    FP8_ITERS=4 FP8_FIT="" FP8_COMPILE=""  # seconds, not a compile on a loaded CPU
+fi
 
 # ---- the steps ----------------------------------------------------------------------------
 env_info() {
@@ -285,6 +305,12 @@ megatron_load() { "$PY" "$HELPERS/megatron_load.py" "$LOG" -- $SMALL $BACKEND $N
     --eval-iters 0; }
 ring_attention() { "$PY" "$HELPERS/ring_attention.py"; }
 zero_bubble() { "$PY" "$HELPERS/zero_bubble.py"; }
+fp8() {  # bf16 and --fp8-format hybrid, both compiled: tokens/s ratio, loss after FP8_ITERS
+    "$PY" "$HELPERS/fp8_vs_bf16.py" "$LOG" "$FP8_ITERS" $FP8_FIT \
+        ${COMPILE_BACKEND:+--compile-backend $COMPILE_BACKEND} -- $LLAMA8B $PERF --lr 3e-4 \
+        --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters $((FP8_ITERS / 10)) \
+        $FP8_COMPILE $EXTRA_PERF_FLAGS $BACKEND $PEAK_FLAG
+}
 
 memory_snapshot() {  # --record-memory-history without --profile: the snapshot, checked
     local snapshot="$LOG/snapshot.pickle" rc
@@ -316,7 +342,7 @@ implicit_gpu_tests() {
 
 export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 mfu_llama_1b_compiled \
     resume_case checkpoint_resume torchrun_nccl mfu_table fsdp_offload megatron_load \
-    ring_attention zero_bubble memory_snapshot implicit_gpu_tests
+    ring_attention zero_bubble memory_snapshot implicit_gpu_tests fp8
 
 echo "megalite GPU check in $REPO$([ "$SMOKE" = 1 ] && echo ' (SMOKE: tiny, on the CPU)')," \
     "budget ${BUDGET_S}s, results in $RESULTS"
@@ -340,6 +366,7 @@ step memory_snapshot     45 memory_snapshot        # ~12 s: snapshot without --p
 step mfu_gpt_1b3        120 mfu_gpt_1b3            # GPT 1.3B: MFU, memory
 step mfu_llama_1b_compiled 150 mfu_llama_1b_compiled 100  # 1.1B with --compile-layers
 step implicit_gpu_tests 120 implicit_gpu_tests 90  # only if 90 s are left
+step fp8                420 fp8 30                 # ~6 min: run alone, STEPS=fp8
 echo "---- summary ($(($(date +%s) - T0))s of ${BUDGET_S}s) ----" | tee -a "$RESULTS/summary.txt"
 printf "%s\n" "${SUMMARY[@]}" | tee -a "$RESULTS/summary.txt"
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q '^FAIL'

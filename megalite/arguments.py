@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
-                      _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp):
+                      _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp,
+                      _add_fp8_args):
         add_group(parser)
     parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
@@ -127,6 +128,30 @@ def _parallelism(parser):
                         "attention, overlapped with compute; its blocks on the "
                         "--attention-backend's kernel, see there) or all_gather (all K/V "
                         "gathered; cheap with GQA). Megatron's a2a is not implemented.")
+
+
+def _add_fp8_args(parser):
+    g = parser.add_argument_group("fp8")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
+                   help="Run the transformer layers' linear GEMMs (QKV, projection, MLP) in "
+                        "FP8 with torch._scaled_mm: e4m3 for inputs and weights, gradients "
+                        "e4m3 too (e4m3) or e5m2 (hybrid). Master weights, optimizer state, "
+                        "checkpoints, norms, attention, the embedding and the output layer "
+                        "stay in the model's dtype. Needs compute capability >= 8.9 on a GPU; "
+                        "runs on CPUs.")
+    g.add_argument("--fp8-recipe", default="tensorwise",
+                   choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"],
+                   help="FP8 scaling: tensorwise (Megatron's name; one scale per tensor from "
+                        "its current amax, reduced over the TP group where it is sharded; "
+                        "megalite's default, Megatron's is delayed) or rowwise (megalite's own "
+                        "name for torchao's rowwise scaling: one scale per row along each "
+                        "GEMM's contraction dim; e4m3 only). delayed, mxfp8 and blockwise are "
+                        "Megatron's and not built.")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="With --fp8-format: keep the first --num-layers-at-start-in-bf16 and "
+                        "the last --num-layers-at-end-in-bf16 transformer layers out of FP8.")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
 
 
 def _fsdp(parser):

@@ -94,6 +94,17 @@ class GPTConfig:
     cp_comm_type: str = "p2p"
     """How attention reaches the keys of other context-parallel ranks: "p2p" (ring) or
     "all_gather" (--cp-comm-type); unused at CP 1."""
+    fp8_format: str | None = None
+    """FP8 GEMMs in the transformer layers' linear layers: "e4m3" or "hybrid" (e5m2
+    gradients); None: none (--fp8-format)."""
+    fp8_recipe: str = "tensorwise"
+    """How FP8 operands are scaled: "tensorwise" or "rowwise" (--fp8-recipe)."""
+    first_last_layers_bf16: bool = False
+    """Keep the first and last transformer layers out of FP8 (--first-last-layers-bf16)."""
+    num_layers_at_start_in_bf16: int = 1
+    """Layers kept out of FP8 at the start (--num-layers-at-start-in-bf16)."""
+    num_layers_at_end_in_bf16: int = 1
+    """Layers kept out of FP8 at the end (--num-layers-at-end-in-bf16)."""
 
     @property
     def query_projection_size(self) -> int:

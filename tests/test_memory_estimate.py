@@ -277,6 +277,14 @@ ACTIVATION_CASES = {
     "pp2 interleaved fp32": ["--pipeline-model-parallel-size", "2",
                              "--num-layers-per-virtual-pipeline-stage", "1"],
     "pp2 llama bf16": ["--pipeline-model-parallel-size", "2", "--bf16"] + LLAMA,
+    # FP8 copies of the linear layers' inputs and weights instead of the inputs (tensorwise),
+    # the inputs themselves (rowwise); the first and last layers without FP8.
+    "llama bf16 fp8 tensorwise": ["--bf16", "--fp8-format", "hybrid"] + LLAMA,
+    "gpt fp32 fp8 rowwise, first and last bf16": [
+        "--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--first-last-layers-bf16"],
+    "pp2 gpt fp32 fp8 tensorwise, first and last bf16": [
+        "--pipeline-model-parallel-size", "2", "--fp8-format", "e4m3",
+        "--first-last-layers-bf16"],
 }
 RECOMPUTE_CASES = {
     "selective bf16": ["--bf16", "--recompute-granularity", "selective"],

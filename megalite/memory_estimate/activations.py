@@ -11,10 +11,12 @@ from megalite.config import Config
 from megalite.memory_estimate.context_parallel import (attended_keys, cp_attention_working_set,
                                                        cp_core_attention_bytes,
                                                        gathered_qkv_bytes, ring_keeps_qkv)
+from megalite.memory_estimate.fp8 import fp8_layer_delta_bytes
 from megalite.model.gpt import recompute_groups
 from megalite.pipeline_parallel.p2p import communication_plan
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
 from megalite.pipeline_parallel.stages import rank_stages
+from megalite.tensor_parallel.fp8 import Fp8Recipe, layer_fp8_recipe
 
 
 @dataclass(frozen=True)
@@ -183,11 +185,13 @@ def mlp_saved_bytes(config: Config, shape: _Shapes) -> int:
             + shape.mask(config.model.hidden_dropout) * shape.residual_tokens * shape.hidden)
 
 
-def layer_saved_bytes(config: Config, shape: _Shapes) -> int:
-    """One transformer layer, without recompute or with selective recompute."""
+def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = None) -> int:
+    """One transformer layer, without recompute or with selective recompute; its linear
+    layers' GEMMs in FP8 with a recipe `fp8`."""
     selective = config.model.recompute_granularity == "selective"
     return (2 * norm_saved_bytes(config, shape) + 2 * norm_output_bytes(config, shape)
-            + attention_saved_bytes(config, shape, selective) + mlp_saved_bytes(config, shape))
+            + attention_saved_bytes(config, shape, selective) + mlp_saved_bytes(config, shape)
+            + fp8_layer_delta_bytes(config, shape, fp8))
 
 
 def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
@@ -195,7 +199,8 @@ def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
     context-parallel buffers it holds on top in its backward): the per-layer figures of
     benchmarks/cp_memory.py."""
     shape = _shapes(config, device)
-    return layer_saved_bytes(config, shape), cp_attention_working_set(config, shape)
+    fp8 = layer_fp8_recipe(config.model, 0)
+    return layer_saved_bytes(config, shape, fp8), cp_attention_working_set(config, shape)
 
 
 def embedding_saved_bytes(config: Config, shape: _Shapes) -> int:
@@ -229,18 +234,21 @@ class ChunkActivations:
     """Recomputed in backward on top of `saved` (full recompute: one group)."""
 
 
-def chunk_activations(config: Config, shape: _Shapes, num_layers: int, pre: bool,
+def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
                       post: bool) -> ChunkActivations:
+    """`layers`: the chunk's transformer layers (global indices)."""
     contiguous = config.model.sequence_parallel or not pre
-    layer = layer_saved_bytes(config, shape)
     residual = shape.act_bytes * shape.residual_tokens * shape.hidden
     saved, working = 0, cp_attention_working_set(config, shape)
-    for run, recomputed in recompute_groups(config.model, num_layers):
+    for run, recomputed in recompute_groups(config.model, len(layers)):
+        run_bytes = sum(layer_saved_bytes(config, shape, layer_fp8_recipe(config.model,
+                                                                          layers[i]))
+                        for i in run)
         if recomputed:
             saved += residual  # the group's input, kept by the checkpoint
-            working = max(working, len(run) * layer + cp_attention_working_set(config, shape))
+            working = max(working, run_bytes + cp_attention_working_set(config, shape))
         else:
-            saved += len(run) * layer
+            saved += run_bytes
     if pre:
         saved += embedding_saved_bytes(config, shape)
     else:
@@ -266,7 +274,7 @@ def _first_layer_keeps_input(config: Config, shape: _Shapes) -> bool:
 def rank_chunks(config: Config, pp_rank: int, device: Device) -> list[ChunkActivations]:
     par = config.parallel
     shape = _shapes(config, device)
-    return [chunk_activations(config, shape, len(stage.layers(config.model.num_layers)),
+    return [chunk_activations(config, shape, stage.layers(config.model.num_layers),
                               stage.is_first, stage.is_last)
             for stage in rank_stages(pp_rank, par.pipeline_model_parallel_size,
                                      par.virtual_pipeline_model_parallel_size or 1)]

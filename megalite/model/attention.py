@@ -21,7 +21,8 @@ from megalite.tensor_parallel.random import checkpoint, model_parallel_rng
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None,
+                 fp8=None):
         super().__init__()
         c = self.config = config
         self.rng_tracker = rng_tracker
@@ -33,10 +34,10 @@ class SelfAttention(nn.Module):
         qkv_size = c.query_projection_size + 2 * c.kv_projection_size
         self.linear_qkv = ColumnParallelLinear(c.hidden_size, qkv_size, group=tp_group,
                                                bias=c.add_bias_linear,
-                                               sequence_parallel=c.sequence_parallel)
+                                               sequence_parallel=c.sequence_parallel, fp8=fp8)
         self.linear_proj = RowParallelLinear(c.query_projection_size, c.hidden_size,
                                              group=tp_group, bias=c.add_bias_linear,
-                                             sequence_parallel=c.sequence_parallel)
+                                             sequence_parallel=c.sequence_parallel, fp8=fp8)
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.fp8 import layer_fp8_recipe
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
                                              column_parallel_linear)
 from megalite.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
@@ -70,7 +71,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.config, self.rng_tracker = config, rng_tracker
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(config, tp_group, rng_tracker, cp_group) for i in layers})
+            {str(i): TransformerLayer(config, tp_group, rng_tracker, cp_group,
+                                      fp8=layer_fp8_recipe(config, i)) for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,

@@ -24,17 +24,18 @@ class MLP(nn.Module):
     two (params.mark_stacked). fc1 is column-parallel, fc2 row-parallel: one all-reduce per
     MLP (Shoeybi et al. §3), and under SP one all-gathered input instead of two."""
 
-    def __init__(self, config: GPTConfig, tp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, fp8=None):
         super().__init__()
         h, f, bias, sp = (config.hidden_size, config.ffn_hidden_size, config.add_bias_linear,
                           config.sequence_parallel)
         self.swiglu = config.swiglu
         self.linear_fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, group=tp_group,
-                                               bias=bias, sequence_parallel=sp)
+                                               bias=bias, sequence_parallel=sp, fp8=fp8)
         if self.swiglu:
             for param in self.linear_fc1.parameters():
                 mark_stacked(param, 2)
-        self.linear_fc2 = RowParallelLinear(f, h, group=tp_group, bias=bias, sequence_parallel=sp)
+        self.linear_fc2 = RowParallelLinear(f, h, group=tp_group, bias=bias, sequence_parallel=sp,
+                                            fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear_fc1(x)
@@ -45,12 +46,14 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None,
+                 fp8=None):
+        """`fp8`: the recipe of this layer's FP8 GEMMs (tensor_parallel/fp8.py), or None."""
         super().__init__()
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, cp_group)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, cp_group, fp8)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config, tp_group)
+        self.mlp = MLP(config, tp_group, fp8)
         self.dropout = SequenceParallelDropout(config, rng_tracker)
         if config.compile_layers:
             self.compile()  # in place: parameter names and the module tree stay as they are

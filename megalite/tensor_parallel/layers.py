@@ -17,6 +17,7 @@ from torch import nn
 
 from megalite.errors import ConfigError
 from megalite.parallel_state import all_reduce_anywhere, group_rank, group_size
+from megalite.tensor_parallel.fp8 import Fp8Recipe, fp8_linear
 from megalite.tensor_parallel.params import (is_sequence_parallel, main_grad,
                                              mark_sequence_parallel, mark_tensor_parallel)
 from megalite.tensor_parallel.mappings import (
@@ -41,12 +42,16 @@ def _parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool =
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           group, sequence_parallel: bool) -> torch.Tensor:
-    """X A^T + b for this rank's row block A: X all-gathered along seq under SP, else f."""
+                           group, sequence_parallel: bool,
+                           fp8: Fp8Recipe | None = None) -> torch.Tensor:
+    """X A^T + b for this rank's row block A: X all-gathered along seq under SP, else f;
+    the GEMMs in FP8 with a recipe `fp8` (fp8.py)."""
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, group)
     else:
         x = copy_to_tensor_model_parallel_region(x, group)
+    if fp8 is not None:
+        return fp8_linear(x, weight, bias, fp8, group, row_parallel=False)
     return linear(x, weight, bias)
 
 
@@ -63,9 +68,10 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size: int, output_size: int, *, group, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False):
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 fp8: Fp8Recipe | None = None):
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.fp8 = group, gather_output, fp8
         self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(
@@ -74,12 +80,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _parameter(self.output_size_per_partition, partition_dim=0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
+                                   self.fp8)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, out_per_partition="
-                f"{self.output_size_per_partition}, sequence_parallel={self.sequence_parallel}")
+                f"{self.output_size_per_partition}, sequence_parallel={self.sequence_parallel}"
+                + (f", fp8={self.fp8}" if self.fp8 else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -91,9 +99,10 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size: int, output_size: int, *, group, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 fp8: Fp8Recipe | None = None):
         super().__init__()
-        self.group, self.input_is_parallel = group, input_is_parallel
+        self.group, self.input_is_parallel, self.fp8 = group, input_is_parallel, fp8
         self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(
@@ -106,7 +115,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
-        y = linear(x, self.weight)
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.weight, None, self.fp8, self.group, row_parallel=True)
+        else:
+            y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:
@@ -115,7 +127,8 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, in_per_partition="
-                f"{self.input_size_per_partition}, sequence_parallel={self.sequence_parallel}")
+                f"{self.input_size_per_partition}, sequence_parallel={self.sequence_parallel}"
+                + (f", fp8={self.fp8}" if self.fp8 else ""))
 
 
 class VocabParallelEmbedding(nn.Module):

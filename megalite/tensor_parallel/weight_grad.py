@@ -20,6 +20,7 @@ Parameters outside linear layers (norms, embeddings, biases) get their gradients
 """
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -32,14 +33,15 @@ class WeightGradStore:
     """The weight-gradient computations of one micro-batch's B pass, run by its W pass."""
 
     def __init__(self):
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # (A, the function computing dA, its tensors: X and dY, or their FP8 copies)
+        self.pending: list[tuple[torch.Tensor, Callable, tuple[torch.Tensor, ...]]] = []
         self.weights: set[int] = set()  # ids of the weights deferred by the B pass
 
     def run(self):
         """Compute every deferred dA = dY^T X and accumulate it into A.grad."""
         # X and dY detached: the engine must not walk back into the B pass's freed graph.
-        roots = [_DeferredWeightGrad.apply(weight, x.detach(), grad_output.detach())
-                 for weight, x, grad_output in self.pending]
+        roots = [_DeferredWeightGrad.apply(weight, compute, *(t.detach() for t in tensors))
+                 for weight, compute, tensors in self.pending]
         self.pending.clear()
         if roots:
             torch.autograd.backward(roots, [root.new_empty(0) for root in roots])
@@ -47,13 +49,14 @@ class WeightGradStore:
 
 class _DeferredWeightGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, x, grad_output):
-        ctx.save_for_backward(x, grad_output)
+    def forward(ctx, weight, compute, *tensors):
+        ctx.compute = compute
+        ctx.save_for_backward(*tensors)
         return weight.new_empty(0)
 
     @staticmethod
     def backward(ctx, _):
-        return weight_grad(*ctx.saved_tensors), None, None
+        return ctx.compute(*ctx.saved_tensors), None, *(None for _ in ctx.saved_tensors)
 
 
 def weight_grad_deferred(param: torch.Tensor) -> bool:
@@ -75,6 +78,17 @@ def defer_weight_grads(store: WeightGradStore):
         yield store
     finally:
         _active = None
+
+
+def weight_grad_now_or_deferred(weight: torch.Tensor, compute: Callable,
+                                *tensors: torch.Tensor) -> torch.Tensor | None:
+    """dA = compute(*tensors) now, or None inside `defer_weight_grads`, which keeps the
+    computation for the W pass."""
+    if _active is None:
+        return compute(*tensors)
+    _active.pending.append((weight, compute, tensors))
+    _active.weights.add(id(weight))
+    return None
 
 
 def weight_grad(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -109,11 +123,7 @@ class _Linear(torch.autograd.Function):
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            if _active is not None:
-                _active.pending.append((weight, x, grad_output))
-                _active.weights.add(id(weight))
-            else:
-                grad_weight = weight_grad(x, grad_output)
+            grad_weight = weight_grad_now_or_deferred(weight, weight_grad, x, grad_output)
         return grad_x, grad_weight, grad_bias
 
 
@@ -122,11 +132,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     operands are cast as autocast would cast them for F.linear (a custom autograd function
     is not autocast's business): parameters already in the autocast dtype stay the very
     tensors, so the deferred gradient lands on them."""
+    return apply_as_autocast_would(_Linear.apply, x, weight, bias)
+
+
+def apply_as_autocast_would(function, x, weight, bias, *args):
+    """function(x, weight, bias, *args) with x, weight and bias cast to the autocast dtype
+    when autocast is on (as it casts them for F.linear), run with autocast off."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         with torch.autocast(device, enabled=False):
-            return _Linear.apply(x, weight, bias)
-    return _Linear.apply(x, weight, bias)
+            return function(x, weight, bias, *args)
+    return function(x, weight, bias, *args)

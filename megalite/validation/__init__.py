@@ -15,6 +15,7 @@ from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedCo
                             ParallelConfig, PrecisionConfig, SchedulerConfig, TrainingConfig)
 from megalite.errors import ConfigError
 from megalite.validation.checks import check_fraction, check_positive, flag, from_flags, require
+from megalite.validation.fp8 import check_fp8
 from megalite.validation.layout import batch, parallel_config, validate_pipeline_schedule
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -89,6 +90,7 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
                           f"--num-query-groups={groups}")
     _check_tensor_parallel_split(args, heads, groups, tp)
     _check_positions(args, kv_channels)
+    check_fp8(args, parallel)
     check_fraction(args, "attention_dropout", "hidden_dropout")
     check_positive(args, "init_method_std")
     return from_flags(

@@ -1,0 +1,197 @@
+"""FP8 matrix products for the tensor-parallel linear layers (Micikevicius et al. 2022,
+"FP8 formats for deep learning"; docs/design.md "FP8").
+
+Only the GEMM operands go to FP8: Y = X A^T quantizes X and A to e4m3, and the backward
+quantizes dY (e5m2 under "hybrid", e4m3 under "e4m3") for dX = dY A and dA = dY^T X. Each
+product runs in `torch._scaled_mm` with fp32 accumulation and returns the layer's dtype;
+master weights, biases and everything outside the GEMMs stay as they are.
+
+A quantized tensor is q = clamp(t / s, +-fp8_max) with s = amax / fp8_max, and the GEMM
+multiplies the scales back in. Recipes:
+- "tensorwise" (Megatron's name): one scale per tensor. The forward keeps the FP8 copies
+  of X and A for the backward (half the bytes of bf16 copies).
+- "rowwise" (torchao's rowwise scaling; megalite's own name in Megatron's flag): one scale
+  per row of each operand along the contraction dimension, so each GEMM quantizes its own
+  operands: the forward keeps X and A in their own dtype, as the plain linear layer does.
+
+A scale is a function of the full logical tensor, never of a shard (DESIGN §13): where an
+operand's amax covers only this rank's shard it is all-reduced (max) over the TP group.
+Column-parallel layers shard A's and dY's output dim, row-parallel ones A's and X's input
+dim; the token dim is whole at every GEMM (sequence parallelism gathers before the
+column-parallel GEMM and reduce-scatters after the row-parallel one). So TP n in FP8 is
+one FP8 process within round-off.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalite.config import GPTConfig
+from megalite.errors import ConfigError
+from megalite.parallel_state import group_size
+from megalite.tensor_parallel.weight_grad import (apply_as_autocast_would,
+                                                  weight_grad_now_or_deferred)
+
+FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
+               "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
+"""--fp8-format -> (dtype of X and A, dtype of dY)."""
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""--fp8-recipe choices megalite builds."""
+FP8_RECIPES_NOT_BUILT = ("delayed", "mxfp8", "blockwise")
+"""Megatron's other --fp8-recipe choices, refused by name."""
+_AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (torchao's EPS)
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How one layer's GEMMs run in FP8: --fp8-format and --fp8-recipe."""
+    format: str
+    recipe: str
+
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe == "rowwise"
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(dtype of X and A, dtype of dY)"""
+        return FP8_FORMATS[self.format]
+
+
+def layer_fp8_recipe(config: GPTConfig, layer_number: int) -> Fp8Recipe | None:
+    """The recipe of transformer layer `layer_number` (global, from 0), or None where it
+    stays in high precision: without --fp8-format, and in the first and last layers under
+    --first-last-layers-bf16 (Megatron's --num-layers-at-start/end-in-bf16)."""
+    if config.fp8_format is None:
+        return None
+    if config.first_last_layers_bf16 and not (
+            config.num_layers_at_start_in_bf16 <= layer_number
+            < config.num_layers - config.num_layers_at_end_in_bf16):
+        return None
+    return Fp8Recipe(config.fp8_format, config.fp8_recipe)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """q = t / scale in FP8; `scale` is a 0-dim fp32 tensor, or per row (M, 1) of an
+    [M, K] operand / per column (1, N) of a [K, N] one, as torch._scaled_mm takes them."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def t(self) -> "Quantized":
+        return Quantized(self.data.t(), self.scale.t())
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
+             group=None) -> Quantized:
+    """t in FP8 `dtype`, scaled by its amax (over `dim`, kept, or the whole tensor), the
+    amax all-reduced (max) over `group` when t is a shard of the tensor to scale."""
+    amax = (t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)).float()
+    if group_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    fp8_max = torch.finfo(dtype).max
+    scale = amax.clamp(min=_AMAX_FLOOR) / fp8_max
+    return Quantized((t.float() / scale).clamp(-fp8_max, fp8_max).to(dtype), scale)
+
+
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in FP8 with fp32 accumulation. cuBLASLt wants a row-major and b
+    column-major, every dim a multiple of 16."""
+    if a.data.is_cuda:
+        _check_cuda(a.data.shape, b.data.shape, a.data.device)
+    # On CUDA, rowwise scaling writes bf16 only; the cast back is the one extra rounding.
+    gemm_dtype = (torch.bfloat16 if a.data.is_cuda and a.scale.dim() else out_dtype)
+    out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
+                           scale_a=a.scale, scale_b=b.scale, out_dtype=gemm_dtype)
+    return out.to(out_dtype)
+
+
+def _check_cuda(a_shape, b_shape, device):
+    major, minor = _capability(device)
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"--fp8-format needs FP8 tensor cores (compute capability >= 8.9: "
+                          f"Ada, Hopper, Blackwell); GPU {device} has {major}.{minor}")
+    if any(d % 16 for d in (*a_shape, b_shape[1])):
+        raise ConfigError(f"--fp8-format: an FP8 GEMM of [{a_shape[0]}, {a_shape[1]}] x "
+                          f"[{b_shape[0]}, {b_shape[1]}] has a dim that is not a multiple of "
+                          f"16, as FP8 tensor cores need: make micro-batch x sequence length, "
+                          f"the hidden size and the per-TP-rank QKV and MLP widths multiples "
+                          f"of 16")
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """Y = X A^T + b with FP8 GEMMs. `row_parallel`: X and A hold this rank's block of the
+    input dim (a row-parallel layer), else A and dY that of the output dim."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, group, row_parallel: bool):
+        x2d = x.reshape(-1, x.shape[-1])
+        ctx.recipe, ctx.group, ctx.row_parallel = recipe, group, row_parallel
+        ctx.has_bias = bias is not None
+        fwd_dtype = recipe.dtypes[0]
+        x_group = group if row_parallel else None
+        if recipe.rowwise:  # scales along the input dim K: sharded in a row-parallel layer
+            xq = quantize(x2d, fwd_dtype, 1, x_group)
+            wq = quantize(weight.t(), fwd_dtype, 0, x_group)
+            ctx.save_for_backward(weight, x2d)
+        else:
+            xq = quantize(x2d, fwd_dtype, None, x_group)
+            wq = quantize(weight, fwd_dtype, None, group).t()
+            # weight itself only for a deferred weight gradient to land on
+            ctx.save_for_backward(weight, xq.data, xq.scale, wq.data, wq.scale)
+        y = scaled_mm(xq, wq, x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        recipe, group = ctx.recipe, ctx.group
+        fwd_dtype, grad_dtype = recipe.dtypes
+        g2d = grad_output.reshape(-1, grad_output.shape[-1])
+        out_group = None if ctx.row_parallel else group  # dY's output dim sharded
+        if recipe.rowwise:
+            weight, x2d = ctx.saved_tensors
+            # dX = dY A contracts the output dim N, dA = dY^T X the token dim (never sharded).
+            gq, wq = quantize(g2d, grad_dtype, 1, out_group), quantize(weight, fwd_dtype, 0,
+                                                                        out_group)
+            gq_t, xq = quantize(g2d.t(), grad_dtype, 1), quantize(x2d, fwd_dtype, 0)
+            dtype = x2d.dtype
+        else:
+            weight, xd, xs, wd, ws = ctx.saved_tensors
+            xq, wq = Quantized(xd, xs), Quantized(wd, ws).t()
+            gq = quantize(g2d, grad_dtype, None, out_group)
+            gq_t, dtype = gq.t(), grad_output.dtype
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_mm(gq, wq, dtype).reshape(*grad_output.shape[:-1], wq.data.shape[1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g2d.sum(0)
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_grad_now_or_deferred(
+                weight, functools.partial(_wgrad, dtype=dtype), gq_t.data, gq_t.scale,
+                xq.data, xq.scale)
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _wgrad(g_data, g_scale, x_data, x_scale, *, dtype):
+    """dA = dY^T X from their FP8 copies (the deferred W pass of a zero-bubble schedule
+    runs this too)."""
+    return scaled_mm(Quantized(g_data, g_scale), Quantized(x_data, x_scale), dtype)
+
+
+# Run eagerly inside a compiled layer (a graph break on each side): traced, the backward of
+# this function failed on a view of a gradient whose strides differed from the traced ones.
+@torch.compiler.disable
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               recipe: Fp8Recipe, group, *, row_parallel: bool) -> torch.Tensor:
+    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way)."""
+    return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
+                                   row_parallel)

@@ -1,0 +1,170 @@
+"""FP8 linear layers (megalite/tensor_parallel/fp8.py) against a reference written here from
+the formula: each operand quantized as q = clamp(t / s, +-fp8_max) in FP8, s = amax /
+fp8_max (per tensor, or per row along the GEMM's contraction dim), dequantized (q * s) in
+fp32, then multiplied in fp32. The flags that turn it on and what they refuse."""
+
+import pytest
+import torch
+
+from megalite.arguments import parse_args
+from megalite.errors import ConfigError
+from megalite.model.gpt import GPTModel
+from megalite.tensor_parallel import fp8
+from megalite.tensor_parallel.fp8 import Fp8Recipe
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.training import pretrain
+from megalite.training_log import parse_log
+from megalite.validation import validate_args
+
+from tests.helpers import checkpoint_tensors, flags_with, tiny_gpt_config
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = [Fp8Recipe("e4m3", "tensorwise"), Fp8Recipe("hybrid", "tensorwise"),
+           Fp8Recipe("e4m3", "rowwise")]
+
+
+def dequantized(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+    """t rounded through FP8 `dtype` with scale amax / max (over `dim`, or the tensor)."""
+    t = t.double()
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = (amax.clamp(min=1e-12) / torch.finfo(dtype).max).float().double()
+    q = (t / scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).float().to(dtype)
+    return q.double() * scale
+
+
+def reference(x, w, b, g, recipe: Fp8Recipe):
+    """(y, dx, dw, db) of y = x w^T + b for output gradient g, every GEMM's operands
+    rounded through FP8 as the recipe says."""
+    grad_dtype = E5M2 if recipe.format == "hybrid" else E4M3
+    x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    if recipe.rowwise:  # scales along each GEMM's contraction dim
+        y = dequantized(x, E4M3, 1) @ dequantized(w, E4M3, 1).T
+        dx = dequantized(g, grad_dtype, 1) @ dequantized(w, E4M3, 0)
+        dw = dequantized(g, grad_dtype, 0).T @ dequantized(x, E4M3, 0)
+    else:
+        xq, wq, gq = dequantized(x, E4M3, None), dequantized(w, E4M3, None), \
+            dequantized(g, grad_dtype, None)
+        y, dx, dw = xq @ wq.T, gq @ wq, gq.T @ xq
+    return y + b.double(), dx, dw, g.double().sum(0)
+
+
+def _close(actual, expected):
+    torch.testing.assert_close(actual.double().reshape(expected.shape), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.format}-{r.recipe}")
+@pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear])
+def test_fp8_layer_forward_backward_match_the_formula(kind, recipe):
+    generator = torch.Generator().manual_seed(0)
+    layer = kind(32, 48, group=None, fp8=recipe)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 32, generator=generator))
+        layer.bias.copy_(torch.randn(48, generator=generator))
+    # Rows of very different size, so a rowwise scale differs from a tensorwise one.
+    x = (torch.randn(8, 2, 32, generator=generator)
+         * torch.logspace(-2, 1, 8).view(8, 1, 1)).requires_grad_()
+    g = torch.randn(8, 2, 48, generator=generator) * 1e-3
+    y = layer(x)
+    y.backward(g)
+    ref_y, ref_dx, ref_dw, ref_db = reference(x.detach(), layer.weight.detach(),
+                                              layer.bias.detach(), g, recipe)
+    _close(y, ref_y)
+    _close(x.grad, ref_dx)
+    _close(layer.weight.grad, ref_dw)
+    _close(layer.bias.grad, ref_db)
+    # And FP8 is near the exact product (a wrong scale would be far from it).
+    exact = x.detach() @ layer.weight.detach().T + layer.bias.detach()
+    assert (y - exact).norm() < 0.1 * exact.norm()
+
+
+def test_fp8_weight_gradient_deferred_to_the_w_pass_equals_the_direct_one():
+    generator = torch.Generator().manual_seed(1)
+    layer = ColumnParallelLinear(32, 16, group=None, fp8=RECIPES[1])
+    with torch.no_grad():
+        layer.weight.normal_(generator=generator)
+    x = torch.randn(4, 2, 32, generator=generator, requires_grad=True)
+    layer(x).square().sum().backward()
+    direct = layer.weight.grad.clone()
+    layer.weight.grad = None
+    store = WeightGradStore()
+    with defer_weight_grads(store):
+        layer(x).square().sum().backward()
+    assert layer.weight.grad is None and len(store.pending) == 1
+    store.run()
+    assert torch.equal(layer.weight.grad, direct)
+
+
+def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8():
+    config = tiny_gpt_config(num_layers=4, fp8_format="hybrid", first_last_layers_bf16=True,
+                             num_layers_at_end_in_bf16=2)
+    model = GPTModel(config, seed=0)
+    recipes = [layer.mlp.linear_fc1.fp8 for layer in model.decoder.layers.values()]
+    assert recipes == [None, Fp8Recipe("hybrid", "tensorwise"), None, None]
+    layer = model.decoder.layers["1"]
+    assert layer.self_attention.linear_qkv.fp8 == layer.self_attention.linear_proj.fp8 \
+        == layer.mlp.linear_fc2.fp8 == recipes[1]
+    assert model.output_layer is None or model.output_layer.fp8 is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], "delayed is Megatron's"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], "mxfp8 is Megatron's"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], "use --fp8-format e4m3"),
+    (["--fp8-format", "e4m3", "--context-parallel-size", "2"], "--context-parallel-size 2"),
+    (["--first-last-layers-bf16"], "needs --fp8-format"),
+    (["--fp8-format", "e4m3", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "1",
+      "--num-layers-at-start-in-bf16", "1"], "leave at least one"),
+])
+def test_fp8_flags_refused_by_name(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_args(parse_args(flags_with(*extra)), world_size=2)
+
+
+def test_fp8_flags_reach_the_model_config():
+    config = validate_args(parse_args(flags_with("--fp8-format", "e4m3", "--fp8-recipe",
+                                                 "rowwise")))
+    assert (config.model.fp8_format, config.model.fp8_recipe) == ("e4m3", "rowwise")
+
+
+CHECKPOINT_FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+                              "--attention-dropout", "0", "--hidden-dropout", "0",
+                              vocab_size=61, make_vocab_size_divisible_by=None, hidden_size=32,
+                              seq_length=16, micro_batch_size=2, global_batch_size=4,
+                              train_iters=3, lr="3e-3")
+
+
+def _pretrain(capsys, *flags) -> dict[int, float]:
+    """pretrain_gpt.py in this process (fp32 master weights on the CPU): {iteration: loss}."""
+    capsys.readouterr()
+    assert pretrain([*CHECKPOINT_FLAGS, *flags]) == 0
+    return {log["iteration"]: log["lm_loss"] for log in parse_log(capsys.readouterr().out)}
+
+
+def _layout(tensors: dict) -> dict:
+    return {key: (value.shape, value.dtype) if torch.is_tensor(value) else type(value)
+            for key, value in tensors.items()}
+
+
+def test_fp8_and_plain_runs_resume_from_each_other(tmp_path, capsys):
+    """An FP8 checkpoint holds what a plain one holds (master weights and optimizer state in
+    their own dtypes, nothing of FP8); a plain run resumes from it, and an FP8 run from the
+    plain run's checkpoint."""
+    fp8_flags = ["--fp8-format", "hybrid"]
+    first = _pretrain(capsys, *fp8_flags, "--save", str(tmp_path / "fp8"), "--train-iters", "2")
+    second = _pretrain(capsys, "--load", str(tmp_path / "fp8"), "--save", str(tmp_path / "plain"))
+    third = _pretrain(capsys, *fp8_flags, "--load", str(tmp_path / "plain"), "--train-iters", "4")
+    assert (list(first), list(second), list(third)) == ([1, 2], [3], [4])
+    assert _layout(checkpoint_tensors(tmp_path / "fp8")) == \
+        _layout(checkpoint_tensors(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize("capability, shapes, message", [
+    ((8, 0), ((32, 32), (32, 32)), "compute capability >= 8.9.*has 8.0"),
+    ((9, 0), ((24, 32), (32, 32)), r"\[24, 32\] x \[32, 32\] has a dim that is not a multiple"),
+])
+def test_fp8_gemm_refused_on_gpus_that_cannot_run_it(monkeypatch, capability, shapes, message):
+    monkeypatch.setattr(fp8, "_capability", lambda device: capability)
+    with pytest.raises(ConfigError, match=message):
+        fp8._check_cuda(*shapes, "cuda:0")
