@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
-                      _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp):
+                      _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp,
+                      _add_uneven_work_args):
         add_group(parser)
     parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
@@ -313,3 +314,26 @@ def _distributed(parser):
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"],
                    help="Default: nccl when an accelerator is visible, else gloo.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_uneven_work_args(parser):
+    """Uneven work for mixed or straggling hardware (issue 29, docs/guide.md "Mixed or
+    straggling hardware"): fewer layers on the pipeline's end stages."""
+    g = parser.add_argument_group("uneven pipeline stages and data-parallel shares")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                   help="Layers of the first pipeline rank (split evenly over its virtual "
+                        "stages); the other ranks share the rest evenly (Megatron's).")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                   help="Layers of the last pipeline rank, as above (Megatron's).")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Count the embedding as one layer of the first stage in the even "
+                        "split (Megatron's).")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Count the output layer and loss as one layer of the last stage in "
+                        "the even split (Megatron's).")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int,
+                   help="Model chunks per pipeline rank v (interleaved 1F1B); the way to "
+                        "interleave an uneven split (Megatron's).")
+    g.add_argument("--pipeline-model-parallel-layout", type=str,
+                   help="Megatron's per-stage layout string: not implemented in megalite "
+                        "(refused); use the flags above.")

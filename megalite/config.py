@@ -113,6 +113,10 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank, None without interleaving (derived from
     --num-layers-per-virtual-pipeline-stage)."""
+    pipeline_layer_counts: tuple[int, ...] | None = None
+    """Layers of each global pipeline stage (chunk c of rank r is stage c*p + r), None for
+    the even split (derived from --decoder-first/last-pipeline-num-layers and
+    --account-for-embedding/loss-in-pipeline-split: stages.stage_layer_counts)."""
     data_parallel_size: int = 1
     """DP: world size / (TP x CP x PP) (derived)."""
     use_distributed_optimizer: bool = False

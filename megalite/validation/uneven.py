@@ -1,0 +1,48 @@
+"""Uneven work (docs/design.md §15): the pipeline's layer split per stage from Megatron's
+flags, checked by name."""
+
+from megalite.errors import ConfigError
+from megalite.pipeline_parallel.stages import stage_layer_counts
+
+
+def is_uneven_split(args) -> bool:
+    return (args.decoder_first_pipeline_num_layers is not None
+            or args.decoder_last_pipeline_num_layers is not None
+            or args.account_for_embedding_in_pipeline_split
+            or args.account_for_loss_in_pipeline_split)
+
+
+def pipeline_split(args, pp: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """(model chunks per rank v or None, layers per global stage or None when even) of an
+    uneven split or of --num-virtual-stages-per-pipeline-rank; None, None otherwise (the
+    even split of --num-layers-per-virtual-pipeline-stage, layout._virtual_stages)."""
+    if args.pipeline_model_parallel_layout is not None:
+        raise ConfigError("--pipeline-model-parallel-layout is not implemented in megalite; "
+                          "use --decoder-first-pipeline-num-layers, "
+                          "--decoder-last-pipeline-num-layers or "
+                          "--account-for-embedding/loss-in-pipeline-split")
+    v = args.num_virtual_stages_per_pipeline_rank
+    if v is not None and args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ConfigError("--num-virtual-stages-per-pipeline-rank and "
+                          "--num-layers-per-virtual-pipeline-stage both set the model chunks "
+                          "per rank: give one")
+    if v is not None and v < 1:
+        raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
+    if not is_uneven_split(args):
+        if v is not None and args.num_layers % (pp * v):
+            raise ConfigError(f"--num-layers={args.num_layers} is not divisible by "
+                              f"--pipeline-model-parallel-size={pp} x "
+                              f"--num-virtual-stages-per-pipeline-rank={v}")
+        return v, None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        # Megatron's rule: the layers per chunk differ between stages, so the chunk count
+        # is given directly.
+        raise ConfigError("with an uneven pipeline split use "
+                          "--num-virtual-stages-per-pipeline-rank to interleave, not "
+                          "--num-layers-per-virtual-pipeline-stage")
+    counts = stage_layer_counts(args.num_layers, pp, v or 1,
+                                args.decoder_first_pipeline_num_layers,
+                                args.decoder_last_pipeline_num_layers,
+                                args.account_for_embedding_in_pipeline_split,
+                                args.account_for_loss_in_pipeline_split)
+    return v, counts
