@@ -318,7 +318,8 @@ def _distributed(parser):
 
 def _add_uneven_work_args(parser):
     """Uneven work for mixed or straggling hardware (issue 29, docs/guide.md "Mixed or
-    straggling hardware"): fewer layers on the pipeline's end stages."""
+    straggling hardware"): fewer layers on the pipeline's end stages, and uneven
+    data-parallel shares."""
     g = parser.add_argument_group("uneven pipeline stages and data-parallel shares")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int,
                    help="Layers of the first pipeline rank (split evenly over its virtual "
@@ -337,3 +338,16 @@ def _add_uneven_work_args(parser):
     g.add_argument("--pipeline-model-parallel-layout", type=str,
                    help="Megatron's per-stage layout string: not implemented in megalite "
                         "(refused); use the flags above.")
+    g.add_argument("--data-parallel-shares", metavar="W0,W1,...|auto",
+                   help="megalite's own: micro-batches of every global batch per DP rank in "
+                        "proportion to these weights (one per DP rank, e.g. 3,1), or 'auto': "
+                        "from each DP replica's measured speed (the --log-straggler timers), "
+                        "re-balanced when a speed moves by more than "
+                        "--data-parallel-shares-threshold. The samples of a global batch and "
+                        "the update stay one process's at any shares.")
+    g.add_argument("--data-parallel-shares-threshold", type=float, default=0.2,
+                   help="megalite's own: with --data-parallel-shares auto, re-balance when a "
+                        "replica's speed moves by more than this fraction.")
+    g.add_argument("--data-parallel-shares-window", type=int, default=3,
+                   help="megalite's own: with --data-parallel-shares auto, steps timed per "
+                        "measurement of the speeds (after the first step).")

@@ -1,7 +1,11 @@
 """Uneven work (docs/design.md §15): the pipeline's layer split per stage from Megatron's
-flags, checked by name."""
+flags, and the micro-batches of each data-parallel rank (--data-parallel-shares), checked
+by name."""
 
+from megalite.config import ParallelConfig
+from megalite.data.shares import parse_weights, share_unit, split_microbatches
 from megalite.errors import ConfigError
+from megalite.pipeline_parallel.schedules import validate_schedule_args
 from megalite.pipeline_parallel.stages import stage_layer_counts
 
 
@@ -46,3 +50,30 @@ def pipeline_split(args, pp: int) -> tuple[int | None, tuple[int, ...] | None]:
                                 args.account_for_embedding_in_pipeline_split,
                                 args.account_for_loss_in_pipeline_split)
     return v, counts
+
+
+def shares_batch(args, parallel: ParallelConfig) -> tuple[int, int, tuple[int, ...]]:
+    """(micro-batch, global batch, micro-batches of each DP rank) under
+    --data-parallel-shares: the global batch need only divide into micro-batches, and each
+    rank's count must suit the pipeline schedule (interleaved 1F1B: multiples of p)."""
+    dp, pp = parallel.data_parallel_size, parallel.pipeline_model_parallel_size
+    text = args.data_parallel_shares
+    if dp < 2:
+        raise ConfigError(f"--data-parallel-shares={text} needs data-parallel size >= 2, "
+                          f"got {dp}")
+    if args.data_parallel_shares_threshold <= 0 or args.data_parallel_shares_window < 1:
+        raise ConfigError(f"--data-parallel-shares-threshold must be > 0 and "
+                          f"--data-parallel-shares-window >= 1, got "
+                          f"{args.data_parallel_shares_threshold} and "
+                          f"{args.data_parallel_shares_window}")
+    micro = args.micro_batch_size or 1
+    global_batch = args.global_batch_size or micro * dp
+    if global_batch % micro:
+        raise ConfigError(f"--global-batch-size={global_batch} is not divisible by "
+                          f"--micro-batch-size={micro}")
+    v = parallel.virtual_pipeline_model_parallel_size or 1
+    weights = parse_weights(text, dp) or [1.0] * dp
+    shares = split_microbatches(weights, global_batch // micro, share_unit(parallel))
+    for m in set(shares):
+        validate_schedule_args(pp, m, v)
+    return micro, global_batch, shares
