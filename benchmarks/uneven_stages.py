@@ -9,8 +9,11 @@ the last stage 7.9 layers of work to the first's 3; 5 | 1 gives 5 | 5.9. The sim
 1F1B's action lists with each stage's work (simulate.stage_work), then two ranks run
 each split's real step (StepRunner.train_step, with the optimizer), taking turns for
 --steps rounds after a warm-up one; the fastest round of the slower rank is reported.
+Two ranks that share loaded CPU cores run one after the other whatever the split (the
+total work is the same); --loss-delay-ms makes the last stage heavier with a sleep, which
+leaves the CPU to the other rank, as a stage on its own device would.
 
-    python benchmarks/uneven_stages.py [--device cpu|cuda] [--steps 5]
+    python benchmarks/uneven_stages.py [--device cpu|cuda] [--steps 5] [--loss-delay-ms 0]
 
 SMOKE=1: one timed round per split (CPU ranks forked).
 """
@@ -61,7 +64,16 @@ def _runner(counts, state, device):
     return StepRunner(chunks, optimizer, run, state, device)
 
 
-def worker(rank, world, device_type, steps):
+def _slowed(chunk, seconds: float):
+    forward = chunk.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+    chunk.forward = slow_forward
+
+
+def worker(rank, world, device_type, steps, loss_delay):
     device = rank_device(rank, device_type)
     state = ParallelState(RankGrid(world, 1, PP), rank)
     gen = torch.Generator().manual_seed(0)
@@ -69,6 +81,9 @@ def worker(rank, world, device_type, steps):
               "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen).to(device),
               "loss_mask": torch.ones(MICRO, SEQ, device=device)} for _ in range(NUM_MICRO)]
     runners = {name: _runner(counts, state, device) for name, counts in SPLITS.items()}
+    if loss_delay and state.pp_rank == PP - 1:  # the loss's stage made heavier (test-only)
+        for runner in runners.values():
+            _slowed(runner.chunks[-1], loss_delay)
     times = {name: [] for name in SPLITS}
     for _ in range(steps + 1):  # round robin: a change in load hits both splits alike
         for name, runner in runners.items():
@@ -93,13 +108,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_device_flag(parser)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per split")
+    parser.add_argument("--loss-delay-ms", type=float, default=0.0,
+                        help="a test-only sleep before each forward of the last stage: a "
+                             "heavier loss that does not compete for the CPU")
     args = shrink(parser.parse_args(), steps=1)
     if args.device == "cuda" and torch.cuda.device_count() < PP:
         raise SystemExit(f"--device cuda needs {PP} GPUs (one rank per GPU under NCCL)")
-    measured = launch(PP, worker, args.device, args.steps, device_type=args.device)[0]
+    measured = launch(PP, worker, args.device, args.steps, args.loss_delay_ms / 1e3,
+                      device_type=args.device)[0]
     print(f"PP={PP}, {LAYERS} layers (h={HIDDEN}, s={SEQ}, b={MICRO}, V={VOCAB}: output "
           f"layer and loss = {LOSS_LAYERS:.1f} layers), m={NUM_MICRO}, 1F1B, fp32, on "
-          f"{describe(args.device)}")
+          f"{describe(args.device)}; last stage sleeps {args.loss_delay_ms:g} ms per forward")
     print(f"{'split':>44} {'sim. step':>10} {'sim. idle':>10} {'measured ms':>12}")
     for name, counts in SPLITS.items():
         step, idle = simulated(counts)
