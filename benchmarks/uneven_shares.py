@@ -18,7 +18,6 @@ SMOKE=1: one step per phase (CPU ranks forked).
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -33,26 +32,14 @@ from megalite.monitoring.timers import COMPUTE, Timers
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
-from rank_setup import add_device_flag, describe, launch, rank_device
+from rank_setup import (add_device_flag, describe, launch, rank_device, require_ranks,
+                        slow_down, synced_clock)
 from smoke import shrink
 
 DP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 2, 128, 128, 2, 16, 1024
 SLOW_RANK = 1
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def _slowed(chunk, seconds: float):
-    forward = chunk.forward
-
-    def slow_forward(*args, **kwargs):
-        time.sleep(seconds)
-        return forward(*args, **kwargs)
-    chunk.forward = slow_forward
 
 
 def worker(rank, world, device_type, steps, delay):
@@ -64,7 +51,7 @@ def worker(rank, world, device_type, steps, delay):
                        attention_dropout=0.0, hidden_dropout=0.0, attention_backend="sdpa")
     chunks = build_model_chunks(config, 1).to(device)
     if rank == SLOW_RANK:
-        _slowed(chunks[0], delay)
+        slow_down(chunks[0], delay)
     grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, DEFAULT_BUCKET_SIZE)
     optimizer = Optimizer(chunks, OptimizerConfig(lr=1e-4))
     timers = Timers(0, device, extra=COMPUTE)
@@ -89,10 +76,10 @@ def worker(rank, world, device_type, steps, delay):
         nonlocal iteration
         start = sum(shares[:rank])
         dist.barrier()
-        t0 = _sync(device)
+        t0 = synced_clock(device)
         balancer.before_step()
         runner.train_step(batch[start:start + shares[rank]])
-        slowest = torch.tensor([_sync(device) - t0], dtype=torch.float64, device=device)
+        slowest = torch.tensor([synced_clock(device) - t0], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         iteration += 1
         if phase in ("warm-up", "measure"):
@@ -119,8 +106,7 @@ def main():
     parser.add_argument("--delay-ms", type=float, default=100.0,
                         help="sleep of the slowed rank before each micro-batch's forward")
     args = shrink(parser.parse_args(), steps=1)
-    if args.device == "cuda" and torch.cuda.device_count() < DP:
-        raise SystemExit(f"--device cuda needs {DP} GPUs (one rank per GPU under NCCL)")
+    require_ranks(args.device, DP)
     r = launch(DP, worker, args.device, args.steps, args.delay_ms / 1e3,
                device_type=args.device)[0]
     print(f"DP={DP}, {LAYERS} layers (h={HIDDEN}, s={SEQ}, b={MICRO}), {NUM_MICRO} "

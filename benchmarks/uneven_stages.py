@@ -19,7 +19,6 @@ SMOKE=1: one timed round per split (CPU ranks forked).
 """
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,8 @@ from megalite.pipeline_parallel.schedules import build_schedule
 from megalite.pipeline_parallel.simulate import simulate, stage_work
 from megalite.pipeline_parallel.stages import stage_layer_counts
 from megalite.train_step import StepRunner
-from rank_setup import add_device_flag, describe, launch, rank_device
+from rank_setup import (add_device_flag, describe, launch, rank_device, require_ranks,
+                        slow_down, synced_clock)
 from smoke import shrink
 
 PP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 6, 128, 64, 2, 8, 8192
@@ -42,11 +42,6 @@ LOSS_LAYERS = VOCAB / (12 * HIDDEN + 2 * SEQ)
 SPLITS = {"even 3 | 3": None,
           "--decoder-last-pipeline-num-layers 1: 5 | 1": stage_layer_counts(LAYERS, PP, last=1)}
 
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _runner(counts, state, device):
@@ -64,14 +59,6 @@ def _runner(counts, state, device):
     return StepRunner(chunks, optimizer, run, state, device)
 
 
-def _slowed(chunk, seconds: float):
-    forward = chunk.forward
-
-    def slow_forward(*args, **kwargs):
-        time.sleep(seconds)
-        return forward(*args, **kwargs)
-    chunk.forward = slow_forward
-
 
 def worker(rank, world, device_type, steps, loss_delay):
     device = rank_device(rank, device_type)
@@ -83,14 +70,14 @@ def worker(rank, world, device_type, steps, loss_delay):
     runners = {name: _runner(counts, state, device) for name, counts in SPLITS.items()}
     if loss_delay and state.pp_rank == PP - 1:  # the loss's stage made heavier (test-only)
         for runner in runners.values():
-            _slowed(runner.chunks[-1], loss_delay)
+            slow_down(runner.chunks[-1], loss_delay)
     times = {name: [] for name in SPLITS}
     for _ in range(steps + 1):  # round robin: a change in load hits both splits alike
         for name, runner in runners.items():
             dist.barrier()
-            t0 = _sync(device)
+            t0 = synced_clock(device)
             runner.train_step(batch)
-            slowest = torch.tensor([_sync(device) - t0], dtype=torch.float64, device=device)
+            slowest = torch.tensor([synced_clock(device) - t0], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             times[name].append(slowest.item())
     return {name: min(t[1:]) for name, t in times.items()}
@@ -112,8 +99,7 @@ def main():
                         help="a test-only sleep before each forward of the last stage: a "
                              "heavier loss that does not compete for the CPU")
     args = shrink(parser.parse_args(), steps=1)
-    if args.device == "cuda" and torch.cuda.device_count() < PP:
-        raise SystemExit(f"--device cuda needs {PP} GPUs (one rank per GPU under NCCL)")
+    require_ranks(args.device, PP)
     measured = launch(PP, worker, args.device, args.steps, args.loss_delay_ms / 1e3,
                       device_type=args.device)[0]
     print(f"PP={PP}, {LAYERS} layers (h={HIDDEN}, s={SEQ}, b={MICRO}, V={VOCAB}: output "

@@ -45,8 +45,8 @@ def test_megatron_split(layers, pp, v, kwargs, counts):
 def test_flags_reach_the_config():
     c = config_of("--pipeline-model-parallel-size", "4",
                   "--decoder-first-pipeline-num-layers", "2",
-                  "--decoder-last-pipeline-num-layers", "2", "--num-virtual-stages-per-pipeline-rank",
-                  "2", layers=12)
+                  "--decoder-last-pipeline-num-layers", "2",
+                  "--num-virtual-stages-per-pipeline-rank", "2", layers=12)
     assert c.parallel.pipeline_layer_counts == (1, 2, 2, 1, 1, 2, 2, 1)
     assert c.parallel.virtual_pipeline_model_parallel_size == 2
     assert config_of("--pipeline-model-parallel-size", "4").parallel.pipeline_layer_counts is None

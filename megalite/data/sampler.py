@@ -2,8 +2,9 @@
 
 Global batch b is samples [b*G, (b+1)*G) of the dataset, whatever the data-parallel size:
 DP rank r takes the contiguous slice [r*G/dp, (r+1)*G/dp) of it and cuts that into
-micro-batches (with uneven shares, data/shares.py, the slice after the ranks before it). So the samples of a step, and their order when the ranks' slices are put
-side by side, do not depend on the layout. Like Megatron's pretraining sampler it starts at
+micro-batches (with uneven shares, data/shares.py, the slice after the ranks before it).
+So the samples of a step, and their order when the ranks' slices are put side by side, do
+not depend on the layout. Like Megatron's pretraining sampler it starts at
 `consumed_samples` (from the checkpoint), so a resumed run reads exactly what an
 uninterrupted one would have read from there, and it drops a final partial global batch.
 (Megatron hands rank r the r-th micro-batch of every dp*micro_batch_size chunk instead:
