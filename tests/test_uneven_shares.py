@@ -59,6 +59,8 @@ def test_flags_reach_the_config():
     (["--data-parallel-shares", "3,1,1"], 2, ["--data-parallel-shares=3,1,1",
                                                "3 weights for data-parallel size 2"]),
     (["--data-parallel-shares", "fast"], 2, ["'auto' or comma-separated weights"]),
+    (["--data-parallel-shares", "auto", "--use-torch-fsdp2"], 2,
+     ["--data-parallel-shares=auto", "--use-torch-fsdp2"]),
     (["--data-parallel-shares", "3,-1"], 2, ["must be positive"]),
     (["--data-parallel-shares", "auto", "--data-parallel-shares-threshold", "0"], 2,
      ["--data-parallel-shares-threshold must be > 0"]),

@@ -66,6 +66,13 @@ def shares_batch(args, parallel: ParallelConfig) -> tuple[int, int, tuple[int, .
                           f"--data-parallel-shares-window >= 1, got "
                           f"{args.data_parallel_shares_threshold} and "
                           f"{args.data_parallel_shares_window}")
+    if parallel.use_torch_fsdp2:
+        # FSDP2 all-gathers each unit's parameters in every micro-batch's forward (and,
+        # resharded, backward): DP collectives that ranks with different micro-batch
+        # counts would not pair up.
+        raise ConfigError(f"--data-parallel-shares={text} cannot be combined with "
+                          f"--use-torch-fsdp2 (its parameter all-gathers run per "
+                          f"micro-batch); use --use-distributed-optimizer (ZeRO-1)")
     micro = args.micro_batch_size or 1
     global_batch = args.global_batch_size or micro * dp
     if global_batch % micro:
