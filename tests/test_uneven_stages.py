@@ -1,6 +1,6 @@
 """Uneven pipeline stages without launching ranks (issue 29): Megatron's layer split per
 stage for its flags, the errors that name them, the planner per stage, and the simulator's
-bubble with the embedding and the loss counted as work (docs/design.md §15)."""
+bubble with the embedding and the loss counted as work (docs/design.md §14)."""
 
 from fractions import Fraction
 

@@ -1,4 +1,4 @@
-"""Uneven data-parallel shares (docs/design.md §15): how many micro-batches of every global
+"""Uneven data-parallel shares (docs/design.md §14): how many micro-batches of every global
 batch each DP rank computes, from weights (--data-parallel-shares 3,1) or from measured
 speed (--data-parallel-shares auto).
 
@@ -76,7 +76,9 @@ class ShareBalancer:
     COMPUTE phases) for `window` steps, all-gathers the times, and sets the shares in
     proportion to each DP replica's speed (micro-batches per second of its slowest rank);
     after that, re-balances when a replica's speed moves by more than `threshold` from the
-    speed the shares were set for. Without auto the shares stay as given."""
+    speed the shares were set for. Without auto the shares stay as given. A rank's time
+    includes its per-step work (the optimizer step), so a replica with few micro-batches
+    looks a little slower per micro-batch than it is: the shares err towards even."""
 
     def __init__(self, shares: tuple[int, ...], state: ParallelState, timers: Timers,
                  auto: bool, threshold: float, window: int, unit: int = 1):

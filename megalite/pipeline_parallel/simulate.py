@@ -16,7 +16,7 @@ and backwards (and weight-gradient passes), `busy` time units. A rank is idle fo
 F and B a whole microbatch costs t_f + t_b = v*(F+B) per rank, so the paper's
 t_pb = (p-1)(t_f+t_b)/v and t_id = m(t_f+t_b) give (p-1)/(v*m), and (p-1)/m for v = 1.
 
-Uneven stages (docs/design.md §15): `work_per_stage[s]` scales every cost of global
+Uneven stages (docs/design.md §14): `work_per_stage[s]` scales every cost of global
 stage s (`stage_work` gives it from the layers per stage and the embedding's and loss's
 weight in layers). Ranks then differ in work, and `idle_fraction`, all ranks' idle time over all
 their work, is the bubble to compare: equal to `bubble_fraction` when the work is even.

@@ -1,4 +1,4 @@
-"""Uneven work (docs/design.md §15): the pipeline's layer split per stage from Megatron's
+"""Uneven work (docs/design.md §14): the pipeline's layer split per stage from Megatron's
 flags, and the micro-batches of each data-parallel rank (--data-parallel-shares), checked
 by name."""
 

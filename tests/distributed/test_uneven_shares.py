@@ -1,6 +1,6 @@
 """Uneven data-parallel shares (issue 29) against the single-process model: each DP rank
 computes its own number of micro-batches of the same global batches, and the per-step
-losses and grad norms and the final parameters are one process's (docs/design.md §3, §15),
+losses and grad norms and the final parameters are one process's (docs/design.md §3, §14),
 at DP 4 with 1:1:2:4 (plain and ZeRO-1), with TP 2 + SP, with PP 2 (1F1B and interleaved),
 and with shares that change every step (what --data-parallel-shares auto does). One launch
 of 4 ranks; fp32, dropout 0. The flags end to end (auto on a slowed rank, resume at other

@@ -1,7 +1,7 @@
 """Uneven pipeline stages (issue 29; Megatron's --decoder-first/last-pipeline-num-layers and
 --account-for-embedding/loss-in-pipeline-split) against the single-process model, under
 every schedule: the same per-step losses and grad norms, first-step gradients and final
-parameters (docs/design.md §3, §15); and a checkpoint saved at one uneven split loads at
+parameters (docs/design.md §3, §14); and a checkpoint saved at one uneven split loads at
 another. One launch of 4 ranks runs every layout; the single-process reference runs once,
 in the test process. fp32, dropout 0."""
 
