@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp,
-                      _add_fp8_args):
+                      _add_fp8_args, _add_uneven_work_args):
         add_group(parser)
     parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
@@ -338,3 +338,40 @@ def _distributed(parser):
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"],
                    help="Default: nccl when an accelerator is visible, else gloo.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_uneven_work_args(parser):
+    """Uneven work for mixed or straggling hardware (issue 29, docs/guide.md "Mixed or
+    straggling hardware"): fewer layers on the pipeline's end stages, and uneven
+    data-parallel shares."""
+    g = parser.add_argument_group("uneven pipeline stages and data-parallel shares")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                   help="Layers of the first pipeline rank (split evenly over its virtual "
+                        "stages); the other ranks share the rest evenly (Megatron's).")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                   help="Layers of the last pipeline rank, as above (Megatron's).")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Count the embedding as one layer of the first stage in the even "
+                        "split (Megatron's).")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Count the output layer and loss as one layer of the last stage in "
+                        "the even split (Megatron's).")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int,
+                   help="Model chunks per pipeline rank v (interleaved 1F1B); the way to "
+                        "interleave an uneven split (Megatron's).")
+    g.add_argument("--pipeline-model-parallel-layout", type=str,
+                   help="Megatron's per-stage layout string: not implemented in megalite "
+                        "(refused); use the flags above.")
+    g.add_argument("--data-parallel-shares", metavar="W0,W1,...|auto",
+                   help="megalite's own: micro-batches of every global batch per DP rank in "
+                        "proportion to these weights (one per DP rank, e.g. 3,1), or 'auto': "
+                        "from each DP replica's measured speed (the --log-straggler timers), "
+                        "re-balanced when a speed moves by more than "
+                        "--data-parallel-shares-threshold. The samples of a global batch and "
+                        "the update stay one process's at any shares.")
+    g.add_argument("--data-parallel-shares-threshold", type=float, default=0.2,
+                   help="megalite's own: with --data-parallel-shares auto, re-balance when a "
+                        "replica's speed moves by more than this fraction.")
+    g.add_argument("--data-parallel-shares-window", type=int, default=3,
+                   help="megalite's own: with --data-parallel-shares auto, steps timed per "
+                        "measurement of the speeds (after the first step).")

@@ -124,6 +124,10 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank, None without interleaving (derived from
     --num-layers-per-virtual-pipeline-stage)."""
+    pipeline_layer_counts: tuple[int, ...] | None = None
+    """Layers of each global pipeline stage (chunk c of rank r is stage c*p + r), None for
+    the even split (derived from --decoder-first/last-pipeline-num-layers and
+    --account-for-embedding/loss-in-pipeline-split: stages.stage_layer_counts)."""
     data_parallel_size: int = 1
     """DP: world size / (TP x CP x PP) (derived)."""
     use_distributed_optimizer: bool = False
@@ -169,7 +173,18 @@ class TrainingConfig:
     """Sequences per optimizer step over all DP ranks (--global-batch-size; default
     micro-batch x DP). Everything counted in samples is derived from this value."""
     num_microbatches: int
-    """Micro-batches per DP rank per step: global / (micro x DP) (derived)."""
+    """Micro-batches per DP rank per step: global / (micro x DP) (derived); with uneven
+    shares the largest share (what the planner sizes a rank for)."""
+    data_parallel_shares: tuple[int, ...] | None = None
+    """Micro-batches of each DP rank per step, None for num_microbatches each (derived from
+    --data-parallel-shares; `auto` starts even and re-balances, data/shares.py)."""
+    data_parallel_shares_auto: bool = False
+    """--data-parallel-shares auto: shares set from each DP replica's measured speed."""
+    data_parallel_shares_threshold: float = 0.2
+    """Re-balance when a replica's speed moves by more than this fraction
+    (--data-parallel-shares-threshold)."""
+    data_parallel_shares_window: int = 3
+    """Steps timed per measurement of the speeds (--data-parallel-shares-window)."""
     train_iters: int | None = None
     """Optimizer steps of the run (--train-iters, or --train-samples // global batch);
     None in the model-only configuration of the tools."""

@@ -93,7 +93,8 @@ def _data_parallel_traffic(config: Config) -> list[Message]:
         par = config.parallel
         with torch.device("meta"):
             chunks = build_model_chunks(config.model, 0, 0, par.pipeline_model_parallel_size,
-                                        par.virtual_pipeline_model_parallel_size or 1)
+                                        par.virtual_pipeline_model_parallel_size or 1,
+                                        layer_counts=par.pipeline_layer_counts)
         units = [_unit_numels(config, chunk) for chunk in chunks]
         unit, units = max(max(u) for u in units), sum(len(u) for u in units)
         gathers = 2 if par.data_parallel_sharding_strategy == ZERO3 else 1

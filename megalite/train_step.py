@@ -77,19 +77,26 @@ class StepRunner:
         if grad_buffer is None and state.dp_cp_size > 1 and not fsdp:
             raise ValueError("data and context parallelism need a GradBuffer (or FSDP) to "
                              "reduce the gradients")
-        pp, v, schedule = state.pp_size, len(chunks), config.parallel.pipeline_schedule
-        # Each rank's p2p batches are paired with its neighbours', so plan from every rank's list.
-        self.schedule = communication_plan(
-            [build_schedule(pp, r, m, v, schedule) for r in range(pp)], v)[state.pp_rank]
-        self.eval_schedule = communication_plan(
-            [forward_only(pp, r, m, v) for r in range(pp)], v)[state.pp_rank]
+        self.pipeline_schedule = config.parallel.pipeline_schedule
+        self._plan(m)
         self.comm = None
-        if pp > 1:
+        if state.pp_size > 1:
             # Activations travel in the compute dtype (under FSDP2 the gathered
             # parameters', not the fp32 shards').
             shape = activation_shape(config.model, config.training.micro_batch_size,
                                      state.tp_size, state.cp_size)
             self.comm = PipelineCommunicator(state, shape, self.precision.params_dtype, device)
+
+    def _plan(self, m: int):
+        """This rank's schedules for m micro-batches. Each rank's p2p batches are paired
+        with its neighbours', so plan from every rank's list. Uneven data-parallel shares
+        (data/shares.py) give DP replicas, and so a step, other counts."""
+        pp, v, rank = self.state.pp_size, len(self.chunks), self.state.pp_rank
+        self.num_microbatches = m
+        self.schedule = communication_plan(
+            [build_schedule(pp, r, m, v, self.pipeline_schedule) for r in range(pp)], v)[rank]
+        self.eval_schedule = communication_plan(
+            [forward_only(pp, r, m, v) for r in range(pp)], v)[rank]
 
     def _autocast(self):
         return autocast(self.precision, self.device)
@@ -98,6 +105,8 @@ class StepRunner:
         # Loss tokens of the whole global batch: every DP and CP rank divides by the same
         # count.
         timers = self.timers
+        if len(microbatches) != self.num_microbatches:
+            self._plan(len(microbatches))
         with timers("loss-all-reduce"):
             num_tokens = self._sum_over_data_parallel(
                 sum(mb["loss_mask"].sum() for mb in microbatches))
@@ -178,6 +187,8 @@ class StepRunner:
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> tuple[float, float]:
         """(sum of token losses, number of loss tokens) over the micro-batches."""
+        if len(microbatches) != self.num_microbatches:
+            self._plan(len(microbatches))
         for chunk in self.chunks:
             chunk.eval()
         # Untimed (timers=NO_TIMERS): the timers report training steps only.

@@ -19,6 +19,7 @@ from megalite.arguments import build_parser, parse_args
 from megalite.attention_backends import resolve_backend
 from megalite.config import Config, OptimizerKind
 from megalite.data.datasets import build_datasets
+from megalite.data.shares import configured_shares, share_balancer
 from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
 from megalite.distributed.fsdp import copy_into, fully_shard_model
@@ -109,7 +110,7 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
         model_config, seed, state.pp_rank, state.pp_size,
         config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
         rng_tracker, device="meta" if fsdp else device, dtype=torch.float32 if fsdp else dtype,
-        cp_group=state.cp_group)
+        cp_group=state.cp_group, layer_counts=config.parallel.pipeline_layer_counts)
     if fsdp:
         fully_shard_model(chunks, config, state, device)
         _initialize_sharded(chunks, seed, dtype, state, device)
@@ -176,8 +177,10 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     model = build_model(config, state, device, rng_tracker)
     # One set of phase timers for the step, the optimizer and the monitor that reports them
     # (--log-straggler compares the compute phases across ranks).
+    # (--data-parallel-shares auto measures each rank's speed with the same timers.)
     timers = Timers(config.monitoring.timing_log_level, device,
-                    extra=COMPUTE if config.monitoring.log_straggler else ())
+                    extra=COMPUTE if config.monitoring.log_straggler
+                    or config.training.data_parallel_shares_auto else ())
     optimizer, grad_buffer = build_optimizer(model, config, state, timers)
     monitor = Monitor(config, state, device, model, optimizer, timers)
     runner = StepRunner(model, optimizer, config, state, device, grad_buffer, timers)
@@ -244,12 +247,15 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
     saved_at = progress.iteration
     stats = IntervalStats()
     flops_per_step = num_floating_point_operations(config.model, t.global_batch_size)
-    batches = microbatches(train_ds, progress.consumed_train_samples, config, state, device)
+    shares = share_balancer(config, state, monitor.timers)
+    batches = microbatches(train_ds, progress.consumed_train_samples, config, state, device,
+                           shares.shares)
     while progress.iteration < t.train_iters:
         monitor.before_step(progress.iteration)
         start = time.perf_counter()
+        shares.before_step()
         with monitor.timers("batch-generator"):
-            step_batches = [next(batches) for _ in range(t.num_microbatches)]
+            step_batches = [next(batches) for _ in range(shares.local)]
         loss_scale = runner.optimizer.loss_scale
         try:
             result = runner.train_step(step_batches)
@@ -269,6 +275,9 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         progress.consumed_train_samples += t.global_batch_size
         stats.add(result.loss, result.skipped, elapsed)
         monitor.after_step(progress.iteration)
+        if shares.after_step(progress.iteration):  # new shares from the next global batch
+            batches = microbatches(train_ds, progress.consumed_train_samples, config, state,
+                                   device, shares.shares)
         logging = progress.iteration % log.log_interval == 0
         # Decided alike on every rank (the statistics are collectives), and only where
         # events are written: --log-params-norm must not cost a norm every iteration
@@ -284,6 +293,8 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         if logging:
             _log_interval(config, progress, stats, lr, loss_scale, result.grad_norm, flops_per_step,
                           tensorboard, monitor, extra)
+            if shares.uneven:
+                print_rank_last(shares.describe())
             stats = IntervalStats()
         if valid is not None and progress.iteration % t.eval_interval == 0:
             _evaluate_and_print(f"iteration {progress.iteration}", runner, valid, config,
@@ -338,9 +349,11 @@ def _evaluate_and_print(prefix: str, runner: StepRunner, batches, config: Config
                         tensorboard: TensorBoardLogger, iteration: int | None):
     """Token-weighted mean loss over --eval-iters global batches drawn from `batches`."""
     t = config.training
+    # The loader reads the configured shares (auto ones move; evaluation keeps these).
+    local_shares = configured_shares(t, runner.state.dp_size)[runner.state.dp_rank]
     loss_sum, tokens = 0.0, 0.0
     for _ in range(t.eval_iters):
-        s, n = runner.evaluate([next(batches) for _ in range(t.num_microbatches)])
+        s, n = runner.evaluate([next(batches) for _ in range(local_shares)])
         loss_sum, tokens = loss_sum + s, tokens + n
     loss = loss_sum / max(tokens, 1.0)
     for line in validation_lines(prefix, loss):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from megalite.atomic_write import atomic_path
 from megalite.errors import ConfigError
 from megalite.pipeline_parallel.schedules import SCHEDULES, WEIGHT, build_schedule
-from megalite.pipeline_parallel.simulate import simulate
+from megalite.pipeline_parallel.simulate import simulate, stage_work
 from megalite.pipeline_parallel.stages import Stage
 
 # Base colours per pass (F, B, W); chunk c is mixed towards white by c / (v + 1).
@@ -39,10 +39,10 @@ class Box:
 
 
 def timeline(schedule: str, pp: int, microbatches: int, chunks: int = 1,
-             costs: tuple = (1, 1, 1)) -> tuple[list[Box], object]:
+             costs: tuple = (1, 1, 1), work_per_stage=None) -> tuple[list[Box], object]:
     """Every action of every rank as a box on the simulator's clock, and the Simulation."""
     schedules = [build_schedule(pp, r, microbatches, chunks, schedule) for r in range(pp)]
-    sim = simulate(schedules, chunks, *costs)
+    sim = simulate(schedules, chunks, *costs, work_per_stage=work_per_stage)
     boxes = []
     for rank, actions in enumerate(schedules):
         for a in actions:
@@ -106,11 +106,27 @@ def main(argv=None) -> int:
     parser.add_argument("--costs", type=float, nargs=3, default=[1, 1, 1],
                         metavar=("F", "B", "W"),
                         help="chunk forward, input-gradient and weight-gradient times")
+    parser.add_argument("--stage-layers", type=int, nargs="+", metavar="L",
+                        help="layers of each global stage (p*v values, chunk c of rank r is "
+                             "stage c*p + r): uneven stages; costs are per layer")
+    parser.add_argument("--embedding-layers", type=float, default=0,
+                        help="with --stage-layers: the embedding's work in layers (first stage)")
+    parser.add_argument("--loss-layers", type=float, default=0,
+                        help="with --stage-layers: the output layer's and loss's work in "
+                             "layers (last stage)")
     parser.add_argument("--output", required=True, help="PNG file to write")
     args = parser.parse_args(argv)
     costs = tuple(int(c) if c == int(c) else c for c in args.costs)
+    work = None
+    if args.stage_layers is not None:
+        if len(args.stage_layers) != args.pp * args.chunks:
+            print(f"error: --stage-layers has {len(args.stage_layers)} values, expected "
+                  f"--pp x --chunks = {args.pp * args.chunks}", file=sys.stderr)
+            return 1
+        work = stage_work(args.stage_layers, args.embedding_layers, args.loss_layers)
     try:
-        boxes, sim = timeline(args.schedule, args.pp, args.microbatches, args.chunks, costs)
+        boxes, sim = timeline(args.schedule, args.pp, args.microbatches, args.chunks, costs,
+                              work)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -119,6 +135,9 @@ def main(argv=None) -> int:
     title = (f"{name}: p={args.pp}, m={args.microbatches}, v={args.chunks}, "
              f"F:B:W = {':'.join(f'{c:g}' for c in costs)}; "
              f"bubble {float(sim.bubble_fraction):.3f}")
+    if work is not None:
+        title += (f"; stage layers {args.stage_layers}, step {float(sim.makespan):g}, "
+                  f"idle {float(sim.idle_fraction):.3f}")
     draw(boxes, sim, title, args.chunks, args.output)
     print(f"wrote {args.output} ({title})")
     return 0

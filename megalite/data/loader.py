@@ -11,13 +11,15 @@ from megalite.parallel_state import ParallelState
 
 
 def microbatches(dataset, consumed_samples: int, config: Config, state: ParallelState,
-                 device: torch.device):
+                 device: torch.device, shares: tuple[int, ...] | None = None):
     """This DP rank's micro-batches from `consumed_samples` on, as tensors on `device`, each
     sequence cut to this CP rank's chunks. Worker processes (--num-workers) read and
-    collate ahead of the training loop."""
+    collate ahead of the training loop. `shares`: micro-batches per DP rank per global
+    batch (default --data-parallel-shares as configured, else even)."""
     t = config.training
     sampler = MicroBatchSampler(len(dataset), consumed_samples, t.micro_batch_size,
-                                state.dp_rank, state.dp_size, t.global_batch_size)
+                                state.dp_rank, state.dp_size, t.global_batch_size,
+                                shares or t.data_parallel_shares)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler,
         collate_fn=CollateContextShard(state.cp_size, state.cp_rank),

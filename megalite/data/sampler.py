@@ -2,8 +2,9 @@
 
 Global batch b is samples [b*G, (b+1)*G) of the dataset, whatever the data-parallel size:
 DP rank r takes the contiguous slice [r*G/dp, (r+1)*G/dp) of it and cuts that into
-micro-batches. So the samples of a step, and their order when the ranks' slices are put
-side by side, do not depend on the layout. Like Megatron's pretraining sampler it starts at
+micro-batches (with uneven shares, data/shares.py, the slice after the ranks before it).
+So the samples of a step, and their order when the ranks' slices are put side by side, do
+not depend on the layout. Like Megatron's pretraining sampler it starts at
 `consumed_samples` (from the checkpoint), so a resumed run reads exactly what an
 uninterrupted one would have read from there, and it drops a final partial global batch.
 (Megatron hands rank r the r-th micro-batch of every dp*micro_batch_size chunk instead:
@@ -25,12 +26,21 @@ class MicroBatchSampler:
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, global_batch_size: int):
+                 data_parallel_rank: int, data_parallel_size: int, global_batch_size: int,
+                 shares: tuple[int, ...] | None = None):
+        """`shares`: micro-batches of each DP rank per global batch (data/shares.py);
+        None: the same number each."""
         if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size < 1:
             raise ConfigError(f"--micro-batch-size ({micro_batch_size}), data-parallel size "
                               f"({data_parallel_size}) and --global-batch-size "
                               f"({global_batch_size}) must be >= 1")
-        if global_batch_size % (micro_batch_size * data_parallel_size) != 0:
+        if shares is not None and (len(shares) != data_parallel_size
+                                   or sum(shares) * micro_batch_size != global_batch_size):
+            raise ConfigError(f"data-parallel shares {list(shares)} (micro-batches per DP "
+                              f"rank) x --micro-batch-size {micro_batch_size} do not make "
+                              f"--global-batch-size {global_batch_size} over "
+                              f"{data_parallel_size} ranks")
+        if shares is None and global_batch_size % (micro_batch_size * data_parallel_size) != 0:
             raise ConfigError(f"--global-batch-size {global_batch_size} is not a multiple of "
                               f"--micro-batch-size {micro_batch_size} x data-parallel size "
                               f"{data_parallel_size}")
@@ -47,8 +57,11 @@ class MicroBatchSampler:
                               f"the {total_samples} samples of the dataset")
         self.total_samples, self.consumed_samples = total_samples, consumed_samples
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
-        self.local_batch_size = global_batch_size // data_parallel_size
-        self.local_start = data_parallel_rank * self.local_batch_size
+        shares = shares or (global_batch_size // (micro_batch_size * data_parallel_size),) \
+            * data_parallel_size
+        # This rank's samples follow those of the ranks before it (uneven shares or not).
+        self.local_batch_size = shares[data_parallel_rank] * micro_batch_size
+        self.local_start = sum(shares[:data_parallel_rank]) * micro_batch_size
 
     def __len__(self) -> int:
         """Micro-batches this rank will yield."""

@@ -277,7 +277,8 @@ def rank_chunks(config: Config, pp_rank: int, device: Device) -> list[ChunkActiv
     return [chunk_activations(config, shape, stage.layers(config.model.num_layers),
                               stage.is_first, stage.is_last)
             for stage in rank_stages(pp_rank, par.pipeline_model_parallel_size,
-                                     par.virtual_pipeline_model_parallel_size or 1)]
+                                     par.virtual_pipeline_model_parallel_size or 1,
+                                     par.pipeline_layer_counts)]
 
 
 def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int, int, int]:

@@ -46,7 +46,8 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
     t, dp = par.tensor_model_parallel_size, par.grid.dp_cp_size
     with torch.device("meta"):
         chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
-                                    par.virtual_pipeline_model_parallel_size or 1)
+                                    par.virtual_pipeline_model_parallel_size or 1,
+                                    layer_counts=par.pipeline_layer_counts)
 
     def local(params) -> int:  # elements of one TP rank's shard
         return sum(q.numel() // t if partition_dim(q) is not None else q.numel()

@@ -23,7 +23,8 @@ def rank_parameters(config: Config, pp_rank: int) -> list[nn.Parameter]:
     par = config.parallel
     with torch.device("meta"):
         chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
-                                    par.virtual_pipeline_model_parallel_size or 1)
+                                    par.virtual_pipeline_model_parallel_size or 1,
+                                    layer_counts=par.pipeline_layer_counts)
     return list(chunks.parameters())
 
 

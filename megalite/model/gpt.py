@@ -230,13 +230,15 @@ class GPTModel(nn.Module):
 def build_model_chunks(config: GPTConfig, seed: int, pp_rank: int = 0, pp_size: int = 1,
                        num_chunks: int = 1, tp_group=None, rng_tracker=None,
                        device: torch.device | str | None = None,
-                       dtype: torch.dtype | None = None, cp_group=None) -> nn.ModuleList:
+                       dtype: torch.dtype | None = None, cp_group=None,
+                       layer_counts: tuple[int, ...] | None = None) -> nn.ModuleList:
     """This pipeline rank's model chunks, one per virtual stage (`chunk.stage`: where it
-    sits, docs/design.md §5), built directly on `device` in `dtype` (default: the CPU, fp32).
+    sits, docs/design.md §5; `layer_counts`: an uneven split, stages.stage_layer_counts),
+    built directly on `device` in `dtype` (default: the CPU, fp32).
     On `meta` the parameters get shapes and tags but no values (no initialisation)."""
     with _creating_parameters(device, dtype):
         return nn.ModuleList(GPTModel(config, seed, tp_group, rng_tracker, stage, cp_group)
-                             for stage in rank_stages(pp_rank, pp_size, num_chunks))
+                             for stage in rank_stages(pp_rank, pp_size, num_chunks, layer_counts))
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from megalite.errors import ConfigError
 from megalite.validation.checks import check_fraction, check_positive, flag, from_flags, require
 from megalite.validation.fp8 import check_fp8
 from megalite.validation.layout import batch, parallel_config, validate_pipeline_schedule
+from megalite.validation.uneven import shares_batch
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
@@ -50,13 +51,23 @@ def validate_model_args(args, world_size: int = 1,
                     "make_vocab_size_divisible_by", "tensor_model_parallel_size",
                     "pipeline_model_parallel_size", "distributed_timeout_minutes")
     parallel = parallel_config(args, world_size)
-    micro, global_batch, num_micro = batch(args, parallel)
+    shares = None
+    if args.data_parallel_shares is None:
+        micro, global_batch, num_micro = batch(args, parallel)
+    else:
+        micro, global_batch, shares = shares_batch(args, parallel)
+        num_micro = max(shares)
     validate_pipeline_schedule(args, parallel, num_micro)
     return Config(
         model=_model_config(args, parallel, _vocab_size(args, tokenizer_vocab_size)),
         parallel=parallel,
         training=TrainingConfig(micro_batch_size=micro, global_batch_size=global_batch,
                                 num_microbatches=num_micro, exit_interval=args.exit_interval,
+                                data_parallel_shares=shares,
+                                data_parallel_shares_auto=args.data_parallel_shares == "auto",
+                                data_parallel_shares_threshold=(
+                                    args.data_parallel_shares_threshold),
+                                data_parallel_shares_window=args.data_parallel_shares_window,
                                 eval_interval=args.eval_interval, eval_iters=args.eval_iters,
                                 seed=args.seed),
         precision=_precision_config(args),

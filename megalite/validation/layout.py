@@ -8,6 +8,7 @@ from megalite.errors import ConfigError
 from megalite.parallel_state import RankGrid
 from megalite.pipeline_parallel.schedules import validate_schedule_args
 from megalite.validation.checks import check_positive, from_flags
+from megalite.validation.uneven import is_uneven_split, pipeline_split
 
 
 def parallel_config(args, world_size: int) -> ParallelConfig:
@@ -27,8 +28,10 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
     # Megatron forces fp32 gradient accumulation and reduction under --bf16: summing
     # micro-batches and ranks in 8 mantissa bits loses the small updates.
     fp32_grads = args.accumulate_allreduce_grads_in_fp32 or args.bf16
+    chunks, layer_counts = pipeline_split(args, pp)
     return from_flags(ParallelConfig, args,
-                      virtual_pipeline_model_parallel_size=_virtual_stages(args, pp),
+                      virtual_pipeline_model_parallel_size=chunks or _virtual_stages(args, pp),
+                      pipeline_layer_counts=layer_counts,
                       data_parallel_size=dp,
                       ddp_bucket_size=args.ddp_bucket_size or DEFAULT_BUCKET_SIZE,
                       accumulate_allreduce_grads_in_fp32=fp32_grads)
@@ -100,8 +103,10 @@ def _check_fsdp(args):
 
 def _virtual_stages(args, pp: int) -> int | None:
     """Layers split evenly over p stages, and with --num-layers-per-virtual-pipeline-stage
-    k each rank holds v = L / (p k) chunks of k layers."""
+    k each rank holds v = L / (p k) chunks of k layers (uneven splits: uneven.py)."""
     layers, per_virtual = args.num_layers, args.num_layers_per_virtual_pipeline_stage
+    if is_uneven_split(args):
+        return None
     if layers % pp:
         raise ConfigError(f"--num-layers={layers} is not divisible by "
                           f"--pipeline-model-parallel-size={pp}")
