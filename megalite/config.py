@@ -332,6 +332,9 @@ class CheckpointConfig:
     """Save and exit after this many minutes of training (--exit-duration-in-mins)."""
     check_for_nan: bool = True
     """Stop on a NaN/inf loss or gradient (not --no-check-for-nan-in-loss-and-grad)."""
+    async_save: bool = False
+    """Snapshot to host memory, write in a background thread, publish once every rank's
+    files are written (--async-save; checkpointing/async_save.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

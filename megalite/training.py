@@ -25,7 +25,8 @@ from megalite.distributed.fsdp import copy_into, fully_shard_model
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
-from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing import load_checkpoint
+from megalite.checkpointing.saver import CheckpointSaver
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
@@ -193,11 +194,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                      f"{progress.iteration}" if loaded else
                      f" > no checkpoint in {config.checkpoint.load}: starting from scratch")
 
-    def save(iteration: int):
-        save_checkpoint(config.checkpoint.save, iteration, model, optimizer, scheduler, state,
-                        config, progress, rng_tracker, run_file)
-        print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
-                     f"{config.checkpoint.save}")
+    saver = (CheckpointSaver(config, device, model, optimizer, scheduler, state, progress,
+                             rng_tracker, run_file) if config.checkpoint.save else None)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
@@ -213,7 +211,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
              if evaluating and valid_ds is not None else None)
     try:
         stopped = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device,
-                        progress, save if config.checkpoint.save else None, monitor)
+                        progress, saver, monitor)
         if stopped:
             # A signal or the time budget: the checkpoint is written; leave at once, within
             # the grace period a scheduler gives before it kills the job.
@@ -236,9 +234,10 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
 
 def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, train_ds,
           valid, tensorboard: TensorBoardLogger, device: torch.device, progress: TrainState,
-          save, monitor: Monitor) -> bool:
-    """Train from `progress` on (updating it); `save(iteration)` writes a checkpoint (None:
-    no --save). Returns whether a signal or --exit-duration-in-mins stopped the run."""
+          save: CheckpointSaver | None, monitor: Monitor) -> bool:
+    """Train from `progress` on (updating it); `save` writes checkpoints (None: no --save);
+    every exit waits for its pending write. Returns whether a signal or
+    --exit-duration-in-mins stopped the run."""
     t, log = config.training, config.logging
     exits = ExitConditions(config.checkpoint, device)
     saved_at = progress.iteration
@@ -290,20 +289,26 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
                                 tensorboard, progress.iteration)
             progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
         interval = config.checkpoint.save_interval
+        if save:
+            save.poll()
         if save and interval and progress.iteration % interval == 0:
-            save(progress.iteration)
+            save.save(progress.iteration)
             saved_at = progress.iteration
         reason = exits.check()
         if reason:
             if save and saved_at != progress.iteration:
-                save(progress.iteration)
+                save.save(progress.iteration)
+            if save:
+                save.wait()
             print_rank_0(f"exiting program after iteration {progress.iteration}: {reason}")
             return True
         if t.exit_interval and progress.iteration % t.exit_interval == 0:
             print_rank_last(f"exiting program at iteration {progress.iteration}")
             break
     if save and saved_at != progress.iteration:
-        save(progress.iteration)
+        save.save(progress.iteration)
+    if save:
+        save.wait()
     return False
 
 

@@ -282,6 +282,8 @@ def _checkpoint_config(args) -> CheckpointConfig:
                           f"{args.keep_last_n_checkpoints}")
     if args.finetune and args.load is None:
         raise ConfigError("--finetune needs --load (the checkpoint to start from)")
+    if args.async_save and args.save is None:
+        raise ConfigError("--async-save needs --save (where to write)")
     return from_flags(CheckpointConfig, args, keep_last=args.keep_last_n_checkpoints,
                       save_optim=not args.no_save_optim, load_optim=not args.no_load_optim,
                       load_rng=not args.no_load_rng,

@@ -1,0 +1,154 @@
+"""--async-save (docs/design.md §16): a save in three parts, of which training waits for one.
+
+  1. snapshot (the stall): every rank builds the files a synchronous save writes
+     (saving.rank_files), each tensor copied into a host buffer kept from the last save
+     (pinned on CUDA, so the copy is a DMA queued on the current stream);
+  2. write: a background thread of this process torch.saves those files into the staging
+     directory, each fsynced and renamed (storage.save_tensor_file): the same bytes;
+  3. publish: `finalize`, which every rank calls at the same iterations (each iteration
+     while a save is pending, before the next save, at exit): a MAX all-reduce of "still
+     writing" and "failed" over all ranks; only when no rank is writing does rank 0 commit
+     (metadata, rename, tracker). No rank decides alone that the save is done, so all
+     agree on which save is published and when.
+A second save while one is pending first waits for it (its writes, then its publish).
+A crash before publish leaves the previous checkpoint tracked: the new one is a staging
+directory that nothing loads.
+
+A thread rather than a process: torch.save spends its time in the zip writer and the
+file system, which release the GIL, and a thread shares the host buffers without pickling
+or shared memory (docs/design.md, "Asynchronous and non-persistent checkpoints", has the
+measurement).
+"""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpointing.saving import (begin_save, checkpoint_metadata, publish,
+                                           rank_files)
+from megalite.checkpointing.storage import save_tensor_file
+from megalite.errors import CheckpointError
+
+TEST_HOOK = "MEGALITE_ASYNC_SAVE_TEST_KILL"
+"""Test-only: "<point>:<iteration>" kills this process (SIGKILL) at `point` of the save of
+`iteration`: before_write, after_first_file (in the writer), before_publish (rank 0, all
+files written)."""
+
+
+def _test_kill(point: str, iteration: int) -> None:
+    if os.environ.get(TEST_HOOK) == f"{point}:{iteration}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HostBuffers:
+    """Host tensors reused from save to save: the i-th copy of a save lands in the i-th
+    buffer (a save copies the same tensors in the same order), reallocated only when its
+    shape or dtype changes. Pinned on CUDA so the device-to-host copy does not block."""
+
+    def __init__(self, pin: bool):
+        self.pin, self.buffers, self.next = pin, [], 0
+
+    def start(self) -> None:
+        self.next = 0
+
+    def copy(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or tensor.dtype
+        i, self.next = self.next, self.next + 1
+        if i == len(self.buffers):
+            self.buffers.append(None)
+        buffer = self.buffers[i]
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != dtype:
+            buffer = torch.empty(tensor.shape, dtype=dtype, pin_memory=self.pin)
+            self.buffers[i] = buffer
+        return buffer.copy_(tensor.detach(), non_blocking=self.pin)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)
+
+
+class _Pending:
+    """One save between its snapshot and its publish."""
+
+    def __init__(self, save: str, iteration: int, metadata: dict | None, config,
+                 requested: float):
+        self.save, self.iteration, self.metadata, self.config = save, iteration, metadata, config
+        self.requested, self.error, self.thread = requested, None, None
+
+    def write(self, files: dict[str, dict], staging: Path, copied) -> None:
+        try:
+            if copied is not None:
+                copied.synchronize()  # the snapshot's copies have landed in the buffers
+            _test_kill("before_write", self.iteration)
+            for i, (name, obj) in enumerate(files.items()):
+                save_tensor_file(obj, staging / name)
+                if i == 0:
+                    _test_kill("after_first_file", self.iteration)
+        except Exception as error:  # reported by every rank at the next finalize
+            self.error = error
+
+
+class AsyncCheckpointer:
+    """Owns the save in flight. `group`: the ranks that save together (all of them)."""
+
+    def __init__(self, device: torch.device, group=None):
+        self.device, self.group = device, group
+        self.buffers = HostBuffers(pin=device.type == "cuda")
+        self.pending: _Pending | None = None
+
+    def save(self, save: str, iteration: int, chunks, optimizer, scheduler, state, config,
+             train_state, rng_tracker=None, run_file: str | None = None) -> float:
+        """Every rank at the same iteration: waits for a pending save, snapshots, starts
+        the writer. Returns the seconds training was blocked (the stall)."""
+        self.finalize(blocking=True)
+        requested = time.perf_counter()
+        staging = begin_save(save, iteration)
+        self.buffers.start()
+        files = rank_files(chunks, optimizer, state, config, rng_tracker, self.buffers.copy)
+        metadata = (checkpoint_metadata(chunks, optimizer, scheduler, state, config,
+                                        train_state, run_file)
+                    if dist.get_rank() == 0 else None)
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        pending = _Pending(save, iteration, metadata, config, requested)
+        pending.thread = threading.Thread(target=pending.write, args=(files, staging, copied),
+                                          name=f"async-save-{iteration}", daemon=True)
+        pending.thread.start()
+        self.pending = pending
+        return time.perf_counter() - requested
+
+    def finalize(self, blocking: bool) -> tuple[int, float] | None:
+        """Every rank at the same iteration. Publishes the pending save if every rank has
+        written its files (`blocking`: after waiting for this rank's writer). Returns the
+        published iteration and the seconds since its save was requested, or None."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if blocking:
+            pending.thread.join()
+        flags = torch.tensor([pending.thread.is_alive(), pending.error is not None],
+                             dtype=torch.float32)
+        if self.device.type == "cuda":  # NCCL takes device tensors only
+            flags = flags.to(self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        writing, failed = flags.tolist()
+        if writing:
+            return None
+        self.pending = None
+        if failed:
+            here = f": {pending.error!r}" if pending.error is not None else " (on another rank)"
+            raise CheckpointError(f"asynchronous save of iteration {pending.iteration} to "
+                                  f"{pending.save} failed{here}; the previous checkpoint "
+                                  f"stays the tracked one")
+        if dist.get_rank(self.group) == 0:
+            _test_kill("before_publish", pending.iteration)
+            publish(pending.save, pending.iteration, pending.metadata, pending.config)
+        dist.barrier(group=self.group)
+        return pending.iteration, time.perf_counter() - pending.requested
