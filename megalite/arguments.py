@@ -262,6 +262,17 @@ def _add_async_save_args(parser):
                         "save writes, and the tracker names the checkpoint once every rank "
                         "has written its files (checked each iteration). A save while one "
                         "is pending first waits for it; exits wait for it too.")
+    g.add_argument("--non-persistent-save-interval", type=int,
+                   help="Also save every this many iterations to a fast, non-persistent "
+                        "place (--non-persistent-ckpt-type), kept only until the next "
+                        "--save checkpoint; a restart prefers it when it is newer and "
+                        "every rank has it.")
+    g.add_argument("--non-persistent-ckpt-type", choices=["local"],
+                   help="local: each rank writes its own state into "
+                        "--non-persistent-local-ckpt-dir, a directory on its node's disk "
+                        "(Megatron's 'global' and 'in_memory' are not supported).")
+    g.add_argument("--non-persistent-local-ckpt-dir",
+                   help="The node-local directory of --non-persistent-ckpt-type local.")
 
 
 def _logging(parser):

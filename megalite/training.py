@@ -26,6 +26,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint
+from megalite.checkpointing.local import load_newest
 from megalite.checkpointing.saver import CheckpointSaver
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
@@ -184,15 +185,22 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     runner = StepRunner(model, optimizer, config, state, device, grad_buffer, timers)
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
-    if config.checkpoint.load is not None:
-        loaded = load_any_format(config.checkpoint.load, model, optimizer, scheduler, state,
-                                 config, rng_tracker)
+    ckpt = config.checkpoint
+    if ckpt.load is not None or ckpt.non_persistent_local_ckpt_dir is not None:
+        def load_persistent():
+            return load_any_format(ckpt.load, model, optimizer, scheduler, state, config,
+                                   rng_tracker)
+        if ckpt.non_persistent_local_ckpt_dir is None:
+            loaded, source = load_persistent(), ckpt.load
+        else:  # the newer of --load's and a local one every rank has (checkpointing/local.py)
+            loaded, source = load_newest(ckpt.non_persistent_local_ckpt_dir, ckpt.load, model,
+                                         optimizer, scheduler, state, device, rng_tracker,
+                                         load_persistent)
         if loaded is not None:
             progress = TrainState(**loaded)
             monitor.resumed = True
-        print_rank_0(f" > resuming from {config.checkpoint.load} at iteration "
-                     f"{progress.iteration}" if loaded else
-                     f" > no checkpoint in {config.checkpoint.load}: starting from scratch")
+        print_rank_0(f" > resuming from {source} at iteration {progress.iteration}"
+                     if loaded else f" > no checkpoint in {source}: starting from scratch")
 
     saver = (CheckpointSaver(config, device, model, optimizer, scheduler, state, progress,
                              rng_tracker, run_file) if config.checkpoint.save else None)
@@ -294,6 +302,8 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         if save and interval and progress.iteration % interval == 0:
             save.save(progress.iteration)
             saved_at = progress.iteration
+        elif save:
+            save.save_non_persistent(progress.iteration)
         reason = exits.check()
         if reason:
             if save and saved_at != progress.iteration:

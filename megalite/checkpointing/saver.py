@@ -6,8 +6,9 @@ Megatron-LM once printed "saved checkpoint" with the time of a save that was onl
              when asynchronous);
   finished:  "successfully saved checkpoint at iteration N", printed once the tracker
              names it, with the seconds from the request.
-The loop calls `save` at a save iteration, `poll` every iteration (every rank: it may run
-the collective that publishes a finished asynchronous save) and `wait` before it returns.
+The loop calls `save` at a save iteration (else `save_non_persistent`, which saves at
+--non-persistent-save-interval), `poll` every iteration (every rank: it may run the
+collective that publishes a finished asynchronous save) and `wait` before it returns.
 """
 
 import time
@@ -15,6 +16,7 @@ import time
 import torch.distributed as dist
 
 from megalite.checkpointing.async_save import AsyncCheckpointer
+from megalite.checkpointing.local import drop_stale, save_local
 from megalite.checkpointing.saving import save_checkpoint
 
 
@@ -53,6 +55,21 @@ class CheckpointSaver:
                       f"blocked {stall * 1e3:.1f} ms (snapshot to host memory); writing in "
                       f"the background (--async-save)")
 
+    def save_non_persistent(self, iteration: int) -> None:
+        """Every rank, at an iteration without a persistent save: a node-local save if
+        --non-persistent-save-interval says so (synchronous: a local disk is fast)."""
+        ckpt = self.config.checkpoint
+        interval = ckpt.non_persistent_save_interval
+        if not interval or iteration % interval:
+            return
+        model, optimizer, scheduler, state = self.parts
+        start = time.perf_counter()
+        save_local(ckpt.non_persistent_local_ckpt_dir, iteration, model, optimizer, scheduler,
+                   state, self.progress, self.rng_tracker)
+        dist.barrier()  # for the time and the log: every rank's file is written
+        _print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
+                      f"{ckpt.non_persistent_local_ckpt_dir} ({time.perf_counter() - start:.2f} s)")
+
     def poll(self) -> None:
         """Every rank, every iteration: publish the pending save if every rank wrote it."""
         if self.writer is not None and self.writer.pending is not None:
@@ -68,5 +85,8 @@ class CheckpointSaver:
             self._finished(*published)
 
     def _finished(self, iteration: int, seconds: float) -> None:
+        local = self.config.checkpoint.non_persistent_local_ckpt_dir
+        if local is not None:
+            drop_stale(local, iteration)
         _print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
                       f"{self.directory} ({seconds:.2f} s after the save was requested)")

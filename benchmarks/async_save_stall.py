@@ -1,0 +1,138 @@
+"""How long a save blocks training: synchronous save_checkpoint against --async-save's
+snapshot (async_save.AsyncCheckpointer), in the same run, on the same model and disk.
+
+One process (a one-rank gloo group, or NCCL with --device cuda) builds the GPT of
+benchmarks/checkpoint_throughput.py (fp32, plain AdamW), takes a training step so Adam's
+moments exist, then per round:
+  sync   save_checkpoint: the whole save blocks training (seconds, GB/s written);
+  async  AsyncCheckpointer.save: the stall (snapshot to host buffers; the first round
+         allocates them, later rounds reuse them), then training steps while the writer
+         thread writes, then finalize(blocking=True): the save's whole duration;
+  steps  the same training steps with no save in flight: what the writer thread costs a
+         step that runs beside it (the GIL and the cores it shares).
+The files of the sync and async saves are checked byte-identical. Prints the stall as a
+fraction of the sync save (the target: <= 10%).
+
+    python benchmarks/async_save_stall.py [--num-layers 8 --hidden-size 768 --repeat 3]
+
+SMOKE=1 (benchmarks/smoke.py): a 2-layer hidden-64 model, two rounds, under $TMPDIR.
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from checkpoint_throughput import REPO, Run, build_config, free_port
+from megalite.checkpointing.async_save import AsyncCheckpointer
+from megalite.parallel_state import ParallelState
+from megalite.training import TrainState
+from smoke import shrink
+
+
+def timed(fn, *args) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - start, result
+
+
+def steps(run: Run, n: int) -> float:
+    """Seconds per training step over `n` steps."""
+    start = time.perf_counter()
+    for _ in range(n):
+        run.train_step()
+    return (time.perf_counter() - start) / n
+
+
+def async_round(run: Run, writer: AsyncCheckpointer, directory: str, iteration: int,
+                n_steps: int) -> dict:
+    shutil.rmtree(directory, ignore_errors=True)
+    start = time.perf_counter()
+    stall = writer.save(directory, iteration, run.model, run.optimizer, run.scheduler,
+                        run.state, run.config, TrainState(iteration, iteration))
+    step_s = steps(run, n_steps)  # beside the writer
+    writer.finalize(blocking=True)
+    return {"stall": stall, "total": time.perf_counter() - start, "step": step_s}
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    return all((a / f.name).read_bytes() == f.read_bytes()
+               for f in b.iterdir() if f.suffix == ".pt")
+
+
+def measure(args, run: Run, tmp: str) -> list[dict]:
+    writer = AsyncCheckpointer(run.device, dist.group.WORLD)
+    rounds = []
+    for r in range(args.repeat):
+        sync_dir, async_dir = os.path.join(tmp, "sync"), os.path.join(tmp, "async")
+        shutil.rmtree(sync_dir, ignore_errors=True)
+        sync_s, final = timed(run.save, sync_dir, 1)
+        nbytes = sum(f.stat().st_size for f in final.iterdir())
+        # The same state as the sync save: async saves iteration 1 before any step.
+        row = async_round(run, writer, async_dir, 1, args.steps)
+        assert same_bytes(final, Path(async_dir, final.name)), "async files differ from sync"
+        row.update(sync=sync_s, bytes=nbytes, alone=steps(run, args.steps), round=r + 1,
+                   host_buffers=writer.buffers.nbytes)
+        rounds.append(row)
+    return rounds
+
+
+def report(rows: list[dict]):
+    print("\n| round | bytes | sync save s | sync GB/s | async stall s | stall / sync "
+          "| async save, whole s | step s beside the writer | step s alone |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['round']} | {r['bytes']:,} | {r['sync']:.2f} | "
+              f"{r['bytes'] / r['sync'] / 1e9:.2f} | {r['stall']:.3f} | "
+              f"{100 * r['stall'] / r['sync']:.1f}% | {r['total']:.2f} | {r['step']:.3f} | "
+              f"{r['alone']:.3f} |")
+    later = rows[1:] or rows
+    ratios = sorted(r["stall"] / r["sync"] for r in later)
+    print(f"host buffers held between saves: {rows[-1]['host_buffers']:,} bytes")
+    print(f"stall with reused buffers (rounds {later[0]['round']}..{later[-1]['round']}): "
+          f"median {100 * ratios[len(ratios) // 2]:.1f}%, max {100 * ratios[-1]:.1f}% of the "
+          f"synchronous save of the same round (target <= 10%)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=str(REPO),
+                   help="Where the temporary directory goes (default: the repo's disk).")
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=768)
+    p.add_argument("--vocab-size", type=int, default=16384)
+    p.add_argument("--repeat", type=int, default=3, help="Rounds (the first allocates the "
+                   "host buffers, later ones reuse them).")
+    p.add_argument("--steps", type=int, default=3,
+                   help="Training steps (b=1, s=32) run while the writer writes.")
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    args = shrink(p.parse_args(), dir=tempfile.gettempdir(), num_layers=2, hidden_size=64,
+                  vocab_size=512, repeat=2, steps=1)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        with tempfile.TemporaryDirectory(prefix="async_bench_", dir=args.dir) as tmp:
+            config = build_config(args, os.path.join(tmp, "sync"))
+            run = Run(config, ParallelState(config.parallel.grid, 0), device)
+            run.train_step()
+            psi = sum(q.numel() for q in run.model.parameters())
+            print(f"torch {torch.__version__}, {os.cpu_count()} cores, model on {device}: "
+                  f"{args.num_layers} layers, hidden {args.hidden_size}, "
+                  f"{psi / 1e6:.2f}M fp32 parameters, plain AdamW; directory {tmp}")
+            rows = measure(args, run, tmp)
+    finally:
+        dist.destroy_process_group()
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()
