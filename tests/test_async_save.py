@@ -2,7 +2,7 @@
 synchronous save of the same state, a run resumed from them ends bit-exactly where the
 uninterrupted run does, the "requested" and "finished" log lines come apart, and a process
 killed at any point of an asynchronous write leaves the previous checkpoint tracked and
-loadable."""
+loadable; the memory planner counts the host buffers the snapshot holds."""
 
 import contextlib
 import io
@@ -16,9 +16,13 @@ import torch
 import torch.multiprocessing as mp
 
 from megalite.checkpointing.async_save import TEST_HOOK
-from megalite.checkpointing.storage import METADATA_FILENAME, find_checkpoint_to_load
+from megalite.arguments import parse_args
+from megalite.checkpointing.storage import (METADATA_FILENAME, find_checkpoint_to_load,
+                                           load_tensor_file)
+from megalite.memory_estimate import estimate_memory
 from megalite.spawn import FORKSERVER_PRELOAD
 from megalite.training import pretrain
+from megalite.validation import validate_args
 
 from tests.helpers import assert_identical, checkpoint_tensors, flags_with
 
@@ -68,6 +72,27 @@ def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path):
     finished = first.index("successfully saved checkpoint at iteration       2")
     assert requested < finished
     assert "training blocked" in first[requested:finished]
+    assert planned_host_buffers("--save", str(asyn), "--async-save") == \
+        tensor_bytes(asyn / "iter_0000002")
+
+
+def planned_host_buffers(*flags) -> int:
+    config = validate_args(parse_args([*FLAGS, *flags]), 1)
+    (rank,) = estimate_memory(config, "cpu")
+    return rank.async_save_host
+
+
+def tensor_bytes(directory: Path) -> int:
+    """Bytes of the model's and optimizer's tensors in a checkpoint (what the planner says
+    an async save holds in host buffers; less the few bytes of ranges and RNG states)."""
+    def walk(value, key=""):
+        if isinstance(value, dict):
+            return sum(walk(v, k) for k, v in value.items())
+        if torch.is_tensor(value) and key != "range":
+            return value.numel() * value.element_size()
+        return 0
+    return sum(walk(load_tensor_file(f)) for f in directory.glob("*.pt")
+               if not f.name.startswith("rng_"))
 
 
 def _pretrain(flags: list[str], kill: str | None):
