@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint_throughput import REPO, Run, build_config, free_port
+from checkpoint_throughput import Run, add_run_args, build_config, init_one_rank
 from megalite.checkpointing.async_save import AsyncCheckpointer
 from megalite.parallel_state import ParallelState
 from megalite.training import TrainState
@@ -101,24 +101,14 @@ def report(rows: list[dict]):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=str(REPO),
-                   help="Where the temporary directory goes (default: the repo's disk).")
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--hidden-size", type=int, default=768)
-    p.add_argument("--vocab-size", type=int, default=16384)
+    add_run_args(p)
     p.add_argument("--repeat", type=int, default=3, help="Rounds (the first allocates the "
                    "host buffers, later ones reuse them).")
     p.add_argument("--steps", type=int, default=3,
                    help="Training steps (b=1, s=32) run while the writer writes.")
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = shrink(p.parse_args(), dir=tempfile.gettempdir(), num_layers=2, hidden_size=64,
                   vocab_size=512, repeat=2, steps=1)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+    device = init_one_rank(args.device)
     try:
         with tempfile.TemporaryDirectory(prefix="async_bench_", dir=args.dir) as tmp:
             config = build_config(args, os.path.join(tmp, "sync"))

@@ -1,4 +1,4 @@
-"""--async-save in one process (docs/design.md §16): the files are byte for byte those of a
+"""--async-save in one process (docs/design.md §14): the files are byte for byte those of a
 synchronous save of the same state, a run resumed from them ends bit-exactly where the
 uninterrupted run does, the "requested" and "finished" log lines come apart, and a process
 killed at any point of an asynchronous write leaves the previous checkpoint tracked and
@@ -6,7 +6,6 @@ loadable; the memory planner counts the host buffers the snapshot holds."""
 
 import contextlib
 import io
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,14 +16,13 @@ import torch.multiprocessing as mp
 
 from megalite.checkpointing.async_save import TEST_HOOK
 from megalite.arguments import parse_args
-from megalite.checkpointing.storage import (METADATA_FILENAME, find_checkpoint_to_load,
-                                           load_tensor_file)
+from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
 from megalite.memory_estimate import estimate_memory
 from megalite.spawn import FORKSERVER_PRELOAD
 from megalite.training import pretrain
 from megalite.validation import validate_args
 
-from tests.helpers import assert_identical, checkpoint_tensors, flags_with
+from tests.helpers import assert_identical, assert_same_files, checkpoint_tensors, flags_with
 
 FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
                    "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
@@ -40,20 +38,6 @@ def run(*flags) -> str:
     with contextlib.redirect_stdout(out):
         assert pretrain([*FLAGS, *flags]) == 0
     return out.getvalue()
-
-
-def assert_same_files(a: Path, b: Path):
-    """Every .pt file byte for byte; the metadata but for the flags that differ."""
-    names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir())
-    for name in names:
-        if name == METADATA_FILENAME:
-            ma, mb = (json.loads((d / name).read_text()) for d in (a, b))
-            for m in (ma, mb):
-                del m["config"], m["run_file"]
-            assert ma == mb
-        else:
-            assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path):

@@ -1,4 +1,4 @@
-"""--async-save (docs/design.md §16): a save in three parts, of which training waits for one.
+"""--async-save (docs/design.md §14): a save in three parts, of which training waits for one.
 
   1. snapshot (the stall): every rank builds the files a synchronous save writes
      (saving.rank_files), each tensor copied into a host buffer kept from the last save

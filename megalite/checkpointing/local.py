@@ -1,4 +1,4 @@
-"""Non-persistent checkpoints (docs/design.md §16): --non-persistent-save-interval with
+"""Non-persistent checkpoints (docs/design.md §14): --non-persistent-save-interval with
 --non-persistent-ckpt-type local, into --non-persistent-local-ckpt-dir, a directory on each
 node's own disk.
 

@@ -1,22 +1,14 @@
-"""--async-save at TP 2 x PP 2 x DP 2 with ZeRO-1 and with FSDP2 (docs/design.md §16): every
+"""--async-save at TP 2 x PP 2 x DP 2 with ZeRO-1 and with FSDP2 (docs/design.md §14): every
 rank's files byte for byte those of a synchronous save of the same state, and a run resumed
 from the asynchronous checkpoint writes the uninterrupted run's next checkpoint byte for
 byte. One launch of 8 ranks runs every training through megalite.training.run_training."""
 
-import contextlib
-import io
 
 import pytest
-import torch
 
-from megalite.arguments import parse_args
-from megalite.parallel_state import ParallelState
 from megalite.spawn import run_distributed
-from megalite.training import run_training
-from megalite.validation import validate_args
 
-from tests.helpers import flags_with
-from tests.test_async_save import assert_same_files
+from tests.helpers import assert_same_files, flags_with, train_in_rank
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -31,12 +23,7 @@ LAYOUTS = {"zero1": ["--use-distributed-optimizer"], "fsdp2": ["--use-torch-fsdp
 
 
 def train(rank, world_size, *flags) -> str:
-    config = validate_args(parse_args([*FLAGS, *flags]), world_size)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        run_training(config, ParallelState(config.parallel.grid, rank), torch.device("cpu"),
-                     None)
-    return out.getvalue()
+    return train_in_rank(rank, world_size, [*FLAGS, *flags])
 
 
 def runs(rank, world_size, root):

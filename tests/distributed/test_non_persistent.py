@@ -1,26 +1,19 @@
 """Non-persistent (node-local) checkpoints, --non-persistent-ckpt-type local (docs/design.md
-§16), at DP 2 with ZeRO-1: a run that dies after a local save newer than its last
+§14), at DP 2 with ZeRO-1: a run that dies after a local save newer than its last
 persistent one resumes from the local save, and from the persistent one when one rank's
 local file is missing; either way it ends with the uninterrupted run's checkpoint, byte for
 byte. One launch of 2 ranks."""
 
-import contextlib
-import io
 import shutil
 
 import pytest
 import torch
 
-from megalite.arguments import parse_args
 from megalite.checkpointing.local import rank_path
 from megalite.checkpointing.saver import CheckpointSaver
-from megalite.parallel_state import ParallelState
 from megalite.spawn import run_distributed
-from megalite.training import run_training
-from megalite.validation import validate_args
 
-from tests.helpers import flags_with
-from tests.test_async_save import assert_same_files
+from tests.helpers import assert_same_files, flags_with, train_in_rank
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -37,12 +30,7 @@ class Killed(Exception):
 
 
 def train(rank, world_size, *flags) -> str:
-    config = validate_args(parse_args([*FLAGS, *flags]), world_size)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        run_training(config, ParallelState(config.parallel.grid, rank), torch.device("cpu"),
-                     None)
-    return out.getvalue()
+    return train_in_rank(rank, world_size, [*FLAGS, *flags])
 
 
 def die_at_persistent_save_4(rank, world_size, save, local):
