@@ -7,9 +7,11 @@ moments exist, then per round:
   sync   save_checkpoint: the whole save blocks training (seconds, GB/s written);
          each time also in the CPU seconds of the training thread (time.thread_time),
          which other processes on a busy machine do not inflate;
-  async  AsyncCheckpointer.save: the stall (snapshot to host buffers; the first round
-         allocates them, later rounds reuse them), then training steps while the writer
-         thread writes, then finalize(blocking=True): the save's whole duration;
+  async  AsyncCheckpointer.save, then training steps while the snapshot is copied and the
+         writer thread writes, then finalize(blocking=True): the save's whole duration.
+         The stall: the request plus what the next optimizer step waited for the copies
+         (CPU seconds: the request's only; the first round allocates the host buffers,
+         later rounds reuse them);
   steps  the same training steps with no save in flight: what the writer thread costs a
          step that runs beside it (the GIL and the cores it shares).
 The files of the sync and async saves are checked byte-identical. Prints the stall as a
@@ -59,10 +61,12 @@ def async_round(run: Run, writer: AsyncCheckpointer, directory: str, iteration: 
     stall, stall_cpu, _ = timed(writer.save, directory, iteration, run.model, run.optimizer,
                                 run.scheduler, run.state, run.config,
                                 TrainState(iteration, iteration))
+    writer.waited_s = 0.0
     step_s = steps(run, n_steps)  # beside the writer
     writer.finalize(blocking=True)
-    return {"stall": stall, "stall_cpu": stall_cpu, "total": time.perf_counter() - start,
-            "step": step_s}
+    # Blocked: the request, and the optimizer steps' wait for the snapshot's copies.
+    return {"stall": stall + writer.waited_s, "stall_cpu": stall_cpu,
+            "total": time.perf_counter() - start, "step": step_s}
 
 
 def same_bytes(a: Path, b: Path) -> bool:

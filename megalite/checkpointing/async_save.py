@@ -1,8 +1,11 @@
 """--async-save (docs/design.md §14): a save in three parts, of which training waits for one.
 
   1. snapshot (the stall): every rank builds the files a synchronous save writes
-     (saving.rank_files), each tensor copied into a host buffer kept from the last save
-     (pinned on CUDA, so the copy is a DMA queued on the current stream);
+     (saving.rank_files), each tensor to be copied into a host buffer kept from the last
+     save (HostBuffers). The copies run while the next step's forward and backward do (on
+     a side CUDA stream into pinned memory, or in the writer thread on a CPU), and the
+     next optimizer step waits for them (a pre-step hook on AdamW): nothing a snapshot
+     copies changes before AdamW's step;
   2. write: a background thread of this process torch.saves those files into the staging
      directory, each fsynced and renamed (storage.save_tensor_file): the same bytes;
   3. publish: `finalize`, which every rank calls at the same iterations (each iteration
@@ -48,13 +51,17 @@ def _test_kill(point: str, iteration: int) -> None:
 class HostBuffers:
     """Host tensors reused from save to save: the i-th copy of a save lands in the i-th
     buffer (a save copies the same tensors in the same order), reallocated only when its
-    shape or dtype changes. Pinned on CUDA so the device-to-host copy does not block."""
+    shape or dtype changes. `copy` only queues; the copies run overlapped with the next
+    step's forward and backward (`launch` on CUDA, `fill` in the writer thread on a CPU),
+    and the next optimizer step waits for them (AsyncCheckpointer._before_step)."""
 
-    def __init__(self, pin: bool):
-        self.pin, self.buffers, self.next = pin, [], 0
+    def __init__(self, device: torch.device):
+        self.pin = device.type == "cuda"  # pinned: a DMA that does not block the host
+        self.stream = torch.cuda.Stream(device) if self.pin else None
+        self.buffers, self.next, self.queued = [], 0, []
 
     def start(self) -> None:
-        self.next = 0
+        self.next, self.queued = 0, []
 
     def copy(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or tensor.dtype
@@ -65,7 +72,29 @@ class HostBuffers:
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != dtype:
             buffer = torch.empty(tensor.shape, dtype=dtype, pin_memory=self.pin)
             self.buffers[i] = buffer
-        return buffer.copy_(tensor.detach(), non_blocking=self.pin)
+        self.queued.append((buffer, tensor.detach()))
+        return buffer
+
+    def launch(self):
+        """CUDA: every queued copy on a side stream, after the work that made the values;
+        the event that marks them done. None on a CPU."""
+        if not self.pin:
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for buffer, tensor in self.queued:
+                buffer.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self.stream)  # a gathered value lives until copied
+        self.queued = []
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def fill(self) -> None:
+        """CPU: the queued copies, in the calling (writer) thread."""
+        for buffer, tensor in self.queued:
+            buffer.copy_(tensor)
+        self.queued = []
 
     @property
     def nbytes(self) -> int:
@@ -79,11 +108,18 @@ class _Pending:
                  requested: float):
         self.save, self.iteration, self.metadata, self.config = save, iteration, metadata, config
         self.requested, self.error, self.thread = requested, None, None
+        self.copied = threading.Event()  # the host buffers hold the snapshot
+        self.cuda_copied = None  # on CUDA: the side stream's event
 
-    def write(self, files: dict[str, dict], staging: Path, copied) -> None:
+    def write(self, files: dict[str, dict], staging: Path, buffers: HostBuffers) -> None:
         try:
-            if copied is not None:
-                copied.synchronize()  # the snapshot's copies have landed in the buffers
+            try:
+                if self.cuda_copied is not None:
+                    self.cuda_copied.synchronize()
+                else:
+                    buffers.fill()
+            finally:
+                self.copied.set()  # never leave the optimizer step waiting
             _test_kill("before_write", self.iteration)
             for i, (name, obj) in enumerate(files.items()):
                 save_tensor_file(obj, staging / name)
@@ -98,8 +134,23 @@ class AsyncCheckpointer:
 
     def __init__(self, device: torch.device, group=None):
         self.device, self.group = device, group
-        self.buffers = HostBuffers(pin=device.type == "cuda")
+        self.buffers = HostBuffers(device)
         self.pending: _Pending | None = None
+        self.waited_s = 0.0
+        """Seconds optimizer steps waited for a snapshot's copies (part of the stall)."""
+        self._hooked = set()
+
+    def _before_step(self, *_) -> None:
+        """Before AdamW changes anything a snapshot copies: its copies must be done."""
+        pending = self.pending
+        if pending is None:
+            return
+        if pending.cuda_copied is not None:
+            torch.cuda.current_stream().wait_event(pending.cuda_copied)  # on the GPU
+        elif not pending.copied.is_set():
+            start = time.perf_counter()
+            pending.copied.wait()
+            self.waited_s += time.perf_counter() - start
 
     def save(self, save: str, iteration: int, chunks, optimizer, scheduler, state, config,
              train_state, rng_tracker=None, run_file: str | None = None) -> float:
@@ -113,12 +164,13 @@ class AsyncCheckpointer:
         metadata = (checkpoint_metadata(chunks, optimizer, scheduler, state, config,
                                         train_state, run_file)
                     if dist.get_rank() == 0 else None)
-        copied = None
-        if self.device.type == "cuda":
-            copied = torch.cuda.Event()
-            copied.record()
+        if id(optimizer.adam) not in self._hooked:  # AdamW updates params, main and moments
+            optimizer.adam.register_step_pre_hook(self._before_step)
+            self._hooked.add(id(optimizer.adam))
         pending = _Pending(save, iteration, metadata, config, requested)
-        pending.thread = threading.Thread(target=pending.write, args=(files, staging, copied),
+        pending.cuda_copied = self.buffers.launch()
+        pending.thread = threading.Thread(target=pending.write,
+                                          args=(files, staging, self.buffers),
                                           name=f"async-save-{iteration}", daemon=True)
         pending.thread.start()
         self.pending = pending

@@ -52,8 +52,9 @@ class CheckpointSaver:
         stall = self.writer.save(*args)
         self.stall_s.append(time.perf_counter() - start)  # with a wait for the last save
         _print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
-                      f"blocked {stall * 1e3:.1f} ms (snapshot to host memory); writing in "
-                      f"the background (--async-save)")
+                      f"blocked {stall * 1e3:.1f} ms (snapshot queued; copied to host memory "
+                      f"before the next optimizer step); writing in the background "
+                      f"(--async-save)")
 
     def save_non_persistent(self, iteration: int) -> None:
         """Every rank, at an iteration without a persistent save: a node-local save if
@@ -81,8 +82,12 @@ class CheckpointSaver:
             self._report(self.writer.finalize(blocking=True))
 
     def _report(self, published) -> None:
-        if published is not None:
-            self._finished(*published)
+        if published is None:
+            return
+        _print_rank_0(f"  optimizer steps waited {self.writer.waited_s * 1e3:.1f} ms for the "
+                      f"snapshot's copies to host memory")
+        self.writer.waited_s = 0.0
+        self._finished(*published)
 
     def _finished(self, iteration: int, seconds: float) -> None:
         local = self.config.checkpoint.non_persistent_local_ckpt_dir
