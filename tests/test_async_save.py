@@ -8,13 +8,14 @@ import contextlib
 import io
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megalite.checkpointing.async_save import TEST_HOOK
+from megalite.checkpointing.async_save import TEST_HOOK, AsyncCheckpointer, HostBuffers
 from megalite.arguments import parse_args
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
 from megalite.memory_estimate import estimate_memory
@@ -40,11 +41,28 @@ def run(*flags) -> str:
     return out.getvalue()
 
 
-def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path):
+def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, monkeypatch):
     """6 steps saving synchronously every 2, against --async-save for 4 steps (exit),
-    then a new run resumed from its checkpoint for 2 more: iter 2, 4 and 6 identical files."""
+    then a new run resumed from its checkpoint for 2 more: iter 2, 4 and 6 identical files.
+    The first snapshot's copies are held back until the next optimizer step is about to
+    run: its files are right only if that step waits for them (the pre-step hook)."""
     sync, asyn = tmp_path / "sync", tmp_path / "async"
     run("--save", str(sync))
+    step_reached, fill, before_step = (threading.Event(), HostBuffers.fill,
+                                       AsyncCheckpointer._before_step)
+
+    def late_fill(self):
+        if not step_reached.is_set():  # the first save only (none follows the last)
+            step_reached.wait(timeout=10)  # without the hook: after the step has run
+        step_reached.set()
+        fill(self)
+
+    def announcing_before_step(self, *args):
+        if self.pending is not None:
+            step_reached.set()
+        before_step(self, *args)
+    monkeypatch.setattr(HostBuffers, "fill", late_fill)
+    monkeypatch.setattr(AsyncCheckpointer, "_before_step", announcing_before_step)
     first = run("--save", str(asyn), "--async-save", "--exit-interval", "4")
     second = run("--save", str(asyn), "--load", str(asyn), "--async-save")
     assert "resuming from" in second and "at iteration 4" in second
