@@ -236,25 +236,36 @@ def print_table(clock: Clock, nbytes: int):
               f"| {ratio} |")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(p: argparse.ArgumentParser):
+    """The model, device and directory flags (benchmarks/async_save_stall.py shares them)."""
     p.add_argument("--dir", default=str(REPO),
                    help="Where the temporary directory goes (default: the repo's disk).")
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--vocab-size", type=int, default=16384)
-    p.add_argument("--repeat", type=int, default=2, help="Rounds; the best of each is shown.")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
                    help="Where the model and optimizer live (default cuda:0 when a GPU is "
                         "visible).")
-    args = shrink(p.parse_args(), dir=tempfile.gettempdir(), num_layers=2, hidden_size=64,
-                  vocab_size=512, repeat=1)
-    device = torch.device(args.device)
+
+
+def init_one_rank(name: str) -> torch.device:
+    """A one-rank process group on `name`'s device (NCCL on CUDA, else gloo)."""
+    device = torch.device(name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(p)
+    p.add_argument("--repeat", type=int, default=2, help="Rounds; the best of each is shown.")
+    args = shrink(p.parse_args(), dir=tempfile.gettempdir(), num_layers=2, hidden_size=64,
+                  vocab_size=512, repeat=1)
+    device = init_one_rank(args.device)
     clock = Clock()
     try:
         with tempfile.TemporaryDirectory(prefix="ckpt_bench_", dir=args.dir) as tmp:

@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp,
-                      _add_fp8_args, _add_uneven_work_args):
+                      _add_fp8_args, _add_uneven_work_args, _add_async_save_args):
         add_group(parser)
     parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
@@ -276,6 +276,27 @@ def _checkpointing(parser):
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false",
                    help="Do not stop when the loss or a gradient is NaN or infinite.")
+
+
+def _add_async_save_args(parser):
+    g = parser.add_argument_group("asynchronous and non-persistent checkpoints")
+    g.add_argument("--async-save", action="store_true",
+                   help="Training waits only while each rank copies its state to host "
+                        "memory; a background thread writes the same files a synchronous "
+                        "save writes, and the tracker names the checkpoint once every rank "
+                        "has written its files (checked each iteration). A save while one "
+                        "is pending first waits for it; exits wait for it too.")
+    g.add_argument("--non-persistent-save-interval", type=int,
+                   help="Also save every this many iterations to a fast, non-persistent "
+                        "place (--non-persistent-ckpt-type), kept only until the next "
+                        "--save checkpoint; a restart prefers it when it is newer and "
+                        "every rank has it.")
+    g.add_argument("--non-persistent-ckpt-type", choices=["local"],
+                   help="local: each rank writes its own state into "
+                        "--non-persistent-local-ckpt-dir, a directory on its node's disk "
+                        "(Megatron's 'global' and 'in_memory' are not supported).")
+    g.add_argument("--non-persistent-local-ckpt-dir",
+                   help="The node-local directory of --non-persistent-ckpt-type local.")
 
 
 def _logging(parser):

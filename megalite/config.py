@@ -358,6 +358,15 @@ class CheckpointConfig:
     """Save and exit after this many minutes of training (--exit-duration-in-mins)."""
     check_for_nan: bool = True
     """Stop on a NaN/inf loss or gradient (not --no-check-for-nan-in-loss-and-grad)."""
+    async_save: bool = False
+    """Snapshot to host memory, write in a background thread, publish once every rank's
+    files are written (--async-save; checkpointing/async_save.py)."""
+    non_persistent_save_interval: int | None = None
+    """Iterations between node-local saves (--non-persistent-save-interval)."""
+    non_persistent_ckpt_type: str | None = None
+    """Where they go: "local" (--non-persistent-ckpt-type)."""
+    non_persistent_local_ckpt_dir: str | None = None
+    """The node-local directory (--non-persistent-local-ckpt-dir; checkpointing/local.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

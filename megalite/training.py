@@ -26,7 +26,9 @@ from megalite.distributed.fsdp import copy_into, fully_shard_model
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
-from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing import load_checkpoint
+from megalite.checkpointing.local import load_newest
+from megalite.checkpointing.saver import CheckpointSaver
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
@@ -186,21 +188,25 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     runner = StepRunner(model, optimizer, config, state, device, grad_buffer, timers)
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
-    if config.checkpoint.load is not None:
-        loaded = load_any_format(config.checkpoint.load, model, optimizer, scheduler, state,
-                                 config, rng_tracker)
+    ckpt = config.checkpoint
+    if ckpt.load is not None or ckpt.non_persistent_local_ckpt_dir is not None:
+        def load_persistent():
+            return load_any_format(ckpt.load, model, optimizer, scheduler, state, config,
+                                   rng_tracker)
+        if ckpt.non_persistent_local_ckpt_dir is None:
+            loaded, source = load_persistent(), ckpt.load
+        else:  # the newer of --load's and a local one every rank has (checkpointing/local.py)
+            loaded, source = load_newest(ckpt.non_persistent_local_ckpt_dir, ckpt.load, model,
+                                         optimizer, scheduler, state, device, rng_tracker,
+                                         load_persistent)
         if loaded is not None:
             progress = TrainState(**loaded)
             monitor.resumed = True
-        print_rank_0(f" > resuming from {config.checkpoint.load} at iteration "
-                     f"{progress.iteration}" if loaded else
-                     f" > no checkpoint in {config.checkpoint.load}: starting from scratch")
+        print_rank_0(f" > resuming from {source} at iteration {progress.iteration}"
+                     if loaded else f" > no checkpoint in {source}: starting from scratch")
 
-    def save(iteration: int):
-        save_checkpoint(config.checkpoint.save, iteration, model, optimizer, scheduler, state,
-                        config, progress, rng_tracker, run_file)
-        print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
-                     f"{config.checkpoint.save}")
+    saver = (CheckpointSaver(config, device, model, optimizer, scheduler, state, progress,
+                             rng_tracker, run_file) if config.checkpoint.save else None)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
@@ -216,7 +222,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
              if evaluating and valid_ds is not None else None)
     try:
         stopped = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device,
-                        progress, save if config.checkpoint.save else None, monitor)
+                        progress, saver, monitor)
         if stopped:
             # A signal or the time budget: the checkpoint is written; leave at once, within
             # the grace period a scheduler gives before it kills the job.
@@ -239,9 +245,10 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
 
 def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, train_ds,
           valid, tensorboard: TensorBoardLogger, device: torch.device, progress: TrainState,
-          save, monitor: Monitor) -> bool:
-    """Train from `progress` on (updating it); `save(iteration)` writes a checkpoint (None:
-    no --save). Returns whether a signal or --exit-duration-in-mins stopped the run."""
+          save: CheckpointSaver | None, monitor: Monitor) -> bool:
+    """Train from `progress` on (updating it); `save` writes checkpoints (None: no --save);
+    every exit waits for its pending write. Returns whether a signal or
+    --exit-duration-in-mins stopped the run."""
     t, log = config.training, config.logging
     exits = ExitConditions(config.checkpoint, device)
     saved_at = progress.iteration
@@ -301,20 +308,28 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
                                 tensorboard, progress.iteration)
             progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
         interval = config.checkpoint.save_interval
+        if save:
+            save.poll()
         if save and interval and progress.iteration % interval == 0:
-            save(progress.iteration)
+            save.save(progress.iteration)
             saved_at = progress.iteration
+        elif save:
+            save.save_non_persistent(progress.iteration)
         reason = exits.check()
         if reason:
             if save and saved_at != progress.iteration:
-                save(progress.iteration)
+                save.save(progress.iteration)
+            if save:
+                save.wait()
             print_rank_0(f"exiting program after iteration {progress.iteration}: {reason}")
             return True
         if t.exit_interval and progress.iteration % t.exit_interval == 0:
             print_rank_last(f"exiting program at iteration {progress.iteration}")
             break
     if save and saved_at != progress.iteration:
-        save(progress.iteration)
+        save.save(progress.iteration)
+    if save:
+        save.wait()
     return False
 
 

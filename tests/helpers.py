@@ -15,7 +15,10 @@ should not import each other).
 - load_tool / untracked: a tools/ script as a module, and the checkout's untracked files.
 """
 
+import contextlib
 import importlib.util
+import io
+import json
 import subprocess
 from pathlib import Path
 
@@ -145,6 +148,36 @@ def checkpoint_tensors(save) -> dict[str, object]:
     for path in sorted(directory.glob("*.pt")):
         walk(path.name, load_tensor_file(path))
     return flat
+
+
+def assert_same_files(a: Path, b: Path):
+    """Two checkpoint directories: every .pt file byte for byte, the metadata equal but for
+    the flags ("config", "run_file"), which differ between the runs compared."""
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        if name.endswith(".json"):
+            ma, mb = (json.loads((d / name).read_text()) for d in (a, b))
+            for m in (ma, mb):
+                del m["config"], m["run_file"]
+            assert ma == mb
+        else:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def train_in_rank(rank: int, world_size: int, flags: list[str]) -> str:
+    """pretrain_gpt.py's run of `flags` on this rank of a spawn.run_distributed launch
+    (megalite.training.run_training, on the CPU); what it printed."""
+    from megalite.arguments import parse_args
+    from megalite.parallel_state import ParallelState
+    from megalite.training import run_training
+    from megalite.validation import validate_args
+    config = validate_args(parse_args(flags), world_size)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_training(config, ParallelState(config.parallel.grid, rank), torch.device("cpu"),
+                     None)
+    return out.getvalue()
 
 
 def assert_identical(a: dict, b: dict):

@@ -138,6 +138,10 @@ def format_table(config: Config, ranks: list[RankMemory], gpu_gib: float,
               f"peak: {_gib(worst.p2p_buffers)} GiB"]
     if worst.host:
         lines.append(f"host memory per GPU (--optimizer-cpu-offload): {_gib(worst.host)} GiB")
+    snapshot = max(r.async_save_host for r in ranks)
+    if snapshot:
+        lines.append(f"host buffers of --async-save per GPU (DP rank 0, kept between saves; "
+                     f"pinned on CUDA): {_gib(snapshot)} GiB")
     return "\n".join(lines)
 
 

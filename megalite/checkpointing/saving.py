@@ -20,6 +20,7 @@ import dataclasses
 import json
 import random
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -116,53 +117,81 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                     state: ParallelState, config, train_state, rng_tracker=None,
                     run_file: str | None = None) -> Path:
     """Every rank calls this at the same iteration; returns the published directory.
-    `run_file`: the run's flags as YAML (megalite/run_file.py), kept in the metadata."""
-    optimizer.finish_param_gather()
-    zero = optimizer.sharded
-    layout = layout_of(state.grid, len(chunks), zero)
-    ckpt = config.checkpoint
-    if dist.get_rank() == 0:
-        prepare_staging(save, iteration)
-    dist.barrier()
-    staging = staging_dir(save, iteration)
-    params = saved_params(chunks)
-    owns_model_file = state.dp_rank == 0 and state.cp_rank == 0
-    # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
-    if owns_model_file or is_fully_sharded(chunks):
-        # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
-        # torch.save would write the whole buffer.
-        values = {n: _cpu_copy(full_tensor(p.detach())) for n, p in params.items()}
-    if owns_model_file:
-        save_tensor_file({"params": values, **shard_layout(params)},
-                         staging / model_file(state.tp_rank, state.pp_rank))
-    if ckpt.save_optim and (zero or owns_model_file):
-        names = {id(p): n for n, p in params.items()}
-        # ZeRO-1's shard index: this rank's place in the DP x CP group.
-        save_tensor_file(_optimizer_shard(optimizer, names),
-                         staging / optim_file(state.tp_rank, state.pp_rank,
-                                              group_rank(state.dp_cp_group)))
-    save_tensor_file(_rng_state(rng_tracker), staging / rng_file(dist.get_rank()))
+    `run_file`: the run's flags as YAML (megalite/run_file.py), kept in the metadata.
+    async_save.py writes the same `rank_files` from a background thread instead."""
+    staging = begin_save(save, iteration)
+    for name, obj in rank_files(chunks, optimizer, state, config, rng_tracker).items():
+        save_tensor_file(obj, staging / name)
     dist.barrier()
     if dist.get_rank() == 0:
-        scaler = optimizer.grad_scaler
-        metadata = {"format_version": FORMAT_VERSION, "megalite_version": megalite.__version__,
-                    "torch_version": torch.__version__, "layout": layout,
-                    "model": model_fields(config.model), "has_optimizer": ckpt.save_optim,
-                    "has_rng": True,
-                    "consumed_train_samples": train_state.consumed_train_samples,
-                    "consumed_valid_samples": train_state.consumed_valid_samples,
-                    "scheduler": scheduler.state_dict(),
-                    "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                    # What JSON cannot hold (dtypes, enums) as its str().
-                    "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
-                    "run_file": run_file}
-        commit(save, iteration, metadata, expected_files(layout, ckpt.save_optim))
-        apply_retention(save, ckpt.keep_last)
+        publish(save, iteration, checkpoint_metadata(chunks, optimizer, scheduler, state,
+                                                     config, train_state, run_file), config)
     dist.barrier()
     return checkpoint_dir(save, iteration)
 
 
-def _optimizer_shard(optimizer, names: dict[int, str]) -> dict:
+def begin_save(save: str, iteration: int) -> Path:
+    """Every rank: rank 0 empties the staging directory, then all may write into it."""
+    if dist.get_rank() == 0:
+        prepare_staging(save, iteration)
+    dist.barrier()
+    return staging_dir(save, iteration)
+
+
+def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, rng_tracker,
+               copy: Callable | None = None) -> dict[str, dict]:
+    """file name -> what this rank writes into it, every tensor a host copy made by
+    `copy(tensor, dtype)` (default: a fresh CPU tensor). Every rank calls it at once: under
+    FSDP2 each whole value is gathered."""
+    copy = copy or _cpu_copy
+    optimizer.finish_param_gather()
+    params = saved_params(chunks)
+    owns_model_file = state.dp_rank == 0 and state.cp_rank == 0
+    files = {}
+    # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
+    if owns_model_file or is_fully_sharded(chunks):
+        # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
+        # torch.save would write the whole buffer.
+        values = {n: copy(full_tensor(p.detach())) for n, p in params.items()}
+    if owns_model_file:
+        files[model_file(state.tp_rank, state.pp_rank)] = {"params": values,
+                                                           **shard_layout(params)}
+    if config.checkpoint.save_optim and (optimizer.sharded or owns_model_file):
+        names = {id(p): n for n, p in params.items()}
+        # ZeRO-1's shard index: this rank's place in the DP x CP group.
+        files[optim_file(state.tp_rank, state.pp_rank, group_rank(state.dp_cp_group))] = \
+            _optimizer_shard(optimizer, names, copy)
+    files[rng_file(dist.get_rank())] = _rng_state(rng_tracker)
+    return files
+
+
+def checkpoint_metadata(chunks: nn.ModuleList, optimizer, scheduler, state: ParallelState,
+                        config, train_state, run_file: str | None) -> dict:
+    """What rank 0 records in metadata.json, as of now (taken when the save starts)."""
+    scaler = optimizer.grad_scaler
+    return {"format_version": FORMAT_VERSION, "megalite_version": megalite.__version__,
+            "torch_version": torch.__version__,
+            "layout": layout_of(state.grid, len(chunks), optimizer.sharded),
+            "model": model_fields(config.model), "has_optimizer": config.checkpoint.save_optim,
+            "has_rng": True,
+            "consumed_train_samples": train_state.consumed_train_samples,
+            "consumed_valid_samples": train_state.consumed_valid_samples,
+            "scheduler": scheduler.state_dict(),
+            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            # What JSON cannot hold (dtypes, enums) as its str().
+            "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+            "run_file": run_file}
+
+
+def publish(save: str, iteration: int, metadata: dict, config) -> Path:
+    """Rank 0, once every rank's files are in the staging directory: commit, retention."""
+    final = commit(save, iteration, metadata,
+                   expected_files(metadata["layout"], config.checkpoint.save_optim))
+    apply_retention(save, config.checkpoint.keep_last)
+    return final
+
+
+def _optimizer_shard(optimizer, names: dict[int, str], copy: Callable) -> dict:
     segments, step = {}, 0
     for s in optimizer.segments:
         if is_embedding_copy(s.param):
@@ -171,10 +200,10 @@ def _optimizer_shard(optimizer, names: dict[int, str]) -> dict:
         if "step" in adam:
             step = int(adam["step"].item())
         entry = {"range": torch.tensor([s.start, s.end]),
-                 "main": _cpu_copy(s.main.reshape(-1), torch.float32)}
+                 "main": copy(s.main.reshape(-1), torch.float32)}
         for moment in MOMENTS:
             if moment in adam:
-                entry[moment] = _cpu_copy(adam[moment].reshape(-1))
+                entry[moment] = copy(adam[moment].reshape(-1))
         segments[names[id(s.param)]] = entry
     return {"step": step, "segments": segments}
 

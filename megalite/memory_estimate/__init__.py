@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from megalite.config import Config
 from megalite.memory_estimate.activations import (DEVICES, activation_bytes,  # noqa: F401
                                                   microbatches_in_flight, rank_chunks)
+from megalite.memory_estimate.checkpoint import async_save_host_bytes
 from megalite.memory_estimate.weights import (num_model_parameters, rank_parameters,  # noqa: F401
                                               shard_numel, weights_and_optimizer)
 
@@ -39,6 +40,8 @@ class RankMemory:
     host: int = 0
     """Bytes in host memory, not in `total` (--optimizer-cpu-offload: the optimizer's
     shards of main parameters, moments and gradients)."""
+    async_save_host: int = 0
+    """Host buffers an --async-save keeps from save to save (checkpoint.py), not in `host`."""
 
     @property
     def weights_and_optimizer(self) -> int:
@@ -72,4 +75,5 @@ def estimate_rank_memory(config: Config, pp_rank: int, device: str = "cuda") -> 
                       optimizer_state=state["optimizer_state"], main_grads=state["main_grads"],
                       activations=peak, activations_per_microbatch=per_mb,
                       microbatches_in_flight=in_flight, p2p_buffers=p2p,
-                      host=state.get("host", 0))
+                      host=state.get("host", 0),
+                      async_save_host=async_save_host_bytes(config, state))

@@ -73,7 +73,7 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
     on_gpu = 0 if par.optimizer_cpu_offload else 1
     return dict(num_parameters=num, parameters=pbytes * gathered + on_gpu * 4 * shard,
                 gradients=accumulated + reducing + on_gpu * 4 * shard,
-                optimizer_state=on_gpu * 8 * shard, main_grads=0, host=host,
+                optimizer_state=on_gpu * 8 * shard, main_grads=0, host=host, owned=shard,
                 gathered=pbytes * gathered, reducing=reducing)
 
 

@@ -53,7 +53,8 @@ def grad_buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, 
 
 
 def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
-    """Bytes of parameters, gradients, optimizer state and fp32 main grads on DP rank 0."""
+    """Bytes of parameters, gradients, optimizer state and fp32 main grads on DP rank 0,
+    and "owned": the elements whose fp32 main copy and moments this rank's optimizer holds."""
     params = rank_parameters(config, pp_rank)
     num = sum(shard_numel(config, param) for param in params)
     layout = grad_buckets(config, params)
@@ -65,12 +66,13 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     main_params, sharded = kind.has_main_params, kind.sharded
     if not main_params:  # plain AdamW: the parameters are the main copy, two fp32 moments
         return dict(num_parameters=num, parameters=pbytes * num, gradients=gbytes * padded,
-                    optimizer_state=8 * num, main_grads=0)
+                    optimizer_state=8 * num, main_grads=0, owned=num)
     shards = config.parallel.grid.dp_cp_size if sharded else 1
     # DP rank 0 owns the first 1/shards of every bucket, all of it real parameters.
     owned = sum(min(real, padded_numel // shards) for real, padded_numel in layout)
     state = dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,
-                 optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned)
+                 optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned,
+                 owned=owned)
     if config.parallel.optimizer_cpu_offload:
         # The owned main parameters, moments and the fp32 gradient copies on the host
         # (mixed_precision.HostOffload).

@@ -295,10 +295,30 @@ def _checkpoint_config(args) -> CheckpointConfig:
                           f"{args.keep_last_n_checkpoints}")
     if args.finetune and args.load is None:
         raise ConfigError("--finetune needs --load (the checkpoint to start from)")
+    if args.async_save and args.save is None:
+        raise ConfigError("--async-save needs --save (where to write)")
+    _check_non_persistent(args)
     return from_flags(CheckpointConfig, args, keep_last=args.keep_last_n_checkpoints,
                       save_optim=not args.no_save_optim, load_optim=not args.no_load_optim,
                       load_rng=not args.no_load_rng,
                       check_for_nan=args.check_for_nan_in_loss_and_grad)
+
+
+def _check_non_persistent(args) -> None:
+    check_positive(args, "non_persistent_save_interval")
+    interval = args.non_persistent_save_interval
+    if interval is None:
+        return
+    if args.save is None:
+        raise ConfigError(f"--non-persistent-save-interval={interval} needs --save (the "
+                          "persistent checkpoints it stands in for between saves)")
+    if args.non_persistent_ckpt_type != "local":
+        raise ConfigError(f"--non-persistent-save-interval={interval} needs "
+                          "--non-persistent-ckpt-type local, got "
+                          f"{args.non_persistent_ckpt_type}")
+    if args.non_persistent_local_ckpt_dir is None:
+        raise ConfigError("--non-persistent-ckpt-type local needs "
+                          "--non-persistent-local-ckpt-dir (a directory on each node's disk)")
 
 
 def _validate_monitoring(args, world_size: int) -> MonitoringConfig:

@@ -2,7 +2,11 @@
 loopback, one process each) train together; one agent is killed mid-run; the survivor's
 worker restarts at world size 1, resumes from the last checkpoint with DP recomputed and
 the same global batch, logs its recovery time, and ends with exactly the losses of a
-straight run resumed from that checkpoint at that size."""
+straight run resumed from that checkpoint at that size.
+
+The store is tools/rendezvous_store.py's, in a process of its own, and both agents run
+with is_host=0 (issue 30): the agent killed is the one the README's simpler launch would
+host the store in, whose loss ends every agent of that launch."""
 
 import os
 import re
@@ -70,10 +74,20 @@ def losses(text: str) -> dict[int, str]:
     return {log["iteration"]: log["lm_loss"] for log in parse_log(text)}
 
 
+def start_store(port: int) -> subprocess.Popen:
+    store = subprocess.Popen([sys.executable, "tools/rendezvous_store.py", "--port", str(port)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    line = store.stdout.readline()
+    assert "listening" in line, (line, store.stderr.read() if store.poll() else "")
+    return store
+
+
 def test_killed_agent_survivor_resumes_at_half_the_world_size(tmp_path):
     save, port = tmp_path / "ckpt", free_port()
-    survivor = start_agent(port, save, host_store=True)
-    doomed = start_agent(port, save, host_store=False)
+    store = start_store(port)
+    doomed = start_agent(port, save, host_store=False)  # the simpler launch's $HEAD
+    survivor = start_agent(port, save, host_store=False)
     try:
         deadline = time.monotonic() + 120
         while not (save / TRACKER_FILENAME).exists():
@@ -86,6 +100,8 @@ def test_killed_agent_survivor_resumes_at_half_the_world_size(tmp_path):
         for agent in (survivor, doomed):
             if agent.poll() is None:
                 kill_node(agent)
+        store.terminate()
+        store.wait(timeout=30)
     assert survivor.returncode == 0, err[-3000:]
     resumed = re.findall(r"resuming from \S+ at iteration (\d+)", out)
     assert resumed, "the survivor never restarted (did the kill come after the end?)"

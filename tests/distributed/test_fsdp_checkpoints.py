@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import megalite.training
+import megalite.checkpointing.saver
 from megalite.arguments import parse_args
 from megalite.monitoring.monitor import Monitor
 from megalite.optimizer.optimizer import Optimizer
@@ -41,7 +41,7 @@ STATISTICS = ["--log-params-norm", "--log-num-zeros-in-grad"]
 LOGGED = ("lm_loss", "grad_norm", "num_zeros", "params_norm")
 # Where every collective works on what --optimizer-cpu-offload keeps on the host.
 OFFLOAD_WINDOWS = {"step": (Optimizer, "step"), "statistics": (Monitor, "statistics"),
-                   "save": (megalite.training, "save_checkpoint")}
+                   "save": (megalite.checkpointing.saver, "save_checkpoint")}
 DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 

@@ -1,0 +1,206 @@
+"""--async-save (docs/design.md §16): a save in three parts, of which training waits for one.
+
+  1. snapshot (the stall): every rank builds the files a synchronous save writes
+     (saving.rank_files), each tensor to be copied into a host buffer kept from the last
+     save (HostBuffers). The copies run while the next step's forward and backward do (on
+     a side CUDA stream into pinned memory, or in the writer thread on a CPU), and the
+     next optimizer step waits for them (a pre-step hook on AdamW): nothing a snapshot
+     copies changes before AdamW's step;
+  2. write: a background thread of this process torch.saves those files into the staging
+     directory, each fsynced and renamed (storage.save_tensor_file): the same bytes;
+  3. publish: `finalize`, which every rank calls at the same iterations (each iteration
+     while a save is pending, before the next save, at exit): a MAX all-reduce of "still
+     writing" and "failed" over all ranks; only when no rank is writing does rank 0 commit
+     (metadata, rename, tracker). No rank decides alone that the save is done, so all
+     agree on which save is published and when.
+A second save while one is pending first waits for it (its writes, then its publish).
+A crash before publish leaves the previous checkpoint tracked: the new one is a staging
+directory that nothing loads.
+
+A thread rather than a process: torch.save spends its time in the zip writer and the
+file system, which release the GIL, and a thread shares the host buffers without pickling
+or shared memory (docs/design.md, "Asynchronous and non-persistent checkpoints", has the
+measurement).
+"""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpointing.saving import (begin_save, checkpoint_metadata, publish,
+                                           rank_files)
+from megalite.checkpointing.storage import save_tensor_file
+from megalite.errors import CheckpointError
+
+TEST_HOOK = "MEGALITE_ASYNC_SAVE_TEST_KILL"
+"""Test-only: "<point>:<iteration>" kills this process (SIGKILL) at `point` of the save of
+`iteration`: before_write, after_first_file (in the writer), before_publish (rank 0, all
+files written)."""
+
+
+def _test_kill(point: str, iteration: int) -> None:
+    if os.environ.get(TEST_HOOK) == f"{point}:{iteration}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HostBuffers:
+    """Host tensors reused from save to save: the i-th copy of a save lands in the i-th
+    buffer (a save copies the same tensors in the same order), reallocated only when its
+    shape or dtype changes. `copy` only queues; the copies run overlapped with the next
+    step's forward and backward (`launch` on CUDA, `fill` in the writer thread on a CPU),
+    and the next optimizer step waits for them (AsyncCheckpointer._before_step)."""
+
+    def __init__(self, device: torch.device):
+        self.pin = device.type == "cuda"  # pinned: a DMA that does not block the host
+        self.stream = torch.cuda.Stream(device) if self.pin else None
+        self.buffers, self.next, self.queued = [], 0, []
+
+    def start(self) -> None:
+        self.next, self.queued = 0, []
+
+    def copy(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or tensor.dtype
+        i, self.next = self.next, self.next + 1
+        if i == len(self.buffers):
+            self.buffers.append(None)
+        buffer = self.buffers[i]
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != dtype:
+            buffer = torch.empty(tensor.shape, dtype=dtype, pin_memory=self.pin)
+            self.buffers[i] = buffer
+        self.queued.append((buffer, tensor.detach()))
+        return buffer
+
+    def launch(self):
+        """CUDA: every queued copy on a side stream, after the work that made the values;
+        the event that marks them done. None on a CPU."""
+        if not self.pin:
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for buffer, tensor in self.queued:
+                buffer.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self.stream)  # a gathered value lives until copied
+        self.queued = []
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def fill(self) -> None:
+        """CPU: the queued copies, in the calling (writer) thread."""
+        for buffer, tensor in self.queued:
+            buffer.copy_(tensor)
+        self.queued = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)
+
+
+class _Pending:
+    """One save between its snapshot and its publish."""
+
+    def __init__(self, save: str, iteration: int, metadata: dict | None, config,
+                 requested: float):
+        self.save, self.iteration, self.metadata, self.config = save, iteration, metadata, config
+        self.requested, self.error, self.thread = requested, None, None
+        self.copied = threading.Event()  # the host buffers hold the snapshot
+        self.cuda_copied = None  # on CUDA: the side stream's event
+
+    def write(self, files: dict[str, dict], staging: Path, buffers: HostBuffers) -> None:
+        try:
+            try:
+                if self.cuda_copied is not None:
+                    self.cuda_copied.synchronize()
+                else:
+                    buffers.fill()
+            finally:
+                self.copied.set()  # never leave the optimizer step waiting
+            _test_kill("before_write", self.iteration)
+            for i, (name, obj) in enumerate(files.items()):
+                save_tensor_file(obj, staging / name)
+                if i == 0:
+                    _test_kill("after_first_file", self.iteration)
+        except Exception as error:  # reported by every rank at the next finalize
+            self.error = error
+
+
+class AsyncCheckpointer:
+    """Owns the save in flight. `group`: the ranks that save together (all of them)."""
+
+    def __init__(self, device: torch.device, group=None):
+        self.device, self.group = device, group
+        self.buffers = HostBuffers(device)
+        self.pending: _Pending | None = None
+        self.waited_s = 0.0
+        """Seconds optimizer steps waited for a snapshot's copies (part of the stall)."""
+        self._hooked = set()
+
+    def _before_step(self, *_) -> None:
+        """Before AdamW changes anything a snapshot copies: its copies must be done."""
+        pending = self.pending
+        if pending is None:
+            return
+        if pending.cuda_copied is not None:
+            torch.cuda.current_stream().wait_event(pending.cuda_copied)  # on the GPU
+        elif not pending.copied.is_set():
+            start = time.perf_counter()
+            pending.copied.wait()
+            self.waited_s += time.perf_counter() - start
+
+    def save(self, save: str, iteration: int, chunks, optimizer, scheduler, state, config,
+             train_state, rng_tracker=None, run_file: str | None = None) -> float:
+        """Every rank at the same iteration: waits for a pending save, snapshots, starts
+        the writer. Returns the seconds training was blocked (the stall)."""
+        self.finalize(blocking=True)
+        requested = time.perf_counter()
+        staging = begin_save(save, iteration)
+        self.buffers.start()
+        files = rank_files(chunks, optimizer, state, config, rng_tracker, self.buffers.copy)
+        metadata = (checkpoint_metadata(chunks, optimizer, scheduler, state, config,
+                                        train_state, run_file)
+                    if dist.get_rank() == 0 else None)
+        if id(optimizer.adam) not in self._hooked:  # AdamW updates params, main and moments
+            optimizer.adam.register_step_pre_hook(self._before_step)
+            self._hooked.add(id(optimizer.adam))
+        pending = _Pending(save, iteration, metadata, config, requested)
+        pending.cuda_copied = self.buffers.launch()
+        pending.thread = threading.Thread(target=pending.write,
+                                          args=(files, staging, self.buffers),
+                                          name=f"async-save-{iteration}", daemon=True)
+        pending.thread.start()
+        self.pending = pending
+        return time.perf_counter() - requested
+
+    def finalize(self, blocking: bool) -> tuple[int, float] | None:
+        """Every rank at the same iteration. Publishes the pending save if every rank has
+        written its files (`blocking`: after waiting for this rank's writer). Returns the
+        published iteration and the seconds since its save was requested, or None."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if blocking:
+            pending.thread.join()
+        flags = torch.tensor([pending.thread.is_alive(), pending.error is not None],
+                             dtype=torch.float32)
+        if self.device.type == "cuda":  # NCCL takes device tensors only
+            flags = flags.to(self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        writing, failed = flags.tolist()
+        if writing:
+            return None
+        self.pending = None
+        if failed:
+            here = f": {pending.error!r}" if pending.error is not None else " (on another rank)"
+            raise CheckpointError(f"asynchronous save of iteration {pending.iteration} to "
+                                  f"{pending.save} failed{here}; the previous checkpoint "
+                                  f"stays the tracked one")
+        if dist.get_rank(self.group) == 0:
+            _test_kill("before_publish", pending.iteration)
+            publish(pending.save, pending.iteration, pending.metadata, pending.config)
+        dist.barrier(group=self.group)
+        return pending.iteration, time.perf_counter() - pending.requested

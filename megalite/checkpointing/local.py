@@ -1,0 +1,137 @@
+"""Non-persistent checkpoints (docs/design.md §16): --non-persistent-save-interval with
+--non-persistent-ckpt-type local, into --non-persistent-local-ckpt-dir, a directory on each
+node's own disk.
+
+Each rank writes one file, `iter_0000100/rank_00003.pt`, of what it holds itself (its
+chunks' parameters by their own names, its optimizer segments, its RNG and the run's
+position), written whole or not at all (storage.save_tensor_file). So a local checkpoint
+loads only at the layout that wrote it, and only if every rank still has its file: on
+restart a MIN all-reduce over all ranks finds the newest iteration every rank holds
+(`newest_common`), and it is used only when newer than the persistent checkpoint;
+otherwise training resumes from --load. A rank keeps its two newest local saves (a crash
+between two ranks' writes still leaves a common one) and drops those a published
+persistent save makes stale.
+"""
+
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpointing.loading import _set_rng_state
+from megalite.checkpointing.saving import MOMENTS, _cpu_copy, _rng_state, layout_of
+from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
+                                           load_tensor_file, save_tensor_file)
+from megalite.distributed.fsdp import copy_into, full_tensor
+
+KEEP = 2
+_ITER = re.compile(r"iter_(\d{7,})")
+
+
+def rank_path(root: str | Path, iteration: int, rank: int) -> Path:
+    return checkpoint_dir(root, iteration) / f"rank_{rank:05d}.pt"
+
+
+def _own_iterations(root: str | Path, rank: int) -> list[int]:
+    """The iterations this rank has a whole file of, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [int(m.group(1)) for d in root.iterdir() if (m := _ITER.fullmatch(d.name))]
+    return sorted(i for i in found if rank_path(root, i, rank).is_file())
+
+
+def save_local(root: str, iteration: int, chunks, optimizer, scheduler, state, train_state,
+               rng_tracker=None) -> Path:
+    """Every rank at the same iteration (FSDP2 gathers each parameter): this rank's file."""
+    optimizer.finish_param_gather()
+    step, segments = 0, []
+    for s in optimizer.segments:
+        adam = optimizer.adam.state.get(s.main, {})
+        step = int(adam["step"].item()) if "step" in adam else step
+        segments.append({"main": _cpu_copy(s.main), **{k: _cpu_copy(adam[k])
+                                                      for k in MOMENTS if k in adam}})
+    scaler = optimizer.grad_scaler
+    record = {"iteration": iteration,
+              "layout": layout_of(state.grid, len(chunks), optimizer.sharded),
+              "params": {n: _cpu_copy(full_tensor(p.detach()))
+                         for n, p in chunks.named_parameters()},
+              "optimizer": {"step": step, "segments": segments},
+              "rng": _rng_state(rng_tracker), "scheduler": scheduler.state_dict(),
+              "grad_scaler": scaler.state_dict() if scaler is not None else None,
+              "consumed_train_samples": train_state.consumed_train_samples,
+              "consumed_valid_samples": train_state.consumed_valid_samples}
+    rank = dist.get_rank()
+    path = rank_path(root, iteration, rank)
+    save_tensor_file(record, path)
+    for old in _own_iterations(root, rank)[:-KEEP]:
+        _drop(root, old, rank)
+    return path
+
+
+def _drop(root: str | Path, iteration: int, rank: int) -> None:
+    rank_path(root, iteration, rank).unlink(missing_ok=True)
+    try:
+        checkpoint_dir(root, iteration).rmdir()  # the last rank of the node to leave it
+    except OSError:
+        pass
+
+
+def drop_stale(root: str, persistent_iteration: int) -> None:
+    """This rank's local saves up to a published persistent one: no longer needed."""
+    rank = dist.get_rank()
+    for old in _own_iterations(root, rank):
+        if old <= persistent_iteration:
+            _drop(root, old, rank)
+
+
+def newest_common(root: str, layout: dict, device: torch.device) -> int | None:
+    """Every rank: the newest local iteration every rank holds a file of, written at
+    `layout`; None if there is none. Decided by all-reduces, so all ranks agree."""
+    rank = dist.get_rank()
+    own = _own_iterations(root, rank)
+    newest = torch.tensor([own[-1] if own else -1], device=device)
+    dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+    candidate = int(newest.item())
+    has = torch.tensor([candidate >= 0 and candidate in own], device=device, dtype=torch.int32)
+    if has.item():
+        saved = load_tensor_file(rank_path(root, candidate, rank), mmap=True)["layout"]
+        has.fill_(int(saved == layout))
+    dist.all_reduce(has, op=dist.ReduceOp.MIN)
+    return candidate if has.item() else None
+
+
+@torch.no_grad()
+def load_local(root: str, iteration: int, chunks, optimizer, scheduler, rng_tracker=None
+               ) -> dict:
+    """This rank's file of `iteration` into its chunks, optimizer, scheduler and RNG."""
+    record = load_tensor_file(rank_path(root, iteration, dist.get_rank()))
+    for name, param in chunks.named_parameters():
+        copy_into(param, record["params"][name])
+    optimizer.reload_main_params()
+    opt = record["optimizer"]
+    for s, saved in zip(optimizer.segments, opt["segments"], strict=True):
+        s.main.copy_(saved["main"].view_as(s.main))
+        moments = {k: v for k, v in saved.items() if k != "main"}
+        if moments:
+            optimizer.restore_state(s, opt["step"], moments)
+    if optimizer.grad_scaler is not None and record["grad_scaler"] is not None:
+        optimizer.grad_scaler.load_state_dict(record["grad_scaler"])
+    scheduler.load_state_dict(record["scheduler"])
+    _set_rng_state(record["rng"], rng_tracker)
+    return {k: record[k] for k in ("iteration", "consumed_train_samples",
+                                   "consumed_valid_samples")}
+
+
+def load_newest(root: str, load: str | None, chunks, optimizer, scheduler, state, device,
+                rng_tracker, load_persistent) -> tuple[dict | None, str]:
+    """Every rank: the local checkpoint when every rank has one newer than --load's,
+    else `load_persistent()`. Returns what was loaded and where from."""
+    found = find_checkpoint_to_load(load) if load is not None else None
+    persistent = found[0] if found is not None else -1
+    layout = layout_of(state.grid, len(chunks), optimizer.sharded)
+    local = newest_common(root, layout, device)
+    if local is not None and local > persistent:
+        return load_local(root, local, chunks, optimizer, scheduler, rng_tracker), root
+    return (load_persistent() if load is not None else None), load

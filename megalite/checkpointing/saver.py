@@ -1,0 +1,97 @@
+"""The training loop's saves, synchronous or --async-save's, and their two log lines.
+
+Megatron-LM once printed "saved checkpoint" with the time of a save that was only requested
+(Megatron-LM #1763); here the two moments have lines and times of their own:
+  requested: how long training was blocked (the whole save when synchronous, the snapshot
+             when asynchronous);
+  finished:  "successfully saved checkpoint at iteration N", printed once the tracker
+             names it, with the seconds from the request.
+The loop calls `save` at a save iteration (else `save_non_persistent`, which saves at
+--non-persistent-save-interval), `poll` every iteration (every rank: it may run the
+collective that publishes a finished asynchronous save) and `wait` before it returns.
+"""
+
+import time
+
+import torch.distributed as dist
+
+from megalite.checkpointing.async_save import AsyncCheckpointer
+from megalite.checkpointing.local import drop_stale, save_local
+from megalite.checkpointing.saving import save_checkpoint
+
+
+def _print_rank_0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+class CheckpointSaver:
+    """Saves `model`, `optimizer`, ... (training.run_training's) to --save."""
+
+    def __init__(self, config, device, model, optimizer, scheduler, state, progress,
+                 rng_tracker=None, run_file: str | None = None):
+        self.directory = config.checkpoint.save
+        self.config, self.progress, self.run_file = config, progress, run_file
+        self.parts = (model, optimizer, scheduler, state)
+        self.rng_tracker = rng_tracker
+        self.writer = (AsyncCheckpointer(device, dist.group.WORLD)
+                       if config.checkpoint.async_save else None)
+        self.stall_s: list[float] = []
+        """Seconds each save blocked training, in order (benchmarks read them)."""
+
+    def save(self, iteration: int) -> None:
+        model, optimizer, scheduler, state = self.parts
+        args = (self.directory, iteration, model, optimizer, scheduler, state, self.config,
+                self.progress, self.rng_tracker, self.run_file)
+        start = time.perf_counter()
+        if self.writer is None:
+            save_checkpoint(*args)
+            self._finished(iteration, time.perf_counter() - start)
+            self.stall_s.append(time.perf_counter() - start)
+            return
+        stall = self.writer.save(*args)
+        self.stall_s.append(time.perf_counter() - start)  # with a wait for the last save
+        _print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
+                      f"blocked {stall * 1e3:.1f} ms (snapshot queued; copied to host memory "
+                      f"before the next optimizer step); writing in the background "
+                      f"(--async-save)")
+
+    def save_non_persistent(self, iteration: int) -> None:
+        """Every rank, at an iteration without a persistent save: a node-local save if
+        --non-persistent-save-interval says so (synchronous: a local disk is fast)."""
+        ckpt = self.config.checkpoint
+        interval = ckpt.non_persistent_save_interval
+        if not interval or iteration % interval:
+            return
+        model, optimizer, scheduler, state = self.parts
+        start = time.perf_counter()
+        save_local(ckpt.non_persistent_local_ckpt_dir, iteration, model, optimizer, scheduler,
+                   state, self.progress, self.rng_tracker)
+        dist.barrier()  # for the time and the log: every rank's file is written
+        _print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
+                      f"{ckpt.non_persistent_local_ckpt_dir} ({time.perf_counter() - start:.2f} s)")
+
+    def poll(self) -> None:
+        """Every rank, every iteration: publish the pending save if every rank wrote it."""
+        if self.writer is not None and self.writer.pending is not None:
+            self._report(self.writer.finalize(blocking=False))
+
+    def wait(self) -> None:
+        """Every rank, before exiting: the pending save written and published."""
+        if self.writer is not None:
+            self._report(self.writer.finalize(blocking=True))
+
+    def _report(self, published) -> None:
+        if published is None:
+            return
+        _print_rank_0(f"  optimizer steps waited {self.writer.waited_s * 1e3:.1f} ms for the "
+                      f"snapshot's copies to host memory")
+        self.writer.waited_s = 0.0
+        self._finished(*published)
+
+    def _finished(self, iteration: int, seconds: float) -> None:
+        local = self.config.checkpoint.non_persistent_local_ckpt_dir
+        if local is not None:
+            drop_stale(local, iteration)
+        _print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
+                      f"{self.directory} ({seconds:.2f} s after the save was requested)")

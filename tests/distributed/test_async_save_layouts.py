@@ -1,0 +1,49 @@
+"""--async-save at TP 2 x PP 2 x DP 2 with ZeRO-1 and with FSDP2 (docs/design.md §16): every
+rank's files byte for byte those of a synchronous save of the same state, and a run resumed
+from the asynchronous checkpoint writes the uninterrupted run's next checkpoint byte for
+byte. One launch of 8 ranks runs every training through megalite.training.run_training."""
+
+
+import pytest
+
+from megalite.spawn import run_distributed
+
+from tests.helpers import assert_same_files, flags_with, train_in_rank
+
+pytestmark = pytest.mark.slow  # launches processes
+
+FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+                   "--distributed-backend", "gloo", "--attention-dropout", "0.1",
+                   "--hidden-dropout", "0.1", "--save-interval", "1",
+                   "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--pipeline-model-parallel-size", "2", vocab_size=61,
+                   make_vocab_size_divisible_by=1, num_layers=4, hidden_size=32, seq_length=16,
+                   micro_batch_size=1, global_batch_size=4, train_iters=None, lr="3e-3")
+LAYOUTS = {"zero1": ["--use-distributed-optimizer"], "fsdp2": ["--use-torch-fsdp2"]}
+
+
+def train(rank, world_size, *flags) -> str:
+    return train_in_rank(rank, world_size, [*FLAGS, *flags])
+
+
+def runs(rank, world_size, root):
+    """Per layout: sync 2 steps (saves 1, 2); async 1 step; async resumed from it to 2.
+    Returns what each resumed run printed."""
+    printed = {}
+    for name, layout in LAYOUTS.items():
+        sync, asyn = f"{root}/{name}_sync", f"{root}/{name}_async"
+        train(rank, world_size, *layout, "--train-iters", "2", "--save", sync)
+        train(rank, world_size, *layout, "--train-iters", "1", "--save", asyn, "--async-save")
+        printed[name] = train(rank, world_size, *layout, "--train-iters", "2", "--save", asyn,
+                              "--load", asyn, "--async-save")
+    return printed
+
+
+def test_async_save_bytes_and_resume_at_tp2_pp2_dp2(tmp_path):
+    printed = run_distributed(8, runs, str(tmp_path), timeout=600)[0]
+    for name in LAYOUTS:
+        assert "resuming from" in printed[name] and "at iteration 1" in printed[name], name
+        for iteration in (1, 2):
+            directory = f"iter_{iteration:07d}"
+            assert_same_files(tmp_path / f"{name}_sync" / directory,
+                              tmp_path / f"{name}_async" / directory)

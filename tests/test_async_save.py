@@ -1,0 +1,142 @@
+"""--async-save in one process (docs/design.md §16): the files are byte for byte those of a
+synchronous save of the same state, a run resumed from them ends bit-exactly where the
+uninterrupted run does, the "requested" and "finished" log lines come apart, and a process
+killed at any point of an asynchronous write leaves the previous checkpoint tracked and
+loadable; the memory planner counts the host buffers the snapshot holds."""
+
+import contextlib
+import io
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megalite.checkpointing.async_save import TEST_HOOK, AsyncCheckpointer, HostBuffers
+from megalite.arguments import parse_args
+from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
+from megalite.memory_estimate import estimate_memory
+from megalite.spawn import FORKSERVER_PRELOAD
+from megalite.training import pretrain
+from megalite.validation import validate_args
+
+from tests.helpers import assert_identical, assert_same_files, checkpoint_tensors, flags_with
+
+FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+                   "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+                   "--save-interval", "2", vocab_size=61, make_vocab_size_divisible_by=None,
+                   hidden_size=32, seq_length=16, micro_batch_size=2, global_batch_size=4,
+                   train_iters=6, lr="3e-3")
+# Where the writer can die (async_save.TEST_HOOK): nothing written, some files, all files.
+KILL_POINTS = ("before_write", "after_first_file", "before_publish")
+
+
+def run(*flags) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert pretrain([*FLAGS, *flags]) == 0
+    return out.getvalue()
+
+
+def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, monkeypatch):
+    """6 steps saving synchronously every 2, against --async-save for 4 steps (exit),
+    then a new run resumed from its checkpoint for 2 more: iter 2, 4 and 6 identical files.
+    The first snapshot's copies are held back until the next optimizer step is about to
+    run: its files are right only if that step waits for them (the pre-step hook)."""
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    run("--save", str(sync))
+    step_reached, fill, before_step = (threading.Event(), HostBuffers.fill,
+                                       AsyncCheckpointer._before_step)
+
+    def late_fill(self):
+        if not step_reached.is_set():  # the first save only (none follows the last)
+            step_reached.wait(timeout=10)  # without the hook: after the step has run
+        step_reached.set()
+        fill(self)
+
+    def announcing_before_step(self, *args):
+        if self.pending is not None:
+            step_reached.set()
+        before_step(self, *args)
+    monkeypatch.setattr(HostBuffers, "fill", late_fill)
+    monkeypatch.setattr(AsyncCheckpointer, "_before_step", announcing_before_step)
+    first = run("--save", str(asyn), "--async-save", "--exit-interval", "4")
+    second = run("--save", str(asyn), "--load", str(asyn), "--async-save")
+    assert "resuming from" in second and "at iteration 4" in second
+    for iteration in (2, 4, 6):
+        name = f"iter_{iteration:07d}"
+        assert_same_files(sync / name, asyn / name)
+    # The request is logged when the step resumes, the finish only once published.
+    requested = first.index("save of checkpoint at iteration       2 requested")
+    finished = first.index("successfully saved checkpoint at iteration       2")
+    assert requested < finished
+    assert "training blocked" in first[requested:finished]
+    assert planned_host_buffers("--save", str(asyn), "--async-save") == \
+        tensor_bytes(asyn / "iter_0000002")
+
+
+def planned_host_buffers(*flags) -> int:
+    config = validate_args(parse_args([*FLAGS, *flags]), 1)
+    (rank,) = estimate_memory(config, "cpu")
+    return rank.async_save_host
+
+
+def tensor_bytes(directory: Path) -> int:
+    """Bytes of the model's and optimizer's tensors in a checkpoint (what the planner says
+    an async save holds in host buffers; less the few bytes of ranges and RNG states)."""
+    def walk(value, key=""):
+        if isinstance(value, dict):
+            return sum(walk(v, k) for k, v in value.items())
+        if torch.is_tensor(value) and key != "range":
+            return value.numel() * value.element_size()
+        return 0
+    return sum(walk(load_tensor_file(f)) for f in directory.glob("*.pt")
+               if not f.name.startswith("rng_"))
+
+
+def _pretrain(flags: list[str], kill: str | None):
+    """A child's run: one thread (as a rank of spawn.run_distributed), quiet."""
+    if kill:
+        os.environ[TEST_HOOK] = f"{kill}:4"
+    torch.set_num_threads(1)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        sys.exit(pretrain([*FLAGS, *flags]))
+
+
+def launch(*flags, kill: str | None = None):
+    """pretrain in a child forked from spawn.py's forkserver, which has imported megalite
+    (`kill`: async_save.TEST_HOOK's point at the save of iteration 4)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    proc = ctx.Process(target=_pretrain, args=(list(flags), kill))
+    proc.start()
+    return proc
+
+
+def finish(proc) -> int:
+    proc.join(timeout=300)
+    return proc.exitcode
+
+
+@pytest.mark.slow
+def test_a_process_killed_during_an_async_write_leaves_the_previous_checkpoint(tmp_path):
+    """Killed (SIGKILL) while the save of iteration 4 is being written, at each point:
+    the tracker still names iteration 2, whose files are those of a synchronous save;
+    a run resumed from it ends where the uninterrupted run ends."""
+    # Child processes all: one thread each (more threads round otherwise).
+    procs = {point: launch("--async-save", "--save", str(tmp_path / point), kill=point)
+             for point in KILL_POINTS}
+    sync = tmp_path / "sync"
+    assert finish(launch("--save", str(sync))) == 0
+    for point, proc in procs.items():
+        assert finish(proc) == -9, point
+        save = tmp_path / point
+        assert find_checkpoint_to_load(save) == (2, save / "iter_0000002"), point
+        assert not (save / "iter_0000004").exists(), point
+        assert_same_files(sync / "iter_0000002", save / "iter_0000002")
+    resumed = tmp_path / "after_first_file"
+    assert finish(launch("--save", str(resumed), "--load", str(resumed), "--async-save")) == 0
+    assert_identical(checkpoint_tensors(sync), checkpoint_tensors(resumed))
