@@ -47,8 +47,8 @@ import time
 
 import numpy as np
 
-from megalite.data.document_sources import (FORMATS, ShardError, open_jsonl, read_records,
-                                             resolve_inputs)
+from megalite.data.document_sources import (FORMATS, ShardError, check_dependencies,
+                                             open_jsonl, read_records, resolve_inputs)
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megalite.errors import ConfigError, DataError, MegaliteError
@@ -108,6 +108,7 @@ def _validate(args):
         raise ConfigError(f"--workers {args.workers} must be a multiple of "
                           f"--partitions {args.partitions}")
     args.sources = resolve_inputs(args.input, args.input_format)
+    check_dependencies(args.sources)
     if args.partitions > 1 and (len(args.sources) > 1
                                 or not args.sources[0].format.startswith("jsonl")):
         raise ConfigError(f"--partitions {args.partitions} splits one JSONL file; --input "
@@ -165,7 +166,7 @@ class _BadLine(Exception):
 class _Unreadable:
     """A file that could not be read on: sent through the workers so that it is reported
     in input order, after the rows read before it."""
-    error: ShardError
+    message: str  # the ShardError's (an exception with its own fields does not unpickle)
 
 
 def _encode_chunk(chunk):
@@ -280,7 +281,7 @@ def _records(args, start=0, stop=None):
             for row, nbytes, payload in itertools.islice(records, start, stop):
                 yield (index, row), nbytes, payload
         except ShardError as e:
-            yield (index, e.row), 0, _Unreadable(e)
+            yield (index, e.row), 0, _Unreadable(str(e))
 
 
 def _chunks(items, size):
@@ -360,7 +361,7 @@ def encode_lines(args, prefixes, workers, start=0, stop=None, label=""):
                                                            2 * workers):
                 builders = outputs.for_file(index)
                 if isinstance(doc, _Unreadable):
-                    _unreadable(args, doc.error, stats)
+                    _unreadable(args, doc.message, stats)
                     continue
                 stats.lines, stats.bytes = stats.lines + 1, stats.bytes + nbytes
                 if isinstance(doc, str):
@@ -382,10 +383,10 @@ def _bad_line(args, where, reason, stats):
     stats.skipped += 1
 
 
-def _unreadable(args, error, stats):
+def _unreadable(args, message, stats):
     if args.on_error == "fail":
-        raise DataError(f"{error} (use --on-error skip to skip the rest of such files)")
-    print(f"{error} (rest of the file skipped)", file=sys.stderr)
+        raise DataError(f"{message} (use --on-error skip to skip the rest of such files)")
+    print(f"{message} (rest of the file skipped)", file=sys.stderr)
     stats.unreadable += 1
 
 

@@ -134,6 +134,18 @@ def _saved_dataset(path):
     return [Source(os.path.join(path, name), "arrow") for name in files]
 
 
+_MODULES_OF = {"jsonl.zst": ("zstandard",), "parquet": ("pyarrow", "pyarrow.parquet"),
+               "arrow": ("pyarrow",)}
+
+
+def check_dependencies(sources):
+    """Fail before any work when a format's optional dependency is missing."""
+    for fmt in sorted({source.format for source in sources}):
+        first = next(source.path for source in sources if source.format == fmt)
+        for module in _MODULES_OF.get(fmt, ()):
+            optional_import(module, f"{first} ({fmt})")
+
+
 # ---- one Source -> (row, bytes, payload) records ----
 
 def read_records(source, keys, batch_rows):
@@ -213,7 +225,9 @@ def _parquet_records(source, keys, batch_rows):
     pa = optional_import("pyarrow", f"{source.path} (Parquet)")
     pq = optional_import("pyarrow.parquet", f"{source.path} (Parquet)")
     try:
-        parquet = pq.ParquetFile(source.path, buffer_size=1 << 20, pre_buffer=False)
+        # Checksums verified where the writer stored them: a flipped bit in a page is named.
+        parquet = pq.ParquetFile(source.path, buffer_size=1 << 20, pre_buffer=False,
+                                 page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
         raise ShardError(source, 1, f"not a readable Parquet file: {e}") from None
     _check_columns(source, parquet.schema_arrow.names, keys)
