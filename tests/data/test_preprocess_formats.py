@@ -185,3 +185,30 @@ def test_missing_optional_dependency_names_the_extra(tmp_path, capsys, monkeypat
                                  "--vocab-size", "10"]) == 1
     assert f"needs {module}, which is not installed: pip install -e .[{extra}]" in \
         capsys.readouterr().err
+
+
+# Runs a command and prints the peak RSS in KiB of the largest process it started (the
+# tool or one of its workers): RUSAGE_CHILDREN covers every waited-for descendant.
+PEAK_RSS = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+            "capture_output=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+@pytest.mark.slow  # a worker pool
+def test_memory_stays_below_the_input_size(tmp_path):
+    """240 MB of text (compressed to a few KB of Parquet) preprocessed by processes that
+    never hold more than a fraction of it: the tool streams batches, whatever the input
+    size. The documents are mostly spaces so tokenizing them costs little."""
+    docs, size = 12_000, 20_000
+    text = " " * (size - 5) + "1 2 3"
+    path = tmp_path / "big.parquet"
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="zstd") as w:
+        for _ in range(docs // 1000):
+            w.write_table(pa.table({"text": [text] * 1000}))
+    tool = [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(path),
+            "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "10", "--workers", "2"]
+    peak_kib = int(subprocess.run([sys.executable, "-c", PEAK_RSS, *tool], check=True,
+                                  capture_output=True, text=True, timeout=120).stdout)
+    assert len(IndexedDataset(str(tmp_path / "out_text_document")).tokens) == 3 * docs
+    assert peak_kib * 1024 < docs * size, f"peak RSS {peak_kib / 1024:.0f} MiB"
