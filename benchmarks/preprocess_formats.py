@@ -25,7 +25,8 @@ import sys
 import tempfile
 import time
 
-from preprocess_throughput import BUILD_CORPUS, PREPROCESS, RUSAGE, TRAIN_TOKENIZER, run_tool
+from preprocess_throughput import (BUILD_CORPUS, PREPROCESS, RUSAGE, TRAIN_TOKENIZER,
+                                   corpus_flags, run_tool)
 from smoke import shrink
 
 
@@ -102,11 +103,7 @@ def memory(args, work):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeat", type=int, default=1, help="runs per setting; best is kept")
-    parser.add_argument("--tokenizer-model", help="skip training; use this SentencePiece model")
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--max-documents", type=int, help="the first N (default: all)")
+    corpus_flags(parser, repeat=1)
     parser.add_argument("--memory-input-mb", type=int, default=1024)
     args = shrink(parser.parse_args(), max_documents=30, vocab_size=500, repeat=1,
                   memory_input_mb=8, workers=[1])
