@@ -402,9 +402,12 @@ def _add_document(builders, doc, stats):
 
 def _count_lines(source):
     count, last = 0, b"\n"
-    with open_jsonl(source) as f:
-        while block := f.read(1 << 24):
-            count, last = count + block.count(b"\n"), block[-1:]
+    try:
+        with open_jsonl(source) as f:
+            while block := f.read(1 << 24):
+                count, last = count + block.count(b"\n"), block[-1:]
+    except (OSError, EOFError) as e:  # a truncated .gz: the partitions cannot be cut
+        raise DataError(f"{source.path}: cannot read to the end to cut --partitions: {e}")
     return count + (last != b"\n")
 
 

@@ -236,15 +236,27 @@ def _parquet_records(source, keys, batch_rows):
 
 def _arrow_records(source, keys, batch_rows):
     pa = optional_import("pyarrow", f"{source.path} (Arrow)")
+    schema, batches = _arrow_batches(source, pa)
+    _check_columns(source, schema.names, keys)
+    parts = (part.select(keys) for batch in batches
+             for part in (batch.slice(i, batch_rows) for i in range(0, batch.num_rows,
+                                                                    batch_rows)))
+    return _rows(source, pa, parts)
+
+
+def _arrow_batches(source, pa):
+    """(schema, record batches) of an Arrow IPC stream (what `datasets` writes) or, failing
+    that, an Arrow IPC file (random access, read one batch at a time)."""
     try:
         stream = pa.ipc.open_stream(pa.OSFile(source.path, "rb"))
+        return stream.schema, stream
+    except (OSError, pa.ArrowException):
+        pass
+    try:
+        reader = pa.ipc.open_file(pa.OSFile(source.path, "rb"))
     except (OSError, pa.ArrowException) as e:
-        raise ShardError(source, 1, f"not a readable Arrow IPC stream: {e}") from None
-    _check_columns(source, stream.schema.names, keys)
-    batches = (part.select(keys) for batch in stream
-               for part in (batch.slice(i, batch_rows) for i in range(0, batch.num_rows,
-                                                                      batch_rows)))
-    return _rows(source, pa, batches)
+        raise ShardError(source, 1, f"not a readable Arrow IPC stream or file: {e}") from None
+    return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
 
 
 def _check_columns(source, names, keys):

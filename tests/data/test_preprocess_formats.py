@@ -79,6 +79,9 @@ def write_shards(d, docs):
         pq.write_table(pa.table({"id": list(range(a, b)), "text": docs[a:b]}),
                        d / "parquet" / f"part-{i}.parquet", row_group_size=4)
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(d / "hf"), num_shards=3)
+    table = pa.table({"text": docs})  # an Arrow IPC file (random access), batches of 5
+    with pa.ipc.new_file(d / "table.arrow", table.schema) as writer:
+        writer.write_table(table, max_chunksize=5)
 
 
 @pytest.mark.slow  # a worker pool
@@ -91,7 +94,9 @@ def test_every_format_gives_the_jsonl_bytes_and_merge_the_concatenation(corpus, 
     for name, inputs, workers in [("jsonl", tmp_path / "jsonl", 2),
                                   ("parquet", tmp_path / "parquet", 2),
                                   ("glob", tmp_path / "parquet" / "part-*.parquet", 1),
-                                  ("arrow", tmp_path / "hf", 1)]:
+                                  ("arrow", tmp_path / "hf", 1),
+                                  ("arrow file", tmp_path / "table.arrow", 1)]:
+        name = name.replace(" ", "_")
         assert run(inputs, tmp_path / name, model, "--workers", str(workers)).returncode == 0
         assert pair(tmp_path / name) == reference, name
 
