@@ -217,3 +217,12 @@ def test_memory_stays_below_the_input_size(tmp_path):
                                   capture_output=True, text=True, timeout=120).stdout)
     assert len(IndexedDataset(str(tmp_path / "out_text_document")).tokens) == 3 * docs
     assert peak_kib * 1024 < docs * size, f"peak RSS {peak_kib / 1024:.0f} MiB"
+
+
+def test_merge_refuses_a_file_without_its_pair(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.bin").write_bytes(b"")
+    assert merge_datasets.main(["--input", str(tmp_path / "in"),
+                                "--output-prefix", str(tmp_path / "merged")]) == 1
+    assert f"--input {tmp_path / 'in'}: a.idx not found" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
