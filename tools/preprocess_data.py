@@ -275,7 +275,6 @@ def _records(args, start=0, stop=None):
     rows start+1 .. stop only (a --partitions range). A file unreadable from some row on
     ends with an _Unreadable record there."""
     for index, source in enumerate(args.sources):
-        row = start
         try:
             records = read_records(source, args.json_keys, CHUNK_LINES)
             for row, nbytes, payload in itertools.islice(records, start, stop):
