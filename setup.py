@@ -15,6 +15,14 @@ setup(
         "flash": ["flash-attn>=2.5"],
         "hf": ["tokenizers>=0.15", "transformers>=4.45"],
         "plot": ["matplotlib"],  # tools/plot_schedule.py, tools/check_cluster.py's charts
-        "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45"],
+        # tools/preprocess_data.py inputs (megalite/data/document_sources.py): Parquet and
+        # Arrow files, zstd-compressed JSONL; `datasets` only writes save_to_disk test inputs.
+        "parquet": ["pyarrow>=14"],
+        "zstd": ["zstandard"],
+        "datasets": ["datasets"],
+        "wandb": ["wandb"],  # --wandb-project
+        # dev holds every optional dependency a test exercises, so CI runs them all.
+        "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45", "pyarrow>=14",
+                "zstandard", "datasets", "wandb"],
     },
 )

@@ -90,14 +90,20 @@ def run_tool(corpus, model, prefix, workers):
     return time.perf_counter() - start, float(cpu), int(rss) / 1024
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def corpus_flags(parser, repeat):
+    """The flags of the preprocess benchmarks (this one, preprocess_formats.py)."""
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeat", type=int, default=2, help="runs per setting; best is kept")
+    parser.add_argument("--repeat", type=int, default=repeat,
+                        help="runs per setting; best is kept")
     parser.add_argument("--tokenizer-model", help="skip training; use this SentencePiece model")
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--workdir", help="keep corpus and outputs here (default: a temp dir)")
     parser.add_argument("--max-documents", type=int, help="the first N (default: all)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    corpus_flags(parser, repeat=2)
+    parser.add_argument("--workdir", help="keep corpus and outputs here (default: a temp dir)")
     args = shrink(parser.parse_args(), max_documents=50, vocab_size=500, repeat=1)
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or tmp

@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp,
-                      _add_fp8_args, _add_uneven_work_args, _add_async_save_args):
+                      _add_fp8_args, _add_uneven_work_args, _add_async_save_args,
+                      _add_wandb_args):
         add_group(parser)
     parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
@@ -311,6 +312,17 @@ def _logging(parser):
                         "tools/check_cluster.py): adds the scaling efficiency, tokens/s per "
                         "GPU over it, to the log line.")
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
+
+
+def _add_wandb_args(parser):
+    """Megatron's Weights & Biases flags (issue 31): the TensorBoard scalars and the run's
+    config, written by the last rank (megalite/monitoring/wandb_logger.py)."""
+    g = parser.add_argument_group("weights & biases")
+    g.add_argument("--wandb-project", help="W&B project; a run is logged when given "
+                   "(WANDB_MODE=offline writes it locally). Needs pip install -e .[wandb].")
+    g.add_argument("--wandb-exp-name", help="The W&B run's name (required with a project).")
+    g.add_argument("--wandb-save-dir", help="Where W&B writes its files (default "
+                   "{--save}/wandb, as Megatron; without --save, wandb's default).")
 
 
 def _monitoring(parser):

@@ -324,6 +324,13 @@ class LoggingConfig:
     scaling_baseline_tokens_per_sec: float | None = None
     """One GPU's tokens/s: the log line adds tokens/s per GPU over it
     (--scaling-baseline-tokens-per-sec, megalite's own flag)."""
+    wandb_project: str | None = None
+    """Weights & Biases project; None: no W&B run (--wandb-project)."""
+    wandb_exp_name: str | None = None
+    """The W&B run's name, required with a project (--wandb-exp-name)."""
+    wandb_save_dir: str | None = None
+    """Where W&B writes its files; None: {--save}/wandb as Megatron, else wandb's default
+    (--wandb-save-dir)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,7 @@ from megalite.model.gpt import build_model_chunks, initialize_parameters
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
 from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers, synchronize
+from megalite.monitoring.wandb_logger import with_wandb
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
@@ -210,7 +211,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
-    tensorboard = TensorBoardLogger(config.logging.tensorboard_dir if is_last else None)
+    tensorboard = with_wandb(TensorBoardLogger(config.logging.tensorboard_dir if is_last
+                                               else None), config, is_last)
     if is_last and config.logging.tensorboard_dir and run_file:
         write_run_file(config.logging.tensorboard_dir, run_file)
     if state.dp_rank == 0 and state.cp_rank == 0:
@@ -289,7 +291,7 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         # Decided alike on every rank (the statistics are collectives), and only where
         # events are written: --log-params-norm must not cost a norm every iteration
         # without TensorBoard.
-        scalars = (log.tensorboard_dir is not None
+        scalars = ((log.tensorboard_dir is not None or log.wandb_project is not None)
                    and progress.iteration % log.tensorboard_log_interval == 0)
         extra = monitor.statistics() if logging or scalars else {}
         if scalars:

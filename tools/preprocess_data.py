@@ -1,4 +1,4 @@
-"""Tokenize a JSONL corpus into Megatron's indexed-dataset format (.bin/.idx, docs/design.md §7).
+"""Tokenize a corpus into Megatron's indexed-dataset format (.bin/.idx, docs/design.md §7).
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model \\
@@ -7,28 +7,37 @@
 writes `data/corpus_text_document.bin/.idx`, one pair per `--json-keys` key, with the same
 bytes Megatron-LM's tools/preprocess_data.py writes for the same input, tokenizer and flags.
 Each line is a JSON object whose key holds a string (one sequence) or, as in Megatron, a
-list of strings (one sequence each); `--input` may be gzipped (.gz).
+list of strings (one sequence each).
+
+`--input` may also be a directory or a glob of JSONL (plain, .gz, .zst), Parquet and Arrow
+files, or a `datasets` save_to_disk directory (megalite/data/document_sources.py); a column
+holds what a JSON key would. The files are read in sorted path order as one stream, so the
+output has the bytes of the same documents given as one JSONL file. --output-per-input
+(megalite's own) writes one output per input file instead.
 
 Order: documents keep the input order whatever --workers and --partitions are.
---partitions N cuts the input into N contiguous line ranges encoded side by side and
+--partitions N cuts one JSONL input into N contiguous line ranges encoded side by side and
 concatenated (Megatron's --keep-sequential-samples order, so the bytes do not depend on N).
 
-Memory is bounded whatever the input size: lines are read in chunks of CHUNK_LINES and at
-most 2 x workers chunks are in flight per partition, so at most
-(2 x workers + 1) x CHUNK_LINES documents (the raw line and its token ids) are held at once;
-besides that only the index grows (4 bytes per sequence and 8 per document).
+Memory is bounded whatever the input size: rows are read in chunks of CHUNK_LINES (Parquet:
+batches of that many rows; Arrow: the writer's record batches) and at most 2 x workers
+chunks are in flight per partition, so at most (2 x workers + 1) x CHUNK_LINES documents
+(the raw row and its token ids) are held at once; besides that only the index grows
+(4 bytes per sequence and 8 per document).
 
-Bad input (malformed JSON, a missing key, invalid UTF-8, text that is not a string, a token
-id outside the vocabulary) is reported as `file:line: reason`. --on-error fail (default)
-stops there with exit 1 and leaves no output; --on-error skip drops the line and counts it.
-An empty document gives no sequence but, as in Megatron, a document boundary; the summary
-counts them. Outputs are written under temporary names and renamed at the end.
+Bad input (malformed JSON, a missing key or null value, invalid UTF-8, text that is not a
+string, a token id outside the vocabulary) is reported as `file:line: reason` (Parquet and
+Arrow: `file: row n: reason`); so is a file that cannot be read on (unreadable, a corrupt
+Parquet page, a truncated .gz/.zst stream, a missing column). --on-error fail (default)
+stops there with exit 1 and leaves no output; --on-error skip drops the line (or the rest
+of the file) and counts it. An empty document gives no sequence but, as in Megatron, a
+document boundary; the summary counts them. Outputs are written under temporary names and
+renamed at the end (--output-per-input: each when its file is done).
 """
 
 import argparse
 import collections
 import dataclasses
-import gzip
 import itertools
 import json
 import multiprocessing
@@ -38,6 +47,8 @@ import time
 
 import numpy as np
 
+from megalite.data.document_sources import (FORMATS, ShardError, check_dependencies,
+                                             open_jsonl, read_records, resolve_inputs)
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megalite.errors import ConfigError, DataError, MegaliteError
@@ -48,9 +59,16 @@ CHUNK_LINES = 64
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, help="JSONL file, optionally gzipped (.gz)")
+    group.add_argument("--input", required=True,
+                       help="a file, a directory or a glob of JSONL (.jsonl/.json, optionally "
+                       ".gz or .zst), Parquet (.parquet) or Arrow (.arrow) files, or a "
+                       "directory written by datasets' save_to_disk; read in sorted path order")
+    group.add_argument("--input-format", choices=FORMATS,
+                       help="megalite's own: read every input file as this format "
+                       "(default: from each file's extension or the directory's state.json)")
     group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="keys whose text is tokenized, one output dataset per key")
+                       help="keys (Parquet/Arrow: columns) whose text is tokenized, one "
+                       "output dataset per key")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", help="SentencePiece model or tokenizer.json")
@@ -63,6 +81,10 @@ def get_args(argv=None):
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
                        help="writes {prefix}_{key}_document.bin/.idx")
+    group.add_argument("--output-per-input", action="store_true",
+                       help="megalite's own: one output per input file, "
+                       "{prefix}_{file name without extension}_{key}_document.bin/.idx "
+                       "(default: one output for all inputs, in input order)")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes in all")
     group.add_argument("--partitions", type=int, default=1,
@@ -70,7 +92,8 @@ def get_args(argv=None):
     group.add_argument("--log-interval", type=int, default=1000,
                        help="print progress every this many documents")
     group.add_argument("--on-error", choices=("fail", "skip"), default="fail",
-                       help="on a bad input line: stop with exit 1, or skip it and count it")
+                       help="on a bad input line or row: stop with exit 1, or skip it and "
+                       "count it (a file unreadable from some row on: skip the rest of it)")
     args = parser.parse_args(argv)
     _validate(args)
     return args
@@ -84,11 +107,35 @@ def _validate(args):
     if args.workers % args.partitions:
         raise ConfigError(f"--workers {args.workers} must be a multiple of "
                           f"--partitions {args.partitions}")
-    if not os.path.isfile(args.input):
-        raise DataError(f"--input {args.input}: file not found")
+    args.sources = resolve_inputs(args.input, args.input_format)
+    check_dependencies(args.sources)
+    if args.partitions > 1 and (len(args.sources) > 1
+                                or not args.sources[0].format.startswith("jsonl")):
+        raise ConfigError(f"--partitions {args.partitions} splits one JSONL file; --input "
+                          f"{args.input} is {len(args.sources)} {args.sources[0].format} "
+                          "file(s): use --workers alone")
+    _check_output_names(args)
     out_dir = os.path.dirname(args.output_prefix) or "."
     if not os.path.isdir(out_dir):
         raise DataError(f"--output-prefix {args.output_prefix}: directory {out_dir} not found")
+
+
+def _check_output_names(args):
+    if not args.output_per_input:
+        return
+    seen = {}
+    for source in args.sources:
+        if source.stem in seen:
+            raise ConfigError(f"--output-per-input: {seen[source.stem]} and {source.path} "
+                              f"would both write {args.output_prefix}_{source.stem}_*")
+        seen[source.stem] = source.path
+
+
+def output_prefixes(args):
+    """The prefix each input file's documents go to (one for all unless per input)."""
+    if args.output_per_input:
+        return [f"{args.output_prefix}_{source.stem}" for source in args.sources]
+    return [args.output_prefix] * len(args.sources)
 
 
 def tokenizer_kwargs(args):
@@ -100,7 +147,7 @@ def output_prefix(prefix, key):
     return f"{prefix}_{key}_document"
 
 
-# ---- worker side: one JSON line -> token ids per key, or the reason it is unusable ----
+# ---- worker side: one record -> token ids per key, or the reason it is unusable ----
 
 _worker = {}
 
@@ -115,14 +162,25 @@ class _BadLine(Exception):
     pass
 
 
+@dataclasses.dataclass
+class _Unreadable:
+    """A file that could not be read on: sent through the workers so that it is reported
+    in input order, after the rows read before it."""
+    message: str  # the ShardError's (an exception with its own fields does not unpickle)
+
+
 def _encode_chunk(chunk):
-    return [(lineno, len(line), _encode_line(line)) for lineno, line in chunk]
+    return [(where, nbytes, _encode_record(payload)) for where, nbytes, payload in chunk]
 
 
-def _encode_line(line):
-    """{key: (token ids, sequence lengths)}, or a str saying why the line is unusable."""
+def _encode_record(payload):
+    """{key: (token ids, sequence lengths)}, or a str saying why the record is unusable.
+
+    A payload is a JSONL line (bytes), a columnar row (a dict), or an _Unreadable."""
+    if isinstance(payload, _Unreadable):
+        return payload
     try:
-        data = _parse(line)
+        data = _parse(payload) if isinstance(payload, bytes) else payload
         return {key: _tokenize_document(_sentences(data, key)) for key in _worker["keys"]}
     except _BadLine as e:
         return str(e)
@@ -146,6 +204,8 @@ def _sentences(data, key):
     if key not in data:
         raise _BadLine(f"missing key {key!r}")
     value = data[key]
+    if value is None:  # JSON null, or a null cell of a Parquet/Arrow column
+        raise _BadLine(f"key {key!r} is null")
     sentences = value if isinstance(value, list) else [value]
     for sentence in sentences:
         if not isinstance(sentence, str):
@@ -196,6 +256,7 @@ class Stats:
     lines: int = 0
     bytes: int = 0
     skipped: int = 0
+    unreadable: int = 0  # files cut short by a read error (--on-error skip)
     sequences: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     empty: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -204,15 +265,22 @@ class Stats:
         self.lines += other.lines
         self.bytes += other.bytes
         self.skipped += other.skipped
+        self.unreadable += other.unreadable
         for field in ("sequences", "tokens", "empty"):
             getattr(self, field).update(getattr(other, field))
 
 
-def _read_lines(path, start=0, stop=None):
-    """(line number, bytes) for lines start+1 .. stop, 1-based; bytes so bad UTF-8 is ours."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        yield from itertools.islice(enumerate(f, start=1), start, stop)
+def _records(args, start=0, stop=None):
+    """((file index, row), bytes, payload) for every input row in order; with one file,
+    rows start+1 .. stop only (a --partitions range). A file unreadable from some row on
+    ends with an _Unreadable record there."""
+    for index, source in enumerate(args.sources):
+        try:
+            records = read_records(source, args.json_keys, CHUNK_LINES)
+            for row, nbytes, payload in itertools.islice(records, start, stop):
+                yield (index, row), nbytes, payload
+        except ShardError as e:
+            yield (index, e.row), 0, _Unreadable(str(e))
 
 
 def _chunks(items, size):
@@ -244,38 +312,81 @@ class _Progress:
                   f"{stats.bytes / elapsed / 2**20:.2f} MB/s).", file=sys.stderr, flush=True)
 
 
-def encode_lines(args, prefix, workers, start=0, stop=None, label=""):
-    """Encode input lines start+1..stop into `{prefix}_{key}_document.*`; return Stats."""
+class _Outputs:
+    """The builders being written: one set per output prefix, finalized when the input
+    moves on to a file with another prefix (--output-per-input), discarded on error."""
+
+    def __init__(self, args, prefixes, dtype, vocab_size):
+        self.args, self.prefixes, self.dtype, self.vocab_size = args, prefixes, dtype, vocab_size
+        self.index, self.builders = 0, self._open(prefixes[0])
+
+    def _open(self, prefix):
+        return {key: IndexedDatasetBuilder(output_prefix(prefix, key) + ".bin", self.dtype,
+                                           self.vocab_size) for key in self.args.json_keys}
+
+    def for_file(self, index):
+        """The builders of file `index`; files skipped over (no rows) get empty outputs."""
+        while self.index < index:
+            self.index += 1
+            if self.prefixes[self.index] != self.prefixes[self.index - 1]:
+                self._finalize(self.prefixes[self.index - 1])
+                self.builders = self._open(self.prefixes[self.index])
+        return self.builders
+
+    def finalize(self):
+        self.for_file(len(self.prefixes) - 1)
+        self._finalize(self.prefixes[-1])
+
+    def _finalize(self, prefix):
+        for key, builder in self.builders.items():
+            builder.finalize(output_prefix(prefix, key) + ".idx")
+        self.builders = {}
+
+    def discard(self):
+        for builder in self.builders.values():
+            builder.discard()
+
+
+def encode_lines(args, prefixes, workers, start=0, stop=None, label=""):
+    """Encode the input (rows start+1..stop of a single file) into the files'
+    `{prefix}_{key}_document.*`; return Stats."""
     tokenizer = build_tokenizer(args.tokenizer_type, **tokenizer_kwargs(args))
-    dtype, vocab = best_dtype(tokenizer.vocab_size), tokenizer.vocab_size
     stats, progress = Stats(), _Progress(args.log_interval, label)
-    builders = {key: IndexedDatasetBuilder(output_prefix(prefix, key) + ".bin", dtype, vocab)
-                for key in args.json_keys}
+    outputs = _Outputs(args, prefixes, best_dtype(tokenizer.vocab_size), tokenizer.vocab_size)
     try:
         with multiprocessing.Pool(workers, _init_worker, (args,)) as pool:
-            chunks = _chunks(_read_lines(args.input, start, stop), CHUNK_LINES)
-            for lineno, nbytes, doc in _imap_bounded(pool, _encode_chunk, chunks, 2 * workers):
+            chunks = _chunks(_records(args, start, stop), CHUNK_LINES)
+            for (index, row), nbytes, doc in _imap_bounded(pool, _encode_chunk, chunks,
+                                                           2 * workers):
+                builders = outputs.for_file(index)
+                if isinstance(doc, _Unreadable):
+                    _unreadable(args, doc.message, stats)
+                    continue
                 stats.lines, stats.bytes = stats.lines + 1, stats.bytes + nbytes
                 if isinstance(doc, str):
-                    _bad_line(args, lineno, doc, stats)
+                    _bad_line(args, args.sources[index].where(row), doc, stats)
                 else:
                     _add_document(builders, doc, stats)
                 progress.update(stats)
-        for key, builder in builders.items():
-            builder.finalize(output_prefix(prefix, key) + ".idx")
+        outputs.finalize()
     except BaseException:
-        for builder in builders.values():
-            builder.discard()
+        outputs.discard()
         raise
     return stats
 
 
-def _bad_line(args, lineno, reason, stats):
-    where = f"{args.input}:{lineno}: {reason}"
+def _bad_line(args, where, reason, stats):
     if args.on_error == "fail":
-        raise DataError(f"{where} (use --on-error skip to skip such lines)")
-    print(f"{where} (skipped)", file=sys.stderr)
+        raise DataError(f"{where}: {reason} (use --on-error skip to skip such lines)")
+    print(f"{where}: {reason} (skipped)", file=sys.stderr)
     stats.skipped += 1
+
+
+def _unreadable(args, message, stats):
+    if args.on_error == "fail":
+        raise DataError(f"{message} (use --on-error skip to skip the rest of such files)")
+    print(f"{message} (rest of the file skipped)", file=sys.stderr)
+    stats.unreadable += 1
 
 
 def _add_document(builders, doc, stats):
@@ -288,18 +399,20 @@ def _add_document(builders, doc, stats):
 
 # ---- partitions: contiguous line ranges encoded by separate processes, then joined ----
 
-def _count_lines(path):
-    opener = gzip.open if path.endswith(".gz") else open
+def _count_lines(source):
     count, last = 0, b"\n"
-    with opener(path, "rb") as f:
-        while block := f.read(1 << 24):
-            count, last = count + block.count(b"\n"), block[-1:]
+    try:
+        with open_jsonl(source) as f:
+            while block := f.read(1 << 24):
+                count, last = count + block.count(b"\n"), block[-1:]
+    except (OSError, EOFError) as e:  # a truncated .gz: the partitions cannot be cut
+        raise DataError(f"{source.path}: cannot read to the end to cut --partitions: {e}")
     return count + (last != b"\n")
 
 
 def _encode_partition(args, index, start, stop, queue):
     try:
-        stats = encode_lines(args, f"{args.output_prefix}_part{index}",
+        stats = encode_lines(args, [f"{args.output_prefix}_part{index}"],
                              args.workers // args.partitions, start, stop,
                              label=f"[partition {index}] ")
         queue.put((index, stats, None))
@@ -308,7 +421,7 @@ def _encode_partition(args, index, start, stop, queue):
 
 
 def encode_partitions(args):
-    total = _count_lines(args.input)
+    total = _count_lines(args.sources[0])
     bounds = [total * i // args.partitions for i in range(args.partitions + 1)]
     queue = multiprocessing.Queue()
     procs = [multiprocessing.Process(target=_encode_partition,
@@ -351,11 +464,14 @@ def _remove_partitions(args, count):
 
 
 def _summary(args, stats, elapsed):
-    print(f"Read {stats.lines} lines ({stats.bytes / 2**20:.2f} MB) in {elapsed:.1f} s: "
-          f"{stats.lines / elapsed:.1f} docs/s, {stats.bytes / elapsed / 2**20:.2f} MB/s; "
-          f"{stats.skipped} skipped.")
+    print(f"Read {stats.lines} documents ({stats.bytes / 2**20:.2f} MB) from "
+          f"{len(args.sources)} file(s) in {elapsed:.1f} s: {stats.lines / elapsed:.1f} docs/s, "
+          f"{stats.bytes / elapsed / 2**20:.2f} MB/s; {stats.skipped} skipped"
+          + (f"; {stats.unreadable} file(s) cut short by a read error." if stats.unreadable
+             else "."))
+    where = f"{args.output_prefix}_*" if args.output_per_input else args.output_prefix
     for key in args.json_keys:
-        print(f"{output_prefix(args.output_prefix, key)}.bin/.idx: "
+        print(f"{output_prefix(where, key)}.bin/.idx: "
               f"{stats.lines - stats.skipped} documents ({stats.empty[key]} empty), "
               f"{stats.sequences[key]} sequences, {stats.tokens[key]} tokens.")
 
@@ -370,7 +486,7 @@ def main(argv=None):
                                   "end-of-document (eos) id")
         start = time.time()
         if args.partitions == 1:
-            stats = encode_lines(args, args.output_prefix, args.workers)
+            stats = encode_lines(args, output_prefixes(args), args.workers)
         else:
             stats = encode_partitions(args)
     except MegaliteError as e:

@@ -1,4 +1,4 @@
-"""Train a SentencePiece BPE or unigram tokenizer from .txt or .jsonl(.gz) files.
+"""Train a SentencePiece BPE or unigram tokenizer from .txt, JSONL, Parquet or Arrow files.
 
     python tools/train_tokenizer.py --input corpus.jsonl --model-prefix data/tok \\
         --vocab-size 8000
@@ -7,14 +7,16 @@ writes `data/tok.model`, for `--tokenizer-type SentencePieceTokenizer --tokenize
 data/tok.model`. Ids: <unk> 0 (SentencePiece requires one), </s> 1, which
 SentencePieceTokenizer uses as the end-of-document id; <s> and <pad> only with --bos/--pad.
 
-A .txt file gives one training sentence per line; a .jsonl file gives each line of the
-text under --json-key (documents span many lines; SentencePiece trains on sentences, and
+A .txt file gives one training sentence per line; any other --input is read as
+tools/preprocess_data.py reads it (JSONL, .gz, .zst, Parquet, Arrow, a directory or a glob
+of them: megalite/data/document_sources.py) and gives each line of the text under --json-key (documents span many lines; SentencePiece trains on sentences, and
 skips any longer than --max-sentence-length bytes). By default the text is kept as it is
 (identity normalization, whitespace kept, byte fallback), so code and its indentation
 round-trip exactly. The model is written to a temporary name, then renamed.
 """
 
 import argparse
+import glob
 import gzip
 import io
 import json
@@ -22,12 +24,14 @@ import os
 import sys
 
 from megalite.atomic_write import atomic_write
+from megalite.data.document_sources import check_dependencies, read_records, resolve_inputs
 from megalite.errors import ConfigError, DataError, MegaliteError
 
 
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl(.gz) files")
+    parser.add_argument("--input", nargs="+", required=True, help=".txt files, or what preprocess_data.py --input takes "
+                        "(JSONL, .gz, .zst, Parquet, Arrow; a directory or a glob)")
     parser.add_argument("--json-key", default="text", help="key of the text in .jsonl input")
     parser.add_argument("--model-prefix", required=True, help="writes {prefix}.model")
     parser.add_argument("--vocab-size", type=int, default=8000)
@@ -52,7 +56,7 @@ def get_args(argv=None):
     parser.add_argument("--seed", type=int, default=1234, help="sentence sampling seed")
     args = parser.parse_args(argv)
     for path in args.input:
-        if not os.path.isfile(path):
+        if not (os.path.isfile(path) or os.path.isdir(path) or glob.glob(path)):
             raise DataError(f"--input {path}: file not found")
     if not os.path.isdir(os.path.dirname(args.model_prefix) or "."):
         raise DataError(f"--model-prefix {args.model_prefix}: directory not found")
@@ -62,27 +66,45 @@ def get_args(argv=None):
 
 
 def iter_sentences(paths, json_key):
-    """Non-empty lines of every .txt file and of every .jsonl document's text."""
+    """Non-empty lines of every .txt file and of every document's text."""
     for path in paths:
+        for text in _texts(path, json_key):
+            for sentence in text.split("\n"):
+                if sentence.strip():
+                    yield sentence
+
+
+def _texts(path, json_key):
+    """A .txt file's lines; else each document of whatever preprocess_data.py reads (JSONL,
+    .gz, .zst, Parquet, Arrow; a directory or a glob of them)."""
+    if os.path.isfile(path) and path.removesuffix(".gz").endswith(".txt"):
         opener = gzip.open if path.endswith(".gz") else open
-        is_jsonl = path.removesuffix(".gz").endswith((".jsonl", ".json"))
         with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, start=1):
-                text = _document_text(path, lineno, line, json_key) if is_jsonl else line
-                for sentence in text.split("\n"):
-                    if sentence.strip():
-                        yield sentence
+            yield from f
+        return
+    sources = resolve_inputs(path)
+    check_dependencies(sources)
+    for source in sources:
+        for row, _, payload in read_records(source, [json_key], 64):
+            if isinstance(payload, bytes):  # a JSONL line
+                payload = payload.decode("utf-8", errors="replace")
+                yield _document_text(source.where(row), payload, json_key)
+            else:
+                yield _column_text(source.where(row), payload[json_key], json_key)
 
 
-def _document_text(path, lineno, line, json_key):
+def _column_text(where, text, json_key):
+    if not isinstance(text, str):
+        raise DataError(f"{where}: {json_key!r} holds {type(text).__name__}, expected a string")
+    return text
+
+
+def _document_text(where, line, json_key):
     try:
         text = json.loads(line)[json_key]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise DataError(f"{path}:{lineno}: no string under {json_key!r} ({e!r})") from None
-    if not isinstance(text, str):
-        raise DataError(f"{path}:{lineno}: {json_key!r} holds {type(text).__name__}, "
-                        "expected a string")
-    return text
+        raise DataError(f"{where}: no string under {json_key!r} ({e!r})") from None
+    return _column_text(where, text, json_key)
 
 
 def train(args):

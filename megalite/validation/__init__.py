@@ -9,6 +9,7 @@ share in checks.py.
 """
 
 import dataclasses
+import importlib.util
 
 from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedConfig,
                             GPTConfig, LoggingConfig, MonitoringConfig, OptimizerConfig,
@@ -28,6 +29,7 @@ def validate_args(args, world_size: int = 1,
     tokenizer --tokenizer-type built (None without one). Raises ConfigError."""
     require(args, *MODEL_FLAGS, "micro_batch_size", "lr")
     _check_data_source(args)
+    _check_wandb(args)
     config = validate_model_args(args, world_size, tokenizer_vocab_size)
     global_batch = config.training.global_batch_size
     train_iters, train_samples = _run_length(args, global_batch)
@@ -38,6 +40,18 @@ def validate_args(args, world_size: int = 1,
         scheduler=_scheduler_config(args, global_batch, train_samples),
         data=from_flags(DataConfig, args, data_path=tuple(args.data_path or ())),
         monitoring=_validate_monitoring(args, world_size))
+
+
+def _check_wandb(args):
+    """On every rank, before any work: the last rank alone opens the W&B run."""
+    if not args.wandb_project:
+        return
+    if not args.wandb_exp_name:
+        raise ConfigError(f"--wandb-project {args.wandb_project}: --wandb-exp-name is "
+                          "required (the run's name)")
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb-project needs wandb, which is not installed: "
+                          "pip install -e .[wandb]  (or pip install wandb)")
 
 
 def validate_model_args(args, world_size: int = 1,
