@@ -23,6 +23,7 @@ from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
 from megalite.distributed.fsdp import copy_into, fully_shard_model
 from megalite.distributed.grad_buffer import GradBuffer
+from megalite.distributed.powersgd import PowerSGD, single_process_names
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint, save_checkpoint
@@ -146,6 +147,10 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
                              grad_dtype=config.grad_dtype)
+    if config.grad_compression.enabled:
+        grad_buffer.compressor = PowerSGD(grad_buffer.buckets, single_process_names(model),
+                                          config.grad_compression, state.dp_cp_group,
+                                          state.tp_group, config.training.seed, timers)
     if config.optimizer_kind.has_main_params:
         optimizer = MixedPrecisionOptimizer(model, config.optimizer, scaler, state.tp_group,
                                             state.mp_group, grad_buffer, p.overlap_param_gather,

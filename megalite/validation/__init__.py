@@ -15,6 +15,7 @@ from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedCo
                             ParallelConfig, PrecisionConfig, SchedulerConfig, TrainingConfig)
 from megalite.errors import ConfigError
 from megalite.validation.checks import check_fraction, check_positive, flag, from_flags, require
+from megalite.validation.grad_compression import grad_compression_config
 from megalite.validation.layout import batch, parallel_config, validate_pipeline_schedule
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -62,7 +63,8 @@ def validate_model_args(args, world_size: int = 1,
         logging=from_flags(LoggingConfig, args),
         distributed=DistributedConfig(backend=args.distributed_backend,
                                       timeout_minutes=args.distributed_timeout_minutes),
-        checkpoint=_checkpoint_config(args))
+        checkpoint=_checkpoint_config(args),
+        grad_compression=grad_compression_config(args, parallel))
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:

@@ -1,0 +1,180 @@
+"""PowerSGD (--grad-compression powersgd) in one launch of 4 ranks:
+
+- against torch's own `powerSGD_hook` on DistributedDataParallel, at DP 2 and DP 4: the
+  same model, data, rank, start iteration and first Q (megalite's draw, put into the hook's
+  state where the hook would draw its own), 20 steps of the same losses;
+- layouts: PowerSGD only ever uses sums over the reduction group, so PowerSGD at DP2 x TP2
+  (with SP), DP2 x PP2 (tied embeddings), DP2 x CP2 and DP 2 under ZeRO-1 compute what PowerSGD at
+  DP 2 computes (and DP 4 does too: both equal torch's hook above) (docs/design.md "Gradient compression");
+- bytes: what the DP collectives were given on a compressed step equals the closed form.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState,
+                                                                        _should_compress,
+                                                                        powerSGD_hook)
+
+import pytest
+
+from megalite.distributed.powersgd import initial_q, single_process_names
+from megalite.layout_check import build_run, first_difference, run_layout
+from tests.helpers import flags_with
+
+pytestmark = pytest.mark.slow  # launches processes
+
+RANK, START, STEPS, SEED = 2, 3, 20, 1234
+CPU = torch.device("cpu")
+
+
+def flags(*extra, **values):
+    return flags_with("--grad-compression", "powersgd", "--powersgd-rank", str(RANK),
+                      "--powersgd-start-iter", str(START), "--lr-decay-style", "constant",
+                      "--clip-grad", "0", "--weight-decay", "0", "--seed", str(SEED),
+                      "--hidden-dropout", "0", "--attention-dropout", "0", *extra,
+                      **{"global_batch_size": 8, "micro_batch_size": 2, "hidden_size": 32,
+                         "train_iters": STEPS, **values})
+
+
+# ------------------------------------------------------------------ torch's hook
+
+def _prefill_hook(names):
+    """torch's powerSGD_hook, given megalite's first Qs: at the first compressed step each
+    bucket's Q memory is laid out as the hook lays it out (its compressed tensors grouped by
+    shape, in first-seen order) and filled with `initial_q`, so the hook orthogonalises
+    those instead of drawing its own."""
+    def hook(state, bucket):
+        if state.iter == state.start_powerSGD_iter and bucket.index() not in state.p_memory_dict:
+            by_shape = {}
+            for p in bucket.parameters():
+                n = p.shape[0]
+                m = p.numel() // n
+                r = min(n, m, state.matrix_approximation_rank)
+                if _should_compress(n, m, r, state.min_compression_rate)[0]:
+                    by_shape.setdefault((n, m), []).append((p, r))
+            qs = [initial_q(names[id(p)], m, r, SEED, START).view(-1)
+                  for (n, m), group in by_shape.items() for p, r in group]
+            p_size = sum(n * r for (n, m), group in by_shape.items() for _, r in group)
+            state.p_memory_dict[bucket.index()] = torch.empty(p_size)
+            state.q_memory_dict[bucket.index()] = torch.cat(qs)
+        return powerSGD_hook(state, bucket)
+    return hook
+
+
+def torch_reference(rank, dp) -> list[float] | None:
+    """STEPS losses of megalite's model under torch's DDP + powerSGD_hook at DP `dp`."""
+    config, state, model, _, _, batches = build_run(flags(micro_batch_size=8 // dp), dp,
+                                                    rank, CPU)
+    if model is None:
+        return None
+    module = model[0]
+    for p in module.parameters():
+        p.grad = None  # build_run's gradient buffer pointed them at its views
+    names = single_process_names(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(module, process_group=state.dp_group)
+    ddp.register_comm_hook(PowerSGDState(state.dp_group, matrix_approximation_rank=RANK,
+                                         start_powerSGD_iter=START, random_seed=0),
+                           _prefill_hook(names))
+    o = config.optimizer
+    adam = torch.optim.AdamW(module.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                             eps=o.adam_eps, weight_decay=0.0)
+    losses = []
+    for _ in range(STEPS):
+        batch = next(batches)  # one micro-batch per rank and step
+        tokens = batch["loss_mask"].sum()
+        global_tokens = tokens.clone()
+        dist.all_reduce(global_tokens, group=state.dp_group)
+        # DDP averages: each rank's loss is its share of the global token mean, times DP.
+        token_losses = ddp(batch["tokens"], batch["labels"])
+        loss = (token_losses * batch["loss_mask"]).sum() * dp / global_tokens
+        adam.zero_grad()
+        loss.backward()
+        adam.step()
+        total = loss.detach() / dp
+        dist.all_reduce(total, group=state.dp_group)
+        losses.append(total.item())
+    return losses
+
+
+def against_torch(rank) -> dict[str, str | None]:
+    out = {}
+    for dp in (2, 4):
+        mine = run_layout(flags(micro_batch_size=8 // dp), dp, rank, CPU, STEPS)
+        ref = torch_reference(rank, dp)
+        if mine is None:
+            continue
+        worst = max(abs(a - b) / abs(b) for (a, _), b in zip(mine.steps, ref))
+        out[f"DP{dp} vs torch"] = None if worst < 1e-5 else \
+            f"losses {[s[0] for s in mine.steps]} vs {ref} (worst rel {worst:.2g})"
+    return out
+
+
+# ------------------------------------------------------------------ layouts
+
+LAYOUTS = {"DP2 x TP2 (SP)": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+           "DP2 x PP2 (tied embeddings on two stages)": (4, ["--pipeline-model-parallel-size",
+                                                             "2"]),
+           "DP2 x CP2": (4, ["--context-parallel-size", "2"]),
+           "DP2 ZeRO-1": (2, ["--use-distributed-optimizer"])}
+LAYOUT_STEPS = 6  # 3 uncompressed, then 3 compressed (the first Q, then warm starts)
+
+
+def layouts(rank) -> dict[str, str | None]:
+    reference = [run_layout(flags(), 2, rank, CPU, LAYOUT_STEPS)]
+    dist.broadcast_object_list(reference, src=0)  # ranks 2 and 3 had no part in it
+    out = {}
+    for name, (world, extra) in LAYOUTS.items():
+        mine = run_layout(flags(*extra), world, rank, CPU, LAYOUT_STEPS)
+        if mine is not None:
+            out[name] = first_difference(mine, reference[0])
+    return out
+
+
+# ------------------------------------------------------------------ bytes
+
+def closed_form_bytes(h: int, ffn: int, vocab: int, layers: int, seq: int, rank: int) -> int:
+    """One rank's payload in a compressed step of the GPT of BASE flags (learned absolute
+    positions, LayerNorm with biases, tied embeddings): fp32 (n + m) x rank per weight
+    matrix, the vectors as they are (fp32)."""
+    matrices = [(vocab, h), (seq, h)] + layers * [(3 * h, h), (h, h), (ffn, h),
+                                                              (h, ffn)]
+    vectors = 2 * h + layers * (2 * h + 3 * h + h + 2 * h + ffn + h)  # final LN; per layer
+    return 4 * sum((n + m) * rank for n, m in matrices) + 4 * vectors
+
+
+def counted_bytes(rank) -> dict[str, int] | None:
+    config, _, _, _, runner, batches = build_run(flags(), 2, rank, CPU)
+    if runner is None:
+        return None
+    sent = []
+    for _ in range(START + 1):
+        runner.train_step([next(batches) for _ in range(config.training.num_microbatches)])
+        sent.append(runner.grad_buffer.bytes_sent)
+    return {"uncompressed": sent[0], "compressed": sent[-1]}
+
+
+def everything(rank, world_size):
+    return {"torch": against_torch(rank), "layouts": layouts(rank),
+            "bytes": counted_bytes(rank)}
+
+
+def test_powersgd_matches_torch_and_every_layout():
+    from megalite.spawn import run_distributed
+    results = run_distributed(4, everything, timeout=300)
+    failures = {f"rank {r} {what}": problem for r, result in enumerate(results)
+                for part in ("torch", "layouts") for what, problem in result[part].items()
+                if problem}
+    assert not failures, failures
+    assert set(results[0]["torch"]) == {"DP2 vs torch", "DP4 vs torch"}
+    assert set(results[0]["layouts"]) == set(LAYOUTS)
+    sent = results[0]["bytes"]
+    h, vocab, layers, seq = 32, 64, 2, 32
+    assert sent["compressed"] == closed_form_bytes(h, 4 * h, vocab, layers, seq, RANK)
+    # Before the start iteration: the whole buffer (fp32, padded to DP) in one all-reduce.
+    assert sent["uncompressed"] == 4 * closed_form_params(h, 4 * h, vocab, layers, seq)
+
+
+def closed_form_params(h, ffn, vocab, layers, seq) -> int:
+    """Parameters of that GPT (every tensor in one bucket; an even count, no DP padding)."""
+    matrices = vocab * h + seq * h + layers * (3 * h * h + h * h + 2 * ffn * h)
+    return matrices + 2 * h + layers * (2 * h + 3 * h + h + 2 * h + ffn + h)
