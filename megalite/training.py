@@ -162,12 +162,15 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
 
 
 def load_any_format(load: str, chunks: nn.ModuleList, optimizer, scheduler,
-                    state: ParallelState, config: Config, rng_tracker=None) -> dict | None:
+                    state: ParallelState, config: Config, rng_tracker=None,
+                    compressor=None) -> dict | None:
     """--load: a megalite checkpoint (checkpointing/), or Megatron-LM's own directory read
-    without conversion (megatron_checkpoint/); the same return either way."""
+    without conversion (megatron_checkpoint/; PowerSGD then starts afresh); the same return
+    either way."""
     if is_megatron_checkpoint(load):
         return load_megatron_checkpoint(load, chunks, optimizer, scheduler, state, config)
-    return load_checkpoint(load, chunks, optimizer, scheduler, state, config, rng_tracker)
+    return load_checkpoint(load, chunks, optimizer, scheduler, state, config, rng_tracker,
+                           compressor)
 
 
 def run_training(config: Config, state: ParallelState, device: torch.device,
@@ -186,11 +189,12 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     optimizer, grad_buffer = build_optimizer(model, config, state, timers)
     monitor = Monitor(config, state, device, model, optimizer, timers)
     runner = StepRunner(model, optimizer, config, state, device, grad_buffer, timers)
+    compressor = grad_buffer.compressor if grad_buffer is not None else None
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
     if config.checkpoint.load is not None:
         loaded = load_any_format(config.checkpoint.load, model, optimizer, scheduler, state,
-                                 config, rng_tracker)
+                                 config, rng_tracker, compressor)
         if loaded is not None:
             progress = TrainState(**loaded)
             monitor.resumed = True
@@ -200,7 +204,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
 
     def save(iteration: int):
         save_checkpoint(config.checkpoint.save, iteration, model, optimizer, scheduler, state,
-                        config, progress, rng_tracker, run_file)
+                        config, progress, rng_tracker, run_file, compressor)
         print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
                      f"{config.checkpoint.save}")
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megalite
+from megalite.checkpointing.compression_state import save_compression_state
 from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, checkpoint_dir,
                                            commit, prepare_staging, save_tensor_file,
                                            staging_dir)
@@ -114,9 +115,10 @@ def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> lis
 
 def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer, scheduler,
                     state: ParallelState, config, train_state, rng_tracker=None,
-                    run_file: str | None = None) -> Path:
+                    run_file: str | None = None, compressor=None) -> Path:
     """Every rank calls this at the same iteration; returns the published directory.
-    `run_file`: the run's flags as YAML (megalite/run_file.py), kept in the metadata."""
+    `run_file`: the run's flags as YAML (megalite/run_file.py), kept in the metadata.
+    `compressor`: the gradient buffer's PowerSGD, whose state each rank saves."""
     optimizer.finish_param_gather()
     zero = optimizer.sharded
     layout = layout_of(state.grid, len(chunks), zero)
@@ -142,6 +144,8 @@ def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer,
                          staging / optim_file(state.tp_rank, state.pp_rank,
                                               group_rank(state.dp_cp_group)))
     save_tensor_file(_rng_state(rng_tracker), staging / rng_file(dist.get_rank()))
+    if compressor is not None:
+        save_compression_state(staging, compressor, layout)
     dist.barrier()
     if dist.get_rank() == 0:
         scaler = optimizer.grad_scaler

@@ -6,8 +6,15 @@
 - layouts: PowerSGD only ever uses sums over the reduction group, so PowerSGD at DP2 x TP2
   (with SP), DP2 x PP2 (tied embeddings), DP2 x CP2 and DP 2 under ZeRO-1 compute what PowerSGD at
   DP 2 computes (and DP 4 does too: both equal torch's hook above) (docs/design.md "Gradient compression");
-- bytes: what the DP collectives were given on a compressed step equals the closed form.
+- bytes: what the DP collectives were given on a compressed step equals the closed form;
+- checkpoints: same-layout resume is bit-exact (error feedback, Q and step count saved);
+  a DP 4 checkpoint loaded at DP 2 restarts compression from uncompressed, saying why.
 """
+
+import contextlib
+import io
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -17,7 +24,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDS
 
 import pytest
 
+from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.distributed.powersgd import initial_q, single_process_names
+from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.training import TrainState
 from megalite.layout_check import build_run, first_difference, run_layout
 from tests.helpers import flags_with
 
@@ -153,20 +163,79 @@ def counted_bytes(rank) -> dict[str, int] | None:
     return {"uncompressed": sent[0], "compressed": sent[-1]}
 
 
+# ------------------------------------------------------------------ checkpoints
+
+class Run:
+    """build_run's pieces for flags() at DP `dp`, stepped as the training loop steps them."""
+
+    def __init__(self, rank, dp):
+        self.config, self.state, self.model, self.optimizer, self.runner, self.batches = \
+            build_run(flags(), dp, rank, CPU)
+        if self.model is not None:
+            self.scheduler = LRScheduler(self.optimizer, self.config.scheduler)
+            self.compressor = self.runner.grad_buffer.compressor
+
+    def steps(self, n) -> list[float]:
+        micro = self.config.training.num_microbatches
+        return [self.runner.train_step([next(self.batches) for _ in range(micro)]).loss
+                for _ in range(n)]
+
+    def values(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
+def checkpoints(rank) -> dict[str, str | None]:
+    """6 steps straight at DP 4 against 4, save, load into a new run, 2 more: the same
+    losses and values, bit for bit; the DP 4 checkpoint loaded at DP 2 restarts PowerSGD."""
+    where = [tempfile.mkdtemp(prefix="powersgd-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    straight = Run(rank, 4)
+    losses, values = straight.steps(6), straight.values()
+    first = Run(rank, 4)
+    first.steps(4)
+    save_checkpoint(where[0], 4, first.model, first.optimizer, first.scheduler, first.state,
+                    first.config, TrainState(4, 32), compressor=first.compressor)
+    second = Run(rank, 4)
+    load_checkpoint(where[0], second.model, second.optimizer, second.scheduler, second.state,
+                    second.config, compressor=second.compressor)
+    for _ in range(4 * second.config.training.num_microbatches):
+        next(second.batches)  # past the data the first run consumed
+    out = {"same-layout resume": None}
+    if second.compressor.steps != 4 or losses[4:] != second.steps(2) or \
+            any(not torch.equal(v, values[n]) for n, v in second.values().items()):
+        out["same-layout resume"] = "not bit-exact"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        other = Run(rank, 2)
+        if other.model is not None:
+            load_checkpoint(where[0], other.model, other.optimizer, other.scheduler,
+                            other.state, other.config, compressor=other.compressor)
+    if rank == 0:
+        restarted = other.compressor.steps == 0 and not other.compressor.errors
+        out["DP 4 -> 2 restarts"] = None if restarted and \
+            "restarting PowerSGD from uncompressed steps" in printed.getvalue() else \
+            f"steps {other.compressor.steps}, printed {printed.getvalue()!r}"
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where[0])
+    return out
+
+
 def everything(rank, world_size):
     return {"torch": against_torch(rank), "layouts": layouts(rank),
-            "bytes": counted_bytes(rank)}
+            "bytes": counted_bytes(rank), "checkpoints": checkpoints(rank)}
 
 
 def test_powersgd_matches_torch_and_every_layout():
     from megalite.spawn import run_distributed
     results = run_distributed(4, everything, timeout=300)
     failures = {f"rank {r} {what}": problem for r, result in enumerate(results)
-                for part in ("torch", "layouts") for what, problem in result[part].items()
+                for part in ("torch", "layouts", "checkpoints") for what, problem in result[part].items()
                 if problem}
     assert not failures, failures
     assert set(results[0]["torch"]) == {"DP2 vs torch", "DP4 vs torch"}
     assert set(results[0]["layouts"]) == set(LAYOUTS)
+    assert set(results[0]["checkpoints"]) == {"same-layout resume", "DP 4 -> 2 restarts"}
     sent = results[0]["bytes"]
     h, vocab, layers, seq = 32, 64, 2, 32
     assert sent["compressed"] == closed_form_bytes(h, 4 * h, vocab, layers, seq, RANK)
