@@ -285,6 +285,8 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         scalars = (log.tensorboard_dir is not None
                    and progress.iteration % log.tensorboard_log_interval == 0)
         extra = monitor.statistics() if logging or scalars else {}
+        if logging and getattr(runner.grad_buffer, "compressor", None) is not None:
+            extra["compression_ratio"] = runner.grad_buffer.compression_ratio
         if scalars:
             tensorboard.scalars(progress.iteration, {
                 "lm loss": result.loss, "learning-rate": lr, "grad-norm": result.grad_norm,

@@ -6,7 +6,12 @@ collectives are checked against the same closed form in tests/distributed/test_p
 
 import torch
 
+import dataclasses
+
+from megalite.arguments import parse_args
 from megalite.config import GradCompressionConfig
+from megalite.memory_estimate import estimate_memory
+from megalite.validation import validate_model_args
 from megalite.distributed.powersgd import compressed_bytes, plan_bucket, single_process_names
 from megalite.model.gpt import GPTModel
 from tests.helpers import tiny_gpt_config
@@ -33,3 +38,21 @@ def test_rank_4_at_hidden_512_sends_10x_fewer_bytes_exactly_as_the_closed_form()
     assert uncompressed == 4 * sum(p.numel() for p in params)
     assert sent == closed_form
     assert uncompressed / sent >= 10, uncompressed / sent
+
+
+def test_planner_counts_error_buffers_qs_and_one_buckets_factors():
+    flags = ["--num-layers", str(LAYERS), "--hidden-size", str(H), "--ffn-hidden-size",
+             str(FFN), "--num-attention-heads", "8", "--seq-length", str(SEQ),
+             "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",
+             "--micro-batch-size", "1", "--grad-compression", "powersgd",
+             "--powersgd-rank", str(RANK), "--ddp-bucket-size", str(10**9)]
+    config = validate_model_args(parse_args(flags), 2)
+    plain = dataclasses.replace(config, grad_compression=GradCompressionConfig())
+    extra = estimate_memory(config, "cpu")[0].total - estimate_memory(plain, "cpu")[0].total
+    shapes = [(VOCAB, H), (SEQ, H)] + LAYERS * [(3 * H, H), (H, H), (FFN, H), (H, FFN)]
+    # fp32 error (n x m) and last Q (m x rank) per matrix; P and Q of the larger bucket:
+    # the (tied) word embeddings have a bucket of their own, the rest share one.
+    factors = [(n + m) * RANK for n, m in shapes]
+    closed_form = 4 * sum(n * m + m * RANK for n, m in shapes) + 4 * max(factors[0],
+                                                                        sum(factors[1:]))
+    assert extra == closed_form

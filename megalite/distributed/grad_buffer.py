@@ -123,6 +123,12 @@ class GradBuffer:
         """Whether this step's reduction is compressed (nothing is launched in backward)."""
         return self.compressor is not None and self.compressor.active
 
+    @property
+    def compression_ratio(self) -> float | None:
+        """The step's DP bytes uncompressed (every bucket whole) / the bytes sent."""
+        whole = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+        return whole / self.bytes_sent if self.bytes_sent else None
+
     def _count(self, tensor: torch.Tensor):
         self.bytes_sent += tensor.numel() * tensor.element_size()
 

@@ -181,12 +181,15 @@ class PowerSGD:
                 self._decompress(a, M, p, q)
 
     def _input(self, a: Matrix) -> torch.Tensor:
-        """This rank's gradient matrix plus its error feedback, in fp32."""
+        """This rank's gradient matrix plus its error feedback, in fp32: accumulated into
+        the error buffer itself (no copy of the gradients), which `_decompress` then turns
+        into the new error."""
         grad = a.param.main_grad.view(a.n, a.m)
         if not self.config.error_feedback:
             return grad.float()
-        error = self.errors.get(a.name)
-        return grad.float() + error if error is not None else grad.float().clone()
+        if a.name not in self.errors:
+            self.errors[a.name] = torch.zeros(a.n, a.m, device=grad.device)
+        return self.errors[a.name].add_(grad)
 
     def _start_q(self, a: Matrix, device) -> torch.Tensor:
         """Warm start: last step's Q, orthogonalised (as torch's hook does); else a fresh
@@ -214,8 +217,9 @@ class PowerSGD:
     def _decompress(self, a: Matrix, M: torch.Tensor, p: torch.Tensor, q: torch.Tensor):
         approx = p @ q.t()  # the group's sum, approximated
         if self.config.error_feedback:
-            # What this rank sent minus its share of what arrived (torch's error / W).
-            self.errors[a.name] = M - approx / self.world
+            # What this rank sent minus its share of what arrived (torch's error / W); M is
+            # the error buffer (`_input`).
+            M.sub_(approx / self.world)
         if self.config.warm_start:
             self.qs[a.name] = q.clone()
         a.param.main_grad.view(a.n, a.m).copy_(approx)

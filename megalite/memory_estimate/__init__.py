@@ -39,10 +39,14 @@ class RankMemory:
     host: int = 0
     """Bytes in host memory, not in `total` (--optimizer-cpu-offload: the optimizer's
     shards of main parameters, moments and gradients)."""
+    grad_compression: int = 0
+    """PowerSGD's error buffers, last Qs and one bucket's P and Q
+    (memory_estimate/grad_compression.py)."""
 
     @property
     def weights_and_optimizer(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.main_grads
+        return (self.parameters + self.gradients + self.optimizer_state + self.main_grads
+                + self.grad_compression)
 
     @property
     def total(self) -> int:
@@ -72,4 +76,5 @@ def estimate_rank_memory(config: Config, pp_rank: int, device: str = "cuda") -> 
                       optimizer_state=state["optimizer_state"], main_grads=state["main_grads"],
                       activations=peak, activations_per_microbatch=per_mb,
                       microbatches_in_flight=in_flight, p2p_buffers=p2p,
-                      host=state.get("host", 0))
+                      host=state.get("host", 0),
+                      grad_compression=state.get("grad_compression", 0))
