@@ -15,7 +15,7 @@ validation loss against bytes sent per step when matplotlib (the `plot` extra) i
 
     python benchmarks/powersgd_convergence.py [--iters 300] [--ranks 1 2 4 8] [--png FILE]
 
-SMOKE=1 (benchmarks/smoke.py): 4 iterations, compression from iteration 2, ranks 1 and 2,
+SMOKE=1 (benchmarks/smoke.py): 3 iterations, compression from iteration 2, rank 2 only,
 not a measurement.
 """
 
@@ -105,6 +105,7 @@ def plot(results: dict, path: str):
     ax.set_ylabel("final validation loss")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path + ".tmp.png")
     os.replace(path + ".tmp.png", path)
     print(f"wrote {path}")
@@ -116,8 +117,10 @@ def main():
     parser.add_argument("--start-iter", type=int, default=10)
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--png", default="powersgd_convergence.png")
-    args = shrink(parser.parse_args(), iters=4, start_iter=2, eval_iters=1, ranks=[1, 2])
+    parser.add_argument("--png", default=os.path.join(os.environ.get("OUT", "."),
+                                                      "powersgd_convergence.png"),
+                        help="The plot (default $OUT/, else ./powersgd_convergence.png).")
+    args = shrink(parser.parse_args(), iters=3, start_iter=1, eval_iters=1, ranks=[2])
     results = run_distributed(DP, all_variants, args, timeout=None)[0]
     base = results["uncompressed"]
     print(f"DP {DP}, {args.iters} iterations, PowerSGD from iteration {args.start_iter + 1}")

@@ -323,7 +323,8 @@ def _add_grad_compression_args(parser):
     g.add_argument("--grad-compression", default="none", choices=["none", "powersgd"],
                    help="Megalite's own. powersgd: each gradient matrix's DP x CP all-reduce "
                         "becomes two all-reduces of thin factors P and Q (Vogels et al. 2019, "
-                        "docs/design.md 'Gradient compression'). Not with --use-torch-fsdp2.")
+                        "docs/design.md 'Gradient compression'). Not with --use-torch-fsdp2 "
+                        "or --fp16.")
     g.add_argument("--powersgd-rank", type=int, default=1,
                    help="Megalite's own (torch: matrix_approximation_rank). Columns of P and Q.")
     g.add_argument("--powersgd-start-iter", type=int, default=1000,

@@ -45,6 +45,7 @@ def test_help_says_the_flags_are_megalites_own():
 @pytest.mark.parametrize("extra, world_size, words", [
     (["--use-torch-fsdp2"], 2, ["--grad-compression powersgd", "--use-torch-fsdp2"]),
     ([], 1, ["--grad-compression powersgd", "DP x CP = 1"]),
+    (["--fp16"], 2, ["--grad-compression powersgd", "--fp16"]),
     (["--powersgd-rank", "0"], 2, ["--powersgd-rank", ">= 1", "got 0"]),
     (["--powersgd-start-iter", "-1"], 2, ["--powersgd-start-iter", "got -1"]),
     (["--powersgd-min-compression-rate", "-1"], 2, ["--powersgd-min-compression-rate"]),

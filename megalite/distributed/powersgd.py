@@ -159,6 +159,7 @@ class PowerSGD:
         qs = torch.empty(last.q_offset + last.m * last.rank, device=device)
         p_of = [ps[a.p_offset:a.p_offset + a.n * a.rank].view(a.n, a.rank) for a in matrices]
         q_of = [qs[a.q_offset:a.q_offset + a.m * a.rank].view(a.m, a.rank) for a in matrices]
+        # The timer covers the local work and the small TP collectives, not the DP ones.
         with self.timers("grads-compress"):
             inputs = [self._input(a) for a in matrices]
             for a, M, p, q in zip(matrices, inputs, p_of, q_of):

@@ -19,6 +19,12 @@ def grad_compression_config(args, parallel: ParallelConfig) -> GradCompressionCo
         raise ConfigError("--grad-compression powersgd cannot be used with --use-torch-fsdp2 "
                           "(FSDP2 reduces sharded gradients in its own hooks); use plain DP "
                           "or --use-distributed-optimizer")
+    if args.fp16:
+        # The loss scale is in every gradient: the error kept from a step scaled by S would
+        # be added to one scaled by S' after a change, and an overflow step's inf would stay
+        # in the error for good.
+        raise ConfigError("--grad-compression powersgd cannot be used with --fp16 (dynamic "
+                          "loss scaling would corrupt the error feedback); use --bf16")
     if parallel.grid.dp_cp_size == 1:
         raise ConfigError("--grad-compression powersgd compresses the data-parallel "
                           "reduction, and this layout has none (DP x CP = 1)")

@@ -4,8 +4,9 @@
   same model, data, rank, start iteration and first Q (megalite's draw, put into the hook's
   state where the hook would draw its own), 20 steps of the same losses;
 - layouts: PowerSGD only ever uses sums over the reduction group, so PowerSGD at DP2 x TP2
-  (with SP), DP2 x PP2 (tied embeddings), DP2 x CP2 and DP 2 under ZeRO-1 compute what PowerSGD at
-  DP 2 computes (and DP 4 does too: both equal torch's hook above) (docs/design.md "Gradient compression");
+  (with SP), DP2 x PP2 (tied embeddings), DP2 x CP2 and DP 2 under ZeRO-1 compute what
+  PowerSGD at DP 2 computes, and DP 4 does too: both equal torch's hook above
+  (docs/design.md "Gradient compression");
 - bytes: what the DP collectives were given on a compressed step equals the closed form;
 - checkpoints: same-layout resume is bit-exact (error feedback, Q and step count saved);
   a DP 4 checkpoint loaded at DP 2 restarts compression from uncompressed, saying why.
@@ -27,6 +28,7 @@ import pytest
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.distributed.powersgd import initial_q, single_process_names
 from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.spawn import run_distributed
 from megalite.training import TrainState
 from megalite.layout_check import build_run, first_difference, run_layout
 from tests.helpers import flags_with
@@ -227,11 +229,10 @@ def everything(rank, world_size):
 
 
 def test_powersgd_matches_torch_and_every_layout():
-    from megalite.spawn import run_distributed
     results = run_distributed(4, everything, timeout=300)
     failures = {f"rank {r} {what}": problem for r, result in enumerate(results)
-                for part in ("torch", "layouts", "checkpoints") for what, problem in result[part].items()
-                if problem}
+                for part in ("torch", "layouts", "checkpoints")
+                for what, problem in result[part].items() if problem}
     assert not failures, failures
     assert set(results[0]["torch"]) == {"DP2 vs torch", "DP4 vs torch"}
     assert set(results[0]["layouts"]) == set(LAYOUTS)
