@@ -7,7 +7,8 @@
   (with SP), DP2 x PP2 (tied embeddings), DP2 x CP2 and DP 2 under ZeRO-1 compute what
   PowerSGD at DP 2 computes, and DP 4 does too: both equal torch's hook above
   (docs/design.md "Gradient compression");
-- bytes: what the DP collectives were given on a compressed step equals the closed form;
+- bytes: what the DP collectives were given in a step (at DP 4), uncompressed and
+  compressed, equals the closed form;
 - checkpoints: same-layout resume is bit-exact (error feedback, Q and step count saved);
   a DP 4 checkpoint loaded at DP 2 restarts compression from uncompressed, saying why.
 """
@@ -108,17 +109,18 @@ def torch_reference(rank, dp) -> list[float] | None:
     return losses
 
 
-def against_torch(rank) -> dict[str, str | None]:
-    out = {}
+def against_torch(rank) -> tuple[dict[str, str | None], dict]:
+    """The comparisons, and megalite's runs (LayoutRun by DP; None off the layout)."""
+    out, runs = {}, {}
     for dp in (2, 4):
-        mine = run_layout(flags(micro_batch_size=8 // dp), dp, rank, CPU, STEPS)
+        runs[dp] = mine = run_layout(flags(micro_batch_size=8 // dp), dp, rank, CPU, STEPS)
         ref = torch_reference(rank, dp)
         if mine is None:
             continue
         worst = max(abs(a - b) / abs(b) for (a, _), b in zip(mine.steps, ref))
         out[f"DP{dp} vs torch"] = None if worst < 1e-5 else \
             f"losses {[s[0] for s in mine.steps]} vs {ref} (worst rel {worst:.2g})"
-    return out
+    return out, runs
 
 
 # ------------------------------------------------------------------ layouts
@@ -131,8 +133,10 @@ LAYOUTS = {"DP2 x TP2 (SP)": (4, ["--tensor-model-parallel-size", "2", "--sequen
 LAYOUT_STEPS = 6  # 3 uncompressed, then 3 compressed (the first Q, then warm starts)
 
 
-def layouts(rank) -> dict[str, str | None]:
-    reference = [run_layout(flags(), 2, rank, CPU, LAYOUT_STEPS)]
+def layouts(rank, dp2) -> dict[str, str | None]:
+    """Each layout against `dp2`, the DP 2 run compared with torch's hook (4 micro-batches
+    of 2 per step here, 1 of 4 there: the same global batch)."""
+    reference = [dp2]
     dist.broadcast_object_list(reference, src=0)  # ranks 2 and 3 had no part in it
     out = {}
     for name, (world, extra) in LAYOUTS.items():
@@ -154,17 +158,6 @@ def closed_form_bytes(h: int, ffn: int, vocab: int, layers: int, seq: int, rank:
     return 4 * sum((n + m) * rank for n, m in matrices) + 4 * vectors
 
 
-def counted_bytes(rank) -> dict[str, int] | None:
-    config, _, _, _, runner, batches = build_run(flags(), 2, rank, CPU)
-    if runner is None:
-        return None
-    sent = []
-    for _ in range(START + 1):
-        runner.train_step([next(batches) for _ in range(config.training.num_microbatches)])
-        sent.append(runner.grad_buffer.bytes_sent)
-    return {"uncompressed": sent[0], "compressed": sent[-1]}
-
-
 # ------------------------------------------------------------------ checkpoints
 
 class Run:
@@ -173,26 +166,32 @@ class Run:
     def __init__(self, rank, dp):
         self.config, self.state, self.model, self.optimizer, self.runner, self.batches = \
             build_run(flags(), dp, rank, CPU)
+        self.bytes_sent = []
         if self.model is not None:
             self.scheduler = LRScheduler(self.optimizer, self.config.scheduler)
             self.compressor = self.runner.grad_buffer.compressor
 
     def steps(self, n) -> list[float]:
         micro = self.config.training.num_microbatches
-        return [self.runner.train_step([next(self.batches) for _ in range(micro)]).loss
-                for _ in range(n)]
+        losses = []
+        for _ in range(n):
+            losses.append(self.runner.train_step([next(self.batches)
+                                                  for _ in range(micro)]).loss)
+            self.bytes_sent.append(self.runner.grad_buffer.bytes_sent)
+        return losses
 
     def values(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        """By single-process name, as LayoutRun.values has them."""
+        return {n.split(".", 1)[1]: p.detach().clone() for n, p in self.model.named_parameters()}
 
 
-def checkpoints(rank) -> dict[str, str | None]:
-    """6 steps straight at DP 4 against 4, save, load into a new run, 2 more: the same
-    losses and values, bit for bit; the DP 4 checkpoint loaded at DP 2 restarts PowerSGD."""
+def checkpoints(rank, straight) -> tuple[dict[str, str | None], list[int]]:
+    """`straight` (6 of the DP 4 run's steps) against 4 steps, save, load into a new run, 2
+    more: the same losses and values, bit for bit; the DP 4 checkpoint loaded at DP 2
+    restarts PowerSGD. Also the bytes the first run's steps sent."""
     where = [tempfile.mkdtemp(prefix="powersgd-ckpt-") if rank == 0 else None]
     dist.broadcast_object_list(where, src=0)
-    straight = Run(rank, 4)
-    losses, values = straight.steps(6), straight.values()
+    losses, values = [loss for loss, _ in straight.steps[:6]], straight.values[5]
     first = Run(rank, 4)
     first.steps(4)
     save_checkpoint(where[0], 4, first.model, first.optimizer, first.scheduler, first.state,
@@ -220,12 +219,15 @@ def checkpoints(rank) -> dict[str, str | None]:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(where[0])
-    return out
+    return out, first.bytes_sent
 
 
 def everything(rank, world_size):
-    return {"torch": against_torch(rank), "layouts": layouts(rank),
-            "bytes": counted_bytes(rank), "checkpoints": checkpoints(rank)}
+    torch_problems, runs = against_torch(rank)
+    checkpoint_problems, sent = checkpoints(rank, runs[4])
+    return {"torch": torch_problems, "layouts": layouts(rank, runs[2]),
+            "checkpoints": checkpoint_problems,
+            "bytes": {"uncompressed": sent[0], "compressed": sent[START]}}
 
 
 def test_powersgd_matches_torch_and_every_layout():
