@@ -321,10 +321,8 @@ def _add_grad_compression_args(parser):
         "gradient compression (megalite's own flags; Megatron-LM has no such feature: names "
         "follow torch's PowerSGDState)")
     g.add_argument("--grad-compression", default="none", choices=["none", "powersgd"],
-                   help="Megalite's own. powersgd: each gradient matrix's DP x CP all-reduce "
-                        "becomes two all-reduces of thin factors P and Q (Vogels et al. 2019, "
-                        "docs/design.md 'Gradient compression'). Not with --use-torch-fsdp2 "
-                        "or --fp16.")
+                   help="Megalite's own. powersgd: low-rank DP x CP gradient reduction "
+                        "(Vogels et al. 2019; docs/design.md). Not with --use-torch-fsdp2, --fp16.")
     g.add_argument("--powersgd-rank", type=int, default=1,
                    help="Megalite's own (torch: matrix_approximation_rank). Columns of P and Q.")
     g.add_argument("--powersgd-start-iter", type=int, default=1000,
