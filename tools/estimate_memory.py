@@ -138,6 +138,9 @@ def format_table(config: Config, ranks: list[RankMemory], gpu_gib: float,
               f"peak: {_gib(worst.p2p_buffers)} GiB"]
     if worst.host:
         lines.append(f"host memory per GPU (--optimizer-cpu-offload): {_gib(worst.host)} GiB")
+    if worst.grad_compression:
+        lines.append("in the total, PowerSGD's error buffers, Qs and a bucket's P and Q "
+                     f"(--grad-compression): {_gib(worst.grad_compression)} GiB")
     return "\n".join(lines)
 
 
