@@ -13,7 +13,7 @@ same run, their ratio, the mean time per step, and the final validation loss (--
 batches of the validation split) with its difference from uncompressed. Writes a plot of
 validation loss against bytes sent per step when matplotlib (the `plot` extra) is installed.
 
-    python benchmarks/powersgd_convergence.py [--iters 300] [--ranks 1 2 4 8] [--png FILE]
+    python benchmarks/powersgd_convergence.py [--iters 600] [--ranks 1 2 4 8] [--png FILE]
 
 SMOKE=1 (benchmarks/smoke.py): 3 iterations, compression from iteration 2, rank 2 only,
 not a measurement.
@@ -113,7 +113,7 @@ def plot(results: dict, path: str):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--iters", type=int, default=600)
     parser.add_argument("--start-iter", type=int, default=10)
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
