@@ -36,8 +36,10 @@ def load_compression_state(directory: Path, compressor, layout: dict,
     if saved is None:
         reason = f"{directory} holds no PowerSGD state for rank {dist.get_rank()}"
     elif saved["layout"] != layout:
-        reason = (f"PowerSGD state saved at layout {saved['layout']}, running at {layout} "
-                  "(each DP rank's error feedback is its own)")
+        changed = ", ".join(f"{key} {saved['layout'].get(key)} -> {value}"
+                            for key, value in layout.items() if saved["layout"].get(key) != value)
+        reason = (f"its state was saved at another layout ({changed}); each DP rank's error "
+                  "feedback is its own")
     else:
         compressor.load_state_dict({
             "steps": saved["steps"],
