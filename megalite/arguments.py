@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp,
                       _add_fp8_args, _add_uneven_work_args, _add_async_save_args,
-                      _add_wandb_args):
+                      _add_wandb_args, _add_grad_compression_args):
         add_group(parser)
     parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
@@ -408,3 +408,29 @@ def _add_uneven_work_args(parser):
     g.add_argument("--data-parallel-shares-window", type=int, default=3,
                    help="megalite's own: with --data-parallel-shares auto, steps timed per "
                         "measurement of the speeds (after the first step).")
+def _add_grad_compression_args(parser):
+    g = parser.add_argument_group(
+        "gradient compression (megalite's own flags; Megatron-LM has no such feature: names "
+        "follow torch's PowerSGDState)")
+    g.add_argument("--grad-compression", default="none", choices=["none", "powersgd"],
+                   help="Megalite's own. powersgd: low-rank DP x CP gradient reduction "
+                        "(Vogels et al. 2019; docs/design.md). Not with --use-torch-fsdp2, --fp16.")
+    g.add_argument("--powersgd-rank", type=int, default=1,
+                   help="Megalite's own (torch: matrix_approximation_rank). Columns of P and Q.")
+    g.add_argument("--powersgd-start-iter", type=int, default=1000,
+                   help="Megalite's own (torch: start_powerSGD_iter). Steps reduced "
+                        "uncompressed before compression starts.")
+    g.add_argument("--powersgd-min-compression-rate", type=float, default=2.0,
+                   help="Megalite's own (torch: min_compression_rate). A matrix n x m is "
+                        "compressed only if n*m > rate*(n+m)*rank; smaller matrices and "
+                        "vectors are reduced as they are.")
+    g.add_argument("--no-powersgd-error-feedback", dest="powersgd_error_feedback",
+                   action="store_false",
+                   help="Megalite's own (torch: use_error_feedback=False). Drop the "
+                        "compression error instead of adding it to the next gradient.")
+    g.add_argument("--no-powersgd-warm-start", dest="powersgd_warm_start", action="store_false",
+                   help="Megalite's own (torch: warm_start=False). Draw a new random Q every "
+                        "step instead of reusing the last one.")
+    g.add_argument("--powersgd-orthogonalization-epsilon", type=float, default=0.0,
+                   help="Megalite's own (torch: orthogonalization_epsilon). Added to column "
+                        "norms when orthogonalising; > 0 guards all-zero gradient matrices.")

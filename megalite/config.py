@@ -419,6 +419,32 @@ class MonitoringConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GradCompressionConfig:
+    """PowerSGD on the DP x CP gradient reduction (Vogels et al. 2019; megalite's own flags,
+    named after torch's PowerSGDState fields: distributed/powersgd.py)."""
+    kind: str = "none"
+    """"none" or "powersgd" (--grad-compression)."""
+    rank: int = 1
+    """Columns of P and Q per matrix, torch's matrix_approximation_rank (--powersgd-rank)."""
+    start_iter: int = 1000
+    """Steps reduced uncompressed before compression starts, torch's start_powerSGD_iter
+    (--powersgd-start-iter)."""
+    min_compression_rate: float = 2.0
+    """A matrix n x m is compressed only when n*m > rate * (n+m)*rank; vectors never
+    (--powersgd-min-compression-rate)."""
+    error_feedback: bool = True
+    """Add the last step's compression error to the gradient (--no-powersgd-error-feedback)."""
+    warm_start: bool = True
+    """Start the power iteration from the last step's Q (--no-powersgd-warm-start)."""
+    orthogonalization_epsilon: float = 0.0
+    """Added to column norms in Gram-Schmidt (--powersgd-orthogonalization-epsilon)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind == "powersgd"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole run. The model-only configuration of the tools
     (validation.validate_model_args) has no optimizer, scheduler or data."""
@@ -433,6 +459,7 @@ class Config:
     scheduler: SchedulerConfig | None = None
     data: DataConfig | None = None
     monitoring: MonitoringConfig = MonitoringConfig()
+    grad_compression: GradCompressionConfig = GradCompressionConfig()
 
     @property
     def optimizer_kind(self) -> OptimizerKind:
@@ -459,3 +486,4 @@ class Config:
     def grad_bytes(self) -> int:
         """Bytes per element of grad_dtype."""
         return self.grad_dtype.itemsize
+

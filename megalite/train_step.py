@@ -167,19 +167,27 @@ class StepRunner:
         under ZeRO-1 the last two act on whole gradients of which only this rank's shard
         is summed over DP, which is all its optimizer reads (the shards of TP peers, and
         of a tied embedding's two copies, sit at the same buffer offsets)."""
+        # PowerSGD is not linear: a tied embedding's two uses are summed before it
+        # compresses them, as one process compresses their sum.
+        compressing = self.grad_buffer is not None and self.grad_buffer.compressing
+        if compressing:
+            self._sum_tied_embeddings()
         if self.grad_buffer is not None:
             self.grad_buffer.finish()
-        params = self.optimizer.params
         # Under SP, norms and row-parallel biases saw only this rank's sequence shard.
         if self.state.tp_size > 1:
             with self.timers("layernorm-grads-all-reduce"):
-                allreduce_sequence_parallel_grads(params, self.state.tp_group)
+                allreduce_sequence_parallel_grads(self.optimizer.params, self.state.tp_group)
+        if not compressing:
+            self._sum_tied_embeddings()
+
+    def _sum_tied_embeddings(self):
         group = self.state.embedding_group
         if self.state.pp_size > 1 and group is not None and group_size(group) > 1:
             # A tied embedding is used on the first stage (input) and the last (output):
             # its gradient is the sum of both uses.
             with self.timers("embedding-grads-all-reduce"):
-                for p in params:
+                for p in self.optimizer.params:
                     grad = main_grad(p)
                     if is_shared_embedding(p) and grad is not None:
                         all_reduce_anywhere(grad, group)

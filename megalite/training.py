@@ -24,6 +24,7 @@ from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
 from megalite.distributed.fsdp import copy_into, fully_shard_model
 from megalite.distributed.grad_buffer import GradBuffer
+from megalite.distributed.powersgd import PowerSGD, single_process_names
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint
@@ -150,6 +151,10 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
                              grad_dtype=config.grad_dtype)
+    if config.grad_compression.enabled:
+        grad_buffer.compressor = PowerSGD(grad_buffer.buckets, single_process_names(model),
+                                          config.grad_compression, state.dp_cp_group,
+                                          state.tp_group, config.training.seed, timers)
     if config.optimizer_kind.has_main_params:
         optimizer = MixedPrecisionOptimizer(model, config.optimizer, scaler, state.tp_group,
                                             state.mp_group, grad_buffer, p.overlap_param_gather,
@@ -161,12 +166,15 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
 
 
 def load_any_format(load: str, chunks: nn.ModuleList, optimizer, scheduler,
-                    state: ParallelState, config: Config, rng_tracker=None) -> dict | None:
+                    state: ParallelState, config: Config, rng_tracker=None,
+                    compressor=None) -> dict | None:
     """--load: a megalite checkpoint (checkpointing/), or Megatron-LM's own directory read
-    without conversion (megatron_checkpoint/); the same return either way."""
+    without conversion (megatron_checkpoint/; PowerSGD then starts afresh); the same return
+    either way."""
     if is_megatron_checkpoint(load):
         return load_megatron_checkpoint(load, chunks, optimizer, scheduler, state, config)
-    return load_checkpoint(load, chunks, optimizer, scheduler, state, config, rng_tracker)
+    return load_checkpoint(load, chunks, optimizer, scheduler, state, config, rng_tracker,
+                           compressor)
 
 
 def run_training(config: Config, state: ParallelState, device: torch.device,
@@ -187,19 +195,24 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     optimizer, grad_buffer = build_optimizer(model, config, state, timers)
     monitor = Monitor(config, state, device, model, optimizer, timers)
     runner = StepRunner(model, optimizer, config, state, device, grad_buffer, timers)
+    compressor = grad_buffer.compressor if grad_buffer is not None else None
     scheduler = LRScheduler(optimizer, config.scheduler)
     progress = TrainState()
     ckpt = config.checkpoint
     if ckpt.load is not None or ckpt.non_persistent_local_ckpt_dir is not None:
         def load_persistent():
             return load_any_format(ckpt.load, model, optimizer, scheduler, state, config,
-                                   rng_tracker)
+                                   rng_tracker, compressor)
         if ckpt.non_persistent_local_ckpt_dir is None:
             loaded, source = load_persistent(), ckpt.load
         else:  # the newer of --load's and a local one every rank has (checkpointing/local.py)
             loaded, source = load_newest(ckpt.non_persistent_local_ckpt_dir, ckpt.load, model,
                                          optimizer, scheduler, state, device, rng_tracker,
                                          load_persistent)
+            if compressor is not None and loaded is not None and source != ckpt.load:
+                # A fresh compressor is a restarted one; say so, as a layout change does.
+                print_rank_0(" > restarting PowerSGD from uncompressed steps: a "
+                             "non-persistent local checkpoint does not hold its state")
         if loaded is not None:
             progress = TrainState(**loaded)
             monitor.resumed = True
@@ -207,7 +220,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                      if loaded else f" > no checkpoint in {source}: starting from scratch")
 
     saver = (CheckpointSaver(config, device, model, optimizer, scheduler, state, progress,
-                             rng_tracker, run_file) if config.checkpoint.save else None)
+                             rng_tracker, run_file, compressor) if config.checkpoint.save else None)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
@@ -294,6 +307,8 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         scalars = ((log.tensorboard_dir is not None or log.wandb_project is not None)
                    and progress.iteration % log.tensorboard_log_interval == 0)
         extra = monitor.statistics() if logging or scalars else {}
+        if logging and getattr(runner.grad_buffer, "compressor", None) is not None:
+            extra["compression_ratio"] = runner.grad_buffer.compression_ratio
         if scalars:
             tensorboard.scalars(progress.iteration, {
                 "lm loss": result.loss, "learning-rate": lr, "grad-norm": result.grad_norm,

@@ -77,10 +77,12 @@ def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
              tokens_per_second: float, mfu_percent: float | None = None,
              num_zeros: float | None = None, params_norm: float | None = None,
              memory_mib: dict[str, float] | None = None,
-             scaling_efficiency_percent: float | None = None) -> str:
+             scaling_efficiency_percent: float | None = None,
+             compression_ratio: float | None = None) -> str:
     """Megatron's training log line, field for field, then tokens per second; megalite's
-    MFU after the throughput, the scaling efficiency after the tokens per second, and the
-    memory (MiB, max over ranks) at the end."""
+    MFU after the throughput, the scaling efficiency after the tokens per second, with
+    --grad-compression the last step's DP bytes uncompressed / sent, and the memory (MiB,
+    max over ranks) at the end."""
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     line += f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
@@ -106,6 +108,8 @@ def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
     line += f" tokens per second: {tokens_per_second:.1f} |"
     if scaling_efficiency_percent is not None:
         line += f" scaling efficiency (%): {scaling_efficiency_percent:.1f} |"
+    if compression_ratio is not None:
+        line += f" grad compression ratio: {compression_ratio:.1f} |"
     for name, mib in (memory_mib or {}).items():
         line += f" mem {name} (MiB): {mib:.1f} |"
     return line
@@ -130,6 +134,7 @@ _LOG_LINE = re.compile(
     r" number of nan iterations: +(?P<nan_iters>\d+) \|"
     rf" tokens per second: (?P<tokens_per_second>{_F}) \|"
     rf"(?: scaling efficiency \(%\): (?P<scaling_efficiency_percent>{_F}) \|)?"
+    rf"(?: grad compression ratio: (?P<compression_ratio>{_F}) \|)?"
     rf"(?P<memory_mib>(?: mem [\w ]+ \(MiB\): {_F} \|)*)$")
 _MEMORY = re.compile(rf" mem ([\w ]+) \(MiB\): ({_F}) \|")
 _VALIDATION_LINE = re.compile(rf" validation loss at (?P<prefix>.*) \| lm loss value: "

@@ -142,6 +142,9 @@ def format_table(config: Config, ranks: list[RankMemory], gpu_gib: float,
     if snapshot:
         lines.append(f"host buffers of --async-save per GPU (DP rank 0, kept between saves; "
                      f"pinned on CUDA): {_gib(snapshot)} GiB")
+    if worst.grad_compression:
+        lines.append("in the total, PowerSGD's error buffers, Qs and a bucket's P and Q "
+                     f"(--grad-compression): {_gib(worst.grad_compression)} GiB")
     return "\n".join(lines)
 
 

@@ -153,14 +153,16 @@ class AsyncCheckpointer:
             self.waited_s += time.perf_counter() - start
 
     def save(self, save: str, iteration: int, chunks, optimizer, scheduler, state, config,
-             train_state, rng_tracker=None, run_file: str | None = None) -> float:
+             train_state, rng_tracker=None, run_file: str | None = None,
+             compressor=None) -> float:
         """Every rank at the same iteration: waits for a pending save, snapshots, starts
         the writer. Returns the seconds training was blocked (the stall)."""
         self.finalize(blocking=True)
         requested = time.perf_counter()
         staging = begin_save(save, iteration)
         self.buffers.start()
-        files = rank_files(chunks, optimizer, state, config, rng_tracker, self.buffers.copy)
+        files = rank_files(chunks, optimizer, state, config, rng_tracker, self.buffers.copy,
+                           compressor)
         metadata = (checkpoint_metadata(chunks, optimizer, scheduler, state, config,
                                         train_state, run_file)
                     if dist.get_rank() == 0 else None)

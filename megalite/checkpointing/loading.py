@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.checkpointing.compression_state import load_compression_state
 from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, model_fields,
                                            model_file, optim_file, optimizer_shards, rng_file,
                                            saved_layout)
@@ -125,10 +126,11 @@ class SavedCheckpoint:
 
 
 def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
-                    state: ParallelState, config, rng_tracker=None) -> dict | None:
-    """Restore everything a checkpoint holds that the flags ask for. Returns the
-    iteration and consumed samples to continue from, or None when `load` holds no
-    checkpoint at all (a fresh start)."""
+                    state: ParallelState, config, rng_tracker=None,
+                    compressor=None) -> dict | None:
+    """Restore everything a checkpoint holds that the flags ask for (and `compressor`'s,
+    the gradient buffer's PowerSGD, state). Returns the iteration and consumed samples to
+    continue from, or None when `load` holds no checkpoint at all (a fresh start)."""
     found = find_checkpoint_to_load(load)
     ckpt = config.checkpoint
     if found is None:
@@ -160,6 +162,10 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
         elif dist.get_rank() == 0:
             print(f" > not restoring RNG states: saved at layout {meta['layout']}, running "
                   f"at {current}", flush=True)
+    if compressor is not None:
+        load_compression_state(directory, compressor,
+                               layout_of(state.grid, len(chunks), optimizer.sharded),
+                               next(chunks.parameters()).device)
     return {"iteration": iteration,
             "consumed_train_samples": meta["consumed_train_samples"],
             "consumed_valid_samples": meta["consumed_valid_samples"]}

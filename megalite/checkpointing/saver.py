@@ -29,11 +29,11 @@ class CheckpointSaver:
     """Saves `model`, `optimizer`, ... (training.run_training's) to --save."""
 
     def __init__(self, config, device, model, optimizer, scheduler, state, progress,
-                 rng_tracker=None, run_file: str | None = None):
+                 rng_tracker=None, run_file: str | None = None, compressor=None):
         self.directory = config.checkpoint.save
         self.config, self.progress, self.run_file = config, progress, run_file
         self.parts = (model, optimizer, scheduler, state)
-        self.rng_tracker = rng_tracker
+        self.rng_tracker, self.compressor = rng_tracker, compressor
         self.writer = (AsyncCheckpointer(device, dist.group.WORLD)
                        if config.checkpoint.async_save else None)
         self.stall_s: list[float] = []
@@ -42,7 +42,7 @@ class CheckpointSaver:
     def save(self, iteration: int) -> None:
         model, optimizer, scheduler, state = self.parts
         args = (self.directory, iteration, model, optimizer, scheduler, state, self.config,
-                self.progress, self.rng_tracker, self.run_file)
+                self.progress, self.rng_tracker, self.run_file, self.compressor)
         start = time.perf_counter()
         if self.writer is None:
             save_checkpoint(*args)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megalite
+from megalite.checkpointing.compression_state import compression_file, compression_record
 from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, checkpoint_dir,
                                            commit, prepare_staging, save_tensor_file,
                                            staging_dir)
@@ -115,12 +116,14 @@ def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> lis
 
 def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer, scheduler,
                     state: ParallelState, config, train_state, rng_tracker=None,
-                    run_file: str | None = None) -> Path:
+                    run_file: str | None = None, compressor=None) -> Path:
     """Every rank calls this at the same iteration; returns the published directory.
     `run_file`: the run's flags as YAML (megalite/run_file.py), kept in the metadata.
+    `compressor`: the gradient buffer's PowerSGD, whose state each rank saves.
     async_save.py writes the same `rank_files` from a background thread instead."""
     staging = begin_save(save, iteration)
-    for name, obj in rank_files(chunks, optimizer, state, config, rng_tracker).items():
+    for name, obj in rank_files(chunks, optimizer, state, config, rng_tracker,
+                                compressor=compressor).items():
         save_tensor_file(obj, staging / name)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -139,10 +142,10 @@ def begin_save(save: str, iteration: int) -> Path:
 
 
 def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, rng_tracker,
-               copy: Callable | None = None) -> dict[str, dict]:
+               copy: Callable | None = None, compressor=None) -> dict[str, dict]:
     """file name -> what this rank writes into it, every tensor a host copy made by
     `copy(tensor, dtype)` (default: a fresh CPU tensor). Every rank calls it at once: under
-    FSDP2 each whole value is gathered."""
+    FSDP2 each whole value is gathered. `compressor`: PowerSGD, whose state is per rank."""
     copy = copy or _cpu_copy
     optimizer.finish_param_gather()
     params = saved_params(chunks)
@@ -162,6 +165,11 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
         files[optim_file(state.tp_rank, state.pp_rank, group_rank(state.dp_cp_group))] = \
             _optimizer_shard(optimizer, names, copy)
     files[rng_file(dist.get_rank())] = _rng_state(rng_tracker)
+    if compressor is not None:
+        # Copied now, not by `copy`: --async-save's copies wait for the next optimizer
+        # step, and the next step's gradient reduction changes the error and Q before it.
+        files[compression_file(dist.get_rank())] = compression_record(
+            compressor, layout_of(state.grid, len(chunks), optimizer.sharded), _cpu_copy)
     return files
 
 

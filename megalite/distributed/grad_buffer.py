@@ -23,6 +23,11 @@ zero-bubble W pass is counted there (weight_grad.weight_grad_deferred).
 A tied embedding used on two pipeline stages gets a bucket of its own: its copies on the
 first and last stage then sit at the same offsets of identically laid-out buckets, so the
 embedding group can sum the reduced shards element for element.
+
+With --grad-compression powersgd a `compressor` (distributed/powersgd.py) takes over the
+reduction once it is active: every bucket is reduced, compressed, in `finish`, on whole
+gradients (under ZeRO-1 too: each rank then steps its shard of the decompressed sum).
+`bytes_sent` counts the payload this rank put into the step's DP collectives.
 """
 
 import torch
@@ -86,6 +91,8 @@ class GradBuffer:
                                [is_shared_embedding(p) for p in params], bucket_size)
         self.buckets = [Bucket([params[i] for i in b], grad_dtype or params[b[0]].dtype,
                                self.dp) for b in layout]
+        self.compressor = None
+        """A PowerSGD (distributed/powersgd.py) when the reduction is compressed."""
         self._where = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
@@ -109,13 +116,28 @@ class GradBuffer:
         self._ready = {id(b): 0 for b in self.buckets}
         self._counts = {id(p): 0 for b in self.buckets for p in b.params}
         self.launched_during_backward = 0
+        self.bytes_sent = 0
+
+    @property
+    def compressing(self) -> bool:
+        """Whether this step's reduction is compressed (nothing is launched in backward)."""
+        return self.compressor is not None and self.compressor.active
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """The step's DP bytes uncompressed (every bucket whole) / the bytes sent."""
+        whole = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+        return whole / self.bytes_sent if self.bytes_sent else None
+
+    def _count(self, tensor: torch.Tensor):
+        self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def _on_grad_accumulated(self, param: nn.Parameter):
         if weight_grad_deferred(param):  # a split backward's B: the gradient comes in W
             return
         bucket, _ = self._where[id(param)]
         self._move_into_buffer(param)
-        if not self.overlap:
+        if not self.overlap or self.compressing:
             return
         self._counts[id(param)] += 1
         # One accumulation per micro-batch: the last one makes this gradient final.
@@ -140,6 +162,7 @@ class GradBuffer:
     def _launch(self, bucket: Bucket):
         if self.dp == 1:
             return
+        self._count(bucket.flat)
         if self.shard:
             bucket.work = reduce_scatter_into(bucket.shard(bucket.flat, self.dp_rank),
                                               bucket.flat, self.group, async_op=True)
@@ -148,12 +171,19 @@ class GradBuffer:
 
     def finish(self):
         """Every bucket summed over DP: launch what the hooks did not, wait for all."""
+        compressing = self.compressing
         for bucket in self.buckets:
             for p in bucket.params:
                 self._move_into_buffer(p)
+            if compressing:
+                continue
             if bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
+        if compressing:
+            self.compressor.reduce(self.buckets, self._count)
+        if self.compressor is not None:
+            self.compressor.steps += 1

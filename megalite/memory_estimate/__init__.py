@@ -42,10 +42,14 @@ class RankMemory:
     shards of main parameters, moments and gradients)."""
     async_save_host: int = 0
     """Host buffers an --async-save keeps from save to save (checkpoint.py), not in `host`."""
+    grad_compression: int = 0
+    """PowerSGD's error buffers, last Qs and one bucket's P and Q
+    (memory_estimate/grad_compression.py)."""
 
     @property
     def weights_and_optimizer(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.main_grads
+        return (self.parameters + self.gradients + self.optimizer_state + self.main_grads
+                + self.grad_compression)
 
     @property
     def total(self) -> int:
@@ -76,4 +80,5 @@ def estimate_rank_memory(config: Config, pp_rank: int, device: str = "cuda") -> 
                       activations=peak, activations_per_microbatch=per_mb,
                       microbatches_in_flight=in_flight, p2p_buffers=p2p,
                       host=state.get("host", 0),
-                      async_save_host=async_save_host_bytes(config, state))
+                      async_save_host=async_save_host_bytes(config, state),
+                      grad_compression=state.get("grad_compression", 0))

@@ -11,6 +11,7 @@ from torch import nn
 from megalite.config import Config, OptimizerKind
 from megalite.distributed.grad_buffer import bucket_layout, padded_size
 from megalite.memory_estimate.fsdp import fsdp_weights
+from megalite.memory_estimate.grad_compression import powersgd_bytes
 from megalite.model.gpt import build_model_chunks
 from megalite.tensor_parallel.params import (is_embedding_copy, is_shared_embedding,
                                              is_tensor_parallel)
@@ -64,15 +65,17 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     if kind is OptimizerKind.FULLY_SHARDED:
         return fsdp_weights(config, pp_rank, pbytes)
     main_params, sharded = kind.has_main_params, kind.sharded
+    compression = powersgd_bytes(config, params, [shard_numel(config, p) for p in params])
     if not main_params:  # plain AdamW: the parameters are the main copy, two fp32 moments
         return dict(num_parameters=num, parameters=pbytes * num, gradients=gbytes * padded,
-                    optimizer_state=8 * num, main_grads=0, owned=num)
+                    optimizer_state=8 * num, main_grads=0, owned=num,
+                    grad_compression=compression)
     shards = config.parallel.grid.dp_cp_size if sharded else 1
     # DP rank 0 owns the first 1/shards of every bucket, all of it real parameters.
     owned = sum(min(real, padded_numel // shards) for real, padded_numel in layout)
     state = dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,
                  optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned,
-                 owned=owned)
+                 owned=owned, grad_compression=compression)
     if config.parallel.optimizer_cpu_offload:
         # The owned main parameters, moments and the fp32 gradient copies on the host
         # (mixed_precision.HostOffload).

@@ -31,6 +31,7 @@ PHASES = {
     "all-grads-sync": (1, None),
     "layernorm-grads-all-reduce": (1, "all-grads-sync"),
     "embedding-grads-all-reduce": (1, "all-grads-sync"),
+    "grads-compress": (1, "all-grads-sync"),  # PowerSGD's matmuls and orthogonalisation
     "optimizer": (1, None),
     "optimizer-unscale-and-check-inf": (1, "optimizer"),
     "optimizer-clip-main-grad": (1, "optimizer"),

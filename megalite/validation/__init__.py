@@ -17,6 +17,7 @@ from megalite.config import (CheckpointConfig, Config, DataConfig, DistributedCo
 from megalite.errors import ConfigError
 from megalite.validation.checks import check_fraction, check_positive, flag, from_flags, require
 from megalite.validation.fp8 import check_fp8
+from megalite.validation.grad_compression import grad_compression_config
 from megalite.validation.layout import batch, parallel_config, validate_pipeline_schedule
 from megalite.validation.uneven import shares_batch
 
@@ -88,7 +89,8 @@ def validate_model_args(args, world_size: int = 1,
         logging=from_flags(LoggingConfig, args),
         distributed=DistributedConfig(backend=args.distributed_backend,
                                       timeout_minutes=args.distributed_timeout_minutes),
-        checkpoint=_checkpoint_config(args))
+        checkpoint=_checkpoint_config(args),
+        grad_compression=grad_compression_config(args, parallel))
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
