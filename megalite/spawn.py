@@ -58,6 +58,10 @@ def _join_group(rank, world_size, workdir, timeout, device_type):
 
 
 def _worker(rank, world_size, workdir, timeout, device_type, fn, args):
+    # What a rank starts itself (the DataLoader's --num-workers) forks from it, as under
+    # torchrun on Linux; a rank inherits "forkserver", whose fresh server would re-import
+    # torch and the caller's module for every worker (seconds each, on every launch).
+    multiprocessing.set_start_method("fork", force=True)
     try:
         _join_group(rank, world_size, workdir, timeout, device_type)
         result = fn(rank, world_size, *args)
