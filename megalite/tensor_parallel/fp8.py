@@ -14,7 +14,7 @@ multiplies the scales back in. Recipes:
   per row of each operand along the contraction dimension, so each GEMM quantizes its own
   operands: the forward keeps X and A in their own dtype, as the plain linear layer does.
 
-A scale is a function of the full logical tensor, never of a shard (DESIGN §13): where an
+A scale is a function of the full logical tensor, never of a shard (docs/design.md §14): where an
 operand's amax covers only this rank's shard it is all-reduced (max) over the TP group.
 Column-parallel layers shard A's and dY's output dim, row-parallel ones A's and X's input
 dim; the token dim is whole at every GEMM (sequence parallelism gathers before the
