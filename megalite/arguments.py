@@ -408,6 +408,8 @@ def _add_uneven_work_args(parser):
     g.add_argument("--data-parallel-shares-window", type=int, default=3,
                    help="megalite's own: with --data-parallel-shares auto, steps timed per "
                         "measurement of the speeds (after the first step).")
+
+
 def _add_grad_compression_args(parser):
     g = parser.add_argument_group(
         "gradient compression (megalite's own flags; Megatron-LM has no such feature: names "
