@@ -9,13 +9,14 @@ import io
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megalite.checkpointing.async_save import TEST_HOOK, AsyncCheckpointer, HostBuffers
+from megalite.checkpointing.async_save import TEST_HOOK, AsyncCheckpointer, HostBuffers, _Pending
 from megalite.arguments import parse_args
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
 from megalite.memory_estimate import estimate_memory
@@ -48,8 +49,8 @@ def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, 
     run: its files are right only if that step waits for them (the pre-step hook)."""
     sync, asyn = tmp_path / "sync", tmp_path / "async"
     run("--save", str(sync))
-    step_reached, fill, before_step = (threading.Event(), HostBuffers.fill,
-                                       AsyncCheckpointer._before_step)
+    step_reached, fill, before_step, write = (threading.Event(), HostBuffers.fill,
+                                              AsyncCheckpointer._before_step, _Pending.write)
 
     def late_fill(self):
         if not step_reached.is_set():  # the first save only (none follows the last)
@@ -61,8 +62,14 @@ def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, 
         if self.pending is not None:
             step_reached.set()
         before_step(self, *args)
+
+    def slow_write(self, *args):  # iteration 2's write outlasts steps 3 and 4: the save
+        write(self, *args)  # at 4 publishes it, and must still print its line
+        if self.iteration == 2:
+            time.sleep(1.0)
     monkeypatch.setattr(HostBuffers, "fill", late_fill)
     monkeypatch.setattr(AsyncCheckpointer, "_before_step", announcing_before_step)
+    monkeypatch.setattr(_Pending, "write", slow_write)
     first = run("--save", str(asyn), "--async-save", "--exit-interval", "4")
     second = run("--save", str(asyn), "--load", str(asyn), "--async-save")
     assert "resuming from" in second and "at iteration 4" in second
@@ -74,6 +81,7 @@ def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, 
     finished = first.index("successfully saved checkpoint at iteration       2")
     assert requested < finished
     assert "training blocked" in first[requested:finished]
+    assert "successfully saved checkpoint at iteration       4" in first
     assert planned_host_buffers("--save", str(asyn), "--async-save") == \
         tensor_bytes(asyn / "iter_0000002")
 

@@ -49,6 +49,7 @@ class CheckpointSaver:
             self._finished(iteration, time.perf_counter() - start)
             self.stall_s.append(time.perf_counter() - start)
             return
+        self._report(self.writer.finalize(blocking=True))  # a save still pending: its line
         stall = self.writer.save(*args)
         self.stall_s.append(time.perf_counter() - start)  # with a wait for the last save
         _print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
