@@ -145,6 +145,9 @@ class ParallelConfig:
     """1f1b (interleaved with several chunks), gpipe or zb-h1 (--pipeline-schedule)."""
     context_parallel_size: int = 1
     """CP: ranks each sequence is split over (--context-parallel-size)."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks the experts of each MoE layer are split over, carved out of DP x CP
+    (--expert-model-parallel-size)."""
     use_torch_fsdp2: bool = False
     """ZeRO-2/3 with torch's fully_shard over DP (--use-torch-fsdp2)."""
     data_parallel_sharding_strategy: str = "optim_grads_params"
@@ -162,7 +165,8 @@ class ParallelConfig:
         """The rank grid of these sizes (its groups, `dp_cp_size`), for `ParallelState`."""
         tp, pp, cp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                       self.context_parallel_size)
-        return RankGrid(tp * pp * cp * self.data_parallel_size, tp, pp, cp)
+        return RankGrid(tp * pp * cp * self.data_parallel_size, tp, pp, cp,
+                        self.expert_model_parallel_size)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,14 @@ order):
 so a tensor-parallel group is consecutive ranks (one node, fast links) and pipeline stages
 are far apart. With CP = 1 the CP axis vanishes. The arithmetic is pure (`RankGrid`), so it
 is tested without processes; `ParallelState` builds the torch.distributed groups from it once.
+
+Expert parallelism (EP, docs/design.md "Expert parallelism") does not add ranks: it is carved
+out of DP x CP, as Megatron's expert grid is with the expert TP size equal to TP. Number the
+DP x CP ranks of one (TP rank, PP rank) by `cp + CP * dp`; EP groups are runs of EP
+consecutive ones, and the expert-data-parallel group is every EP-th one:
+    ep_rank = (cp + CP * dp) % EP,   expert_dp_rank = (cp + CP * dp) // EP
+An EP group holds all the experts once; an expert-DP group holds the same experts, and
+sums their gradients and shards their ZeRO-1 state.
 """
 
 import math
@@ -23,6 +31,7 @@ class RankGrid:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
 
     def __post_init__(self):
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
@@ -32,6 +41,10 @@ class RankGrid:
             raise ConfigError(f"world size {self.world_size} is not divisible by "
                               f"--tensor-model-parallel-size={tp} x {context}"
                               f"--pipeline-model-parallel-size={pp}")
+        ep = self.expert_model_parallel_size
+        if ep <= 0 or self.dp_cp_size % ep:
+            raise ConfigError(f"--expert-model-parallel-size={ep} must divide data x context "
+                              f"parallel = {self.data_parallel_size} x {cp} = {self.dp_cp_size}")
 
     @property
     def data_parallel_size(self) -> int:
@@ -42,6 +55,18 @@ class RankGrid:
     def dp_cp_size(self) -> int:
         """DP x CP: the ranks gradients are summed over and ZeRO-1 shards its state over."""
         return self.data_parallel_size * self.context_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """(DP x CP) / EP: the ranks holding the same experts."""
+        return self.dp_cp_size // self.expert_model_parallel_size
+
+    def expert_rank(self, rank: int) -> int:
+        """The EP rank of a global rank: which block of experts it holds."""
+        return self._dp_cp_index(rank) % self.expert_model_parallel_size
+
+    def _dp_cp_index(self, rank: int) -> int:
+        return self.context_rank(rank) + self.context_parallel_size * self.coordinates(rank)[1]
 
     def rank(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         tp, cp, dp = (self.tensor_model_parallel_size, self.context_parallel_size,
@@ -89,6 +114,19 @@ class RankGrid:
 
     def pipeline_groups(self) -> list[list[int]]:
         return self._groups_varying("p")
+
+    def expert_groups(self) -> list[list[int]]:
+        """EP: EP ranks consecutive in the DP x CP index, together holding every expert
+        (Megatron's expert_model_parallel_group); the tokens' all-to-all runs over it."""
+        ep = self.expert_model_parallel_size
+        return sorted(g[i:i + ep] for g in self.dp_cp_groups() for i in range(0, len(g), ep))
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """Expert-DP: the (DP x CP) / EP ranks holding the same experts; expert gradients
+        are summed and expert ZeRO-1 shards laid over it (Megatron's
+        expert_data_parallel_group)."""
+        ep = self.expert_model_parallel_size
+        return sorted(g[i::ep] for g in self.dp_cp_groups() for i in range(ep))
 
     def model_parallel_groups(self) -> list[list[int]]:
         """TP x PP: every rank holding a piece of one model replica."""
@@ -167,6 +205,12 @@ class ParallelState:
         self.pp_group = self._make(grid.pipeline_groups())
         self.mp_group = self._make(grid.model_parallel_groups())
         self.embedding_group = self._make(grid.embedding_groups())
+        self.ep_rank = grid.expert_rank(rank)
+        self.ep_size = grid.expert_model_parallel_size
+        self.expert_dp_size = grid.expert_data_parallel_size
+        self.ep_group = self._make(grid.expert_groups()) if self.ep_size > 1 else None
+        self.expert_dp_group = (self._make(grid.expert_data_groups()) if self.ep_size > 1
+                                else self.dp_cp_group)
 
     @classmethod
     def single_process(cls) -> "ParallelState":

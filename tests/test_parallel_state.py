@@ -106,3 +106,43 @@ def test_context_parallel_groups_match_reference(world, tp, cp, pp):
 def test_context_parallel_world_size_not_divisible_is_named():
     with pytest.raises(ConfigError, match="world size 8.*=2.*--context-parallel-size=3"):
         RankGrid(8, 2, 1, 3)
+
+
+def expert_layouts(max_world=16):
+    for world, tp, cp, pp in [*context_parallel_layouts(max_world),
+                              *((w, t, 1, p) for w, t, p in layouts(max_world))]:
+        dp_cp = world // (tp * pp)
+        for ep in range(2, dp_cp + 1):
+            if dp_cp % ep == 0:
+                yield world, tp, cp, pp, ep
+
+
+@pytest.mark.parametrize("world, tp, cp, pp, ep", list(expert_layouts()))
+def test_expert_groups_match_reference(world, tp, cp, pp, ep):
+    """Megatron's expert grid with the expert TP size = TP (order tp-ep-dp-pp): the DP x CP
+    ranks of one (TP, PP) position, in order, reshaped to [expert-DP, EP]: rows are EP
+    groups, columns expert-DP groups."""
+    grid = RankGrid(world, tp, pp, cp, ep)
+    array = np.arange(world).reshape(pp, -1, tp)  # the middle axis: DP x CP, CP fastest
+    blocks = [array[p, :, t].reshape(-1, ep) for p in range(pp) for t in range(tp)]
+    assert grid.expert_groups() == sorted(row.tolist() for b in blocks for row in b)
+    assert grid.expert_data_groups() == sorted(col.tolist() for b in blocks for col in b.T)
+    assert grid.expert_data_parallel_size * ep == grid.dp_cp_size
+    for b in blocks:
+        for (edp, e), rank in np.ndenumerate(b):
+            assert grid.expert_rank(int(rank)) == e
+
+
+def test_expert_groups_megatron_example():
+    """World 8, TP 2, EP 2 (DP 4): Megatron's RankGenerator(tp=2, ep=2, dp=2, pp=1,
+    order="tp-ep-dp-pp") puts rank = tp + 2 * (ep + 2 * edp)."""
+    grid = RankGrid(8, 2, 1, 1, 2)
+    assert grid.expert_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.expert_data_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    cp_grid = RankGrid(8, 1, 1, 2, 4)  # DP 4 x CP 2, EP 4: CP ranks are EP neighbours
+    assert cp_grid.expert_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_expert_parallel_size_not_dividing_is_named():
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size=3 must divide.*= 4"):
+        RankGrid(8, 2, 1, 1, 3)
