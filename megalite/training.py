@@ -139,7 +139,7 @@ def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
 def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
                     timers: Timers = NO_TIMERS) -> tuple[Optimizer, GradBuffer | None]:
     """The gradient buffer (reduced over DP x CP: all-reduce, or reduce-scatter for ZeRO-1,
-    whose shards are laid over DP x CP as Megatron's are; none under FSDP2, which reduces
+    whose shards are laid over DP x CP as Megatron's are; expert parameters over expert-DP; none under FSDP2, which reduces
     its own gradients) and the optimizer reading it: ZeRO-1 with --use-distributed-optimizer;
     fp32 main parameters (unsharded) for bf16/fp16 model parameters; plain AdamW otherwise."""
     scaler = build_grad_scaler(config.precision)
@@ -150,7 +150,7 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     params = [q for q in model.parameters() if q.requires_grad]
     grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
-                             grad_dtype=config.grad_dtype)
+                             grad_dtype=config.grad_dtype, expert_group=state.expert_dp_group)
     if config.grad_compression.enabled:
         grad_buffer.compressor = PowerSGD(grad_buffer.buckets, single_process_names(model),
                                           config.grad_compression, state.dp_cp_group,
@@ -158,10 +158,11 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     if config.optimizer_kind.has_main_params:
         optimizer = MixedPrecisionOptimizer(model, config.optimizer, scaler, state.tp_group,
                                             state.mp_group, grad_buffer, p.overlap_param_gather,
-                                            cpu_offload=p.optimizer_cpu_offload, timers=timers)
+                                            cpu_offload=p.optimizer_cpu_offload, timers=timers,
+                                            expert_group=state.ep_group)
     else:
         optimizer = Optimizer(model, config.optimizer, scaler, state.tp_group, state.mp_group,
-                              timers)
+                              timers, expert_group=state.ep_group)
     return optimizer, grad_buffer
 
 

@@ -86,3 +86,13 @@ def test_bucket_layout_cuts_runs_of_one_dtype_and_isolates_shared_embeddings():
     shared = [True] + [False] * 6
     assert bucket_layout(numels, dtypes, shared, 8) == [[1, 2], [3], [4], [5], [6], [0]]
     assert [padded_size(n, 4) for n in (7, 8, 9)] == [8, 8, 12]
+
+
+def test_bucket_layout_puts_experts_in_buckets_of_their_own():
+    """Expert parameters are reduced over another group (expert-DP): after the dense
+    buckets, in runs of their own, never sharing a bucket with a dense parameter."""
+    numels, dtypes = [2, 3, 2, 3, 2, 1], [torch.float32] * 6
+    shared = [True, False, False, False, False, False]
+    expert = [False, False, True, False, True, False]
+    assert bucket_layout(numels, dtypes, shared, 8, expert) == [[1, 3, 5], [2, 4], [0]]
+    assert bucket_layout(numels, dtypes, shared, 3, expert) == [[1], [3], [5], [2], [4], [0]]

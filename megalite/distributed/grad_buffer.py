@@ -20,6 +20,11 @@ its last gradient of the step has been accumulated, while the backward of earlie
 is still running (Li et al. 2020, PyTorch DDP §3.2.3); a weight gradient deferred to a
 zero-bubble W pass is counted there (weight_grad.weight_grad_deferred).
 
+Expert parameters (`is_expert_parallel`: a MoE layer's experts, split over the expert-parallel
+group) get buckets of their own, reduced over the expert-data-parallel group, the
+(DP x CP) / EP ranks that hold the same experts; every other bucket over DP x CP. Each bucket
+carries its group, and is padded to a multiple of that group's size.
+
 A tied embedding used on two pipeline stages gets a bucket of its own: its copies on the
 first and last stage then sit at the same offsets of identically laid-out buckets, so the
 embedding group can sum the reduced shards element for element.
@@ -35,21 +40,23 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.parallel_state import group_rank, group_size, reduce_scatter_into
-from megalite.tensor_parallel.params import is_shared_embedding
+from megalite.tensor_parallel.params import is_expert_parallel, is_shared_embedding
 from megalite.tensor_parallel.weight_grad import weight_grad_deferred
 
 
 class Bucket:
-    """Consecutive parameters and their gradients, flat, padded to a multiple of `dp`."""
+    """Consecutive parameters and their gradients, flat, padded to a multiple of the size
+    `dp` of `group`, the ranks it is reduced over."""
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, dp: int):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group):
+        self.params, self.group = params, group
+        self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.offsets, offset = [], 0
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
-        self.numel = padded_size(offset, dp)
-        self.shard_size = self.numel // dp
+        self.numel = padded_size(offset, self.dp)
+        self.shard_size = self.numel // self.dp
         self.flat = torch.zeros(self.numel, dtype=dtype, device=params[0].device)
         self.work = None
 
@@ -63,16 +70,23 @@ class Bucket:
 
 
 def bucket_layout(numels: list[int], dtypes: list[torch.dtype], shared: list[bool],
-                  bucket_size: int) -> list[list[int]]:
+                  bucket_size: int, expert: list[bool] | None = None) -> list[list[int]]:
     """The parameters (indices) of each bucket (module docstring; a larger parameter alone),
-    from sizes alone, so the memory planner lays buckets out as this buffer does."""
-    out, size = [], 0
-    for i in (i for i in range(len(numels)) if not shared[i]):
-        if not out or dtypes[i] != dtypes[out[-1][0]] or size + numels[i] > bucket_size:
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += numels[i]
+    from sizes alone, so the memory planner lays buckets out as this buffer does: the
+    dense parameters, then the expert ones, then each shared embedding alone."""
+    expert = expert or [False] * len(numels)
+    out = []
+    for experts in (False, True):
+        size, start = 0, len(out)
+        for i in range(len(numels)):
+            if shared[i] or expert[i] != experts:
+                continue
+            if (len(out) == start or dtypes[i] != dtypes[out[-1][0]]
+                    or size + numels[i] > bucket_size):
+                out.append([])
+                size = 0
+            out[-1].append(i)
+            size += numels[i]
     return out + [[i] for i in range(len(numels)) if shared[i]]
 
 
@@ -82,15 +96,21 @@ def padded_size(numel: int, dp: int) -> int:
 
 
 class GradBuffer:
+    """`group` reduces the dense parameters' buckets (DP x CP), `expert_group` the expert
+    ones (expert-DP; None: `group`)."""
+
     def __init__(self, params: list[nn.Parameter], group, bucket_size: int, *, shard: bool = False,
-                 overlap: bool = False, grad_dtype: torch.dtype | None = None):
+                 overlap: bool = False, grad_dtype: torch.dtype | None = None,
+                 expert_group=None):
         self.group, self.shard = group, shard
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.overlap = overlap
+        expert = [is_expert_parallel(p) for p in params]
         layout = bucket_layout([p.numel() for p in params], [p.dtype for p in params],
-                               [is_shared_embedding(p) for p in params], bucket_size)
+                               [is_shared_embedding(p) for p in params], bucket_size, expert)
         self.buckets = [Bucket([params[i] for i in b], grad_dtype or params[b[0]].dtype,
-                               self.dp) for b in layout]
+                               expert_group if expert[b[0]] and expert_group is not None
+                               else group) for b in layout]
         self.compressor = None
         """A PowerSGD (distributed/powersgd.py) when the reduction is compressed."""
         self._where = {}
@@ -160,14 +180,14 @@ class GradBuffer:
             param.grad = None
 
     def _launch(self, bucket: Bucket):
-        if self.dp == 1:
+        if bucket.dp == 1:
             return
         self._count(bucket.flat)
         if self.shard:
-            bucket.work = reduce_scatter_into(bucket.shard(bucket.flat, self.dp_rank),
-                                              bucket.flat, self.group, async_op=True)
+            bucket.work = reduce_scatter_into(bucket.shard(bucket.flat, bucket.dp_rank),
+                                              bucket.flat, bucket.group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
     def finish(self):
         """Every bucket summed over DP: launch what the hooks did not, wait for all."""

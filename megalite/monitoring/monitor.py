@@ -19,7 +19,7 @@ from megalite.config import Config
 from megalite.monitoring.memory import memory_stats
 from megalite.monitoring.peak_flops import compute_dtype, peak_tflops
 from megalite.monitoring.profiling import Profiler
-from megalite.monitoring.replica_check import check_replicas
+from megalite.monitoring.replica_check import check_all_replicas
 from megalite.monitoring.statistics import params_norm
 from megalite.monitoring.timers import COMPUTE, PHASES, Timers, timers_report
 from megalite.parallel_state import ParallelState, all_gather_into
@@ -79,10 +79,10 @@ class Monitor:
         """Every rank, after each training iteration."""
         self.profiler.after_step(iteration)
         interval = self.m.check_weight_hash_across_dp_replicas_interval
-        if interval and iteration % interval == 0 and self.state.dp_size > 1:
+        if interval and iteration % interval == 0 and self.state.dp_cp_size > 1:
             self.optimizer.finish_param_gather()
-            check_replicas(list(self.model.named_parameters()), self.state.dp_group,
-                           iteration, self.device)
+            check_all_replicas(list(self.model.named_parameters()), self.state, iteration,
+                               self.device)
         if self.resumed:
             self.resumed = False
             if self.rank == 0:
@@ -98,7 +98,7 @@ class Monitor:
         if self.m.log_params_norm:
             self.optimizer.finish_param_gather()
             out["params_norm"] = params_norm(self.optimizer.params, self.state.tp_group,
-                                             self.state.mp_group)
+                                             self.state.mp_group, self.state.ep_group)
         return out
 
     def after_log_interval(self):

@@ -6,7 +6,8 @@ non-deterministic kernel, a rank that skipped an update) otherwise train on unno
 What is hashed is what must be equal across DP: the model's parameters, which under
 ZeRO-1 are the all-gathered ones (the fp32 main shards differ by design). Each replica is
 compared with DP rank 0's; a mismatch stops every rank with an error naming the
-iteration, the parameter and the ranks that differ.
+iteration, the parameter and the ranks that differ. Under expert parallelism the experts
+are replicated only over the expert-data-parallel group, and compared there.
 """
 
 import hashlib
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.errors import MegaliteError
-from megalite.parallel_state import all_gather_into
+from megalite.parallel_state import ParallelState, all_gather_into
+from megalite.tensor_parallel.params import is_expert_parallel
 
 
 class ReplicaMismatchError(MegaliteError):
@@ -40,7 +42,7 @@ def check_replicas(named_params: list[tuple[str, torch.Tensor]], dp_group,
     ranks = dist.get_process_group_ranks(dp_group)
     gathered = torch.empty(len(ranks) * local.numel(), dtype=torch.int64, device=device)
     all_gather_into(gathered, local, dp_group)
-    table = gathered.view(len(ranks), -1).cpu()
+    table = gathered.view(len(ranks), local.numel()).cpu()
     differs = (table != table[0]).any(dim=1)
     message = None
     if differs.any():
@@ -55,3 +57,16 @@ def check_replicas(named_params: list[tuple[str, torch.Tensor]], dp_group,
     if flag.item():
         raise ReplicaMismatchError(message or f"iteration {iteration}: data-parallel "
                                    "replicas differ in another data-parallel group")
+
+
+def check_all_replicas(named_params: list[tuple[str, torch.Tensor]], state: ParallelState,
+                       iteration: int, device: torch.device):
+    """Collective over every rank: the dense parameters over DP, and with EP > 1 the expert
+    parameters over expert-DP (every rank compares its list, empty on a pipeline stage
+    without MoE layers, so the ranks' collectives stay paired)."""
+    experts = [(n, p) for n, p in named_params if state.ep_size > 1 and is_expert_parallel(p)]
+    dense = [(n, p) for n, p in named_params if not (state.ep_size > 1 and is_expert_parallel(p))]
+    if state.dp_size > 1:
+        check_replicas(dense, state.dp_group, iteration, device)
+    if state.ep_size > 1 and state.expert_dp_size > 1:
+        check_replicas(experts, state.expert_dp_group, iteration, device)

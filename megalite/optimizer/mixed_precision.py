@@ -3,7 +3,8 @@
 parallelism: ZeRO-1 (Rajbhandari et al. 2020, "P_os"), Megatron's `DistributedOptimizer`.
 
 The layout is the gradient buffer's (distributed/grad_buffer.py): flat buckets padded to a
-multiple of the DP size, each cut into DP equal shards. The model's parameters are made
+multiple of the DP size, each cut into DP equal shards (an expert bucket: into expert-DP shards, over its own
+group). The model's parameters are made
 views into flat parameter buffers laid out the same way. DP rank r owns shard r of every
 bucket: it keeps fp32 main copies of (its pieces of) the parameters in that shard and
 their Adam moments, and nothing for the rest, so optimizer memory is 12 bytes x
@@ -41,7 +42,7 @@ class MixedPrecisionOptimizer(Optimizer):
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler,
                  tp_group, model_parallel_group, grad_buffer: GradBuffer,
                  overlap_param_gather: bool = False, cpu_offload: bool = False,
-                 timers: Timers = NO_TIMERS):
+                 timers: Timers = NO_TIMERS, expert_group=None):
         self.grad_buffer, self.dp_group = grad_buffer, grad_buffer.group
         self.sharded = grad_buffer.shard
         # --optimizer-cpu-offload: main parameters, moments and the step on the host.
@@ -49,7 +50,8 @@ class MixedPrecisionOptimizer(Optimizer):
         self.param_buffers = [_adopt_params(b) for b in grad_buffer.buckets]
         self._owned_params = [flat[slice(*self._owned_range(b))]
                               for b, flat in zip(grad_buffer.buckets, self.param_buffers)]
-        super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers)
+        super().__init__(model, config, grad_scaler, tp_group, model_parallel_group, timers,
+                         expert_group)
         self._param_views = [self.param_buffers[s.bucket][s.flat] for s in self.segments]
         self._gathers: list = [None] * len(self.param_buffers)
         self.overlap_param_gather = overlap_param_gather
@@ -60,10 +62,15 @@ class MixedPrecisionOptimizer(Optimizer):
         # DP shards are disjoint pieces; unsharded, every DP rank holds the same gradients.
         return [self.dp_group if self.sharded else None, self.model_parallel_group]
 
+    def _expert_reduce_group(self):
+        # Sharded, DP x CP already spans EP: the expert shards (over expert-DP) of all EP
+        # ranks are disjoint pieces of all the experts.
+        return None if self.sharded else self.expert_group
+
     def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
         if not self.sharded:
             return 0, bucket.numel
-        rank = self.grad_buffer.dp_rank
+        rank = bucket.dp_rank
         return rank * bucket.shard_size, (rank + 1) * bucket.shard_size
 
     @property
@@ -102,11 +109,13 @@ class MixedPrecisionOptimizer(Optimizer):
                 self.host.copy_main_params(i, owned)
         else:
             torch._foreach_copy_(self._param_views, [s.main for s in self.segments])
-        if not self.sharded or self.grad_buffer.dp == 1:
+        if not self.sharded:
             return
         with self.timers("params-all-gather"):
             for i, (flat, owned) in enumerate(zip(self.param_buffers, self._owned_params)):
-                self._gathers[i] = all_gather_into(flat, owned, self.dp_group, async_op=True)
+                bucket = self.grad_buffer.buckets[i]
+                if bucket.dp > 1:  # over its own group: DP x CP, or expert-DP for experts
+                    self._gathers[i] = all_gather_into(flat, owned, bucket.group, async_op=True)
             if not self.overlap_param_gather:
                 self.finish_param_gather()
 

@@ -17,7 +17,8 @@ from torch import nn
 from megalite.config import OptimizerConfig
 from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.parallel_state import all_reduce_anywhere, group_rank, group_size
-from megalite.tensor_parallel.params import is_embedding_copy, is_tensor_parallel
+from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
+                                             is_tensor_parallel)
 
 
 @dataclass
@@ -59,6 +60,18 @@ def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
+def squared_norm_over_experts(tensors: list[torch.Tensor], expert: list[bool],
+                             expert_group) -> torch.Tensor:
+    """squared_norm of `tensors`, the expert ones' part (`expert`) summed over the EP group
+    `expert_group` first when it has several ranks (each holds other experts)."""
+    if group_size(expert_group) <= 1:
+        return squared_norm(tensors)
+    squares = squared_norm([t for t, e in zip(tensors, expert) if not e])
+    experts = squared_norm([t for t, e in zip(tensors, expert) if e]).to(squares.device)
+    all_reduce_anywhere(experts, expert_group)
+    return squares + experts
+
+
 def adamw_kernel(params: list[torch.Tensor], host_step: bool = False) -> dict:
     """torch's fused AdamW when every tensor is a CUDA float, or a host float in the host
     step of --optimizer-cpu-offload (`host_step`; fused on the CPU since torch 2.4: one
@@ -74,6 +87,8 @@ class Optimizer:
     replica: the grad norm and the overflow decision are agreed across it (and across DP
     when the state is sharded), so all ranks clip by the same factor and skip the same
     steps. Data-parallel gradients arrive already summed (megalite/distributed/grad_buffer.py).
+    `expert_group` (EP; None without expert parallelism) holds the ranks with the other
+    experts of each MoE layer: the experts' share of the norm is summed over it.
     """
 
     sharded = False
@@ -82,8 +97,9 @@ class Optimizer:
     """Whether the step runs on the host (--optimizer-cpu-offload)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
-                 tp_group=None, model_parallel_group=None, timers: Timers = NO_TIMERS):
-        self.config, self.timers = config, timers
+                 tp_group=None, model_parallel_group=None, timers: Timers = NO_TIMERS,
+                 expert_group=None):
+        self.config, self.timers, self.expert_group = config, timers, expert_group
         self.grad_scaler, self.model_parallel_group = grad_scaler, model_parallel_group
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.segments = self._owned_segments()
@@ -112,6 +128,18 @@ class Optimizer:
     def _reduce_groups(self) -> list:
         """The groups whose ranks hold different gradients of one model replica."""
         return [self.model_parallel_group]
+
+    def _expert_reduce_group(self):
+        """Where the experts' gradients differ beyond `_reduce_groups`: the EP group."""
+        return self.expert_group
+
+    def _squared_norm(self) -> torch.Tensor:
+        """This rank's share of the squared grad norm over `_reduce_groups`: the experts'
+        part summed over EP first (each expert counted once, on the rank holding it)."""
+        segments = [s for s in self._norm_segments if s.main.grad is not None]
+        return squared_norm_over_experts([s.main.grad for s in segments],
+                                         [is_expert_parallel(s.param) for s in segments],
+                                         self._expert_reduce_group())
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the main parameters this rank's optimizer steps (fp32 copies or shards;
@@ -150,8 +178,7 @@ class Optimizer:
                 self.zero_grad()
                 return False, None
         with self.timers("optimizer-clip-main-grad"):
-            squares = squared_norm([s.main.grad for s in self._norm_segments
-                                    if s.main.grad is not None])
+            squares = self._squared_norm()
             if before_update is not None:
                 before_update(squares)
             with self.timers("grad-norm-all-reduce"):
@@ -176,8 +203,9 @@ class Optimizer:
         found_inf = torch.zeros((), device=grads[0].device if grads else "cpu")
         inv_scale = torch.full((), 1.0 / self.grad_scaler.scale, device=found_inf.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        for group in groups:  # max over DP shards and model-parallel pieces
-            all_reduce_anywhere(found_inf, group, dist.ReduceOp.MAX)
+        for group in groups + [self._expert_reduce_group()]:  # max over DP shards and
+            if group_size(group) > 1:                              # model-parallel pieces
+                all_reduce_anywhere(found_inf, group, dist.ReduceOp.MAX)
         overflow = bool(found_inf.item())
         self.grad_scaler.update(overflow)
         return overflow
@@ -191,8 +219,14 @@ class Optimizer:
         if not any(s.main.grad is not None for s in self.segments):
             return None
         zeros = torch.zeros((), dtype=torch.float64, device=self.segments[0].main.device)
-        for grad in grads:
-            zeros += grad.numel() - torch.count_nonzero(grad)
+        experts = torch.zeros_like(zeros)
+        group = self._expert_reduce_group()
+        for grad, s in zip(grads, (s for s in self._norm_segments if s.main.grad is not None)):
+            counted = experts if group_size(group) > 1 and is_expert_parallel(s.param) else zeros
+            counted += grad.numel() - torch.count_nonzero(grad)
+        if group_size(group) > 1:
+            all_reduce_anywhere(experts, group)
+        zeros += experts
         for group in [g for g in self._reduce_groups() if group_size(g) > 1]:
             all_reduce_anywhere(zeros, group)  # counted on the host under offload
         return int(zeros.item())

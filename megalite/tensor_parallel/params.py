@@ -10,7 +10,9 @@ through the predicates below, never with `getattr(p, "<tag>")` of its own:
 - shared embedding: the word embedding and a tied output layer on a later pipeline stage,
   whose gradients are summed over the embedding group;
 - embedding copy: that later stage's tied output layer, a copy of the word embedding: it is
-  counted once (grad norm, optimizer, checkpoint) through the embedding itself.
+  counted once (grad norm, optimizer, checkpoint) through the embedding itself;
+- expert parallel: a MoE layer's expert weights, whose dim 0 (the experts) is split over the
+  expert-parallel group: reduced over expert-DP, not DP x CP.
 
 `tp_shard` cuts a full single-process tensor into this rank's block, the one rule that model
 initialisation and checkpoint loading share; `tp_unshard` joins the blocks of all ranks.
@@ -39,6 +41,14 @@ def mark_sequence_parallel(param: nn.Parameter, value: bool = True):
 def mark_shared_embedding(param: nn.Parameter, copy: bool):
     param.shared_embedding = True
     param.embedding_copy = copy
+
+
+def mark_expert_parallel(param: nn.Parameter):
+    param.expert_parallel = True
+
+
+def is_expert_parallel(param: nn.Parameter) -> bool:
+    return getattr(param, "expert_parallel", False)
 
 
 def is_tensor_parallel(param: nn.Parameter) -> bool:

@@ -33,6 +33,8 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
                       virtual_pipeline_model_parallel_size=chunks or _virtual_stages(args, pp),
                       pipeline_layer_counts=layer_counts,
                       data_parallel_size=dp,
+                      # The flag is moe-core's (megalite/validation/moe.py checks it).
+                      expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
                       ddp_bucket_size=args.ddp_bucket_size or DEFAULT_BUCKET_SIZE,
                       accumulate_allreduce_grads_in_fp32=fp32_grads)
 
