@@ -1,9 +1,10 @@
 """Loading a checkpoint (saving.py's files) into this rank's model chunks and optimizer.
 
-At any (TP, PP, v, DP) layout, no converter: every parameter and each of its optimizer
+At any (TP, PP, v, DP, CP, EP) layout, no converter: every parameter and each of its optimizer
 tensors (fp32 main copy, Adam moments) is reassembled into the full single-process tensor
 from the saved shards (TP pieces joined along their partition dim by params.tp_unshard, DP
-segments placed at their ranges) and cut again for this rank. Vocabulary padding, which
+segments placed at their ranges) and cut again for this rank (its experts, then its TP
+shard). Vocabulary padding, which
 depends on TP, is zero in weights and Adam moments alike, so it is dropped or added as
 zeros. Files are memory-mapped, so a rank reads only the pieces it touches. RNG states only
 mean something at the same layout; at another they are left as seeded.
@@ -26,7 +27,7 @@ from megalite.checkpointing.storage import (check_model_compatible, find_checkpo
 from megalite.distributed.fsdp import copy_into
 from megalite.errors import CheckpointError
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.params import local_shard, tp_unshard
+from megalite.tensor_parallel.params import ep_shard, local_shard, tp_unshard
 
 # Before SwiGLU's gate and up were fused into linear_fc1 = [gate; up], the gate was saved
 # as its own parameter; such checkpoints still load (SavedCheckpoint._with_legacy_gate).
@@ -173,11 +174,11 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
 
 @torch.no_grad()
 def load_params(chunks: nn.ModuleList, state: ParallelState, full) -> None:
-    """Every chunk parameter set to this rank's TP shard of `full(name)`, the parameter's
-    single-process tensor."""
+    """Every chunk parameter set to this rank's TP shard (of its EP block of experts) of
+    `full(name)`, the parameter's single-process tensor."""
     for name, param in chunks.named_parameters():
         name = canonical_name(name, param)
-        copy_into(param, local_shard(full(name), param, name, state.tp_rank, state.tp_size))
+        copy_into(param, rank_block(full(name), param, name, state))
 
 
 @torch.no_grad()
@@ -188,11 +189,17 @@ def load_optimizer(optimizer, chunks: nn.ModuleList, state: ParallelState, step:
     names = {id(p): canonical_name(n, p) for n, p in chunks.named_parameters()}
     for s in optimizer.segments:
         name = names[id(s.param)]
-        values = {k: local_shard(full(name, k), s.param, name, state.tp_rank,
-                                 state.tp_size).reshape(-1)[s.start:s.end]
+        values = {k: rank_block(full(name, k), s.param, name, state).reshape(-1)[s.start:s.end]
                   for k in ("main", *MOMENTS)}
         s.main.copy_(values.pop("main").view_as(s.main))
         optimizer.restore_state(s, step, values)  # on the main tensor's device
+
+
+def rank_block(full: torch.Tensor, param: nn.Parameter, name: str,
+               state: ParallelState) -> torch.Tensor:
+    """This rank's block of a single-process tensor: its experts (EP), then its TP shard."""
+    return local_shard(ep_shard(full, param, state.ep_rank, state.ep_size), param, name,
+                       state.tp_rank, state.tp_size)
 
 
 def _set_rng_state(state: dict, rng_tracker):

@@ -14,6 +14,12 @@ Files of `iter_0000100/` (made visible atomically by storage.py):
                             scheduler and loss scaler state, versions, the config
 Names are the single-process model's (megalite/model/gpt.py keys layers by global index),
 and the last stage's copy of a tied embedding is not saved: it is the embedding.
+
+Expert parallelism changes none of the files: an expert parameter is saved with all its
+experts (gathered over the EP group: every rank takes part), and an optimizer segment of
+one records its range in the flattened all-experts tensor (an EP rank's experts are a
+contiguous block of it), so the files read the same whatever EP wrote them. Without ZeRO-1
+the experts' main copies and moments are gathered over EP like the parameters.
 """
 
 import dataclasses
@@ -33,8 +39,9 @@ from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, ch
                                            commit, prepare_staging, save_tensor_file,
                                            staging_dir)
 from megalite.distributed.fsdp import full_tensor, is_fully_sharded
-from megalite.parallel_state import ParallelState, RankGrid, group_rank
-from megalite.tensor_parallel.params import is_embedding_copy, partition_dim, partition_stride
+from megalite.parallel_state import ParallelState, RankGrid, all_gather_into, group_rank
+from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
+                                             partition_dim, partition_stride)
 
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -80,7 +87,8 @@ def layout_of(grid: RankGrid, num_chunks: int, zero: bool) -> dict:
             "virtual_pipeline_model_parallel_size": num_chunks,
             "data_parallel_size": grid.data_parallel_size, "world_size": grid.world_size,
             "use_distributed_optimizer": zero,
-            "context_parallel_size": grid.context_parallel_size}
+            "context_parallel_size": grid.context_parallel_size,
+            "expert_model_parallel_size": grid.expert_model_parallel_size}
 
 
 SINGLE_PROCESS_LAYOUT = layout_of(RankGrid(1), 1, zero=False)
@@ -89,8 +97,8 @@ SINGLE_PROCESS_LAYOUT = layout_of(RankGrid(1), 1, zero=False)
 
 def saved_layout(layout: dict) -> dict:
     """A checkpoint's layout with the defaults of keys added since (checkpoints written
-    before context parallelism are CP 1)."""
-    return {"context_parallel_size": 1, **layout}
+    before context parallelism are CP 1, before expert parallelism EP 1)."""
+    return {"context_parallel_size": 1, "expert_model_parallel_size": 1, **layout}
 
 
 def optimizer_shards(layout: dict) -> int:
@@ -151,19 +159,26 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
     params = saved_params(chunks)
     owns_model_file = state.dp_rank == 0 and state.cp_rank == 0
     files = {}
+    # Every EP rank takes part in gathering the experts.
+    experts = {n: gather_experts(p.detach(), p, state) for n, p in params.items()
+               if state.ep_size > 1 and is_expert_parallel(p)}
     # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
     if owns_model_file or is_fully_sharded(chunks):
         # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
         # torch.save would write the whole buffer.
-        values = {n: copy(full_tensor(p.detach())) for n, p in params.items()}
+        values = {n: copy(experts[n] if n in experts else full_tensor(p.detach()))
+                  for n, p in params.items()}
     if owns_model_file:
         files[model_file(state.tp_rank, state.pp_rank)] = {"params": values,
                                                            **shard_layout(params)}
-    if config.checkpoint.save_optim and (optimizer.sharded or owns_model_file):
+    if config.checkpoint.save_optim:
         names = {id(p): n for n, p in params.items()}
-        # ZeRO-1's shard index: this rank's place in the DP x CP group.
-        files[optim_file(state.tp_rank, state.pp_rank, group_rank(state.dp_cp_group))] = \
-            _optimizer_shard(optimizer, names, copy)
+        shard = _optimizer_shard(optimizer, names, copy, state,
+                                 write=optimizer.sharded or owns_model_file)
+        if optimizer.sharded or owns_model_file:
+            # ZeRO-1's shard index: this rank's place in the DP x CP group.
+            files[optim_file(state.tp_rank, state.pp_rank,
+                              group_rank(state.dp_cp_group))] = shard
     files[rng_file(dist.get_rank())] = _rng_state(rng_tracker)
     if compressor is not None:
         # Copied now, not by `copy`: --async-save's copies wait for the next optimizer
@@ -199,21 +214,41 @@ def publish(save: str, iteration: int, metadata: dict, config) -> Path:
     return final
 
 
-def _optimizer_shard(optimizer, names: dict[int, str], copy: Callable) -> dict:
+def _optimizer_shard(optimizer, names: dict[int, str], copy: Callable, state: ParallelState,
+                     write: bool) -> dict:
+    """This rank's optimizer file (module docstring), built when `write`; every rank calls
+    it, as the experts' state of an unsharded optimizer is gathered over EP."""
     segments, step = {}, 0
     for s in optimizer.segments:
-        if is_embedding_copy(s.param):
+        expert = state.ep_size > 1 and is_expert_parallel(s.param)
+        gather = expert and not optimizer.sharded  # a whole EP block: gather all experts
+        if is_embedding_copy(s.param) or not (write or gather):
             continue
         adam = optimizer.adam.state.get(s.main, {})
         if "step" in adam:
             step = int(adam["step"].item())
-        entry = {"range": torch.tensor([s.start, s.end]),
-                 "main": copy(s.main.reshape(-1), torch.float32)}
-        for moment in MOMENTS:
-            if moment in adam:
-                entry[moment] = copy(adam[moment].reshape(-1))
-        segments[names[id(s.param)]] = entry
+        # An EP block's place in the flattened all-experts tensor (docstring).
+        shift = state.ep_rank * s.param.numel() if expert and not gather else 0
+        values = {"main": s.main, **{m: adam[m] for m in MOMENTS if m in adam}}
+        if gather:
+            values = {k: gather_experts(v.reshape(s.param.shape), s.param, state)
+                      for k, v in values.items()}
+        if write:
+            entry = {k: copy(v.reshape(-1), torch.float32 if k == "main" else None)
+                     for k, v in values.items()}
+            end = s.end * state.ep_size if gather else s.end + shift
+            segments[names[id(s.param)]] = {"range": torch.tensor([s.start + shift, end]),
+                                            **entry}
     return {"step": step, "segments": segments}
+
+
+def gather_experts(block: torch.Tensor, param: nn.Parameter, state: ParallelState) -> torch.Tensor:
+    """All experts of an expert parameter (every EP rank's block, dim 0, in EP rank order)
+    from this rank's `block`: a collective over the EP group."""
+    block = block.contiguous()
+    out = block.new_empty((block.shape[0] * state.ep_size, *block.shape[1:]))
+    all_gather_into(out, block, state.ep_group)
+    return out
 
 
 def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

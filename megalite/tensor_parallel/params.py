@@ -51,6 +51,14 @@ def is_expert_parallel(param: nn.Parameter) -> bool:
     return getattr(param, "expert_parallel", False)
 
 
+def ep_shard(full: torch.Tensor, param: nn.Parameter, ep_rank: int, ep_size: int) -> torch.Tensor:
+    """This EP rank's experts [r * E/EP, (r+1) * E/EP) (dim 0) of the full tensor of an
+    expert parameter; any other tensor as it is."""
+    if ep_size == 1 or not is_expert_parallel(param):
+        return full
+    return full.chunk(ep_size, dim=0)[ep_rank]
+
+
 def is_tensor_parallel(param: nn.Parameter) -> bool:
     return getattr(param, "tensor_model_parallel", False)
 
