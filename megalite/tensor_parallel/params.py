@@ -10,9 +10,10 @@ through the predicates below, never with `getattr(p, "<tag>")` of its own:
 - shared embedding: the word embedding and a tied output layer on a later pipeline stage,
   whose gradients are summed over the embedding group;
 - embedding copy: that later stage's tied output layer, a copy of the word embedding: it is
-  counted once (grad norm, optimizer, checkpoint) through the embedding itself;
-- expert parallel: a MoE layer's expert weights, whose dim 0 (the experts) is split over the
-  expert-parallel group: reduced over expert-DP, not DP x CP.
+  counted once (grad norm, optimizer, checkpoint) through the embedding itself.
+- expert parallel: a routed expert weight of a MoE layer, [local experts, ...]; its dim 0
+  is split over the EP group (EP rank r holds experts [r E/EP, (r+1) E/EP)) and its
+  gradient is reduced over the expert-data-parallel group, not over DP x CP.
 
 `tp_shard` cuts a full single-process tensor into this rank's block, the one rule that model
 initialisation and checkpoint loading share; `tp_unshard` joins the blocks of all ranks.
