@@ -190,9 +190,6 @@ class ParallelConfig:
     """1f1b (interleaved with several chunks), gpipe or zb-h1 (--pipeline-schedule)."""
     context_parallel_size: int = 1
     """CP: ranks each sequence is split over (--context-parallel-size)."""
-    expert_model_parallel_size: int = 1
-    """EP: ranks the experts of each MoE layer are split over, carved out of DP x CP
-    (--expert-model-parallel-size)."""
     use_torch_fsdp2: bool = False
     """ZeRO-2/3 with torch's fully_shard over DP (--use-torch-fsdp2)."""
     data_parallel_sharding_strategy: str = "optim_grads_params"

@@ -24,8 +24,8 @@ from megalite.data.loader import microbatches
 from megalite.distributed.fsdp import full_tensor
 from megalite.initialize import set_seed
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.params import (is_embedding_copy, partition_dim,
-                                             partition_stride)
+from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
+                                             partition_dim, partition_stride)
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
@@ -155,12 +155,23 @@ def build_run(flags: list[str], world_size: int, rank: int, device: torch.device
                                                                  device)
 
 
+def gather_experts(tensor, param, group) -> torch.Tensor:
+    """All experts of an expert parameter's `tensor` (EP rank blocks of dim 0, in order),
+    gathered with plain dist.all_gather over the EP `group`; other tensors as they are."""
+    if not is_expert_parallel(param) or group is None or dist.get_world_size(group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def _full_values(model, state) -> dict[str, torch.Tensor]:
-    """Every parameter of this rank, gathered whole (FSDP2 over DP x CP, then TP), by its
-    single-process name, on the host."""
+    """Every parameter of this rank, gathered whole (FSDP2 over DP x CP, then TP, then the
+    experts over EP), by its single-process name, on the host."""
     out = {}
     for name, param in model.named_parameters():
         full = gather_tensor_parallel(full_tensor(param.detach()), param, state.tp_group)
+        full = gather_experts(full, param, state.ep_group)
         out[reference_name(name, param)] = full.float().cpu().clone()
     return out
 

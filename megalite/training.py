@@ -114,7 +114,8 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
         model_config, seed, state.pp_rank, state.pp_size,
         config.parallel.virtual_pipeline_model_parallel_size or 1, state.tp_group,
         rng_tracker, device="meta" if fsdp else device, dtype=torch.float32 if fsdp else dtype,
-        cp_group=state.cp_group, layer_counts=config.parallel.pipeline_layer_counts)
+        cp_group=state.cp_group, layer_counts=config.parallel.pipeline_layer_counts,
+        ep_group=state.ep_group)
     if fsdp:
         fully_shard_model(chunks, config, state, device)
         _initialize_sharded(chunks, seed, dtype, state, device)

@@ -7,11 +7,14 @@ an expert; `combine` takes the experts' outputs in that layout back to token ord
 pair's output times its probability and summed over the token's k pairs.
 
 Without an EP group the experts are all local and the dispatch is a sort and its inverse;
-the EP paths (all-to-all or all-gather over `ep_group`) extend this class.
+over an EP group of several ranks the tokens travel by all-to-all or all-gather
+(expert_parallel/exchange.py), in the same layout: `expert_input` holds this rank's experts'
+pairs from every EP rank, ordered by local expert, then source rank, then token.
 """
 
 import torch
 
+from megalite.expert_parallel.exchange import AllGatherDispatch, AllToAllDispatch
 from megalite.parallel_state import group_size
 
 
@@ -24,8 +27,8 @@ class TokenDispatcher:
     def __init__(self, num_experts: int, ep_group=None, tp_group=None, kind: str = "alltoall"):
         self.num_experts, self.ep_group, self.tp_group, self.kind = (num_experts, ep_group,
                                                                      tp_group, kind)
-        if group_size(ep_group) > 1:
-            raise NotImplementedError("expert parallelism: see #32 / moe-ep")
+        self._exchange = {"alltoall": AllToAllDispatch, "allgather": AllGatherDispatch}[kind] \
+            if group_size(ep_group) > 1 else None
         self._state = None
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
@@ -33,6 +36,9 @@ class TokenDispatcher:
         """hidden [T, h], probs [T, k] fp32, indices [T, k] int64, keep [T, k] bool ->
         (expert_input [N, h], tokens_per_local_expert int64 [E_local]): the N kept pairs'
         tokens ordered by expert, in token order within an expert."""
+        if self._exchange is not None:  # over the EP group (exchange.py)
+            self._state = self._exchange(self.num_experts, self.ep_group)
+            return self._state.dispatch(hidden, probs, indices, keep)
         k = indices.shape[1]
         pairs = keep.reshape(-1).nonzero().squeeze(1)          # kept pairs, token order
         experts = indices.reshape(-1)[pairs]
@@ -47,6 +53,9 @@ class TokenDispatcher:
         """expert_output [N, h] in dispatch's order -> [T, h] in token order: each pair's
         output times its probability (in fp32, as Megatron), summed over the token's pairs;
         a token whose pairs were all dropped gets zeros."""
+        if self._exchange is not None:
+            exchange, self._state = self._state, None
+            return exchange.combine(expert_output)
         tokens, weights, num_tokens = self._state
         self._state = None
         weighted = expert_output.float() * weights.unsqueeze(1)

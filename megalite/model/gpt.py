@@ -68,12 +68,13 @@ class Decoder(nn.Module):
     single-process model whatever the pipeline stage), and the final norm on the last."""
 
     def __init__(self, config: GPTConfig, layers: range, final_norm: bool, tp_group=None,
-                 rng_tracker=None, cp_group=None):
+                 rng_tracker=None, cp_group=None, ep_group=None):
         super().__init__()
         self.config, self.rng_tracker = config, rng_tracker
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, tp_group, rng_tracker, cp_group,
-                                      fp8=layer_fp8_recipe(config, i), layer_index=i)
+                                      fp8=layer_fp8_recipe(config, i), layer_index=i,
+                                      ep_group=ep_group)
              for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
@@ -118,10 +119,11 @@ class GPTModel(nn.Module):
     """The whole model, or one pipeline stage's chunk of it (`stage`: its layers, with the
     embedding on the first stage and the final norm, output layer and loss on the last),
     and of that this tensor-parallel rank's shard (`tp_group`). Under context parallelism
-    (`cp_group`) it runs on this CP rank's chunks of each sequence (context_split.py)."""
+    (`cp_group`) it runs on this CP rank's chunks of each sequence (context_split.py); its
+    MoE layers hold this expert-parallel rank's block of experts (`ep_group`)."""
 
     def __init__(self, config: GPTConfig, seed: int, tp_group=None, rng_tracker=None,
-                 stage: Stage | None = None, cp_group=None):
+                 stage: Stage | None = None, cp_group=None, ep_group=None):
         super().__init__()
         self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.stage = stage or Stage(chunk=0, pp_rank=0, pp_size=1, num_chunks=1)
@@ -129,7 +131,7 @@ class GPTModel(nn.Module):
         self.embedding = (Embedding(config, tp_group, rng_tracker, cp_group)
                           if self.pre_process else None)
         self.decoder = Decoder(config, self.stage.layers(config.num_layers), self.post_process,
-                               tp_group, rng_tracker, cp_group)
+                               tp_group, rng_tracker, cp_group, ep_group)
         self.output_layer = None
         tied = not config.untie_embeddings_and_output_weights
         if self.post_process and not (tied and self.pre_process):
@@ -145,7 +147,8 @@ class GPTModel(nn.Module):
             mark_shared_embedding(self.embedding.word_embeddings.weight, copy=False)
         self._rotary: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
-        initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group))
+        initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group),
+                              ep_rank=group_rank(ep_group))
 
     def rope_table(self, device: torch.device) -> torch.Tensor | None:
         """RoPE's cos/sin table [seq_length, 2, rotary dim] (rotary.rotary_table), computed
@@ -233,13 +236,15 @@ def build_model_chunks(config: GPTConfig, seed: int, pp_rank: int = 0, pp_size: 
                        num_chunks: int = 1, tp_group=None, rng_tracker=None,
                        device: torch.device | str | None = None,
                        dtype: torch.dtype | None = None, cp_group=None,
-                       layer_counts: tuple[int, ...] | None = None) -> nn.ModuleList:
+                       layer_counts: tuple[int, ...] | None = None,
+                       ep_group=None) -> nn.ModuleList:
     """This pipeline rank's model chunks, one per virtual stage (`chunk.stage`: where it
     sits, docs/design.md §5; `layer_counts`: an uneven split, stages.stage_layer_counts),
     built directly on `device` in `dtype` (default: the CPU, fp32).
     On `meta` the parameters get shapes and tags but no values (no initialisation)."""
     with _creating_parameters(device, dtype):
-        return nn.ModuleList(GPTModel(config, seed, tp_group, rng_tracker, stage, cp_group)
+        return nn.ModuleList(GPTModel(config, seed, tp_group, rng_tracker, stage, cp_group,
+                                      ep_group)
                              for stage in rank_stages(pp_rank, pp_size, num_chunks, layer_counts))
 
 

@@ -75,17 +75,21 @@ class MoELayer(nn.Module):
     """`mlp` of a MoE transformer layer: router, experts, shared_experts (a dense MLP of
     --moe-shared-expert-intermediate-size, when set)."""
 
-    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None, dense_mlp=None):
-        """`dense_mlp(config, tp_group)` builds the shared experts (model/transformer.MLP)."""
+    def __init__(self, config: GPTConfig, tp_group=None, cp_group=None, dense_mlp=None,
+                 ep_group=None):
+        """`dense_mlp(config, tp_group)` builds the shared experts (model/transformer.MLP);
+        `ep_group` the expert-parallel group this rank's E / EP experts are one block of."""
         super().__init__()
-        self.config, self.tp_group = config, tp_group
+        self.config, self.tp_group, self.ep_group = config, tp_group, ep_group
         self.sequence_parallel = config.sequence_parallel
         # The router sees the whole (TP-gathered) sequence of its CP rank: the balancing
         # counts are summed over CP only.
         self.router = TopKRouter(config, count_group=cp_group)
         mark_sequence_parallel(self.router.weight, group_size(tp_group) > 1)
-        self.experts = GroupedExperts(config, config.num_experts, group_size(tp_group))
-        self.dispatcher = TokenDispatcher(config.num_experts, tp_group=tp_group,
+        self.experts = GroupedExperts(config, config.num_experts // group_size(ep_group),
+                                      group_size(tp_group))
+        self.dispatcher = TokenDispatcher(config.num_experts, ep_group=ep_group,
+                                          tp_group=tp_group,
                                           kind=config.moe_token_dispatcher_type)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
@@ -126,8 +130,9 @@ class MoELayer(nn.Module):
         shapes, Megatron's --moe-pad-expert-input-to-capacity); a zero row's output is
         dropped, so the result is the unpadded experts'."""
         c = self.config
+        # An expert receives up to a capacity from each EP rank's tokens.
         capacity = expert_capacity(num_tokens, c.num_experts, c.moe_router_topk,
-                                   c.moe_expert_capacity_factor)
+                                   c.moe_expert_capacity_factor) * group_size(self.ep_group)
         starts = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
         experts = torch.repeat_interleave(torch.arange(len(tokens_per_expert),
                                                        device=x.device), tokens_per_expert)

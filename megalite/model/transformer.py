@@ -48,16 +48,16 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None,
-                 fp8=None, layer_index: int = 0):
+                 fp8=None, layer_index: int = 0, ep_group=None):
         """`fp8`: the recipe of this layer's FP8 GEMMs (tensor_parallel/fp8.py), or None;
         `layer_index`: its global index, which says whether its MLP is a MoE layer
-        (config.moe_layer_pattern)."""
+        (config.moe_layer_pattern); `ep_group`: the expert-parallel group of a MoE layer."""
         super().__init__()
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, tp_group, rng_tracker, cp_group, fp8)
         self.pre_mlp_layernorm = build_norm(config)
         if config.moe_layer_pattern is not None and config.moe_layer_pattern[layer_index]:
-            self.mlp = MoELayer(config, tp_group, cp_group, dense_mlp=MLP)
+            self.mlp = MoELayer(config, tp_group, cp_group, dense_mlp=MLP, ep_group=ep_group)
         else:
             self.mlp = MLP(config, tp_group, fp8)
         self.dropout = SequenceParallelDropout(config, rng_tracker)

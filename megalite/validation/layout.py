@@ -14,7 +14,8 @@ from megalite.validation.uneven import is_uneven_split, pipeline_split
 def parallel_config(args, world_size: int) -> ParallelConfig:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = _validate_context_parallel(args)
-    dp = RankGrid(world_size, tp, pp, cp).data_parallel_size
+    # EP is carved out of DP x CP: the grid checks that it divides it.
+    dp = RankGrid(world_size, tp, pp, cp, args.expert_model_parallel_size).data_parallel_size
     check_positive(args, "ddp_bucket_size")
     _check_fsdp(args)
     if args.overlap_param_gather and not (args.use_distributed_optimizer
@@ -33,8 +34,6 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
                       virtual_pipeline_model_parallel_size=chunks or _virtual_stages(args, pp),
                       pipeline_layer_counts=layer_counts,
                       data_parallel_size=dp,
-                      # The flag is moe-core's (megalite/validation/moe.py checks it).
-                      expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
                       ddp_bucket_size=args.ddp_bucket_size or DEFAULT_BUCKET_SIZE,
                       accumulate_allreduce_grads_in_fp32=fp32_grads)
 

@@ -7,6 +7,7 @@ import re
 from megalite.config import ParallelConfig
 from megalite.errors import ConfigError
 from megalite.validation.checks import check_positive, flag
+from megalite.validation.expert_parallel import check_expert_parallel
 
 # Megatron's MoE flags that megalite parses only to refuse them (arguments.MOE_REFUSED_FLAGS).
 REFUSED = ("moe_router_group_topk", "moe_router_num_groups", "expert_tensor_parallel_size",
@@ -80,8 +81,7 @@ def _refuse_unbuilt(args):
 def _check_layout(args, parallel: ParallelConfig):
     ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
     if ep > 1:
-        raise ConfigError(f"--expert-model-parallel-size={ep}: expert parallelism: see #32 / "
-                          "moe-ep")
+        check_expert_parallel(args, parallel)
     if args.num_experts % ep:
         raise ConfigError(f"--num-experts={args.num_experts} is not divisible by "
                           f"--expert-model-parallel-size={ep}")
