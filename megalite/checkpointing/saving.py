@@ -242,10 +242,11 @@ def _optimizer_shard(optimizer, names: dict[int, str], copy: Callable, state: Pa
     return {"step": step, "segments": segments}
 
 
+@torch.no_grad()
 def gather_experts(block: torch.Tensor, param: nn.Parameter, state: ParallelState) -> torch.Tensor:
     """All experts of an expert parameter (every EP rank's block, dim 0, in EP rank order)
     from this rank's `block`: a collective over the EP group."""
-    block = block.contiguous()
+    block = block.detach().contiguous()
     out = block.new_empty((block.shape[0] * state.ep_size, *block.shape[1:]))
     all_gather_into(out, block, state.ep_group)
     return out

@@ -1,0 +1,64 @@
+"""Resume at another expert-parallel size (docs/design.md "Expert parallelism"): a run at
+EP 2 x DP 2 with ZeRO-1 (expert optimizer shards over expert-DP) saves at iteration 2 and
+goes on to 5; that checkpoint loaded at EP 4 (plain optimizer, whose expert state is
+gathered over EP when it saves at iteration 4) continues 3 and 4, and that save loaded by
+one process (EP 1) continues 5: every loss and grad norm the straight run's (fp32, dropout
+0, to round-off). One launch of 4 ranks."""
+
+import pytest
+import torch
+
+from megalite.checkpointing.loading import load_checkpoint
+from megalite.checkpointing.saving import save_checkpoint
+from megalite.layout_check import build_run, step_problems
+from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.spawn import run_distributed
+from megalite.training import TrainState
+
+from tests.distributed.test_expert_parallel_layouts import BASE
+
+pytestmark = pytest.mark.slow  # launches processes
+
+ZERO_EP2 = ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
+PLAIN_EP4 = ["--expert-model-parallel-size", "4"]
+
+
+def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=None):
+    """(loss, grad norm) of `steps` (iterations, from 1) of `flags`; loads `load` first,
+    saves to `save` after iteration `save_at`. None on ranks outside the layout."""
+    config, state, model, optimizer, runner, batches = build_run(flags, world_size, rank,
+                                                                 torch.device("cpu"))
+    if model is None:
+        return None
+    scheduler = LRScheduler(optimizer, config.scheduler)  # constant: never stepped here
+    if load is not None:
+        load_checkpoint(load, model, optimizer, scheduler, state, config)
+    m = config.training.num_microbatches
+    for _ in range((steps.start - 1) * m):  # the data position of the checkpoint
+        next(batches)
+    results = []
+    for iteration in steps:
+        result = runner.train_step([next(batches) for _ in range(m)])
+        results.append((result.loss, result.grad_norm))
+        if iteration == save_at:
+            save_checkpoint(save, iteration, model, optimizer, scheduler, state, config,
+                            TrainState(iteration, iteration * config.training.global_batch_size))
+    return results
+
+
+def _resume(rank, world_size, directory):
+    straight = _train(BASE + ZERO_EP2, 4, rank, range(1, 6), save=f"{directory}/a", save_at=2)
+    at_ep4 = _train(BASE + PLAIN_EP4, 4, rank, range(3, 5), load=f"{directory}/a",
+                    save=f"{directory}/b", save_at=4)
+    at_ep1 = _train(BASE, 1, rank, range(5, 6), load=f"{directory}/b")
+    last = rank % 2 == 1 or rank == 0  # ranks whose loss the comparison may read
+    return {"EP 4 from EP 2 ZeRO-1": step_problems(at_ep4, straight[2:4], last),
+            "EP 1 from EP 4": step_problems(at_ep1, straight[4:], True) if at_ep1 else []}
+
+
+def test_resume_at_another_expert_parallel_size(tmp_path):
+    failures = [f"rank {rank}, {name}: {problems}"
+                for rank, result in enumerate(run_distributed(4, _resume, str(tmp_path),
+                                                              timeout=300))
+                for name, problems in result.items() if problems]
+    assert not failures, "\n".join(failures)
