@@ -3,7 +3,8 @@ EP 2 x DP 2 with ZeRO-1 (expert optimizer shards over expert-DP) saves at iterat
 goes on to 5; that checkpoint loaded at EP 4 (plain optimizer, whose expert state is
 gathered over EP when it saves at iteration 4) continues 3 and 4, and that save loaded by
 one process (EP 1) continues 5: every loss and grad norm the straight run's (fp32, dropout
-0, to round-off). One launch of 4 ranks."""
+0, to round-off). Then the replica check: the straight run's replicas agree, and an expert
+changed on one rank is found in its expert-data-parallel group. One launch of 4 ranks."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from megalite.checkpointing.loading import load_checkpoint
 from megalite.checkpointing.saving import save_checkpoint
 from megalite.layout_check import build_run, step_problems
+from megalite.monitoring.replica_check import ReplicaMismatchError, check_all_replicas
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.spawn import run_distributed
 from megalite.training import TrainState
@@ -24,8 +26,9 @@ PLAIN_EP4 = ["--expert-model-parallel-size", "4"]
 
 
 def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=None):
-    """(loss, grad norm) of `steps` (iterations, from 1) of `flags`; loads `load` first,
-    saves to `save` after iteration `save_at`. None on ranks outside the layout."""
+    """(loss, grad norm) of `steps` (iterations, from 1) of `flags`, the model and the
+    ParallelState; loads `load` first, saves to `save` after iteration `save_at`. None on
+    ranks outside the layout."""
     config, state, model, optimizer, runner, batches = build_run(flags, world_size, rank,
                                                                  torch.device("cpu"))
     if model is None:
@@ -43,17 +46,38 @@ def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=
         if iteration == save_at:
             save_checkpoint(save, iteration, model, optimizer, scheduler, state, config,
                             TrainState(iteration, iteration * config.training.global_batch_size))
-    return results
+    return results, model, state
+
+
+def _replica_check(model, state, rank) -> list[str]:
+    """Healthy replicas pass; rank 2's copy of an expert (its expert-DP peer: rank 0) changed
+    is named on every rank."""
+    named = [(n.split(".", 1)[1], p) for n, p in model.named_parameters()]
+    check_all_replicas(named, state, 5, torch.device("cpu"))
+    expert = "decoder.layers.1.mlp.experts.linear_fc2.weight"
+    if rank == 2:
+        with torch.no_grad():
+            dict(named)[expert][0, 0, 0] += 1.0
+    try:
+        check_all_replicas(named, state, 6, torch.device("cpu"))
+    except ReplicaMismatchError as error:
+        return [] if rank != 0 or f"rank(s) [2]" in str(error) and expert in str(error) \
+            else [f"the error does not name rank 2 and {expert}: {error}"]
+    return ["a changed expert was not found"]
 
 
 def _resume(rank, world_size, directory):
-    straight = _train(BASE + ZERO_EP2, 4, rank, range(1, 6), save=f"{directory}/a", save_at=2)
-    at_ep4 = _train(BASE + PLAIN_EP4, 4, rank, range(3, 5), load=f"{directory}/a",
-                    save=f"{directory}/b", save_at=4)
+    straight, model, state = _train(BASE + ZERO_EP2, 4, rank, range(1, 6),
+                                    save=f"{directory}/a", save_at=2)
+    replicas = _replica_check(model, state, rank)
+    at_ep4, *_ = _train(BASE + PLAIN_EP4, 4, rank, range(3, 5), load=f"{directory}/a",
+                        save=f"{directory}/b", save_at=4)
     at_ep1 = _train(BASE, 1, rank, range(5, 6), load=f"{directory}/b")
+    at_ep1 = at_ep1 and at_ep1[0]
     last = rank % 2 == 1 or rank == 0  # ranks whose loss the comparison may read
     return {"EP 4 from EP 2 ZeRO-1": step_problems(at_ep4, straight[2:4], last),
-            "EP 1 from EP 4": step_problems(at_ep1, straight[4:], True) if at_ep1 else []}
+            "EP 1 from EP 4": step_problems(at_ep1, straight[4:], True) if at_ep1 else [],
+            "replica check": replicas}
 
 
 def test_resume_at_another_expert_parallel_size(tmp_path):
