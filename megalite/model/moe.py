@@ -117,7 +117,11 @@ class MoELayer(nn.Module):
             scale = self.aux_loss_scale / group_size(self.tp_group)
             out = AuxLossBackward.apply(out, sum(routing.losses.values()), scale)
         if counting_forward():
-            self._record(routing, tokens_per_expert)
+            # Under EP tokens_per_expert counts this rank's experts' pairs from every EP
+            # rank; the report wants this rank's routing over all E experts.
+            self._record(routing, tokens_per_expert if group_size(self.ep_group) == 1
+                         else torch.bincount(routing.indices[routing.keep],
+                                             minlength=self.config.num_experts))
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         if self.shared_experts is not None:

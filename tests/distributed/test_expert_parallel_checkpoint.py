@@ -12,6 +12,7 @@ import torch
 from megalite.checkpointing.loading import load_checkpoint
 from megalite.checkpointing.saving import save_checkpoint
 from megalite.layout_check import build_run, step_problems
+from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.replica_check import ReplicaMismatchError, check_all_replicas
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.spawn import run_distributed
@@ -46,7 +47,7 @@ def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=
         if iteration == save_at:
             save_checkpoint(save, iteration, model, optimizer, scheduler, state, config,
                             TrainState(iteration, iteration * config.training.global_batch_size))
-    return results, model, state
+    return results, model, state, config
 
 
 def _replica_check(model, state, rank) -> list[str]:
@@ -67,9 +68,11 @@ def _replica_check(model, state, rank) -> list[str]:
 
 
 def _resume(rank, world_size, directory):
-    straight, model, state = _train(BASE + ZERO_EP2, 4, rank, range(1, 6),
-                                    save=f"{directory}/a", save_at=2)
-    replicas = _replica_check(model, state, rank)
+    straight, model, state, config = _train(BASE + ZERO_EP2, 4, rank, range(1, 6),
+                                            save=f"{directory}/a", save_at=2)
+    # The log line's expert load counts all E experts' tokens under EP too.
+    load = moe_report(model, config, state.tp_size, 5, torch.device("cpu"))[0]["expert_load"]
+    replicas = _replica_check(model, state, rank) + ([] if load >= 1 else [f"load {load}"])
     at_ep4, *_ = _train(BASE + PLAIN_EP4, 4, rank, range(3, 5), load=f"{directory}/a",
                         save=f"{directory}/b", save_at=4)
     at_ep1 = _train(BASE, 1, rank, range(5, 6), load=f"{directory}/b")
