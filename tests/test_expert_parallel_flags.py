@@ -32,6 +32,8 @@ def test_expert_parallel_is_carved_out_of_data_times_context_parallel():
      r"--num-experts=4 is not divisible by --expert-model-parallel-size=3"),
     (["--expert-model-parallel-size", "2", "--use-torch-fsdp2"], 4,
      r"--use-torch-fsdp2 with --expert-model-parallel-size=2 is not built"),
+    (["--expert-model-parallel-size", "2", "--data-parallel-shares", "1,1,1,1"], 4,
+     r"--data-parallel-shares with --expert-model-parallel-size=2 is not built"),
     (["--expert-model-parallel-size", "2", "--grad-compression", "powersgd"], 4,
      r"--grad-compression powersgd with --expert-model-parallel-size=2 is not built"),
 ])

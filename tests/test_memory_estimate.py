@@ -256,7 +256,7 @@ def measured_chunk_bytes(config, pp_rank: int, state=None) -> list[int]:
     par = config.parallel
     p = par.pipeline_model_parallel_size
     groups = state or types.SimpleNamespace(pp_rank=pp_rank, pp_size=p, tp_group=None,
-                                            cp_group=None)
+                                            cp_group=None, ep_group=None)
     torch.manual_seed(0)
     chunks = build_model(config, groups, CPU, None)
     t = par.tensor_model_parallel_size
@@ -351,7 +351,8 @@ def test_cuda_activations_match_allocated_memory(flags):
     output copied for the projection). Tensors of MBs, so allocator rounding is noise."""
     cuda = torch.device("cuda")
     config = validate_args(parse_args(GPU_FLAGS + flags), 1)
-    groups = types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None, cp_group=None)
+    groups = types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None, cp_group=None,
+                                   ep_group=None)
     chunk = build_model(config, groups, cuda, None)[0]
     chunk.train()
     _ = chunk.rope_table(cuda)  # the model's cached RoPE angles are not activations

@@ -14,6 +14,12 @@ def check_expert_parallel(args, parallel: ParallelConfig):
         raise ConfigError(f"--use-torch-fsdp2 with --expert-model-parallel-size={ep} is not "
                           "built (the experts would need their own FSDP mesh over "
                           "expert-data-parallel); use --use-distributed-optimizer (ZeRO-1)")
+    if args.data_parallel_shares is not None:
+        # The ranks of an EP group are DP ranks exchanging tokens in every micro-batch's
+        # forward and backward: they must run the same number of micro-batches.
+        raise ConfigError(f"--data-parallel-shares with --expert-model-parallel-size={ep} is "
+                          "not built (the EP ranks of a group exchange tokens in every "
+                          "micro-batch, so they need equal shares)")
     if args.grad_compression != "none":
         # PowerSGD compresses the DP x CP reduction of every bucket; expert buckets are
         # reduced over expert-DP.
