@@ -113,7 +113,7 @@ class AllGatherDispatch:
         self.first = group_rank(group) * self.local_experts
 
     def dispatch(self, hidden, probs, indices, keep):
-        self.dtype, self.tokens = hidden.dtype, hidden.shape[0]
+        self.dtype = hidden.dtype
         hidden = gather_from_sequence_parallel_region(hidden, self.group)
         self.probs = gather_from_sequence_parallel_region(probs, self.group)
         local = _gather_rows(indices, self.group) - self.first
