@@ -13,10 +13,12 @@ parameters in total, plus the 8 x 128 router per layer), aux-loss coefficient 1e
     python benchmarks/moe_vs_dense.py [--iters 200] [--eval-interval 25]
 
 Prints a table of both validation curves. SMOKE=1 (benchmarks/smoke.py): --mock-data
-instead of the corpus, 4 steps; not a measurement.
+instead of the corpus, 2 steps; not a measurement.
 """
 
 import argparse
+import contextlib
+import io
 import re
 import subprocess
 import sys
@@ -24,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from megalite.training import pretrain
 from megalite.training_log import parse_validation_line
 from smoke import ON as SMOKE, shrink
 
@@ -66,15 +69,14 @@ def build_data(work: Path, documents: int, vocab: int) -> list[str]:
 
 
 def train(flags: list[str]) -> tuple[dict[int, float], float]:
-    """({iteration: validation loss}, seconds) of one pretrain_gpt.py run."""
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags],
-                          capture_output=True, text=True, cwd=ROOT)
-    if done.returncode:
-        sys.exit(f"pretrain_gpt.py failed:\n{done.stderr[-3000:]}")
-    out = done.stdout
+    """({iteration: validation loss}, seconds) of one pretrain_gpt.py run, in this process."""
+    start, out = time.perf_counter(), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pretrain(flags)
+    if code:
+        sys.exit(f"pretrain_gpt.py {' '.join(flags)} failed:\n{out.getvalue()[-3000:]}")
     curve = {}
-    for line in out.splitlines():
+    for line in out.getvalue().splitlines():
         fields = parse_validation_line(line)
         # The evaluations during training ("iteration N"), not the final ones.
         match = fields and re.fullmatch(r"iteration (\d+)", fields["prefix"])
@@ -90,7 +92,7 @@ def main(argv=None):
     parser.add_argument("--eval-iters", type=int, default=10)
     parser.add_argument("--max-documents", type=int, default=400)
     parser.add_argument("--vocab-size", type=int, default=1024)
-    args = shrink(parser.parse_args(argv), iters=4, eval_interval=2, eval_iters=1,
+    args = shrink(parser.parse_args(argv), iters=2, eval_interval=2, eval_iters=1,
                   vocab_size=512)
     with tempfile.TemporaryDirectory() as tmp:
         # SMOKE=1 skips the corpus, tokenizer and preprocessing: mock data of that vocabulary.
