@@ -4,20 +4,21 @@ the same steps on the same data: validation loss every --eval-interval steps.
 The data is the embedded corpus (tools/build_stdlib_corpus.py: the Python standard library's
 source, the quickstart's corpus), its first --max-documents documents, a SentencePiece
 vocabulary of --vocab-size trained on them, preprocessed to .bin/.idx, split 95/5/0. Both
-models: 2 layers, hidden 128, 4 heads, RoPE, RMSNorm, SwiGLU, no biases, sequence 128, no
+models: 2 layers, hidden 128, 4 heads, RoPE, RMSNorm, SwiGLU, no biases, sequence 64, no
 dropout, AdamW lr 2e-3 cosine after a 5% warm-up, global batch 16, the same seed and
 samples. The dense MLP is 256 wide; the MoE layers have 8 experts of width 128 with top-2
 routing (each token's active MLP is 2 x 128 = 256 wide, the same FLOPs: 4x the MLP
 parameters in total, plus the 8 x 128 router per layer), aux-loss coefficient 1e-2.
 
-    python benchmarks/moe_vs_dense.py [--iters 300] [--eval-interval 50] [--png FILE]
+    python benchmarks/moe_vs_dense.py [--iters 200] [--eval-interval 25]
 
-Prints a table of both validation curves and, with --png and matplotlib importable, plots
-them. SMOKE=1 (benchmarks/smoke.py): --mock-data instead of the corpus, 4 steps; not a
-measurement.
+Prints a table of both validation curves. SMOKE=1 (benchmarks/smoke.py): --mock-data
+instead of the corpus, 2 steps; not a measurement.
 """
 
 import argparse
+import contextlib
+import io
 import re
 import subprocess
 import sys
@@ -25,13 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from megalite.training import pretrain
 from megalite.training_log import parse_validation_line
 from smoke import ON as SMOKE, shrink
 
 ROOT = Path(__file__).resolve().parent.parent
 
 COMMON = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-          "--seq-length", "128", "--max-position-embeddings", "128",
+          "--seq-length", "64", "--max-position-embeddings", "64",
           "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
           "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0",
           "--micro-batch-size", "16", "--global-batch-size", "16", "--lr", "2e-3",
@@ -67,15 +69,14 @@ def build_data(work: Path, documents: int, vocab: int) -> list[str]:
 
 
 def train(flags: list[str]) -> tuple[dict[int, float], float]:
-    """({iteration: validation loss}, seconds) of one pretrain_gpt.py run."""
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags],
-                          capture_output=True, text=True, cwd=ROOT)
-    if done.returncode:
-        sys.exit(f"pretrain_gpt.py failed:\n{done.stderr[-3000:]}")
-    out = done.stdout
+    """({iteration: validation loss}, seconds) of one pretrain_gpt.py run, in this process."""
+    start, out = time.perf_counter(), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pretrain(flags)
+    if code:
+        sys.exit(f"pretrain_gpt.py {' '.join(flags)} failed:\n{out.getvalue()[-3000:]}")
     curve = {}
-    for line in out.splitlines():
+    for line in out.getvalue().splitlines():
         fields = parse_validation_line(line)
         # The evaluations during training ("iteration N"), not the final ones.
         match = fields and re.fullmatch(r"iteration (\d+)", fields["prefix"])
@@ -84,34 +85,14 @@ def train(flags: list[str]) -> tuple[dict[int, float], float]:
     return curve, time.perf_counter() - start
 
 
-def plot(curves: dict, path: str):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not importable: no plot written to {path}")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, curve in curves.items():
-        ax.plot(list(curve), list(curve.values()), marker="o", label=name)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("validation loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"plot written to {path}")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=300)
-    parser.add_argument("--eval-interval", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--eval-interval", type=int, default=25)
     parser.add_argument("--eval-iters", type=int, default=10)
     parser.add_argument("--max-documents", type=int, default=400)
     parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--png", help="plot the curves here (needs matplotlib)")
-    args = shrink(parser.parse_args(argv), iters=4, eval_interval=2, eval_iters=1,
+    args = shrink(parser.parse_args(argv), iters=2, eval_interval=2, eval_iters=1,
                   vocab_size=512)
     with tempfile.TemporaryDirectory() as tmp:
         # SMOKE=1 skips the corpus, tokenizer and preprocessing: mock data of that vocabulary.
@@ -122,6 +103,7 @@ def main(argv=None):
         curves, seconds = {}, {}
         for name, flags in MODELS.items():
             curves[name], seconds[name] = train(COMMON + flags + data + run)
+            print(f"trained {name}: {seconds[name]:.0f} s", flush=True)
     names = list(MODELS)
     print(f"{args.iters} iterations, {args.max_documents} documents, vocabulary "
           f"{args.vocab_size}; validation loss ({args.eval_iters} batches of 16) by iteration")
@@ -136,8 +118,6 @@ def main(argv=None):
     lower = curves[names[1]][last] < curves[names[0]][last]
     print(f"final validation loss of the MoE is {'lower' if lower else 'NOT lower'} than the "
           "dense model's")
-    if args.png:
-        plot(curves, args.png)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def _compare(rank, world_size):
 
 
 def test_moe_layouts_match_one_process():
-    failures = [f"rank {rank}, {name}: {difference}"
-                for rank, differences in enumerate(run_distributed(2, _compare, timeout=300))
-                for name, difference in differences.items() if difference is not None]
-    assert not failures, "\n".join(failures)
+    results = run_distributed(2, _compare, timeout=300)
+    failures = {(rank, name): difference for rank, differences in enumerate(results)
+                for name, difference in differences.items() if difference is not None}
+    assert not failures, failures
