@@ -48,14 +48,13 @@ def _compare(rank, world_size):
     differences = {}
     for name, (ranks, flags) in LAYOUTS.items():
         run = run_layout(BASE + flags, ranks, rank, cpu, STEPS)
-        if run is not None:
-            layers = flags[flags.index("--num-layers") + 1] if "--num-layers" in flags else "2"
-            differences[name] = first_difference(run, references[layers])
+        layers = flags[flags.index("--num-layers") + 1] if "--num-layers" in flags else "2"
+        difference = run and first_difference(run, references[layers])
+        if difference:
+            differences[name] = difference
     return differences
 
 
 def test_expert_parallel_layouts_match_one_process():
-    results = run_distributed(4, _compare, timeout=300)
-    failures = {(rank, name): difference for rank, differences in enumerate(results)
-                for name, difference in differences.items() if difference is not None}
-    assert not failures, failures
+    failures = dict(enumerate(run_distributed(4, _compare, timeout=300)))  # rank: layouts
+    assert not any(failures.values()), failures
