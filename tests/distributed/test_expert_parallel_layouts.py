@@ -1,9 +1,9 @@
 """Expert parallelism against one process (fp32, dropless, dropout 0, auxiliary and z losses
-on; docs/design.md "Expert parallelism"): EP 2 and EP 4, EP 2 with TP 2 + SP, with
-interleaved PP 2, with DP 2 and ZeRO-1, with CP 2, with full recompute (the all-to-all
-dispatcher), and the all-gather dispatcher: the same
-initial values (all experts gathered over EP), per-step losses and grad norms, and values
-after each update. One launch of 4 ranks."""
+on; docs/design.md "Expert parallelism"): EP 2 and EP 4, EP 2 with TP 2 + SP, with PP 2
+(ZB-H1, and interleaved), with DP 2 and ZeRO-1, with CP 2, with full recompute (the
+all-to-all dispatcher), and the all-gather dispatcher: the same initial values (all experts
+gathered over EP), per-step losses and grad norms, and values after each update. One launch
+of 4 ranks."""
 
 import pytest
 import torch
@@ -35,6 +35,8 @@ LAYOUTS = {
     "EP 2, all-gather dispatcher": (2, EP2 + ["--moe-token-dispatcher-type", "allgather"]),
     "EP 2, full recompute": (2, EP2 + ["--recompute-granularity", "full",
                                        "--recompute-method", "uniform"]),
+    "EP 2 x PP 2 zb-h1": (4, EP2 + ["--pipeline-model-parallel-size", "2",
+                                    "--pipeline-schedule", "zb-h1"]),
     "EP 2 x PP 2 interleaved": (4, EP2 + ["--pipeline-model-parallel-size", "2",
                                           "--num-layers-per-virtual-pipeline-stage", "1",
                                           "--num-layers", "4"]),
