@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp,
                       _add_fp8_args, _add_uneven_work_args, _add_async_save_args,
-                      _add_wandb_args, _add_grad_compression_args):
+                      _add_wandb_args, _add_grad_compression_args, _add_moe_args):
         add_group(parser)
     parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
@@ -436,3 +436,74 @@ def _add_grad_compression_args(parser):
     g.add_argument("--powersgd-orthogonalization-epsilon", type=float, default=0.0,
                    help="Megalite's own (torch: orthogonalization_epsilon). Added to column "
                         "norms when orthogonalising; > 0 guards all-zero gradient matrices.")
+
+
+# Megatron's MoE flags that megalite does not build: refused by name (validation/moe.py).
+MOE_REFUSED_FLAGS = ("--moe-router-group-topk", "--moe-router-num-groups",
+                     "--expert-tensor-parallel-size", "--moe-use-upcycling",
+                     "--moe-router-topk-scaling-factor", "--moe-router-dtype",
+                     "--moe-input-jitter-eps", "--moe-layer-recompute",
+                     "--moe-shared-expert-overlap", "--moe-permute-fusion",
+                     "--moe-router-fusion", "--moe-enable-deepep", "--moe-extended-tp",
+                     "--moe-use-legacy-grouped-gemm", "--moe-per-layer-logging")
+
+
+def _add_moe_args(parser):
+    """Mixture of experts (issue 32, docs/design.md "Mixture of experts"), Megatron's flags."""
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int,
+                   help="Routed experts per MoE layer (unset: a dense model).")
+    g.add_argument("--moe-ffn-hidden-size", type=int,
+                   help="Hidden size of each routed expert (default --ffn-hidden-size).")
+    g.add_argument("--moe-router-topk", type=int, default=2,
+                   help="Experts each token is routed to.")
+    g.add_argument("--moe-layer-freq", default="1",
+                   help="Which layers are MoE: an int N (every Nth layer, from layer 0) or a "
+                        "Python list expression of 0/1 per layer, e.g. \"([1]*3+[0]*1)\" "
+                        "(Megatron's).")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int,
+                   help="Hidden size of the shared experts every token goes through (all "
+                        "shared experts as one dense MLP); unset: none.")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "none", "sinkhorn"],
+                   help="aux_loss: Switch Transformer's over each micro-batch; seq_aux_loss: "
+                        "DeepSeek's per sequence; none. sinkhorn is Megatron's and not built.")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="Weight of the load-balancing loss (added to the gradient, not to "
+                        "the reported lm loss).")
+    g.add_argument("--moe-z-loss-coeff", type=float,
+                   help="Weight of the router z-loss (ST-MoE); unset: none.")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias in "
+                        "the choice of experts, updated after each step from the tokens per "
+                        "expert of the global batch. Needs --moe-router-score-function "
+                        "sigmoid.")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="Step of the expert-bias update.")
+    g.add_argument("--moe-router-score-function", default="softmax",
+                   choices=["softmax", "sigmoid"],
+                   help="softmax, or sigmoid normalised over the chosen top k.")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Softmax over all experts before the top k (default: the top k "
+                        "logits, then a softmax among them).")
+    g.add_argument("--moe-expert-capacity-factor", type=float,
+                   help="Capacity of each expert, tokens x topk / experts x this factor; "
+                        "pairs beyond it are dropped (unset: dropless).")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=["probs", "position"],
+                   help="Beyond capacity drop the lowest-probability pairs (probs) or the "
+                        "latest tokens (position).")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Pad each expert's input to its capacity (needs "
+                        "--moe-expert-capacity-factor).")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="Run the experts as grouped GEMMs (torch._grouped_mm) instead of a "
+                        "loop over experts.")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather",
+                   choices=["allgather", "alltoall", "flex"],
+                   help="How tokens reach the experts of other EP ranks: allgather or "
+                        "alltoall. flex is Megatron's (DeepEP) and not built.")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP: ranks the routed experts are split over.")
+    for name in MOE_REFUSED_FLAGS:
+        g.add_argument(name, nargs="?", const=True, default=None, metavar="X",
+                       help="Megatron's; not built in megalite (refused).")

@@ -105,6 +105,51 @@ class GPTConfig:
     """Layers kept out of FP8 at the start (--num-layers-at-start-in-bf16)."""
     num_layers_at_end_in_bf16: int = 1
     """Layers kept out of FP8 at the end (--num-layers-at-end-in-bf16)."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer; None: a dense model (--num-experts)."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden width F of each routed expert (--moe-ffn-hidden-size; default
+    ffn_hidden_size)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to, k (--moe-router-topk)."""
+    moe_layer_pattern: tuple[bool, ...] | None = None
+    """Per global layer: whether its MLP is a MoE layer (derived once from --moe-layer-freq);
+    None without experts."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Hidden width of the shared experts, a dense MLP every token goes through; None: none
+    (--moe-shared-expert-intermediate-size)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """"aux_loss" (Switch Transformer), "seq_aux_loss" (per sequence, DeepSeek-V2/V3) or
+    "none" (--moe-router-load-balancing-type)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (--moe-aux-loss-coeff)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss (ST-MoE); None: none (--moe-z-loss-coeff)."""
+    moe_router_enable_expert_bias: bool = False
+    """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the
+    scores for the choice of experts only (--moe-router-enable-expert-bias)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step u of the expert-bias update after each optimizer step
+    (--moe-router-bias-update-rate)."""
+    moe_router_score_function: str = "softmax"
+    """"softmax" or "sigmoid" (normalised over the top k) (--moe-router-score-function)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts, then the top k; off: the top k logits, then a softmax among
+    them (--moe-router-pre-softmax)."""
+    moe_expert_capacity_factor: float | None = None
+    """Expert capacity = ceil(tokens x k / experts x factor); None: dropless
+    (--moe-expert-capacity-factor)."""
+    moe_token_drop_policy: str = "probs"
+    """Beyond capacity drop the lowest-probability ("probs") or the latest ("position")
+    pairs (--moe-token-drop-policy)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (--moe-pad-expert-input-to-capacity)."""
+    moe_grouped_gemm: bool = False
+    """The experts in grouped GEMMs (torch._grouped_mm), else a loop over the experts
+    (--moe-grouped-gemm)."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How tokens reach experts on other EP ranks: "allgather" or "alltoall"
+    (--moe-token-dispatcher-type)."""
 
     @property
     def query_projection_size(self) -> int:
@@ -156,6 +201,9 @@ class ParallelConfig:
     fsdp_grad_reduce_every_micro_batch: bool = False
     """FSDP2: reduce-scatter gradients after every micro-batch into the shards, not once
     per step after accumulating them unsharded (--fsdp-grad-reduce-every-micro-batch)."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks the routed experts of each MoE layer are split over
+    (--expert-model-parallel-size)."""
 
     @property
     def grid(self) -> RankGrid:

@@ -27,6 +27,7 @@ from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
 from megalite.model.gpt import activation_shape
+from megalite.model.moe import set_aux_loss_scale, update_expert_bias
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.params import is_shared_embedding, main_grad
 
@@ -78,6 +79,10 @@ class StepRunner:
             raise ValueError("data and context parallelism need a GradBuffer (or FSDP) to "
                              "reduce the gradients")
         self.pipeline_schedule = config.parallel.pipeline_schedule
+        # Each micro-batch's MoE auxiliary losses weigh 1 / (micro-batches per global
+        # batch), a number DP does not change (model/moe.py).
+        self.microbatches_per_global_batch = (config.training.global_batch_size
+                                              // config.training.micro_batch_size)
         self._plan(m)
         self.comm = None
         if state.pp_size > 1:
@@ -114,6 +119,8 @@ class StepRunner:
             self.grad_buffer.start_step(self.num_microbatches)
         else:
             self.optimizer.zero_grad()
+        set_aux_loss_scale(self.chunks,
+                           self.optimizer.loss_scale / self.microbatches_per_global_batch)
         with timers("forward-backward"):
             loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
@@ -180,6 +187,8 @@ class StepRunner:
                 allreduce_sequence_parallel_grads(self.optimizer.params, self.state.tp_group)
         if not compressing:
             self._sum_tied_embeddings()
+        # As Megatron, in the gradient finalisation: the next forward routes with it.
+        update_expert_bias(self.chunks, self.state.dp_cp_group)
 
     def _sum_tied_embeddings(self):
         group = self.state.embedding_group

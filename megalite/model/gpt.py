@@ -26,9 +26,10 @@ from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallel
                                              column_parallel_linear)
 from megalite.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
                                                scatter_to_sequence_parallel_region)
-from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_shared_embedding,
-                                             mark_shared_embedding, pad_vocab_rows,
-                                             partition_dim, partition_stride, tp_shard)
+from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_expert_parallel,
+                                             is_shared_embedding, mark_shared_embedding,
+                                             pad_vocab_rows, partition_dim, partition_stride,
+                                             tp_shard)
 from megalite.tensor_parallel.random import checkpoint
 
 
@@ -72,7 +73,8 @@ class Decoder(nn.Module):
         self.config, self.rng_tracker = config, rng_tracker
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, tp_group, rng_tracker, cp_group,
-                                      fp8=layer_fp8_recipe(config, i)) for i in layers})
+                                      fp8=layer_fp8_recipe(config, i), layer_index=i)
+             for i in layers})
         self.final_layernorm = build_norm(config) if final_norm else None
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
@@ -300,17 +302,35 @@ def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int,
 
 
 def full_initial_value(name: str, param: nn.Parameter, config: GPTConfig, seed: int,
-                       tp_size: int, device: torch.device | None = None) -> torch.Tensor:
-    """The full tensor of `param`, drawn on `device` (default the parameter's). SwiGLU's
-    fused [gate; up] fc1 draws its two blocks as the separate gate and up projections did
+                       tp_size: int, device: torch.device | None = None,
+                       ep_rank: int = 0) -> torch.Tensor:
+    """The full tensor of `param` (of a routed expert weight, the full tensor of this EP
+    rank's experts), drawn on `device` (default the parameter's). SwiGLU's fused [gate; up]
+    fc1 draws its two blocks as the separate gate and up projections did
     (`linear_fc1_gate.*`, `linear_fc1.*`), so the initial weights did not change when the
     two were fused."""
     shape, dim = list(param.shape), partition_dim(param)
     device = device or param.device
     if dim is not None:
         shape[dim] *= tp_size
-    if partition_stride(param) == 1:
+    stride = partition_stride(param)
+    if is_expert_parallel(param):
+        # Routed experts [E_local, ...]: expert e's block from its own name
+        # (`...mlp.experts.{e}.linear_fc1.weight`), so an EP rank draws only its experts
+        # and every EP size starts from the same weights.
+        first = ep_rank * shape[0]
+        return torch.stack([
+            _full_block(name.replace(".experts.", f".experts.{e}."), shape[1:], dim - 1,
+                        stride, config, seed, device)
+            for e in range(first, first + shape[0])])
+    return _full_block(name, shape, dim, stride, config, seed, device)
+
+
+def _full_block(name: str, shape: list[int], dim: int | None, stride: int, config: GPTConfig,
+                seed: int, device) -> torch.Tensor:
+    if stride == 1:
         return initial_value(name, torch.Size(shape), config, seed, device)
+    shape = list(shape)
     shape[dim] //= 2
     return torch.cat([initial_value(name.replace("linear_fc1", "linear_fc1_gate"),
                                     torch.Size(shape), config, seed, device),
@@ -321,7 +341,7 @@ def full_initial_value(name: str, param: nn.Parameter, config: GPTConfig, seed: 
 @torch.no_grad()
 def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_rank: int = 0,
                           tp_size: int = 1, device: torch.device | None = None,
-                          assign=torch.Tensor.copy_):
+                          assign=torch.Tensor.copy_, ep_rank: int = 0):
     """Every parameter from its full single-process value, drawn on `device` (default the
     parameter's): a tensor-parallel shard takes its block of the full tensor, so any TP
     size starts from the same weights. `assign(param, block)` stores it (FSDP2 keeps its
@@ -332,5 +352,8 @@ def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_ran
             continue
         if is_shared_embedding(param):
             name = "embedding.word_embeddings.weight"  # a tied output layer starts equal
-        full = full_initial_value(name, param, config, seed, tp_size, device)
+        full = full_initial_value(name, param, config, seed, tp_size, device, ep_rank)
         assign(param, tp_shard(full, param, name, tp_rank, tp_size))
+    for name, buffer in model.named_buffers():
+        if name.endswith("router.expert_bias") and not buffer.is_meta:
+            buffer.zero_()  # DeepSeek-V3's bias starts at zero

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.model.attention import SelfAttention
+from megalite.model.moe import MoELayer
 from megalite.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -47,13 +48,18 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None,
-                 fp8=None):
-        """`fp8`: the recipe of this layer's FP8 GEMMs (tensor_parallel/fp8.py), or None."""
+                 fp8=None, layer_index: int = 0):
+        """`fp8`: the recipe of this layer's FP8 GEMMs (tensor_parallel/fp8.py), or None;
+        `layer_index`: its global index, which says whether its MLP is a MoE layer
+        (config.moe_layer_pattern)."""
         super().__init__()
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, tp_group, rng_tracker, cp_group, fp8)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config, tp_group, fp8)
+        if config.moe_layer_pattern is not None and config.moe_layer_pattern[layer_index]:
+            self.mlp = MoELayer(config, tp_group, cp_group, dense_mlp=MLP)
+        else:
+            self.mlp = MLP(config, tp_group, fp8)
         self.dropout = SequenceParallelDropout(config, rng_tracker)
         if config.compile_layers:
             self.compile()  # in place: parameter names and the module tree stay as they are

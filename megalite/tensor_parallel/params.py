@@ -11,6 +11,9 @@ through the predicates below, never with `getattr(p, "<tag>")` of its own:
   whose gradients are summed over the embedding group;
 - embedding copy: that later stage's tied output layer, a copy of the word embedding: it is
   counted once (grad norm, optimizer, checkpoint) through the embedding itself.
+- expert parallel: a routed expert weight of a MoE layer, [local experts, ...]; its dim 0
+  is split over the EP group (EP rank r holds experts [r E/EP, (r+1) E/EP)) and its
+  gradient is reduced over the expert-data-parallel group, not over DP x CP.
 
 `tp_shard` cuts a full single-process tensor into this rank's block, the one rule that model
 initialisation and checkpoint loading share; `tp_unshard` joins the blocks of all ranks.
@@ -39,6 +42,14 @@ def mark_sequence_parallel(param: nn.Parameter, value: bool = True):
 def mark_shared_embedding(param: nn.Parameter, copy: bool):
     param.shared_embedding = True
     param.embedding_copy = copy
+
+
+def mark_expert_parallel(param: nn.Parameter):
+    param.expert_parallel = True
+
+
+def is_expert_parallel(param: nn.Parameter) -> bool:
+    return getattr(param, "expert_parallel", False)
 
 
 def is_tensor_parallel(param: nn.Parameter) -> bool:

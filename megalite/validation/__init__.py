@@ -19,6 +19,7 @@ from megalite.validation.checks import check_fraction, check_positive, flag, fro
 from megalite.validation.fp8 import check_fp8
 from megalite.validation.grad_compression import grad_compression_config
 from megalite.validation.layout import batch, parallel_config, validate_pipeline_schedule
+from megalite.validation.moe import moe_model_fields
 from megalite.validation.uneven import shares_batch
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -120,15 +121,17 @@ def _model_config(args, parallel: ParallelConfig, vocab_size: int) -> GPTConfig:
     check_fp8(args, parallel)
     check_fraction(args, "attention_dropout", "hidden_dropout")
     check_positive(args, "init_method_std")
+    ffn = _ffn_size(args, tp)
     return from_flags(
-        GPTConfig, args, ffn_hidden_size=_ffn_size(args, tp), num_query_groups=groups,
+        GPTConfig, args, ffn_hidden_size=ffn, num_query_groups=groups,
         kv_channels=kv_channels,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         padded_vocab_size=pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp),
         vocab_size=vocab_size, attention_backend=_attention_backend(args, kv_channels),
         # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
         sequence_parallel=args.sequence_parallel and tp > 1,
-        recompute_num_layers=_recompute_num_layers(args))
+        recompute_num_layers=_recompute_num_layers(args),
+        **moe_model_fields(args, parallel, ffn))
 
 
 def _ffn_size(args, tp: int) -> int:

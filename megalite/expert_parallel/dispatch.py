@@ -1,0 +1,54 @@
+"""The dispatch seam between the router and the experts (docs/design.md "Mixture of experts").
+
+The router gives each token k (expert, probability) pairs and says which pairs survive the
+capacity limit. `dispatch` lays the kept pairs' tokens out by expert, so each expert's tokens
+are one contiguous block of rows (the input of a grouped GEMM), stable in token order within
+an expert; `combine` takes the experts' outputs in that layout back to token order, each
+pair's output times its probability and summed over the token's k pairs.
+
+Without an EP group the experts are all local and the dispatch is a sort and its inverse;
+the EP paths (all-to-all or all-gather over `ep_group`) extend this class.
+"""
+
+import torch
+
+from megalite.parallel_state import group_size
+
+
+class TokenDispatcher:
+    """`num_experts` routed experts, split over `ep_group` (None: all local); `tp_group` the
+    tensor-parallel group the experts' weights are split over (tokens are already the same on
+    every TP rank when they arrive here); `kind` "alltoall" or "allgather", how tokens travel
+    between EP ranks."""
+
+    def __init__(self, num_experts: int, ep_group=None, tp_group=None, kind: str = "alltoall"):
+        self.num_experts, self.ep_group, self.tp_group, self.kind = (num_experts, ep_group,
+                                                                     tp_group, kind)
+        if group_size(ep_group) > 1:
+            raise NotImplementedError("expert parallelism: see #32 / moe-ep")
+        self._state = None
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
+                 keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, h], probs [T, k] fp32, indices [T, k] int64, keep [T, k] bool ->
+        (expert_input [N, h], tokens_per_local_expert int64 [E_local]): the N kept pairs'
+        tokens ordered by expert, in token order within an expert."""
+        k = indices.shape[1]
+        pairs = keep.reshape(-1).nonzero().squeeze(1)          # kept pairs, token order
+        experts = indices.reshape(-1)[pairs]
+        order = torch.sort(experts, stable=True).indices
+        pairs = pairs[order]
+        tokens = torch.div(pairs, k, rounding_mode="floor")
+        self._state = (tokens, probs.reshape(-1)[pairs], hidden.shape[0])
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        return hidden[tokens], counts
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        """expert_output [N, h] in dispatch's order -> [T, h] in token order: each pair's
+        output times its probability (in fp32, as Megatron), summed over the token's pairs;
+        a token whose pairs were all dropped gets zeros."""
+        tokens, weights, num_tokens = self._state
+        self._state = None
+        weighted = expert_output.float() * weights.unsqueeze(1)
+        out = weighted.new_zeros(num_tokens, expert_output.shape[1])
+        return out.index_add(0, tokens, weighted).to(expert_output.dtype)
