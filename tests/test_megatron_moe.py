@@ -1,0 +1,168 @@
+"""Megatron-LM mixture-of-experts checkpoints in and out (megalite/megatron_checkpoint/moe.py).
+
+The reference is Megatron itself: tests/data/megatron_moe holds a 4-expert top-2 checkpoint
+megatron.core wrote in both its formats and the logits its forward computed (README there).
+The TP 2 x EP 2 legacy checkpoint is cut here by hand the way Megatron shards: each EP rank's
+file holds its 2 experts numbered from 0, each expert cut over TP like a dense MLP, the
+router replicated (test_megatron_checkpoint.split_like_megatron cuts the rest).
+"""
+
+import argparse
+import re
+
+import pytest
+import torch
+
+from megalite.megatron_checkpoint import reader
+from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
+from megalite.model.gpt import GPTModel
+
+from tests.helpers import LLAMA_STYLE, tiny_gpt_config
+from tests.test_megatron_checkpoint import (LEGACY, ROOT, _dcp_entries, convert, logits,
+                                            megalite_model, megatron_legacy,
+                                            split_like_megatron)
+
+DATA = ROOT / "tests" / "data" / "megatron_moe"
+REFERENCE = torch.load(DATA / "reference_logits.pt", weights_only=True)
+EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+
+
+def moe_logits(save) -> torch.Tensor:
+    return logits(megalite_model(save), REFERENCE["tokens"])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_import_gives_megatrons_logits(tmp_path, fmt):
+    assert convert("--import-megatron", DATA / fmt, "--save", tmp_path / "ckpt") == 0
+    model = megalite_model(tmp_path / "ckpt")
+    assert model.decoder.layers["1"].mlp.experts.linear_fc1.weight.shape == (4, 192, 64)
+    torch.testing.assert_close(logits(model, REFERENCE["tokens"]), REFERENCE["logits"],
+                               atol=1e-5, rtol=0)
+
+
+def save_legacy_tp_ep(out, tp: int = 2, ep: int = 2):
+    """Megatron's legacy files of the checkpoint at TP `tp`, EP `ep` (module docstring)."""
+    record = megatron_legacy(DATA / "torch" / LEGACY)
+    local = 4 // ep
+    for t, rank in enumerate(split_like_megatron(record, tp)):
+        args = argparse.Namespace(**{**vars(rank["args"]), "expert_model_parallel_size": ep})
+        for e in range(ep):
+            model = {}
+            for name, tensor in rank["model"].items():
+                expert = EXPERT.fullmatch(name)
+                if ".router." in name:
+                    model[name] = record["model"][name]
+                elif expert is None:
+                    model[name] = tensor
+                elif int(expert[2]) // local == e:
+                    model[f"{expert[1]}{int(expert[2]) % local}{expert[3]}"] = tensor
+            path = out / f"iter_0000010/mp_rank_{t:02d}_{e:03d}/model_optim_rng.pt"
+            path.parent.mkdir(parents=True)
+            torch.save({**rank, "model": model, "args": args}, path)
+    (out / "latest_checkpointed_iteration.txt").write_text("10")
+    return out
+
+
+def test_tp2_ep2_legacy_checkpoint_imports_to_the_same_model(tmp_path):
+    assert convert("--import-megatron", save_legacy_tp_ep(tmp_path / "m"), "--save",
+                   tmp_path / "ckpt") == 0
+    assert convert("--import-megatron", DATA / "torch", "--save", tmp_path / "ref") == 0
+    model, ref = megalite_model(tmp_path / "ckpt"), megalite_model(tmp_path / "ref")
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+        assert torch.equal(a, b[:a.shape[0]]), name  # b: vocabulary padded for TP 2
+    torch.testing.assert_close(logits(model, REFERENCE["tokens"]), REFERENCE["logits"],
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_export_writes_megatrons_files_and_reimports_losslessly(tmp_path):
+    assert convert("--import-megatron", DATA / "torch_dist", "--save", tmp_path / "a") == 0
+    first = megalite_model(tmp_path / "a")
+    for fmt in ("torch", "torch_dist"):
+        out = tmp_path / f"megatron_{fmt}"
+        assert convert("--load", tmp_path / "a", "--export-megatron", out,
+                       "--ckpt-format", fmt) == 0
+        assert convert("--import-megatron", out, "--save", tmp_path / f"b_{fmt}") == 0
+        again = megalite_model(tmp_path / f"b_{fmt}")
+        for (name, x), (_, y) in zip(first.state_dict().items(), again.state_dict().items()):
+            assert torch.equal(x, y), (fmt, name)
+    ours = _dcp_entries(tmp_path / "megatron_torch_dist" / "iter_0000010")
+    theirs = _dcp_entries(DATA / "torch_dist" / "iter_0000010")
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        if key.startswith("common_state"):
+            (common,), (mine,) = value, ours[key]
+            # The aux loss weight is how a run trains, which a checkpoint does not record.
+            for field, setting in vars(common["args"]).items():
+                if field != "moe_aux_loss_coeff":
+                    assert getattr(mine["args"], field) == setting, field
+        elif torch.is_tensor(value):
+            assert torch.equal(ours[key], value), key
+    legacy, megatrons = (megatron_legacy(d / LEGACY)["model"]
+                         for d in (tmp_path / "megatron_torch", DATA / "torch"))
+    assert list(legacy) == list(megatrons)
+    for name, t in megatrons.items():
+        assert (t is None and legacy[name] is None) or torch.equal(legacy[name], t), name
+
+
+def _legacy_with(tmp_path, change):
+    record = megatron_legacy(DATA / "torch" / LEGACY)
+    change(record)
+    path = tmp_path / "src" / LEGACY
+    path.parent.mkdir(parents=True)
+    torch.save(record, path)
+    (tmp_path / "src/latest_checkpointed_iteration.txt").write_text("10")
+    return tmp_path / "src"
+
+
+def _set_arg(name, value):
+    return lambda record: setattr(record["args"], name, value)
+
+
+def _legacy_grouped(record):
+    model = record["model"]
+    for k in [k for k in model if ".experts." in k]:
+        del model[k]
+    model["decoder.layers.0.mlp.experts.weight1"] = torch.zeros(64, 768)
+
+
+def _missing_expert(record):
+    for k in [k for k in record["model"] if "layers.1.mlp.experts.local_experts.3." in k]:
+        del record["model"][k]
+
+
+@pytest.mark.parametrize("change, message", [
+    (_set_arg("moe_shared_expert_gate", True), "moe_shared_expert_gate=True"),
+    (_set_arg("moe_router_group_topk", 2), "moe_router_group_topk=2"),
+    (_set_arg("moe_router_load_balancing_type", "sinkhorn"), "'sinkhorn'"),
+    (_set_arg("moe_router_enable_expert_bias", True), "expert_bias buffer"),
+    (_legacy_grouped, "legacy GroupedMLP"),
+    (_missing_expert, "holds experts [0, 1, 2] of decoder.layers.1.mlp.experts.linear_fc1"),
+], ids=["shared-expert-gate", "group-topk", "sinkhorn", "expert-bias", "legacy-grouped-gemm",
+        "missing-expert"])
+def test_what_megalite_cannot_express_is_refused_by_name(tmp_path, change, message):
+    source = _legacy_with(tmp_path, change)
+    with pytest.raises(Exception, match=re.escape(message)):
+        reader.read_checkpoint(source)
+
+
+def test_dense_and_moe_layers_with_shared_experts_round_trip_at_tp2(tmp_path, capsys):
+    """A dense layer, a MoE layer with a shared expert, exported as Megatron's legacy files at
+    TP 2 and read back: the same logits, bit for bit. torch_dist, which stacks the layers,
+    refuses the mix by name."""
+    config = tiny_gpt_config(**LLAMA_STYLE, vocab_size=64, num_experts=4, moe_router_topk=2,
+                             moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=32,
+                             moe_layer_pattern=(False, True))
+    model = GPTModel(config, seed=3).eval()
+    write_megalite_checkpoint(tmp_path / "a", config, model.state_dict(), 7, 0, 0, None, {})
+    assert convert("--load", tmp_path / "a", "--export-megatron", tmp_path / "m",
+                   "--ckpt-format", "torch", "--target-tensor-parallel-size", "2") == 0
+    rank1 = megatron_legacy(tmp_path / "m/iter_0000007/mp_rank_01/model_optim_rng.pt")
+    assert rank1["model"]["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"] \
+        .shape == (32, 8)  # [h, F / TP]
+    assert convert("--import-megatron", tmp_path / "m", "--save", tmp_path / "b") == 0
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(megalite_model(tmp_path / "b"), tokens)[..., :64],
+                               logits(model, tokens), atol=0, rtol=0)
+    assert convert("--load", tmp_path / "a", "--export-megatron", tmp_path / "d") == 1
+    assert "--ckpt-format torch" in capsys.readouterr().err and not (tmp_path / "d").exists()
