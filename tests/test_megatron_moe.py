@@ -166,3 +166,20 @@ def test_dense_and_moe_layers_with_shared_experts_round_trip_at_tp2(tmp_path, ca
                                logits(model, tokens), atol=0, rtol=0)
     assert convert("--load", tmp_path / "a", "--export-megatron", tmp_path / "d") == 1
     assert "--ckpt-format torch" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
+def test_transformer_engine_grouped_experts_read_as_the_local_specs(tmp_path):
+    """TEGroupedMLP's legacy keys (`mlp.experts.linear_fc1.weight{e}`) hold the same
+    tensors as SequentialMLP's `local_experts.{e}`."""
+    def te_names(record):
+        record["model"] = {re.sub(r"experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight",
+                                  r"experts.\2.weight\1", k): v
+                           for k, v in record["model"].items() if "local_experts" not in k
+                           or not k.endswith("_extra_state")}
+        assert "decoder.layers.1.mlp.experts.linear_fc2.weight3" in record["model"]
+        assert not [k for k in record["model"] if "local_experts" in k]
+    te, local = (reader.read_checkpoint(d) for d in (_legacy_with(tmp_path, te_names),
+                                                     DATA / "torch"))
+    assert te.state.keys() == local.state.keys()
+    for name, t in local.state.items():
+        assert torch.equal(te.state[name], t), name
