@@ -8,12 +8,15 @@ router replicated (test_megatron_checkpoint.split_like_megatron cuts the rest).
 """
 
 import argparse
+import dataclasses
 import re
 
 import pytest
 import torch
 
+from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint import reader
+from megalite.megatron_checkpoint.load import check_compatible
 from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
 from megalite.model.gpt import GPTModel
 
@@ -183,3 +186,13 @@ def test_transformer_engine_grouped_experts_read_as_the_local_specs(tmp_path):
     assert te.state.keys() == local.state.keys()
     for name, t in local.state.items():
         assert torch.equal(te.state[name], t), name
+
+
+def test_a_run_of_another_moe_model_is_refused_before_loading():
+    """pretrain_gpt.py --load on the Megatron directory compares the MoE fields too."""
+    ckpt = reader.read_checkpoint(DATA / "torch_dist")
+    check_compatible(ckpt, ckpt.config)
+    for field, value in (("moe_ffn_hidden_size", 64), ("num_experts", None),
+                         ("moe_layer_pattern", (False, True))):
+        with pytest.raises(CheckpointError, match=f"{field}: checkpoint"):
+            check_compatible(ckpt, dataclasses.replace(ckpt.config, **{field: value}))

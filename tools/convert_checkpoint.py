@@ -1,11 +1,12 @@
 r"""Convert between megalite checkpoints and HuggingFace transformers models.
 
     # A megalite checkpoint, saved at any (TP, PP, DP) layout -> a directory that
-    # transformers.AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama style):
+    # transformers.AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama style; a
+    # mixture of experts as Mixtral or Qwen2-MoE):
     python tools/convert_checkpoint.py --load ckpt [--iteration N] --export-hf hf_out \
         [--dtype bf16|fp16|fp32]
 
-    # A HF GPT-2 / Llama model -> a megalite checkpoint at iteration 0 that pretrain_gpt.py
+    # A HF GPT-2 / Llama / Mixtral / Qwen2-MoE model -> a megalite checkpoint at iteration 0 that pretrain_gpt.py
     # loads at any layout; the import prints the model flags to load it with:
     python tools/convert_checkpoint.py --import-hf hf_dir --save ckpt
     python pretrain_gpt.py --load ckpt --finetune <printed model flags> ...
@@ -284,7 +285,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dtype of the exported weights (default: as saved)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --export-hf")
     g = parser.add_argument_group("import a HF model as a megalite checkpoint")
-    g.add_argument("--import-hf", metavar="DIR", help="HF model directory (GPT-2 or Llama)")
+    g.add_argument("--import-hf", metavar="DIR",
+                   help="HF model directory (GPT-2, Llama, Mixtral or Qwen2-MoE)")
     g.add_argument("--save", metavar="DIR", help="new megalite save directory (empty or absent)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="pad the vocabulary to a multiple of this (default 128; "
