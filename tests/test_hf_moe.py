@@ -12,7 +12,8 @@ from megalite.errors import ConfigError  # noqa: E402
 from megalite.hf_convert import export_to_hf, hf_config_and_state_dict, import_from_hf, pad_vocab  # noqa: E402,E501
 from megalite.model.gpt import GPTModel  # noqa: E402
 
-from tests.test_hf_convert import (LLAMA_STYLE, PADDED, VOCAB, hf_logits, load_hf,  # noqa: E402
+from tests.test_hf_convert import (LLAMA_STYLE, PADDED, VOCAB,  # noqa: E402
+                                   assert_imports_to_hf_logits, hf_logits, load_hf,
                                    make_config, megalite_logits, random_model)
 
 MOE = dict(LLAMA_STYLE, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
@@ -93,13 +94,7 @@ def tiny_hf_moe(kind: str, **kw):
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_import_matches_hf_logits(kind):
-    hf_model = tiny_hf_moe(kind)
-    fields, state = import_from_hf(hf_model)
-    config = GPTConfig(**fields, padded_vocab_size=PADDED, attention_dropout=0.0,
-                       hidden_dropout=0.0, attention_backend="sdpa")
-    model = GPTModel(config, seed=1).eval()
-    model.load_state_dict(pad_vocab(state, PADDED), strict=True)
-    torch.testing.assert_close(megalite_logits(model), hf_logits(hf_model), atol=1e-4, rtol=0)
+    assert_imports_to_hf_logits(tiny_hf_moe(kind))
 
 
 @pytest.mark.parametrize("kw, field", [

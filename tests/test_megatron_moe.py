@@ -21,9 +21,9 @@ from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
 from megalite.model.gpt import GPTModel
 
 from tests.helpers import LLAMA_STYLE, tiny_gpt_config
-from tests.test_megatron_checkpoint import (LEGACY, ROOT, _dcp_entries, convert, logits,
-                                            megalite_model, megatron_legacy,
-                                            split_like_megatron)
+from tests.test_megatron_checkpoint import (LEGACY, ROOT, assert_torch_dist_matches, convert,
+                                            export_and_reimport, logits, megalite_model,
+                                            megatron_legacy, split_like_megatron)
 
 DATA = ROOT / "tests" / "data" / "megatron_moe"
 REFERENCE = torch.load(DATA / "reference_logits.pt", weights_only=True)
@@ -79,28 +79,10 @@ def test_tp2_ep2_legacy_checkpoint_imports_to_the_same_model(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 def test_export_writes_megatrons_files_and_reimports_losslessly(tmp_path):
-    assert convert("--import-megatron", DATA / "torch_dist", "--save", tmp_path / "a") == 0
-    first = megalite_model(tmp_path / "a")
-    for fmt in ("torch", "torch_dist"):
-        out = tmp_path / f"megatron_{fmt}"
-        assert convert("--load", tmp_path / "a", "--export-megatron", out,
-                       "--ckpt-format", fmt) == 0
-        assert convert("--import-megatron", out, "--save", tmp_path / f"b_{fmt}") == 0
-        again = megalite_model(tmp_path / f"b_{fmt}")
-        for (name, x), (_, y) in zip(first.state_dict().items(), again.state_dict().items()):
-            assert torch.equal(x, y), (fmt, name)
-    ours = _dcp_entries(tmp_path / "megatron_torch_dist" / "iter_0000010")
-    theirs = _dcp_entries(DATA / "torch_dist" / "iter_0000010")
-    assert set(ours) == set(theirs)
-    for key, value in theirs.items():
-        if key.startswith("common_state"):
-            (common,), (mine,) = value, ours[key]
-            # The aux loss weight is how a run trains, which a checkpoint does not record.
-            for field, setting in vars(common["args"]).items():
-                if field != "moe_aux_loss_coeff":
-                    assert getattr(mine["args"], field) == setting, field
-        elif torch.is_tensor(value):
-            assert torch.equal(ours[key], value), key
+    export_and_reimport(tmp_path, DATA)
+    # The aux loss weight is how a run trains, which a checkpoint does not record.
+    assert_torch_dist_matches(tmp_path / "megatron_torch_dist" / "iter_0000010",
+                              DATA / "torch_dist" / "iter_0000010", ("moe_aux_loss_coeff",))
     legacy, megatrons = (megatron_legacy(d / LEGACY)["model"]
                          for d in (tmp_path / "megatron_torch", DATA / "torch"))
     assert list(legacy) == list(megatrons)
