@@ -236,6 +236,11 @@ def _save_hub_files(config, hf: dict[str, torch.Tensor], output_dir: Path) -> Pa
 
     if config.tie_word_embeddings:  # HF ties lm_head to the embedding on load
         hf = {name: t for name, t in hf.items() if name != "lm_head.weight"}
+    # What save_pretrained would record: the class (vLLM and others pick the model by it)
+    # and the dtype (from_pretrained(dtype="auto")).
+    config.architectures = [hf_moe.ARCHITECTURES[config.model_type]]
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype",
+            next(iter(hf.values())).dtype)
     with staged_directory(output_dir) as staging:
         config.save_pretrained(staging)
         # Clones: safetensors refuses tensors that share memory (the pieces of one tensor).

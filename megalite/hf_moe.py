@@ -37,6 +37,7 @@ from megalite.config import GPTConfig
 from megalite.errors import ConfigError
 
 MODEL_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 _BLOCK = {"Mixtral": "block_sparse_moe", "Qwen2-MoE": "mlp"}
 # Per expert: HF names of (gate, up) and of down.
 _EXPERT = {"Mixtral": (("w1", "w3"), ("w2",)),

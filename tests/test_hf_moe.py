@@ -49,7 +49,7 @@ def test_export_matches_hf_logits_and_imports_back_bitwise(tmp_path, style):
     state = model.state_dict()
     out = export_to_hf(config, state, tmp_path / "hf")
     hf_model = load_hf(out)
-    assert type(hf_model).__name__ == hf_class
+    assert type(hf_model).__name__ == hf_class and hf_model.config.architectures == [hf_class]
     torch.testing.assert_close(hf_logits(hf_model), megalite_logits(model), atol=1e-4, rtol=0)
     fields, imported = import_from_hf(out)
     if style == "mixtral":  # no dense layer: Mixtral keeps no dense MLP width

@@ -178,3 +178,16 @@ def test_a_run_of_another_moe_model_is_refused_before_loading():
                          ("moe_layer_pattern", (False, True))):
         with pytest.raises(CheckpointError, match=f"{field}: checkpoint"):
             check_compatible(ckpt, dataclasses.replace(ckpt.config, **{field: value}))
+
+
+def test_megatrons_moe_through_megalite_to_hf_mixtral_keeps_megatrons_logits(tmp_path):
+    """tools/convert_checkpoint.py from end to end: Megatron -> megalite -> HF (Mixtral)."""
+    transformers = pytest.importorskip("transformers")
+    assert convert("--import-megatron", DATA / "torch_dist", "--save", tmp_path / "a") == 0
+    assert convert("--load", tmp_path / "a", "--export-hf", tmp_path / "hf") == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                           attn_implementation="eager")
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        got = hf.eval()(REFERENCE["tokens"]).logits
+    torch.testing.assert_close(got, REFERENCE["logits"], atol=1e-5, rtol=0)
