@@ -46,11 +46,9 @@ _SHARED = "shared_expert"
 _SHARED_GATE = "shared_expert_gate.weight"
 
 
-def moe_layers(c: GPTConfig) -> tuple[bool, ...]:
+def moe_layers(c: GPTConfig) -> list[bool]:
     """Per layer: whether its MLP is a MoE layer."""
-    if c.num_experts is None:
-        return (False,) * c.num_layers
-    return c.moe_layer_pattern or (True,) * c.num_layers
+    return [c.is_moe_layer(i) for i in range(c.num_layers)]
 
 
 def moe_style(c: GPTConfig) -> str:

@@ -206,8 +206,8 @@ def moe_flags(c: GPTConfig) -> list:
     """load_flags' MoE part (storage.MOE_FIELDS); --moe-layer-freq as Megatron's list."""
     if not c.num_experts:
         return []
-    pattern = c.moe_layer_pattern
-    freq = 1 if all(pattern) else "[" + ",".join(str(int(m)) for m in pattern) + "]"
+    pattern = [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
+    freq = 1 if all(pattern) else "[" + ",".join(map(str, pattern)) + "]"
     flags = ["--num-experts", c.num_experts, "--moe-ffn-hidden-size", c.moe_ffn_hidden_size,
              "--moe-router-topk", c.moe_router_topk, "--moe-layer-freq", freq,
              "--moe-router-score-function", c.moe_router_score_function]

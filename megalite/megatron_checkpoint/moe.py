@@ -125,7 +125,7 @@ def megatron_args(config: GPTConfig) -> dict:
         return {}
     return dict({n: getattr(config, n) for n in _COPIED}, num_experts=config.num_experts,
                 moe_ffn_hidden_size=config.moe_ffn_hidden_size,
-                moe_layer_freq=[int(moe) for moe in config.moe_layer_pattern],
+                moe_layer_freq=[int(config.is_moe_layer(i)) for i in range(config.num_layers)],
                 moe_token_dispatcher_type=config.moe_token_dispatcher_type,
                 expert_model_parallel_size=1)
 
@@ -133,7 +133,7 @@ def megatron_args(config: GPTConfig) -> dict:
 def layer_mlp_names(config: GPTConfig, layer: int) -> list[str] | None:
     """Megatron's legacy keys of MoE layer `layer`'s MLP in its state-dict order (router,
     experts, shared experts), `_extra_state` included; None for a dense layer."""
-    if not config.num_experts or not config.moe_layer_pattern[layer]:
+    if not config.is_moe_layer(layer):
         return None
     names = ["mlp.router.weight"]
     linears = [f"{EXPERTS}local_experts.{e}.linear_fc{k}" for e in range(config.num_experts)
@@ -148,7 +148,7 @@ def layer_mlp_names(config: GPTConfig, layer: int) -> list[str] | None:
 def torch_dist_extra_states(config: GPTConfig, layer: int) -> list[str] | None:
     """torch_dist's `_extra_state` keys of MoE layer `layer`'s MLP (layers stacked, so
     without the layer number in the module path); None for a dense layer."""
-    if not config.num_experts or not config.moe_layer_pattern[layer]:
+    if not config.is_moe_layer(layer):
         return None
     layers, experts = config.num_layers, config.num_experts
     keys = [f"{TORCH_DIST_EXPERTS}linear_fc{k}._extra_state/shard_{layer}.{e}_{layers}.{experts}"

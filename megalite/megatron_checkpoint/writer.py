@@ -68,7 +68,8 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
         raise ConfigError(f"--export-megatron {out} already exists; pass --overwrite to "
                           f"replace it")
     check_target_layout(config, tp, pp)
-    if ckpt_format == "torch_dist" and config.num_experts and not all(config.moe_layer_pattern):
+    if ckpt_format == "torch_dist" and any(config.is_moe_layer(i) != config.is_moe_layer(0)
+                                           for i in range(config.num_layers)):
         raise ConfigError("--ckpt-format torch_dist stacks the layers, which needs every layer "
                           "to be a MoE layer (--moe-layer-freq 1); write this model with "
                           "--ckpt-format torch")
