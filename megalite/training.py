@@ -34,6 +34,7 @@ from megalite.initialize import initialize_distributed, set_seed, world_size_fro
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
 from megalite.model.gpt import build_model_chunks, initialize_parameters
+from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
 from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers, synchronize
@@ -309,6 +310,11 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         extra = monitor.statistics() if logging or scalars else {}
         if logging and getattr(runner.grad_buffer, "compressor", None) is not None:
             extra["compression_ratio"] = runner.grad_buffer.compression_ratio
+        if logging and config.model.num_experts is not None:
+            fields, moe_scalars = moe_report(runner.chunks, config, state.tp_size, stats.iters,
+                                             device)
+            extra.update(fields)
+            tensorboard.scalars(progress.iteration, moe_scalars)
         if scalars:
             tensorboard.scalars(progress.iteration, {
                 "lm loss": result.loss, "learning-rate": lr, "grad-norm": result.grad_norm,

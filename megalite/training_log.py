@@ -30,9 +30,21 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int) -> float:
     h, s = c.hidden_size, c.seq_length
     attention = (1 + c.num_query_groups / c.num_attention_heads + s / h / 2) * (
         c.query_projection_size / h)
-    mlp = c.ffn_hidden_size / h * (1.5 if c.swiglu else 1.0)
+    mlp = _mlp_width(c) / h * (1.5 if c.swiglu else 1.0)
     logits = c.padded_vocab_size / (2 * c.num_layers * h)
     return 12 * batch_size * s * c.num_layers * h * h * (attention + mlp + logits)
+
+
+def _mlp_width(c: GPTConfig) -> float:
+    """The MLP width per layer, averaged over the layers, that a token's FLOPs see. A MoE
+    layer counts its active parameters as Megatron does: the k routed experts a token goes
+    to, plus the shared experts (the router's h x E GEMM is left out, as in Megatron)."""
+    if c.num_experts is None:
+        return c.ffn_hidden_size
+    moe = sum(c.moe_layer_pattern)
+    active = c.moe_ffn_hidden_size * c.moe_router_topk + (
+        c.moe_shared_expert_intermediate_size or 0)
+    return ((c.num_layers - moe) * c.ffn_hidden_size + moe * active) / c.num_layers
 
 
 @dataclass
@@ -78,11 +90,15 @@ def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
              num_zeros: float | None = None, params_norm: float | None = None,
              memory_mib: dict[str, float] | None = None,
              scaling_efficiency_percent: float | None = None,
-             compression_ratio: float | None = None) -> str:
+             compression_ratio: float | None = None,
+             moe_losses: dict[str, float] | None = None,
+             expert_load: float | None = None) -> str:
     """Megatron's training log line, field for field, then tokens per second; megalite's
     MFU after the throughput, the scaling efficiency after the tokens per second, with
     --grad-compression the last step's DP bytes uncompressed / sent, and the memory (MiB,
-    max over ranks) at the end."""
+    max over ranks) at the end. With MoE layers Megatron's auxiliary losses follow the lm
+    loss ("load_balancing_loss: ...", "z_loss: ..."), and megalite's expert load (most
+    tokens of an expert over the mean, worst layer) follows them."""
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     line += f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
@@ -96,6 +112,10 @@ def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
     line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
     line += f" lm loss: {lm_loss:.6E} |"
+    for name, value in (moe_losses or {}).items():
+        line += f" {name}: {value:.6E} |"
+    if expert_load is not None:
+        line += f" expert load max/mean: {expert_load:.3f} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
@@ -126,6 +146,8 @@ _LOG_LINE = re.compile(
     rf" learning rate: (?P<learning_rate>{_E}) \|"
     r" global batch size: +(?P<global_batch_size>\d+) \|"
     rf" lm loss: (?P<lm_loss>{_E}) \|"
+    rf"(?P<moe_losses>(?: \w+_loss: {_E} \|)*)"
+    rf"(?: expert load max/mean: (?P<expert_load>{_F}) \|)?"
     rf" loss scale: (?P<loss_scale>{_F}) \|"
     rf"(?: grad norm: (?P<grad_norm>{_F}) \|)?"
     rf"(?: num zeros: (?P<num_zeros>{_F}) \|)?"
@@ -137,6 +159,7 @@ _LOG_LINE = re.compile(
     rf"(?: grad compression ratio: (?P<compression_ratio>{_F}) \|)?"
     rf"(?P<memory_mib>(?: mem [\w ]+ \(MiB\): {_F} \|)*)$")
 _MEMORY = re.compile(rf" mem ([\w ]+) \(MiB\): ({_F}) \|")
+_MOE_LOSS = re.compile(rf" (\w+_loss): ({_E}) \|")
 _VALIDATION_LINE = re.compile(rf" validation loss at (?P<prefix>.*) \| lm loss value: "
                               rf"(?P<loss>{_E}) \| lm loss PPL: {_E} \|")
 
@@ -149,9 +172,12 @@ def parse_log_line(line: str) -> dict | None:
     if match is None:
         return None
     fields = {name: None if text is None else int(text) if text.isdigit() else float(text)
-              for name, text in match.groupdict().items() if name != "memory_mib"}
+              for name, text in match.groupdict().items()
+              if name not in ("memory_mib", "moe_losses")}
     fields["memory_mib"] = {name: float(mib) for name, mib in
                             _MEMORY.findall(match["memory_mib"])} or None
+    fields["moe_losses"] = {name: float(value) for name, value in
+                            _MOE_LOSS.findall(match["moe_losses"])} or None
     return fields
 
 

@@ -285,6 +285,13 @@ ACTIVATION_CASES = {
     "pp2 gpt fp32 fp8 tensorwise, first and last bf16": [
         "--pipeline-model-parallel-size", "2", "--fp8-format", "e4m3",
         "--first-last-layers-bf16"],
+    # MoE layers (memory_estimate/moe.py): routed experts, shared experts, capacity padding.
+    "moe llama bf16 shared experts": ["--bf16", "--num-experts", "4", "--moe-ffn-hidden-size",
+                                      "96", "--moe-shared-expert-intermediate-size", "64",
+                                      "--moe-layer-freq", "2"] + LLAMA,
+    "moe gpt fp32 padded to capacity": ["--disable-bias-linear", "--num-experts", "4",
+                                        "--moe-router-topk", "1", "--moe-expert-capacity-factor",
+                                        "1.5", "--moe-pad-expert-input-to-capacity"],
 }
 RECOMPUTE_CASES = {
     "selective bf16": ["--bf16", "--recompute-granularity", "selective"],

@@ -26,6 +26,8 @@ from megalite.arguments import parse_args
 from megalite.config import DTYPE_NAMES, Config
 from megalite.errors import ConfigError, MegaliteError
 from megalite.memory_estimate import DEVICES, GiB, RankMemory, estimate_memory, num_model_parameters
+from megalite.memory_estimate.moe import dispatched_rows, expert_weights
+from megalite.memory_estimate.weights import rank_parameters
 from megalite.validation import validate_model_args
 
 
@@ -86,7 +88,10 @@ def describe(config: Config) -> list[str]:
         f"{' SwiGLU' if m.swiglu else ''}, {m.normalization}, "
         f"{m.position_embedding_type} positions, vocabulary {m.padded_vocab_size} (padded), "
         f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'} output layer, "
-        f"attention {m.attention_backend}",
+        f"attention {m.attention_backend}"
+        + (f"; MoE: {m.num_experts} experts of width {m.moe_ffn_hidden_size}, top "
+           f"{m.moe_router_topk}, in {sum(m.moe_layer_pattern)} of {m.num_layers} layers"
+           if m.num_experts else ""),
         f"layout: world {world} = TP {p.tensor_model_parallel_size} x "
         f"PP {p.pipeline_model_parallel_size} x DP {p.data_parallel_size}"
         f"{cp}; "
@@ -142,10 +147,26 @@ def format_table(config: Config, ranks: list[RankMemory], gpu_gib: float,
     if snapshot:
         lines.append(f"host buffers of --async-save per GPU (DP rank 0, kept between saves; "
                      f"pinned on CUDA): {_gib(snapshot)} GiB")
+    lines += moe_lines(config)
     if worst.grad_compression:
         lines.append("in the total, PowerSGD's error buffers, Qs and a bucket's P and Q "
                      f"(--grad-compression): {_gib(worst.grad_compression)} GiB")
     return "\n".join(lines)
+
+
+def moe_lines(config: Config) -> list[str]:
+    """The MoE part of the plan: expert weights by optimizer group, worst-case dispatch."""
+    m = config.model
+    if m.num_experts is None:
+        return []
+    counts = expert_weights(config, rank_parameters(config, 0))
+    tokens = config.training.micro_batch_size * m.seq_length // config.parallel.context_parallel_size
+    return [f"experts (PP rank 0, one rank's shard): {counts['experts'] / 1e6:.3f}M routed expert "
+            f"parameters (reduced and sharded over expert-DP), {counts['dense'] / 1e6:.3f}M "
+            f"others (over DP x CP); worst case {dispatched_rows(config, tokens)} dispatched "
+            f"rows per MoE layer and micro-batch ({tokens} tokens x top "
+            f"{m.moe_router_topk}{', capacity-bounded' if m.moe_expert_capacity_factor else ''}"
+            ") in the activations"]
 
 
 def _gib(nbytes: int) -> str:

@@ -20,7 +20,7 @@ from torch import nn
 from megalite.checkpointing.compression_state import load_compression_state
 from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, model_fields,
                                            model_file, optim_file, optimizer_shards, rng_file,
-                                           saved_layout)
+                                           saved_layout, state_buffers)
 from megalite.checkpointing.storage import (check_model_compatible, find_checkpoint_to_load,
                                             load_tensor_file, read_metadata)
 from megalite.distributed.fsdp import copy_into
@@ -178,6 +178,8 @@ def load_params(chunks: nn.ModuleList, state: ParallelState, full) -> None:
     for name, param in chunks.named_parameters():
         name = canonical_name(name, param)
         copy_into(param, local_shard(full(name), param, name, state.tp_rank, state.tp_size))
+    for name, buffer in state_buffers(chunks, chunk_prefix=False).items():
+        buffer.copy_(full(name))  # whole on every rank (a MoE router's expert bias)
 
 
 @torch.no_grad()

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpointing.loading import _set_rng_state
-from megalite.checkpointing.saving import MOMENTS, _cpu_copy, _rng_state, layout_of
+from megalite.checkpointing.saving import (MOMENTS, _cpu_copy, _rng_state, layout_of,
+                                          state_buffers)
 from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
                                            load_tensor_file, save_tensor_file)
 from megalite.distributed.fsdp import copy_into, full_tensor
@@ -56,7 +57,8 @@ def save_local(root: str, iteration: int, chunks, optimizer, scheduler, state, t
     record = {"iteration": iteration,
               "layout": layout_of(state.grid, len(chunks), optimizer.sharded),
               "params": {n: _cpu_copy(full_tensor(p.detach()))
-                         for n, p in chunks.named_parameters()},
+                         for n, p in [*chunks.named_parameters(),
+                                      *state_buffers(chunks).items()]},
               "optimizer": {"step": step, "segments": segments},
               "rng": _rng_state(rng_tracker), "scheduler": scheduler.state_dict(),
               "grad_scaler": scaler.state_dict() if scaler is not None else None,
@@ -109,6 +111,8 @@ def load_local(root: str, iteration: int, chunks, optimizer, scheduler, rng_trac
     record = load_tensor_file(rank_path(root, iteration, dist.get_rank()))
     for name, param in chunks.named_parameters():
         copy_into(param, record["params"][name])
+    for name, buffer in state_buffers(chunks).items():
+        buffer.copy_(record["params"][name])
     optimizer.reload_main_params()
     opt = record["optimizer"]
     for s, saved in zip(optimizer.segments, opt["segments"], strict=True):

@@ -59,8 +59,23 @@ def canonical_name(name: str, param: nn.Parameter) -> str:
 
 
 def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
-    return {canonical_name(n, p): p for n, p in chunks.named_parameters()
-            if not is_embedding_copy(p)}
+    """The parameters, and the buffers that are model state (a MoE router's expert bias),
+    by single-process name."""
+    params = {canonical_name(n, p): p for n, p in chunks.named_parameters()
+              if not is_embedding_copy(p)}
+    return {**params, **state_buffers(chunks, chunk_prefix=False)}
+
+
+def state_buffers(chunks: nn.ModuleList, chunk_prefix: bool = True) -> dict[str, torch.Tensor]:
+    """The persistent buffers of `chunks` (those a state_dict holds; masks and per-step
+    counters are not persistent), by name with or without the "<chunk>." prefix."""
+    out = {}
+    for module_name, module in chunks.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                full = f"{module_name}.{name}"
+                out[full if chunk_prefix else full.split(".", 1)[1]] = buffer
+    return out
 
 
 def shard_layout(params: dict[str, nn.Parameter]) -> dict:

@@ -12,6 +12,7 @@ from megalite.memory_estimate.context_parallel import (attended_keys, cp_attenti
                                                        cp_core_attention_bytes,
                                                        gathered_qkv_bytes, ring_keeps_qkv)
 from megalite.memory_estimate.fp8 import fp8_layer_delta_bytes
+from megalite.memory_estimate.moe import is_moe_layer, moe_saved_bytes
 from megalite.model.gpt import recompute_groups
 from megalite.pipeline_parallel.p2p import communication_plan
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
@@ -185,12 +186,16 @@ def mlp_saved_bytes(config: Config, shape: _Shapes) -> int:
             + shape.mask(config.model.hidden_dropout) * shape.residual_tokens * shape.hidden)
 
 
-def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = None) -> int:
-    """One transformer layer, without recompute or with selective recompute; its linear
-    layers' GEMMs in FP8 with a recipe `fp8`."""
+def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = None,
+                      layer: int = 0) -> int:
+    """One transformer layer (global index `layer`), without recompute or with selective
+    recompute; its linear layers' GEMMs in FP8 with a recipe `fp8`; a MoE layer's MLP as
+    memory_estimate/moe.py counts it."""
     selective = config.model.recompute_granularity == "selective"
+    mlp = (moe_saved_bytes(config, shape, mlp_saved_bytes) if is_moe_layer(config, layer)
+           else mlp_saved_bytes(config, shape))
     return (2 * norm_saved_bytes(config, shape) + 2 * norm_output_bytes(config, shape)
-            + attention_saved_bytes(config, shape, selective) + mlp_saved_bytes(config, shape)
+            + attention_saved_bytes(config, shape, selective) + mlp
             + fp8_layer_delta_bytes(config, shape, fp8))
 
 
@@ -242,7 +247,7 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
     saved, working = 0, cp_attention_working_set(config, shape)
     for run, recomputed in recompute_groups(config.model, len(layers)):
         run_bytes = sum(layer_saved_bytes(config, shape, layer_fp8_recipe(config.model,
-                                                                          layers[i]))
+                                                                          layers[i]), layers[i])
                         for i in run)
         if recomputed:
             saved += residual  # the group's input, kept by the checkpoint
