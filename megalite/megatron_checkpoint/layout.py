@@ -99,10 +99,11 @@ def args_for(config: GPTConfig, tp: int, pp: int, divisible_by: int,
 
 def meta_params(config: GPTConfig) -> dict[str, nn.Parameter]:
     """The single-process model's parameters on the meta device: names, full shapes and
-    TP tags (params.partition_dim / partition_stride), without allocating a weight."""
+    TP tags (params.partition_dim / partition_stride), without allocating a weight; and its
+    persistent buffers (a MoE router's expert bias), which checkpoints hold too."""
     with torch.device("meta"):
         model = GPTModel(dataclasses.replace(config, compile_layers=False), seed=0)
-    return dict(model.named_parameters())
+    return model.state_dict(keep_vars=True)
 
 
 def megalite_name(name: str) -> str | None:

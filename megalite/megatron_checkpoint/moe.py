@@ -16,9 +16,10 @@ view per expert) is refused by name: save it with --ckpt-format torch_dist.
 
 The MoE fields come from the checkpoint's args with Megatron's defaults (those of GPTConfig,
 which are Megatron's); what megalite's MoE layer does not compute is refused by name, and so
-is the router's expert bias (a buffer megalite's checkpoints do not hold yet) and, in
-torch_dist, a mix of dense and MoE layers (each stacked tensor then holds only some layers'
-rows). Megatron's --moe-router-dtype is not refused: megalite's router always runs in fp32.
+is, in torch_dist, a mix of dense and MoE layers (each stacked tensor then holds only some
+layers' rows). The router's `expert_bias` (an fp32 buffer, --moe-router-enable-expert-bias)
+has the same name in both. Megatron's --moe-router-dtype is not refused: megalite's router
+always runs in fp32.
 """
 
 import argparse
@@ -60,8 +61,6 @@ def moe_fields(args: argparse.Namespace, where: str) -> dict:
     if unbuilt:
         raise CheckpointError(f"Megatron checkpoint {where} uses MoE features megalite does "
                               f"not have: {', '.join(unbuilt)}")
-    refuse_expert_bias(getattr(args, "moe_router_enable_expert_bias", False),
-                       f"Megatron checkpoint {where}")
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     fields = {n: getattr(args, n) if getattr(args, n, None) is not None else defaults[n]
               for n in _COPIED}
@@ -77,15 +76,6 @@ def moe_fields(args: argparse.Namespace, where: str) -> dict:
                 moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None)
                 or getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size,
                 moe_token_dispatcher_type="alltoall" if dispatcher == "flex" else dispatcher)
-
-
-def refuse_expert_bias(enabled: bool, what: str) -> None:
-    """The router's expert_bias is a buffer, which megalite's checkpoints do not hold yet:
-    converting it would drop the bias the routing depends on."""
-    if enabled:
-        raise CheckpointError(f"{what}: moe_router_enable_expert_bias=True is not converted: "
-                              f"megalite's checkpoints do not hold the router's expert_bias "
-                              f"buffer yet")
 
 
 def torch_dist_name(megalite_name: str) -> str:
@@ -135,7 +125,8 @@ def layer_mlp_names(config: GPTConfig, layer: int) -> list[str] | None:
     experts, shared experts), `_extra_state` included; None for a dense layer."""
     if not config.is_moe_layer(layer):
         return None
-    names = ["mlp.router.weight"]
+    names = ["mlp.router.weight"] + ["mlp.router.expert_bias"] * \
+        config.moe_router_enable_expert_bias
     linears = [f"{EXPERTS}local_experts.{e}.linear_fc{k}" for e in range(config.num_experts)
                for k in (1, 2)]
     if config.moe_shared_expert_intermediate_size:

@@ -73,7 +73,6 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
         raise ConfigError("--ckpt-format torch_dist stacks the layers, which needs every layer "
                           "to be a MoE layer (--moe-layer-freq 1); write this model with "
                           "--ckpt-format torch")
-    moe.refuse_expert_bias(config.moe_router_enable_expert_bias, "--export-megatron")
     layout.check_state(state, config, "to export")
     args = layout.args_for(config, tp, pp, divisible_by, {**moe.megatron_args(config),
                                                           **(extra_args or {})})
