@@ -175,8 +175,9 @@ def _hf_config(style: str, c: GPTConfig, vocab: int, **kwargs):
 def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
                              **hf_config_kwargs):
     """The HF config (GPT2Config, LlamaConfig, MixtralConfig or Qwen2MoeConfig) and the state
-    dict of its *ForCausalLM model (MoE experts under the hub's per-expert names), lm_head included (the same tensor as the embedding when tied). Tensors may share
-    memory with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
+    dict of its *ForCausalLM model (a MoE's experts under the hub's per-expert names),
+    lm_head included (the same tensor as the embedding when tied). Tensors may share memory
+    with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
     c = model_config
     style = model_style(c)
     pairs = _name_pairs(style, c)

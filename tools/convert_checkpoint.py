@@ -6,8 +6,9 @@ r"""Convert between megalite checkpoints and HuggingFace transformers models.
     python tools/convert_checkpoint.py --load ckpt [--iteration N] --export-hf hf_out \
         [--dtype bf16|fp16|fp32]
 
-    # A HF GPT-2 / Llama / Mixtral / Qwen2-MoE model -> a megalite checkpoint at iteration 0 that pretrain_gpt.py
-    # loads at any layout; the import prints the model flags to load it with:
+    # A HF GPT-2 / Llama / Mixtral / Qwen2-MoE model -> a megalite checkpoint at iteration 0
+    # that pretrain_gpt.py loads at any layout; the import prints the model flags to load it
+    # with:
     python tools/convert_checkpoint.py --import-hf hf_dir --save ckpt
     python pretrain_gpt.py --load ckpt --finetune <printed model flags> ...
 

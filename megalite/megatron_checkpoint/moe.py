@@ -5,7 +5,7 @@ names except for the routed experts, which Megatron holds one module per expert 
 as one stacked tensor per layer, [E, 2F, h] for fc1 ([gate; up] per expert, as Megatron's
 SwiGLU fc1) and [E, h, F] for fc2:
 - legacy torch, SequentialMLP (local spec): `mlp.experts.local_experts.{e}.linear_fc1.weight`;
-  TEGroupedMLP (Transformer Engine spec with --moe-grouped-gemm): `mlp.experts.linear_fc1.weight{e}`.
+  TEGroupedMLP (Transformer Engine spec, --moe-grouped-gemm): `mlp.experts.linear_fc1.weight{e}`.
   Each file holds its EP rank's experts numbered from 0 (`mp_rank_TT[_PPP]_EEE` with EP > 1),
   each expert TP-sharded like the dense MLP, so stacking one TP rank's experts gives the TP
   shard of megalite's stacked tensor (fc1 split on dim 1 with stride 2, fc2 on dim 2).
