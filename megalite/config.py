@@ -159,6 +159,10 @@ class GPTConfig:
     def kv_projection_size(self) -> int:
         return self.num_query_groups * self.kv_channels
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer`'s MLP is a MoE layer (moe_layer_pattern)."""
+        return self.moe_layer_pattern is not None and bool(self.moe_layer_pattern[layer])
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:

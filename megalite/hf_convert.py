@@ -10,6 +10,8 @@ rather than exported as a model that computes something different:
   tied embeddings, num_query_groups == num_attention_heads.
 - Llama (LlamaForCausalLM): RMSNorm, SwiGLU, rope with rotary_percent 1.0, no biases,
   tied or untied embeddings, grouped-query attention as num_key_value_heads.
+- Mixtral (MixtralForCausalLM) and Qwen2-MoE (Qwen2MoeForCausalLM): a Llama-style mixture
+  of experts (--num-experts); hf_moe.py says which and maps its router and experts.
 
 Layouts (why this is more than a renaming table):
 
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from megalite import hf_moe
 from megalite.atomic_write import staged_directory
 from megalite.errors import ConfigError
 from megalite.config import GPTConfig
@@ -107,7 +110,8 @@ def model_style(c: GPTConfig) -> str:
 def _name_pairs(style: str, c: GPTConfig) -> list[tuple[str, tuple[str, ...], bool]]:
     """(megalite name, its HF names, transposed) for every megalite tensor. QKV has three
     HF tensors (Llama) or one in another row order (GPT-2); Llama's fused fc1 is
-    [gate_proj; up_proj] (megalite/model/transformer.py's MLP)."""
+    [gate_proj; up_proj] (megalite/model/transformer.py's MLP); a MoE layer's MLP is
+    hf_moe.layer_modules'."""
     gpt2 = style == "GPT-2"
     top = "transformer." if gpt2 else "model."
     pairs = [(_EMBEDDING, top + ("wte.weight" if gpt2 else "embed_tokens.weight"))]
@@ -117,9 +121,14 @@ def _name_pairs(style: str, c: GPTConfig) -> list[tuple[str, tuple[str, ...], bo
         pairs.append(("embedding.position_embeddings.weight", "transformer.wpe.weight"))
     pairs = [(ours, (theirs,), False) for ours, theirs in pairs]
     modules = {"decoder.final_layernorm": (top + ("ln_f" if gpt2 else "norm"),)}
+    moe = hf_moe.moe_style(c) if c.num_experts else None
     for i in range(c.num_layers):
         prefix = f"{top}{'h' if gpt2 else 'layers'}.{i}."
-        for ours, theirs in (_GPT2_LAYER if gpt2 else _LLAMA_LAYER).items():
+        layer = _GPT2_LAYER if gpt2 else _LLAMA_LAYER
+        experts = hf_moe.layer_modules(moe, c, i) if moe else {}
+        if experts:
+            layer = {**{k: v for k, v in layer.items() if not k.startswith("mlp.")}, **experts}
+        for ours, theirs in layer.items():
             theirs = (theirs,) if isinstance(theirs, str) else theirs
             modules[f"decoder.layers.{i}.{ours}"] = tuple(prefix + t for t in theirs)
     for ours, theirs in modules.items():
@@ -152,17 +161,23 @@ def _hf_config(style: str, c: GPTConfig, vocab: int, **kwargs):
         return tf.GPT2Config(**{**common, **dict(
             activation_function="gelu", resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout,
             attn_pdrop=c.attention_dropout, tie_word_embeddings=True), **kwargs})
-    return tf.LlamaConfig(**{**common, **dict(
+    llama = {**common, **dict(
         hidden_act="silu", rope_theta=float(c.rotary_base), attention_bias=False, mlp_bias=False,
         attention_dropout=c.attention_dropout,
-        tie_word_embeddings=not c.untie_embeddings_and_output_weights), **kwargs})
+        tie_word_embeddings=not c.untie_embeddings_and_output_weights)}
+    if not c.num_experts:
+        return tf.LlamaConfig(**llama, **kwargs)
+    moe = hf_moe.moe_style(c)
+    cls = tf.MixtralConfig if moe == "Mixtral" else tf.Qwen2MoeConfig
+    return cls(**{**llama, **hf_moe.config_kwargs(moe, c), **kwargs})
 
 
 def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
                              **hf_config_kwargs):
-    """The HF config (GPT2Config or LlamaConfig) and the state dict of its *ForCausalLM
-    model, lm_head included (the same tensor as the embedding when tied). Tensors may share
-    memory with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
+    """The HF config (GPT2Config, LlamaConfig, MixtralConfig or Qwen2MoeConfig) and the state
+    dict of its *ForCausalLM model (a MoE's experts under the hub's per-expert names),
+    lm_head included (the same tensor as the embedding when tied). Tensors may share memory
+    with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
     c = model_config
     style = model_style(c)
     pairs = _name_pairs(style, c)
@@ -175,12 +190,15 @@ def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torc
     hf = {}
     for ours, theirs, transposed in pairs:
         t = state_dict[ours][:vocab] if ours in (_EMBEDDING, _OUTPUT) else state_dict[ours]
-        parts = (_split_qkv(c, t) if "linear_qkv" in ours
-                 else t.chunk(len(theirs)) if len(theirs) > 1 else (t,))
+        # Several HF tensors: equal row blocks ([gate; up], or per expert of [E, rows, cols]).
+        parts = (_split_qkv(c, t) if "linear_qkv" in ours else
+                 t.reshape(len(theirs), -1, t.shape[-1]).unbind(0) if len(theirs) > 1 else (t,))
         if len(parts) > len(theirs):
             parts = (torch.cat(parts),)  # GPT-2's c_attn is [Q; K; V]
         for name, part in zip(theirs, parts):
             hf[name] = (part.t() if transposed else part).contiguous()
+    if c.num_experts:
+        hf_moe.add_shared_expert_gate(hf_moe.moe_style(c), c, hf, "model.layers.")
     if not c.untie_embeddings_and_output_weights:
         hf["lm_head.weight"] = hf[pairs[0][1][0]]
     return _hf_config(style, c, vocab, **hf_config_kwargs), hf
@@ -199,6 +217,8 @@ def export_to_hf(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
     config, hf = hf_config_and_state_dict(model_config, state_dict, **hf_config_kwargs)
     if dtype is not None:
         hf = {name: t.to(dtype) for name, t in hf.items()}
+    if model_config.num_experts:
+        return _save_hub_files(config, hf, output_dir)
     cls = tf.GPT2LMHeadModel if config.model_type == "gpt2" else tf.LlamaForCausalLM
     with torch.device("meta"):  # no random init of weights that are overwritten anyway
         model = cls(config)
@@ -206,6 +226,27 @@ def export_to_hf(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
     model.tie_weights()
     with staged_directory(output_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)
+    return output_dir
+
+
+def _save_hub_files(config, hf: dict[str, torch.Tensor], output_dir: Path) -> Path:
+    """config.json and model.safetensors as the hub holds a MoE model (per-expert names):
+    transformers >= 5 fuses the experts in memory and converts these names on load, so they,
+    not one version's in-memory names, are what every version reads."""
+    from safetensors.torch import save_file  # a dependency of transformers
+
+    if config.tie_word_embeddings:  # HF ties lm_head to the embedding on load
+        hf = {name: t for name, t in hf.items() if name != "lm_head.weight"}
+    # What save_pretrained would record: the class (vLLM and others pick the model by it)
+    # and the dtype (from_pretrained(dtype="auto")).
+    config.architectures = [hf_moe.ARCHITECTURES[config.model_type]]
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype",
+            next(iter(hf.values())).dtype)
+    with staged_directory(output_dir) as staging:
+        config.save_pretrained(staging)
+        # Clones: safetensors refuses tensors that share memory (the pieces of one tensor).
+        save_file({name: t.clone() for name, t in hf.items()}, staging / "model.safetensors",
+                  metadata={"format": "pt"})
     return output_dir
 
 
@@ -245,8 +286,9 @@ def _llama_fields(hf) -> dict:
 
 def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
                    ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(GPTConfig fields, megalite single-process state dict) of a GPT2LMHeadModel or
-    LlamaForCausalLM, given as a directory/hub name or a loaded model.
+    """(GPTConfig fields, megalite single-process state dict) of a GPT2LMHeadModel,
+    LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM, given as a directory/hub
+    name or a loaded model.
 
     The fields lack padded_vocab_size and the training-only ones; seq_length is set to
     max_position_embeddings (lower it freely). The vocabulary tensors have vocab_size rows:
@@ -259,13 +301,19 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
         hf = tf.AutoConfig.from_pretrained(hf_dir_or_model)  # refuse before loading weights
     else:
         hf = hf_dir_or_model.config
-    if hf.model_type not in ("gpt2", "llama"):
+    if hf.model_type == "qwen3_moe":
+        raise ConfigError("HF config model_type='qwen3_moe' is not supported: its q_norm and "
+                          "k_norm (QK layernorm) have no megalite counterpart")
+    moe = hf.model_type in hf_moe.MODEL_TYPES
+    if hf.model_type not in ("gpt2", "llama") and not moe:
         raise ConfigError(f"HF config model_type={hf.model_type!r} is not supported "
-                          "(megalite converts gpt2 and llama)")
+                          "(megalite converts gpt2, llama, mixtral and qwen2_moe)")
     style = "GPT-2" if hf.model_type == "gpt2" else "Llama"
     fields = {f: getattr(hf, name, None) for name, f in _CONFIG_NAMES[style].items()}
     fields.update(STYLES[style], **(_gpt2_fields(hf, allow_gelu_approximation)
                                     if style == "GPT-2" else _llama_fields(hf)))
+    if moe:
+        fields.update(hf_moe.moe_fields(hf))
     heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
     fields.update(seq_length=fields["max_position_embeddings"], vocab_size=hf.vocab_size,
                   ffn_hidden_size=fields["ffn_hidden_size"] or 4 * hidden,  # GPT-2's n_inner
@@ -274,13 +322,17 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
     if isinstance(hf_dir_or_model, (str, os.PathLike)):
         hf_dir_or_model = tf.AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
     sd = {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
+    if moe:
+        sd = hf_moe.hub_state_dict(hf.model_type, sd, fields["num_experts"])
+        hf_moe.remove_shared_expert_gate(sd, fields.get("moe_shared_expert_intermediate_size"))
     c = GPTConfig(**fields, padded_vocab_size=fields["vocab_size"])
     ours = {}
     for name, theirs, transposed in _name_pairs(style, c):
         parts = [sd[t].t() if transposed else sd[t] for t in theirs]
         if "linear_qkv" in name:
             parts = [_fuse_qkv(c, *(parts if len(parts) == 3 else parts[0].chunk(3)))]
-        ours[name] = torch.cat(parts).contiguous()
+        ours[name] = (hf_moe.join_experts(c, parts) if ".experts." in name
+                      else torch.cat(parts).contiguous())
     return fields, ours
 
 

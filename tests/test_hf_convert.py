@@ -119,7 +119,11 @@ def tiny_hf_model(kind: str, **kw):
                                       ("llama", dict(tie_word_embeddings=True))],
                          ids=["gpt2", "llama-untied", "llama-tied"])
 def test_import_matches_hf_logits(kind, kw):
-    hf_model = tiny_hf_model(kind, **kw)
+    assert_imports_to_hf_logits(tiny_hf_model(kind, **kw))
+
+
+def assert_imports_to_hf_logits(hf_model) -> None:
+    """The imported weights in megalite give the HF model's logits."""
     fields, state = import_from_hf(hf_model)
     config = GPTConfig(**fields, padded_vocab_size=PADDED, attention_dropout=0.0,
                        hidden_dropout=0.0, attention_backend="sdpa")

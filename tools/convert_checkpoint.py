@@ -1,12 +1,14 @@
 r"""Convert between megalite checkpoints and HuggingFace transformers models.
 
     # A megalite checkpoint, saved at any (TP, PP, DP) layout -> a directory that
-    # transformers.AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama style):
+    # transformers.AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama style; a
+    # mixture of experts as Mixtral or Qwen2-MoE):
     python tools/convert_checkpoint.py --load ckpt [--iteration N] --export-hf hf_out \
         [--dtype bf16|fp16|fp32]
 
-    # A HF GPT-2 / Llama model -> a megalite checkpoint at iteration 0 that pretrain_gpt.py
-    # loads at any layout; the import prints the model flags to load it with:
+    # A HF GPT-2 / Llama / Mixtral / Qwen2-MoE model -> a megalite checkpoint at iteration 0
+    # that pretrain_gpt.py loads at any layout; the import prints the model flags to load it
+    # with:
     python tools/convert_checkpoint.py --import-hf hf_dir --save ckpt
     python pretrain_gpt.py --load ckpt --finetune <printed model flags> ...
 
@@ -132,7 +134,10 @@ def saved_shard_layout(config: GPTConfig) -> tuple[list[str], dict]:
     allocate and initialise every weight just to be asked this."""
     narrow = dataclasses.replace(config, hidden_size=2, ffn_hidden_size=2, kv_channels=2,
                                  padded_vocab_size=2, vocab_size=None, seq_length=2,
-                                 max_position_embeddings=2, rotary_percent=1.0)
+                                 max_position_embeddings=2, rotary_percent=1.0,
+                                 **{f: 2 for f in ("moe_ffn_hidden_size",
+                                                   "moe_shared_expert_intermediate_size")
+                                    if getattr(config, f, None)})
     params = saving.saved_params(nn.ModuleList([GPTModel(narrow, seed=0)]))
     return list(params), saving.shard_layout(params)
 
@@ -195,7 +200,22 @@ def load_flags(config: GPTConfig) -> list[str]:
     flags += ["--normalization", c.normalization, "--norm-epsilon", c.norm_epsilon]
     flags += ["--swiglu"] * c.swiglu + ["--disable-bias-linear"] * (not c.add_bias_linear)
     flags += ["--untie-embeddings-and-output-weights"] * c.untie_embeddings_and_output_weights
-    return [str(f) for f in flags]
+    return [str(f) for f in flags + moe_flags(c)]
+
+
+def moe_flags(c: GPTConfig) -> list:
+    """load_flags' MoE part (storage.MOE_FIELDS); --moe-layer-freq as Megatron's list."""
+    if not c.num_experts:
+        return []
+    pattern = [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
+    freq = 1 if all(pattern) else "[" + ",".join(map(str, pattern)) + "]"
+    flags = ["--num-experts", c.num_experts, "--moe-ffn-hidden-size", c.moe_ffn_hidden_size,
+             "--moe-router-topk", c.moe_router_topk, "--moe-layer-freq", freq,
+             "--moe-router-score-function", c.moe_router_score_function]
+    if c.moe_shared_expert_intermediate_size:
+        flags += ["--moe-shared-expert-intermediate-size", c.moe_shared_expert_intermediate_size]
+    return (flags + ["--moe-router-pre-softmax"] * c.moe_router_pre_softmax
+            + ["--moe-router-enable-expert-bias"] * c.moe_router_enable_expert_bias)
 
 
 def import_(args) -> Path:
@@ -215,7 +235,7 @@ def import_(args) -> Path:
     print(f"imported {args.import_hf} as {final}; train from it with a tokenizer of "
           f"{config.vocab_size} tokens (or --vocab-size {config.vocab_size}) and\n"
           f"  python pretrain_gpt.py --load {shlex.quote(args.save)} --finetune "
-          f"{' '.join(load_flags(config))}")
+          f"{shlex.join(load_flags(config))}")
     return final
 
 
@@ -246,7 +266,7 @@ def import_megatron(args) -> Path:
     config = GPTConfig(**meta["model"], padded_vocab_size=meta["model"]["vocab_size"])
     print(f"imported {args.import_megatron} as {final} (iteration {meta['iteration']}); "
           f"continue from it with\n  python pretrain_gpt.py --load {shlex.quote(args.save)} "
-          f"--vocab-size {config.vocab_size} {' '.join(load_flags(config))}")
+          f"--vocab-size {config.vocab_size} {shlex.join(load_flags(config))}")
     return final
 
 
@@ -266,7 +286,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dtype of the exported weights (default: as saved)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --export-hf")
     g = parser.add_argument_group("import a HF model as a megalite checkpoint")
-    g.add_argument("--import-hf", metavar="DIR", help="HF model directory (GPT-2 or Llama)")
+    g.add_argument("--import-hf", metavar="DIR",
+                   help="HF model directory (GPT-2, Llama, Mixtral or Qwen2-MoE)")
     g.add_argument("--save", metavar="DIR", help="new megalite save directory (empty or absent)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="pad the vocabulary to a multiple of this (default 128; "

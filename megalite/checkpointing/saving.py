@@ -35,9 +35,9 @@ from torch import nn
 
 import megalite
 from megalite.checkpointing.compression_state import compression_file, compression_record
-from megalite.checkpointing.storage import (RECORDED_FIELDS, apply_retention, checkpoint_dir,
-                                           commit, prepare_staging, save_tensor_file,
-                                           staging_dir)
+from megalite.checkpointing.storage import (MOE_FIELDS, RECORDED_FIELDS, apply_retention,
+                                           checkpoint_dir, commit, prepare_staging,
+                                           save_tensor_file, staging_dir)
 from megalite.distributed.fsdp import full_tensor, is_fully_sharded
 from megalite.parallel_state import ParallelState, RankGrid, all_gather_into, group_rank
 from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
@@ -285,7 +285,10 @@ def _rng_state(rng_tracker) -> dict:
 
 
 def model_fields(model_config) -> dict:
-    """The fields of storage.RECORDED_FIELDS that `model_config` has."""
+    """The fields of storage.RECORDED_FIELDS that `model_config` has (a dense model's
+    without the MoE ones)."""
     fields = dataclasses.asdict(model_config)
-    return {f: fields[f] for f in RECORDED_FIELDS if f in fields}
+    dense = not fields.get("num_experts")
+    return {f: fields[f] for f in RECORDED_FIELDS
+            if f in fields and not (dense and f in MOE_FIELDS)}
 

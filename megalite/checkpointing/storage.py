@@ -31,15 +31,20 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_FILENAME = "metadata.json"
 RELEASE = "release"  # Megatron's tracker text for a converted checkpoint in <load>/release
 
+MOE_MODEL_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_pattern",
+                    "moe_shared_expert_intermediate_size")
 MODEL_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
     "rotary_base", "rotary_percent", "normalization", "swiglu", "add_bias_linear",
-    "untie_embeddings_and_output_weights")
+    "untie_embeddings_and_output_weights") + MOE_MODEL_FIELDS
 """What makes weights mean the same model. Not padded_vocab_size: it depends on TP and is
 resharded on load. Not norm_epsilon: it shapes no weight, and checkpoints converted from other
-codebases legitimately run with another epsilon (1e-5 vs 1e-6)."""
-RECORDED_FIELDS = MODEL_FIELDS + ("seq_length", "norm_epsilon", "init_method_std")
+codebases legitimately run with another epsilon (1e-5 vs 1e-6). A dense model records no
+MoE field (saving.model_fields), so checkpoints from before MoE compare as they did."""
+MOE_FIELDS = MOE_MODEL_FIELDS + ("moe_router_topk", "moe_router_score_function",
+                                 "moe_router_pre_softmax", "moe_router_enable_expert_bias")
+RECORDED_FIELDS = MODEL_FIELDS + ("seq_length", "norm_epsilon", "init_method_std") + MOE_FIELDS
 """The model config a checkpoint records (metadata "model"): the compared fields and the
 rest of what rebuilds the model (tools/convert_checkpoint.py), not how it is run (backend,
 dropout, recompute, sequence parallelism), which is free to differ on load."""
@@ -182,6 +187,9 @@ def read_metadata(directory: str | Path) -> dict:
     if missing:
         raise CheckpointError(f"incomplete checkpoint {directory}: {len(missing)} of "
                               f"{len(record['files'])} listed files missing: {missing}")
+    if isinstance(record.get("model"), dict):  # JSON made GPTConfig's tuples lists
+        record["model"] = {k: tuple(v) if isinstance(v, list) else v
+                           for k, v in record["model"].items()}
     return record
 
 

@@ -10,7 +10,8 @@ Shards follow the same rules in both codebases (megalite/tensor_parallel/params.
 off a model built on the meta device so the rule has one place): QKV and fc1 are
 column-parallel, QKV grouped per query group and SwiGLU's fc1 stacked [gate; up] per TP
 rank; linear_proj and fc2 row-parallel; the embedding and output layer split the padded
-vocabulary; norms, row-parallel biases and learned positions are replicated.
+vocabulary; norms, row-parallel biases and learned positions are replicated. A mixture of
+experts' names and args: moe.py.
 """
 
 import argparse
@@ -21,6 +22,7 @@ from torch import nn
 
 from megalite.config import GPTConfig
 from megalite.errors import CheckpointError
+from megalite.megatron_checkpoint import moe
 from megalite.model.gpt import GPTModel
 from megalite.pipeline_parallel.stages import Stage
 from megalite.tensor_parallel.params import VOCAB_PARAMS
@@ -37,7 +39,7 @@ _ARG_DEFAULTS = dict(position_embedding_type="learned_absolute", rotary_base=100
                      swiglu=False, add_bias_linear=True,
                      untie_embeddings_and_output_weights=False, init_method_std=0.02)
 # Megatron features megalite's model does not have (set in args: refused).
-_UNSUPPORTED = ("qk_layernorm", "num_experts", "rotary_interleaved", "squared_relu",
+_UNSUPPORTED = ("qk_layernorm", "rotary_interleaved", "squared_relu",
                 "openai_gelu", "apply_residual_connection_post_layernorm",
                 "multi_latent_attention", "use_rope_scaling",
                 "rotary_seq_len_interpolation_factor", "decoder_first_pipeline_num_layers",
@@ -71,7 +73,7 @@ def config_from_args(args: argparse.Namespace, where: str) -> GPTConfig:
                      max_position_embeddings=getattr(args, "max_position_embeddings", None)
                      or args.seq_length, padded_vocab_size=args.padded_vocab_size,
                      vocab_size=getattr(args, "vocab_size", None), attention_dropout=0.0,
-                     hidden_dropout=0.0, **fields)
+                     hidden_dropout=0.0, **fields, **moe.moe_fields(args, where))
 
 
 def args_for(config: GPTConfig, tp: int, pp: int, divisible_by: int,
@@ -97,16 +99,19 @@ def args_for(config: GPTConfig, tp: int, pp: int, divisible_by: int,
 
 def meta_params(config: GPTConfig) -> dict[str, nn.Parameter]:
     """The single-process model's parameters on the meta device: names, full shapes and
-    TP tags (params.partition_dim / partition_stride), without allocating a weight."""
+    TP tags (params.partition_dim / partition_stride), without allocating a weight; and its
+    persistent buffers (a MoE router's expert bias), which checkpoints hold too."""
     with torch.device("meta"):
         model = GPTModel(dataclasses.replace(config, compile_layers=False), seed=0)
-    return dict(model.named_parameters())
+    return model.state_dict(keep_vars=True)
 
 
 def megalite_name(name: str) -> str | None:
-    """megalite's name for a Megatron state-dict key; None for `_extra_state`."""
-    if name.rsplit(".", 1)[-1].startswith("_extra_state"):
+    """megalite's name for a Megatron state-dict key; None for `_extra_state`. Legacy
+    per-expert keys keep their names (moe.legacy_expert stacks them)."""
+    if "._extra_state" in name:  # torch_dist's expert ones end in /shard_{layer}.{expert}_...
         return None
+    name = moe.from_torch_dist_name(name)
     for fused, plain in FUSED_NORMS.items():
         if fused in name:
             return name.replace(fused, plain)
@@ -114,7 +119,9 @@ def megalite_name(name: str) -> str | None:
 
 
 def fused_name(name: str) -> str:
-    """torch_dist's name for a megalite norm (FUSED_NORMS inverted)."""
+    """torch_dist's name for a megalite tensor: a norm's (FUSED_NORMS inverted), the experts'
+    (moe.torch_dist_name)."""
+    name = moe.torch_dist_name(name)
     for fused, plain in FUSED_NORMS.items():
         if plain in name:
             return name.replace(plain, fused)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.checkpointing.loading import load_optimizer, load_params
-from megalite.checkpointing.saving import canonical_name, model_fields
+from megalite.checkpointing.saving import canonical_name, model_fields, state_buffers
 from megalite.checkpointing.storage import MODEL_FIELDS, check_model_compatible
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint.optimizer_state import adam_state
@@ -44,8 +44,9 @@ def load_megatron_checkpoint(load: str, chunks: nn.ModuleList, optimizer, schedu
     finetune = config.checkpoint.finetune
     load_optim = config.checkpoint.load_optim and not finetune
     # Only this rank's parameters (its stages' layers) and, if it keeps them, Adam's.
-    ckpt = read_checkpoint(load, names={canonical_name(n, p) for n, p in
-                                        chunks.named_parameters()}, optimizer=load_optim)
+    names = {canonical_name(n, p) for n, p in chunks.named_parameters()}
+    names |= set(state_buffers(chunks, chunk_prefix=False))  # a MoE router's expert bias
+    ckpt = read_checkpoint(load, names=names, optimizer=load_optim)
     check_compatible(ckpt, config.model)
     load_params(chunks, state, lambda name: ckpt.state[name])
     optimizer.reload_main_params()

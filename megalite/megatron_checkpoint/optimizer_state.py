@@ -86,6 +86,9 @@ def adam_state(ckpt) -> tuple[AdamState | None, str]:
                       "(distrib_optim.pt) does not map one to one")
     if not ckpt.optimizer_shards:
         return None, "it holds no optimizer state"
+    if ckpt.config.num_experts:
+        # Megatron groups and numbers each expert's parameters apart; megalite stacks them.
+        return None, "the Adam state of a mixture of experts is not mapped"
     per_name: dict[str, list[dict]] = {}
     step = 0
     for (tp, pp), (names, shapes, record) in sorted(ckpt.optimizer_shards.items(),

@@ -7,9 +7,10 @@
   state (`iteration`, `args`, ...) is a pickled object in it (or `common.pt` beside it).
   It is read with torch.distributed.checkpoint's own FileSystemReader and load, in one
   process, with the pickled parts unpickled by safe_pickle.
-- torch (legacy): `mp_rank_TT[_PPP]/model_optim_rng.pt` per (TP, PP) rank, a torch.save
-  of {"model", "iteration", "args", "checkpoint_version", ...} whose tensors are that
-  rank's shards (layers numbered from 0 on each stage); merged as Megatron shards them.
+- torch (legacy): `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` per (TP, PP[, EP]) rank, a
+  torch.save of {"model", "iteration", "args", "checkpoint_version", ...} whose tensors are
+  that rank's shards (layers numbered from 0 on each stage, experts from 0 on each EP
+  rank: moe.py); merged as Megatron shards them.
 Either way the result is megalite's single-process state dict (layout.py's names) and the
 GPTConfig the checkpoint's args describe, checked against each other. A rank loading with
 `names` (its chunks' parameters) reads only those: the legacy files of the saved stages
@@ -25,14 +26,14 @@ import torch
 
 from megalite.checkpointing.storage import RELEASE, TRACKER_FILENAME, tracked_checkpoint
 from megalite.errors import CheckpointError
-from megalite.megatron_checkpoint import layout
+from megalite.megatron_checkpoint import layout, moe
 from megalite.megatron_checkpoint.safe_pickle import torch_load
 from megalite.config import GPTConfig
 from megalite.tensor_parallel.params import partition_dim, partition_stride, tp_unshard
 
 FORMATS = ("torch", "torch_dist")
 LEGACY_FILE = "model_optim_rng.pt"
-_MP_RANK = re.compile(r"mp_rank_(\d\d)(?:_(\d\d\d))?")
+_MP_RANK = re.compile(r"mp_rank_(\d\d)(?:_(\d\d\d))?(?:_(\d\d\d))?")
 
 
 @dataclass
@@ -117,8 +118,10 @@ def read_checkpoint(load: str | Path, ckpt_format: str | None = None,
 
 # --- legacy torch -------------------------------------------------------------------------
 
-def legacy_rank_dir(tp: int, pp: int, pp_size: int) -> str:
-    return f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+def legacy_rank_dir(tp: int, pp: int, pp_size: int, ep: int = 0, ep_size: int = 1) -> str:
+    """Megatron's directory of one rank's legacy file (the EP rank last, with EP > 1)."""
+    name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    return name if ep_size == 1 else f"{name}_{ep:03d}"
 
 
 def _saved_stage(name: str, stages: list[range]) -> int:
@@ -137,39 +140,84 @@ def _read_legacy(directory: Path, names: set[str] | None, optimizer: bool) -> Me
     config = layout.config_from_args(args, str(directory))
     tp = getattr(args, "tensor_model_parallel_size", 1)
     pp = getattr(args, "pipeline_model_parallel_size", 1)
-    expected = [legacy_rank_dir(t, p, pp) for p in range(pp) for t in range(tp)]
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if getattr(args, "expert_tensor_parallel_size", None) not in (None, tp):
+        raise CheckpointError(f"Megatron checkpoint {directory}: expert_tensor_parallel_size="
+                              f"{args.expert_tensor_parallel_size} differs from TP {tp}; megalite "
+                              f"reads such experts from a --ckpt-format torch_dist save")
+    expected = [legacy_rank_dir(t, p, pp, e, ep) for p in range(pp) for t in range(tp)
+                for e in range(ep)]
     missing = [d for d in expected if not (directory / d / LEGACY_FILE).is_file()]
     if missing:
-        raise CheckpointError(f"Megatron checkpoint {directory} (TP {tp}, PP {pp}) is missing "
-                              f"shards: {[f'{d}/{LEGACY_FILE}' for d in missing]}")
+        raise CheckpointError(f"Megatron checkpoint {directory} (TP {tp}, PP {pp}, EP {ep}) is "
+                              f"missing shards: {[f'{d}/{LEGACY_FILE}' for d in missing]}")
     stages = layout.stage_layers(config.num_layers, pp, str(directory))
     if names is not None:
         names = names & set(layout.meta_params(config))
     read = range(pp) if names is None else sorted({_saved_stage(n, stages) for n in names})
     shards: dict[str, list[torch.Tensor]] = {}
+    experts: dict[str, list[dict[int, torch.Tensor]]] = {}
     optimizer_shards = {}
     for p in read:
         for t in range(tp):
-            path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
-            record = first if (t, p) == (0, 0) else torch_load(path, str(path))
-            saved, shapes = [], {}
-            for name, tensor in _field(record, "model", path).items():
-                name = layout.megalite_name(name)
-                if name is None:
-                    continue  # extra state
-                name = layout.local_layer_name(name, -stages[p].start)
-                saved.append(name)
-                shapes[name] = tensor.shape
-                if name == layout.OUTPUT and not config.untie_embeddings_and_output_weights:
-                    continue  # a tied output layer (PP > 1) is the embedding's copy
-                if names is None or name in names:
-                    shards.setdefault(name, []).append(tensor)
-            if optimizer and "optimizer" in record:
-                optimizer_shards[t, p] = (saved, shapes, record["optimizer"])
+            for e in range(ep):
+                path = directory / legacy_rank_dir(t, p, pp, e, ep) / LEGACY_FILE
+                record = first if path == first_path else torch_load(path, str(path))
+                saved, shapes = _read_legacy_model(
+                    _field(record, "model", path), config, stages[p].start, names, shards,
+                    experts, (t, tp, e, ep), str(path))
+                if optimizer and "optimizer" in record and e == 0:
+                    optimizer_shards[t, p] = (saved, shapes, record["optimizer"])
+    _stack_experts(experts, shards, config, str(directory))
     state = _merge_tensor_parallel(shards, config, tp, str(directory), names)
     common = {k: v for k, v in first.items() if k not in ("model", "args", "optimizer")}
     return MegatronCheckpoint(directory, "torch", int(first.get("iteration", 0)), args, config,
                               state, common, optimizer_shards)
+
+
+def _read_legacy_model(model: dict, config: GPTConfig, first_layer: int, names: set | None,
+                       shards: dict, experts: dict, rank: tuple[int, int, int, int],
+                       where: str) -> tuple[list[str], dict]:
+    """Adds one file's tensors to `shards` (name -> TP pieces) and its experts to `experts`
+    (stacked name -> per TP rank {global expert: tensor}); returns its names in saved order
+    and their shapes (for optimizer_state.py). Tensors replicated over EP are taken from EP
+    rank 0."""
+    t, tp, e, ep = rank
+    saved, shapes = [], {}
+    for name, tensor in model.items():
+        name = layout.megalite_name(name)
+        if name is None:
+            continue  # extra state
+        name = layout.local_layer_name(name, -first_layer)
+        expert = moe.legacy_expert(name, where)
+        if expert is not None:
+            stacked, local = expert
+            if names is None or stacked in names:
+                per_tp = experts.setdefault(stacked, [{} for _ in range(tp)])
+                per_tp[t][e * (config.num_experts // ep) + local] = tensor
+            continue
+        if e > 0:
+            continue
+        saved.append(name)
+        shapes[name] = tensor.shape
+        if name == layout.OUTPUT and not config.untie_embeddings_and_output_weights:
+            continue  # a tied output layer (PP > 1) is the embedding's copy
+        if names is None or name in names:
+            shards.setdefault(name, []).append(tensor)
+    return saved, shapes
+
+
+def _stack_experts(experts: dict, shards: dict, config: GPTConfig, where: str) -> None:
+    """Each TP rank's experts stacked in global order: that rank's shard of megalite's
+    [E, ...] tensor (moe.py)."""
+    for name, per_tp in experts.items():
+        for t, held in enumerate(per_tp):
+            if sorted(held) != list(range(config.num_experts)):
+                raise CheckpointError(f"Megatron checkpoint {where}: TP rank {t} holds experts "
+                                      f"{sorted(held)} of {name}, expected 0..."
+                                      f"{config.num_experts - 1}")
+            shards.setdefault(name, []).append(
+                torch.stack([held[i] for i in range(config.num_experts)]))
 
 
 def _field(record, key: str, path: Path):
@@ -210,6 +258,12 @@ def _read_torch_dist(directory: Path, names: set[str] | None) -> MegatronCheckpo
     state, common = torch_dist.read(directory, names)
     args = _field(common, "args", directory)
     config = layout.config_from_args(args, str(directory))
+    if config.num_experts and not all(config.moe_layer_pattern):
+        # Such a tensor is stacked over all layers with rows only for its kind of layer.
+        raise CheckpointError(f"torch_dist checkpoint {directory} mixes dense and MoE layers "
+                              f"(moe_layer_freq={args.moe_layer_freq!r}), whose partly stored "
+                              f"stacked tensors megalite does not read: save it with "
+                              f"--ckpt-format torch")
     layout.check_state(state, config, str(directory), names)
     return MegatronCheckpoint(directory, "torch_dist", int(common.get("iteration", 0)), args,
                               config, state, {k: v for k, v in common.items() if k != "args"})

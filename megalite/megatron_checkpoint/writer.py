@@ -10,8 +10,11 @@ it (reader.py's module docstring describes both formats):
   names, `_extra_state/shard_{layer}_{layers}` objects and `common_state/shard_0_1`
   ({"iteration", "checkpoint_version", "args"}), written by torch.distributed.checkpoint
   in one process, plus Megatron's metadata.json.
-Vocabulary rows are padded to Megatron's padded size for the target TP. The directory is
-written under a temporary name and renamed when complete.
+A mixture of experts is written as megatron.core's local spec saves it (moe.py: one module
+per expert in the legacy format, [layers, E, ...] in torch_dist) at EP 1; torch_dist stacks
+the layers, so there every layer must be a MoE layer. Vocabulary rows are padded to
+Megatron's padded size for the target TP. The directory is written under a temporary name
+and renamed when complete.
 """
 
 import json
@@ -26,7 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from megalite.atomic_write import staged_directory
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
 from megalite.errors import CheckpointError, ConfigError
-from megalite.megatron_checkpoint import layout
+from megalite.megatron_checkpoint import layout, moe
 from megalite.megatron_checkpoint.reader import FORMATS, LEGACY_FILE, legacy_rank_dir
 from megalite.config import GPTConfig
 from megalite.tensor_parallel.params import VOCAB_PARAMS, pad_vocab_rows, tp_shard
@@ -43,8 +46,9 @@ BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 
 def check_target_layout(config: GPTConfig, tp: int, pp: int) -> None:
     if tp < 1 or pp < 1:
         raise ConfigError(f"target TP and PP must be >= 1, got TP {tp}, PP {pp}")
-    for what in ("num_query_groups", "num_attention_heads", "ffn_hidden_size"):
-        if getattr(config, what) % tp:
+    for what in ("num_query_groups", "num_attention_heads", "ffn_hidden_size",
+                 "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if (getattr(config, what) or 0) % tp:
             raise ConfigError(f"--target-tensor-parallel-size {tp} does not divide {what} "
                               f"{getattr(config, what)}")
     if config.num_layers % pp:
@@ -64,8 +68,14 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
         raise ConfigError(f"--export-megatron {out} already exists; pass --overwrite to "
                           f"replace it")
     check_target_layout(config, tp, pp)
+    if ckpt_format == "torch_dist" and any(config.is_moe_layer(i) != config.is_moe_layer(0)
+                                           for i in range(config.num_layers)):
+        raise ConfigError("--ckpt-format torch_dist stacks the layers, which needs every layer "
+                          "to be a MoE layer (--moe-layer-freq 1); write this model with "
+                          "--ckpt-format torch")
     layout.check_state(state, config, "to export")
-    args = layout.args_for(config, tp, pp, divisible_by, extra_args)
+    args = layout.args_for(config, tp, pp, divisible_by, {**moe.megatron_args(config),
+                                                          **(extra_args or {})})
     state = {n: pad_vocab_rows(t, args.padded_vocab_size) if n.endswith(VOCAB_PARAMS) else t
              for n, t in state.items()}
     try:
@@ -90,16 +100,21 @@ def _write_legacy(directory: Path, config: GPTConfig, state: dict, common: dict,
     stages = layout.stage_layers(config.num_layers, pp, "export")
     for p, layers in enumerate(stages):
         for t in range(tp):
-            model = {}
+            model, stacked_shards = {}, {}
             for name in _stage_names(config, layers, p == 0, p == pp - 1):
                 if name.endswith("._extra_state"):
                     model[layout.local_layer_name(name, layers.start)] = None
                     continue
-                source = layout.EMBEDDING if name not in state else name
-                # tp_shard's rule is megalite's TP split, which is Megatron's (layout.py);
-                # no name: the vocabulary rows are padded for the target TP already.
-                model[layout.local_layer_name(name, layers.start)] = tp_shard(
-                    state[source], params[source], "", t, tp).clone()
+                expert = moe.legacy_expert(name, "export")
+                source = (expert[0] if expert else
+                          layout.EMBEDDING if name not in state else name)
+                if source not in stacked_shards:
+                    # tp_shard's rule is megalite's TP split, which is Megatron's (layout.py);
+                    # no name: the vocabulary rows are padded for the target TP already.
+                    stacked_shards[source] = tp_shard(state[source], params[source], "", t, tp)
+                shard = stacked_shards[source]
+                model[layout.local_layer_name(name, layers.start)] = (
+                    shard[expert[1]] if expert else shard).clone()
             path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
             path.parent.mkdir()
             torch.save({"model": model, **common}, path)
@@ -116,7 +131,12 @@ def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> l
     norm_kinds = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
     for i in layers:
         prefix = f"{layout.LAYER_PREFIX}{i}."
+        moe_mlp = moe.layer_mlp_names(config, i)
         for module in LAYER_MODULES:
+            if moe_mlp is not None and module.startswith("mlp."):
+                if module == LAYER_MODULES[-1]:
+                    names += [prefix + n for n in moe_mlp]
+                continue
             if module in LINEARS:
                 names += [f"{prefix}{module}.{k}" for k in kinds]
                 names.append(f"{prefix}{module}._extra_state")
@@ -145,10 +165,13 @@ def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: d
     layers = config.num_layers
     flat.update({n: torch.stack([per_layer[i] for i in range(layers)])
                  for n, per_layer in stacked.items()})
-    for linear in LINEARS:
-        for i in range(layers):
+    for i in range(layers):
+        moe_extra = moe.torch_dist_extra_states(config, i)
+        extra = [f"{linear}._extra_state/shard_{i}_{layers}" for linear in LINEARS
+                 if moe_extra is None or not linear.startswith("mlp.")] + (moe_extra or [])
+        for key in extra:
             # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.
-            flat[f"{layout.LAYER_PREFIX}{linear}._extra_state/shard_{i}_{layers}"] = [None]
+            flat[layout.LAYER_PREFIX + key] = [None]
     flat["common_state/shard_0_1"] = [common]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")

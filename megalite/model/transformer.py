@@ -56,7 +56,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, tp_group, rng_tracker, cp_group, fp8)
         self.pre_mlp_layernorm = build_norm(config)
-        if config.moe_layer_pattern is not None and config.moe_layer_pattern[layer_index]:
+        if config.is_moe_layer(layer_index):
             self.mlp = MoELayer(config, tp_group, cp_group, dense_mlp=MLP, ep_group=ep_group)
         else:
             self.mlp = MLP(config, tp_group, fp8)

@@ -1,0 +1,192 @@
+"""The mixture-of-experts half of hf_convert.py: which HuggingFace class expresses a megalite MoE
+model exactly, the HF names of its router, routed and shared experts, and its config fields.
+hf_convert.py does the rest (attention, norms, embeddings: Llama's mapping) and the files.
+
+- Mixtral (MixtralForCausalLM): every layer a MoE layer, no shared expert. HF's router takes a
+  softmax over all experts, the top k, and renormalises them (MixtralTopKRouter); megalite's
+  default (Megatron's, --moe-router-pre-softmax off) softmaxes the top-k logits among
+  themselves: the same probabilities, since a softmax restricted to k entries is the full one
+  renormalised over them.
+- Qwen2-MoE (Qwen2MoeForCausalLM): anything else within reach: dense layers (HF
+  `mlp_only_layers`, any --moe-layer-freq), a shared expert, and `norm_topk_prob`: True is
+  pre-softmax off, False is --moe-router-pre-softmax (softmax over all, top k, not
+  renormalised). HF scales its shared expert's output by sigmoid(shared_expert_gate(x)), a
+  gate megalite (like Megatron without --moe-shared-expert-gate) does not have. The export
+  writes a zero gate, sigmoid(0) = 1/2 exactly, and the shared expert's down_proj doubled:
+  both factors are powers of two, so HF computes megalite's numbers; the import takes only
+  a zero gate and halves down_proj back (bit-exact both ways). Without shared experts the
+  HF shared expert has width 0 (`shared_expert_intermediate_size` 0), which adds zero.
+
+Per expert, megalite's fc1 [E, 2F, h] holds [gate; up] of each expert (HF w1 and w3, or
+gate_proj and up_proj) and fc2 [E, h, F] its down projection (w2, down_proj). The names
+here are the hub's (per expert, as published checkpoints hold them); transformers >= 5
+fuses them in memory (`mlp.experts.gate_up_proj` [E, 2F, h], `down_proj` [E, h, F]) and
+converts on load and save, which `hub_state_dict` undoes for a loaded model.
+
+Refused by name (ConfigError), as HF would compute something else: the sigmoid score
+function and expert bias (DeepSeek-V3's router, not Mixtral's or Qwen's), a capacity factor
+(HF drops no tokens); importing, Qwen3-MoE (its QK-norm), Qwen2-MoE's qkv_bias and sliding
+windows, Mixtral's sliding window and router jitter, and a trained shared_expert_gate.
+"""
+
+import re
+
+import torch
+
+from megalite.config import GPTConfig
+from megalite.errors import ConfigError
+
+MODEL_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+_BLOCK = {"Mixtral": "block_sparse_moe", "Qwen2-MoE": "mlp"}
+# Per expert: HF names of (gate, up) and of down.
+_EXPERT = {"Mixtral": (("w1", "w3"), ("w2",)),
+           "Qwen2-MoE": (("gate_proj", "up_proj"), ("down_proj",))}
+_SHARED = "shared_expert"
+_SHARED_GATE = "shared_expert_gate.weight"
+
+
+def moe_layers(c: GPTConfig) -> list[bool]:
+    """Per layer: whether its MLP is a MoE layer."""
+    return [c.is_moe_layer(i) for i in range(c.num_layers)]
+
+
+def moe_style(c: GPTConfig) -> str:
+    """"Mixtral" or "Qwen2-MoE" for a MoE model (Llama style otherwise), or a ConfigError
+    naming what neither computes."""
+    refused = {"moe_router_score_function": (c.moe_router_score_function, "softmax"),
+               "moe_router_enable_expert_bias": (c.moe_router_enable_expert_bias, False),
+               "moe_expert_capacity_factor": (c.moe_expert_capacity_factor, None)}
+    differing = [f"{name}={value!r} (needs {want!r})"
+                 for name, (value, want) in refused.items() if value != want]
+    if differing:
+        raise ConfigError(f"no HuggingFace MoE model (Mixtral, Qwen2-MoE) computes this "
+                          f"model's routing: {', '.join(differing)}")
+    mixtral = (all(moe_layers(c)) and not c.moe_shared_expert_intermediate_size
+               and not c.moe_router_pre_softmax)
+    return "Mixtral" if mixtral else "Qwen2-MoE"
+
+
+def layer_modules(style: str, c: GPTConfig, layer: int) -> dict[str, tuple[str, ...]]:
+    """megalite module -> its HF modules (in the layer), for the MLP of MoE layer `layer`;
+    each takes ".weight". An expert tensor's HF pieces are expert-major: expert 0's gate and
+    up, expert 1's, ..."""
+    if not moe_layers(c)[layer]:
+        return {}
+    block = _BLOCK[style]
+    fc1, fc2 = _EXPERT[style]
+    experts = [f"{block}.experts.{e}." for e in range(c.num_experts)]
+    modules = {"mlp.router": (f"{block}.gate",),
+               "mlp.experts.linear_fc1": tuple(e + n for e in experts for n in fc1),
+               "mlp.experts.linear_fc2": tuple(e + n for e in experts for n in fc2)}
+    if c.moe_shared_expert_intermediate_size:
+        modules["mlp.shared_experts.linear_fc1"] = (f"mlp.{_SHARED}.gate_proj",
+                                                    f"mlp.{_SHARED}.up_proj")
+        modules["mlp.shared_experts.linear_fc2"] = (f"mlp.{_SHARED}.down_proj",)
+    return modules
+
+
+def join_experts(c: GPTConfig, parts: list[torch.Tensor]) -> torch.Tensor:
+    """megalite's [E, ...] expert tensor from its expert-major HF pieces (layer_modules)."""
+    return torch.stack(parts).reshape(c.num_experts, -1, parts[0].shape[-1])
+
+
+def config_kwargs(style: str, c: GPTConfig) -> dict:
+    """The HF config fields of the MoE part (the Llama ones come from hf_convert.py)."""
+    k = dict(num_experts_per_tok=c.moe_router_topk)
+    if style == "Mixtral":
+        return dict(k, num_local_experts=c.num_experts, intermediate_size=c.moe_ffn_hidden_size,
+                    router_jitter_noise=0.0, sliding_window=None)
+    pattern = moe_layers(c)
+    return dict(k, num_experts=c.num_experts, moe_intermediate_size=c.moe_ffn_hidden_size,
+                shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size or 0,
+                norm_topk_prob=not c.moe_router_pre_softmax, decoder_sparse_step=1,
+                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+                qkv_bias=False, use_sliding_window=False)
+
+
+def add_shared_expert_gate(style: str, c: GPTConfig, hf: dict[str, torch.Tensor],
+                           prefix: str) -> None:
+    """Qwen2-MoE's tensors megalite lacks (module docstring): a zero shared_expert_gate and a
+    doubled down_proj in each MoE layer, or a 0-wide shared expert."""
+    if style != "Qwen2-MoE":
+        return
+    for i in (i for i, moe in enumerate(moe_layers(c)) if moe):
+        mlp = f"{prefix}{i}.mlp."
+        router = hf[f"{mlp}gate.weight"]
+        hf[mlp + _SHARED_GATE] = router.new_zeros(1, c.hidden_size)
+        if c.moe_shared_expert_intermediate_size:
+            hf[f"{mlp}{_SHARED}.down_proj.weight"] = hf[f"{mlp}{_SHARED}.down_proj.weight"] * 2
+        else:
+            for name, shape in (("gate_proj", (0, c.hidden_size)), ("up_proj", (0, c.hidden_size)),
+                                ("down_proj", (c.hidden_size, 0))):
+                hf[f"{mlp}{_SHARED}.{name}.weight"] = router.new_zeros(shape)
+
+
+def remove_shared_expert_gate(sd: dict[str, torch.Tensor], shared: int | None) -> None:
+    """The inverse of add_shared_expert_gate on a Qwen2-MoE state dict (hub names), or a
+    ConfigError naming a gate megalite cannot express."""
+    for name in [n for n in sd if n.endswith("mlp." + _SHARED_GATE)]:
+        if sd[name].count_nonzero():
+            raise ConfigError(f"HF tensor {name} is not zero: Qwen2-MoE's gate on the shared "
+                              "expert has no megalite counterpart (megalite adds the shared "
+                              "expert's output ungated)")
+        mlp = name[:-len(_SHARED_GATE)]
+        del sd[name]
+        down = f"{mlp}{_SHARED}.down_proj.weight"
+        if shared:
+            sd[down] = sd[down] / 2
+        else:
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                del sd[f"{mlp}{_SHARED}.{part}.weight"]
+
+
+def hub_state_dict(model_type: str, sd: dict[str, torch.Tensor],
+                   num_experts: int) -> dict[str, torch.Tensor]:
+    """A loaded model's state dict under the hub's per-expert names (module docstring)."""
+    style = MODEL_TYPES[model_type]
+    block = _BLOCK[style]
+    out = {}
+    for name, t in sd.items():
+        fused = re.fullmatch(r"(.*\.)mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)", name)
+        if fused is None:
+            out[name] = t
+        elif fused[2] == "gate.weight":
+            out[f"{fused[1]}{block}.gate.weight"] = t
+        else:
+            names = _EXPERT[style][fused[3] == "down_proj"]
+            pieces = t.reshape(num_experts * len(names), -1, t.shape[-1]).unbind(0)
+            for index, piece in enumerate(pieces):
+                e, n = divmod(index, len(names))
+                out[f"{fused[1]}{block}.experts.{e}.{names[n]}.weight"] = piece
+    return out
+
+
+def _refuse(name: str, value, want) -> None:
+    if value != want:
+        raise ConfigError(f"HF config {name}={value!r} is not supported (megalite needs "
+                          f"{want!r})")
+
+
+def moe_fields(hf) -> dict:
+    """GPTConfig's MoE fields (and the MLP widths) of a Mixtral or Qwen2-MoE HF config, once
+    what megalite would compute differently is refused."""
+    style = MODEL_TYPES[hf.model_type]
+    layers = hf.num_hidden_layers
+    fields = dict(moe_router_topk=hf.num_experts_per_tok, moe_router_score_function="softmax")
+    if style == "Mixtral":
+        _refuse("sliding_window", getattr(hf, "sliding_window", None), None)
+        _refuse("router_jitter_noise", getattr(hf, "router_jitter_noise", 0.0) or 0.0, 0.0)
+        return dict(fields, num_experts=hf.num_local_experts, moe_layer_pattern=(True,) * layers,
+                    moe_ffn_hidden_size=hf.intermediate_size,
+                    ffn_hidden_size=hf.intermediate_size, moe_router_pre_softmax=False)
+    _refuse("qkv_bias", getattr(hf, "qkv_bias", True), False)
+    _refuse("use_sliding_window", getattr(hf, "use_sliding_window", False), False)
+    skipped = set(hf.mlp_only_layers or ())
+    pattern = tuple(i not in skipped and (i + 1) % hf.decoder_sparse_step == 0
+                    for i in range(layers))
+    return dict(fields, num_experts=hf.num_experts, moe_layer_pattern=pattern,
+                moe_ffn_hidden_size=hf.moe_intermediate_size,
+                ffn_hidden_size=hf.intermediate_size,
+                moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size or None,
+                moe_router_pre_softmax=not hf.norm_topk_prob)
