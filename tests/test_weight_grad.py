@@ -12,7 +12,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.weight_grad import (WeightGradStore, defer_weight_grads,
-                                                  linear)
+                                                  linear, unsplit_weight_grads)
 
 from tests.helpers import LLAMA_STYLE, tiny_gpt_config
 
@@ -186,3 +186,37 @@ def test_one_store_at_a_time():
         with pytest.raises(RuntimeError, match="already active"):
             with defer_weight_grads(WeightGradStore()):
                 pass
+
+
+@pytest.mark.parametrize("kind", ["column", "row", "column without bias"])
+def test_unsplit_linear_equals_the_splittable_one_bit_for_bit(kind):
+    """Schedules without W passes run the layers inside unsplit_weight_grads (torch's own
+    linear node, no custom function): the same output and gradients, bit for bit."""
+    module = layers()[kind]
+    x = randn(5, 3, module.weight.shape[1], seed=10)
+    grad_out = randn(5, 3, module.weight.shape[0], seed=11)
+    dx, dparams = grads(module, x, grad_out, split=False)
+    with unsplit_weight_grads():
+        y = module(x)
+        assert y.grad_fn.name() != "_LinearBackward"
+        dx_unsplit, dparams_unsplit = grads(module, x, grad_out, split=False)
+    assert torch.equal(y, module(x))
+    assert torch.equal(dx, dx_unsplit)
+    for name in dparams:
+        assert torch.equal(dparams[name], dparams_unsplit[name]), name
+
+
+def test_unsplit_model_equals_the_splittable_one_bit_for_bit():
+    config = tiny_gpt_config()
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def run(context):
+        model = GPTModel(config, seed=5)
+        with context:
+            model(tokens, labels).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    splittable, unsplit = run(torch.enable_grad()), run(unsplit_weight_grads())
+    for name in splittable:
+        assert torch.equal(splittable[name], unsplit[name]), name

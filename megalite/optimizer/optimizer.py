@@ -72,12 +72,12 @@ def squared_norm_over_experts(tensors: list[torch.Tensor], expert: list[bool],
     return squares + experts
 
 
-def adamw_kernel(params: list[torch.Tensor], host_step: bool = False) -> dict:
-    """torch's fused AdamW when every tensor is a CUDA float, or a host float in the host
-    step of --optimizer-cpu-offload (`host_step`; fused on the CPU since torch 2.4: one
-    pass over each tensor, where foreach makes one per operation); else the foreach one."""
-    if params and all(p.is_floating_point() and (p.is_cuda or host_step and p.is_cpu)
-                      for p in params):
+def adamw_kernel(params: list[torch.Tensor]) -> dict:
+    """torch's fused AdamW when every tensor is a CUDA or host float (fused on the CPU since
+    torch 2.4: one pass over each tensor, where foreach makes about ten, each of them a
+    parallel region on the CPU: 3.3 ms against 0.9 for nanoGPT's baby model on one
+    thread, docs/benchmarks.md); else the foreach one. The two round differently."""
+    if params and all(p.is_floating_point() and (p.is_cuda or p.is_cpu) for p in params):
         return {"fused": True}
     return {"foreach": True}
 
@@ -112,7 +112,7 @@ class Optimizer:
              {"params": [s.main for s in self.segments if id(s.param) in no_decay],
               "weight_decay": 0.0}],
             lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            **adamw_kernel([s.main for s in self.segments], self.host_step))
+            **adamw_kernel([s.main for s in self.segments]))
 
     def _owned_segments(self) -> list[Segment]:
         return [Segment(p, 0, p.numel(), p) for p in self.params]

@@ -11,7 +11,8 @@ import torch
 from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, RankPlan, action_messages
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.tensor_parallel.weight_grad import (WeightGradStore, defer_weight_grads,
+                                                  unsplit_weight_grads)
 
 
 def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
@@ -25,8 +26,18 @@ def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
     one stage is both first and last and the plan sends nothing. `timers` times (and
     names for the profiler) the compute and the send/recv waits. `before_backward(
     microbatch, chunk)`, if given, runs before each backward (FSDP's gradient sync)."""
-    saved: dict[tuple[int, int], tuple] = {}
     split = any(a.kind == WEIGHT for a in plan.actions)
+    # Without W passes no backward is split: torch's own linear node is cheaper.
+    with contextlib.nullcontext() if split else unsplit_weight_grads():
+        return _run_actions(plan, chunks, microbatches, comm, loss_fn, backward_scale,
+                            autocast, forward_only, timers, before_backward, split)
+
+
+def _run_actions(plan: RankPlan, chunks, microbatches: list[dict],
+                 comm: PipelineCommunicator | None, loss_fn: Callable, backward_scale: Callable,
+                 autocast: Callable, forward_only: bool, timers: Timers,
+                 before_backward: Callable | None, split: bool) -> torch.Tensor:
+    saved: dict[tuple[int, int], tuple] = {}
     deferred: dict[tuple[int, int], WeightGradStore] = {}  # B run, W not yet
     inbox, outbox = {}, {}  # received and not yet used; computed and not yet sent
     total = torch.zeros((), device=microbatches[0]["tokens"].device)

@@ -128,8 +128,7 @@ def test_offloaded_state_reaches_no_collective_on_the_host(launch):
     for name in ("fsdp offload", "zero1 offload"):
         assert sorted(runs[name]) == [1, 2], runs[name]
         for it, (loss, gnorm, zeros, pnorm) in runs[name].items():
-            # The host step's fused AdamW rounds differently from plain's foreach one;
-            # the log prints 7 significant digits of the loss, 3 decimals of the norms.
+            # The log prints 7 significant digits of the loss, 3 decimals of the norms.
             assert abs(float(loss) - float(plain[it][0])) <= 2e-6 * float(loss), (name, it)
             assert abs(float(pnorm) - float(plain[it][3])) <= 2e-3, (name, it, pnorm, plain)
             assert zeros == runs["zero1 offload"][it][2], (name, it, zeros)
