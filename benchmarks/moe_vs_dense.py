@@ -10,7 +10,7 @@ samples. The dense MLP is 256 wide; the MoE layers have 8 experts of width 128 w
 routing (each token's active MLP is 2 x 128 = 256 wide, the same FLOPs: 4x the MLP
 parameters in total, plus the 8 x 128 router per layer), aux-loss coefficient 1e-2.
 
-    python benchmarks/moe_vs_dense.py [--iters 200] [--eval-interval 25]
+    python benchmarks/moe_vs_dense.py [--iters 600] [--eval-interval 100]
 
 Prints a table of both validation curves. SMOKE=1 (benchmarks/smoke.py): --mock-data
 instead of the corpus, 2 steps; not a measurement.
@@ -87,8 +87,8 @@ def train(flags: list[str]) -> tuple[dict[int, float], float]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--eval-interval", type=int, default=25)
+    parser.add_argument("--iters", type=int, default=600)
+    parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--eval-iters", type=int, default=10)
     parser.add_argument("--max-documents", type=int, default=400)
     parser.add_argument("--vocab-size", type=int, default=1024)
