@@ -23,7 +23,8 @@ T x k, however unbalanced); a capacity factor bounds it by E / EP x C per source
 
 from megalite.config import Config
 from megalite.model.router import expert_capacity
-from megalite.tensor_parallel.params import is_expert_parallel, is_tensor_parallel
+from megalite.memory_estimate.weights import shard_numel
+from megalite.tensor_parallel.params import is_expert_parallel
 
 
 def is_moe_layer(config: Config, layer: int) -> bool:
@@ -66,12 +67,7 @@ def expert_weights(config: Config, params) -> dict[str, int]:
     """Elements of one rank's shard of this pipeline rank's parameters, by the group their
     gradients are reduced and their optimizer state sharded over: "experts" (expert-DP) and
     "dense" (DP x CP). `params`: weights.rank_parameters (whole, TP 1, EP 1)."""
-    tp, ep = config.parallel.tensor_model_parallel_size, config.parallel.expert_model_parallel_size
     counts = {"experts": 0, "dense": 0}
     for p in params:
-        numel = p.numel() // tp if is_tensor_parallel(p) else p.numel()
-        if is_expert_parallel(p):
-            counts["experts"] += numel // ep
-        else:
-            counts["dense"] += numel
+        counts["experts" if is_expert_parallel(p) else "dense"] += shard_numel(config, p)
     return counts

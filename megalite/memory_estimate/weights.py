@@ -13,8 +13,8 @@ from megalite.distributed.grad_buffer import bucket_layout, padded_size
 from megalite.memory_estimate.fsdp import fsdp_weights
 from megalite.memory_estimate.grad_compression import powersgd_bytes
 from megalite.model.gpt import build_model_chunks
-from megalite.tensor_parallel.params import (is_embedding_copy, is_shared_embedding,
-                                             is_tensor_parallel)
+from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
+                                             is_shared_embedding, is_tensor_parallel)
 
 
 def rank_parameters(config: Config, pp_rank: int) -> list[nn.Parameter]:
@@ -30,11 +30,14 @@ def rank_parameters(config: Config, pp_rank: int) -> list[nn.Parameter]:
 
 
 def shard_numel(config: Config, param: nn.Parameter) -> int:
-    """Elements of one TP rank's shard of `param` (a whole parameter): a tensor-parallel
-    layer splits one dimension evenly, the rest (norms, row-parallel biases, learned
-    positions) is whole on every TP rank."""
+    """Elements of one rank's shard of `param` (a whole parameter): a tensor-parallel layer
+    splits one dimension evenly over TP, the routed experts' weights are also split over EP
+    (their dim 0), the rest (norms, row-parallel biases, learned positions) is whole on
+    every TP rank."""
     tp = config.parallel.tensor_model_parallel_size
-    return param.numel() // tp if is_tensor_parallel(param) else param.numel()
+    numel = param.numel() // tp if is_tensor_parallel(param) else param.numel()
+    return numel // config.parallel.expert_model_parallel_size if is_expert_parallel(param) \
+        else numel
 
 
 def num_model_parameters(config: Config) -> int:
@@ -43,14 +46,27 @@ def num_model_parameters(config: Config) -> int:
                for param in rank_parameters(config, pp_rank) if not is_embedding_copy(param))
 
 
-def grad_buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, int]]:
-    """(real elements, padded elements) of each of this rank's gradient buckets."""
+def _buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, int, int]]:
+    """(real elements, padded elements, size of the group it is reduced over) of each of
+    this rank's gradient buckets: the dense ones over DP x CP, the experts' over expert-DP
+    (GradBuffer's rule)."""
     numels = [shard_numel(config, param) for param in params]
+    expert = [is_expert_parallel(param) for param in params]
     layout = bucket_layout(numels, [param.dtype for param in params],
                            [is_shared_embedding(param) for param in params],
-                           config.parallel.ddp_bucket_size)
-    dp = config.parallel.grid.dp_cp_size  # the group the buffer is reduced over
-    return [(n, padded_size(n, dp)) for n in (sum(numels[i] for i in b) for b in layout)]
+                           config.parallel.ddp_bucket_size, expert)
+    grid = config.parallel.grid
+    out = []
+    for bucket in layout:
+        group = grid.expert_data_parallel_size if expert[bucket[0]] else grid.dp_cp_size
+        real = sum(numels[i] for i in bucket)
+        out.append((real, padded_size(real, group), group))
+    return out
+
+
+def grad_buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, int]]:
+    """(real elements, padded elements) of each of this rank's gradient buckets."""
+    return [(real, padded) for real, padded, _ in _buckets(config, params)]
 
 
 def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
@@ -58,8 +74,8 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     and "owned": the elements whose fp32 main copy and moments this rank's optimizer holds."""
     params = rank_parameters(config, pp_rank)
     num = sum(shard_numel(config, param) for param in params)
-    layout = grad_buckets(config, params)
-    padded = sum(n for _, n in layout)
+    layout = _buckets(config, params)
+    padded = sum(n for _, n, _ in layout)
     pbytes, gbytes = config.precision.params_bytes, config.grad_bytes
     kind = config.optimizer_kind
     if kind is OptimizerKind.FULLY_SHARDED:
@@ -70,9 +86,10 @@ def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
         return dict(num_parameters=num, parameters=pbytes * num, gradients=gbytes * padded,
                     optimizer_state=8 * num, main_grads=0, owned=num,
                     grad_compression=compression)
-    shards = config.parallel.grid.dp_cp_size if sharded else 1
-    # DP rank 0 owns the first 1/shards of every bucket, all of it real parameters.
-    owned = sum(min(real, padded_numel // shards) for real, padded_numel in layout)
+    # DP rank 0 owns the first 1/shards of every bucket (shards: the bucket's group under
+    # ZeRO-1), all of it real parameters.
+    owned = sum(min(real, padded_numel // (group if sharded else 1))
+                for real, padded_numel, group in layout)
     state = dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,
                  optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned,
                  owned=owned, grad_compression=compression)

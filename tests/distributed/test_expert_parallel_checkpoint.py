@@ -12,6 +12,7 @@ import torch
 from megalite.checkpointing.loading import load_checkpoint
 from megalite.checkpointing.saving import save_checkpoint
 from megalite.layout_check import build_run, step_problems
+from megalite.memory_estimate.weights import grad_buckets, rank_parameters, weights_and_optimizer
 from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.replica_check import ReplicaMismatchError, check_all_replicas
 from megalite.optimizer.lr_scheduler import LRScheduler
@@ -47,7 +48,7 @@ def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=
         if iteration == save_at:
             save_checkpoint(save, iteration, model, optimizer, scheduler, state, config,
                             TrainState(iteration, iteration * config.training.global_batch_size))
-    return results, model, state, config
+    return results, model, state, config, runner
 
 
 def _replica_check(model, state, rank) -> list[str]:
@@ -68,8 +69,8 @@ def _replica_check(model, state, rank) -> list[str]:
 
 
 def _resume(rank, world_size, directory):
-    straight, model, state, config = _train(BASE + ZERO_EP2, 4, rank, range(1, 6),
-                                            save=f"{directory}/a", save_at=2)
+    straight, model, state, config, runner = _train(BASE + ZERO_EP2, 4, rank, range(1, 6),
+                                                         save=f"{directory}/a", save_at=2)
     # The log line's expert load counts all E experts' tokens under EP too.
     load = moe_report(model, config, state.tp_size, 5, torch.device("cpu"))[0]["expert_load"]
     replicas = _replica_check(model, state, rank) + ([] if load >= 1 else [f"load {load}"])
@@ -80,7 +81,21 @@ def _resume(rank, world_size, directory):
     last = rank % 2 == 1 or rank == 0  # ranks whose loss the comparison may read
     return {"EP 4 from EP 2 ZeRO-1": step_problems(at_ep4, straight[2:4], last),
             "EP 1 from EP 4": step_problems(at_ep1, straight[4:], True) if at_ep1 else [],
-            "replica check": replicas}
+            "replica check": replicas, "planner": _planner_problems(config, runner, rank)}
+
+
+def _planner_problems(config, runner, rank) -> list[str]:
+    """The memory planner's buckets are the real buffer's at EP 2 x DP 2 (expert buckets
+    padded to expert-DP, 2; dense ones to DP x CP, 4), and rank 0's ZeRO-1 shard is the
+    number of elements its optimizer steps."""
+    built = [(sum(p.numel() for p in b.params), b.numel) for b in runner.grad_buffer.buckets]
+    planned = grad_buckets(config, rank_parameters(config, 0))
+    problems = [] if built == planned else [f"buckets {built}, planned {planned}"]
+    if rank == 0:
+        owned = sum(s.main.numel() for s in runner.optimizer.segments)
+        planned_owned = weights_and_optimizer(config, 0)["owned"]
+        problems += [] if owned == planned_owned else [f"owned {owned}, planned {planned_owned}"]
+    return problems
 
 
 def test_resume_at_another_expert_parallel_size(tmp_path):
