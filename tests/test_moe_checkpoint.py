@@ -17,12 +17,14 @@ FLAGS = flags_with("--disable-bias-linear", "--num-experts", "4", "--moe-ffn-hid
 
 
 def test_resume_with_expert_bias_is_bit_exact(tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
     assert pretrain([*FLAGS, "--save", str(straight)]) == 0
-    assert pretrain([*FLAGS, "--save", str(resumed), "--exit-interval", "1"]) == 0
-    assert pretrain([*FLAGS, "--save", str(resumed), "--load", str(resumed)]) == 0
-    tensors = checkpoint_tensors(straight)
-    bias = [v for k, v in tensors.items() if k.endswith("mlp.router.expert_bias")]
+    assert pretrain([*FLAGS, "--save", str(first), "--exit-interval", "1"]) == 0
+    # After one update every bias is +-rate (0 only if the load were exactly even); a later
+    # update may bring one back to 0, so the one the resume must restore is checked here.
+    bias = [v for k, v in checkpoint_tensors(first).items()
+            if k.endswith("mlp.router.expert_bias")]
     assert len(bias) == 2 and all(isinstance(b, torch.Tensor) and b.abs().sum() > 0
                                   for b in bias)
-    assert_identical(tensors, checkpoint_tensors(resumed))
+    assert pretrain([*FLAGS, "--save", str(resumed), "--load", str(first)]) == 0
+    assert_identical(checkpoint_tensors(straight), checkpoint_tensors(resumed))
