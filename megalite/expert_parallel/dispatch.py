@@ -14,7 +14,8 @@ pairs from every EP rank, ordered by local expert, then source rank, then token.
 
 import torch
 
-from megalite.expert_parallel.exchange import AllGatherDispatch, AllToAllDispatch
+from megalite.expert_parallel.exchange import (AllGatherDispatch, AllToAllDispatch,
+                                               sort_by_expert)
 from megalite.parallel_state import group_size
 
 
@@ -39,14 +40,9 @@ class TokenDispatcher:
         if self._exchange is not None:  # over the EP group (exchange.py)
             self._state = self._exchange(self.num_experts, self.ep_group)
             return self._state.dispatch(hidden, probs, indices, keep)
-        k = indices.shape[1]
-        pairs = keep.reshape(-1).nonzero().squeeze(1)          # kept pairs, token order
-        experts = indices.reshape(-1)[pairs]
-        order = torch.sort(experts, stable=True).indices
-        pairs = pairs[order]
-        tokens = torch.div(pairs, k, rounding_mode="floor")
+        pairs, counts = sort_by_expert(indices, keep, self.num_experts)
+        tokens = torch.div(pairs, indices.shape[1], rounding_mode="floor")
         self._state = (tokens, probs.reshape(-1)[pairs], hidden.shape[0])
-        counts = torch.bincount(experts, minlength=self.num_experts)
         return hidden[tokens], counts
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
