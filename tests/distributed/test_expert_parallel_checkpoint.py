@@ -20,6 +20,7 @@ from megalite.spawn import run_distributed
 from megalite.training import TrainState
 
 from tests.distributed.test_expert_parallel_layouts import BASE
+from tests.test_memory_estimate import built_buckets
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -88,7 +89,7 @@ def _planner_problems(config, runner, rank) -> list[str]:
     """The memory planner's buckets are the real buffer's at EP 2 x DP 2 (expert buckets
     padded to expert-DP, 2; dense ones to DP x CP, 4), and rank 0's ZeRO-1 shard is the
     number of elements its optimizer steps."""
-    built = [(sum(p.numel() for p in b.params), b.numel) for b in runner.grad_buffer.buckets]
+    built = built_buckets(runner.grad_buffer)
     planned = grad_buckets(config, rank_parameters(config, 0))
     problems = [] if built == planned else [f"buckets {built}, planned {planned}"]
     if rank == 0:
