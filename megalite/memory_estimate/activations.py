@@ -12,7 +12,7 @@ from megalite.memory_estimate.context_parallel import (attended_keys, cp_attenti
                                                        cp_core_attention_bytes,
                                                        gathered_qkv_bytes, ring_keeps_qkv)
 from megalite.memory_estimate.fp8 import fp8_layer_delta_bytes
-from megalite.memory_estimate.moe import is_moe_layer, moe_saved_bytes
+from megalite.memory_estimate.moe import moe_saved_bytes
 from megalite.model.gpt import recompute_groups
 from megalite.pipeline_parallel.p2p import communication_plan
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
@@ -192,7 +192,7 @@ def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = No
     recompute; its linear layers' GEMMs in FP8 with a recipe `fp8`; a MoE layer's MLP as
     memory_estimate/moe.py counts it."""
     selective = config.model.recompute_granularity == "selective"
-    mlp = (moe_saved_bytes(config, shape, mlp_saved_bytes) if is_moe_layer(config, layer)
+    mlp = (moe_saved_bytes(config, shape, mlp_saved_bytes) if config.model.is_moe_layer(layer)
            else mlp_saved_bytes(config, shape))
     return (2 * norm_saved_bytes(config, shape) + 2 * norm_output_bytes(config, shape)
             + attention_saved_bytes(config, shape, selective) + mlp

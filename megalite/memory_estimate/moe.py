@@ -27,11 +27,6 @@ from megalite.memory_estimate.weights import shard_numel
 from megalite.tensor_parallel.params import is_expert_parallel
 
 
-def is_moe_layer(config: Config, layer: int) -> bool:
-    pattern = config.model.moe_layer_pattern
-    return pattern is not None and pattern[layer]
-
-
 def dispatched_rows(config: Config, tokens: int) -> int:
     """Worst-case rows one EP rank's experts receive in one MoE layer, from `tokens` routed
     tokens per rank (see the module docstring)."""
