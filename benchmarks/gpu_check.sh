@@ -8,7 +8,8 @@
 # Steps: the environment; the tests that skip without a GPU; attention kernels and RNG on
 # the GPU (which SDPA kernels take the training shapes); a bf16 matmul peak; GPT-2 350M in
 # bf16 (the log line); MFU, tokens/s, peak memory next to the planner's figure and the time
-# to the first step of a TinyLlama-shaped 1.1B (with a profile of one step by category) and
+# to the first step of a TinyLlama-shaped 1.1B with the default flags (compiled layers on a
+# GPU; with a profile of one step by category), of the same with --no-compile-layers, and of
 # a GPT-style 1.3B, micro-batch chosen by the memory planner; save + resume bit-exact (fp32
 # Adam, bf16 ZeRO-1); torchrun over NCCL with ZeRO-1 and both overlaps; the log line's MFU
 # and a measured matmul against megalite's peak table; FSDP2 (both strategies) with CPU
@@ -29,8 +30,8 @@
 # live in a temporary directory that is removed at the end.
 # Env: BUDGET_S (default 540; 1200 under SMOKE, where each step may take 4x its GPU limit),
 # PYTHON, PEAK_TFLOPS (default 989: H100/H200 SXM dense bf16), EXTRA_PERF_FLAGS (appended
-# to the MFU runs, e.g. an opt-in compile flag), STEPS (run only these step names; the
-# others SKIP), FP8_ITERS, SMOKE=1.
+# to the MFU runs), STEPS (run only these step names; the others SKIP), FP8_ITERS,
+# FP8_MAX_LAYERS (at most this many layers in the fp8 step, for a shorter run), SMOKE=1.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export REPO=$PWD
@@ -110,7 +111,7 @@ export SMALL="--mock-data --vocab-size 1000 --num-layers 4 --hidden-size 256
   --num-attention-heads 8 --seq-length 256 --micro-batch-size 4 --global-batch-size 8
   --lr 1e-3 --attention-dropout 0.1 --hidden-dropout 0.1 --num-workers 0"
 export ITERS=30 MFU_ITERS=15 RESUME_ITERS=10 COMPILE_BACKEND=""  # torch's default: inductor
-export FOUR_MICRO="--micro-batch-size 2 --global-batch-size 8" PEAK_FLAG=""
+export FOUR_MICRO="--micro-batch-size 2 --global-batch-size 8" PEAK_FLAG="" GPU_DEFAULT=""
 if [ "$SMOKE" = 1 ]; then
     TINY="--mock-data --vocab-size 256 --num-layers 2 --hidden-size 32 --num-attention-heads 4
       --seq-length 32 --max-position-embeddings 32 --num-workers 0"
@@ -125,7 +126,7 @@ if [ "$SMOKE" = 1 ]; then
     PEAK_FLAG="--peak-tflops $PEAK"  # a CPU has no entry in the peak table: MFU on the log
     # Inductor's C++ build of one tiny model's layer takes about a minute on a 2-core CPU;
     # aot_eager runs the same torch.compile capture (dynamo, AOTAutograd) on eager kernels.
-    COMPILE_BACKEND=aot_eager
+    COMPILE_BACKEND=aot_eager GPU_DEFAULT="--compile-layers"
 fi
 export PERF="--bf16 --attention-backend sdpa --lr 1e-4 --eval-iters 0 --log-throughput"
 # Llama-3-8B's layer shapes (hidden 4096, SwiGLU 14336, GQA 32/8, RoPE base 500000) with a
@@ -136,7 +137,8 @@ export LLAMA8B="--vocab-size 32000 --hidden-size 4096 --ffn-hidden-size 14336
   --max-position-embeddings 2048 --position-embedding-type rope --rotary-base 500000
   --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
   --attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 8"
-export FP8_ITERS=${FP8_ITERS:-300} FP8_FIT="--fit 0.8" FP8_COMPILE="--compile-layers"
+export FP8_ITERS=${FP8_ITERS:-300} FP8_FIT="--fit 0.8 ${FP8_MAX_LAYERS:+--max-layers $FP8_MAX_LAYERS}"
+export FP8_COMPILE="--compile-layers"
 if [ "$SMOKE" = 1 ]; then
     LLAMA8B="--vocab-size 256 --num-layers 2 --hidden-size 32 --num-attention-heads 4
       --seq-length 32 --max-position-embeddings 32 --num-workers 0
@@ -233,12 +235,12 @@ mfu() {
     matmul=$(cat "$LOG/matmul_tflops.txt" 2>/dev/null || echo 0)
     "$PY" "$HELPERS/parse_log.py" "$LOG/$name.run$try.log" "$PEAK" "$matmul" nofall
 }
-mfu_llama_1b() { mfu LLAMA1B llama_1b profile; }
+# With no flag, a GPU compiles each layer (training.compile_by_default); under SMOKE the CPU
+# is asked to, so the same path runs (aot_eager).
+mfu_llama_1b() { EXTRA_PERF_FLAGS="$GPU_DEFAULT $EXTRA_PERF_FLAGS" mfu LLAMA1B llama_1b profile; }
 mfu_gpt_1b3() { mfu GPT13B gpt_1b3; }
-mfu_llama_1b_compiled() {  # the same 1.1B run with each layer under torch.compile (inductor)
-    local extra="$EXTRA_PERF_FLAGS"  # once, even when the caller's flags already compile
-    [[ " $extra " == *" --compile-layers "* ]] || extra="$extra --compile-layers"
-    EXTRA_PERF_FLAGS="$extra" mfu LLAMA1B llama_1b_compiled
+mfu_llama_1b_eager() {  # the same 1.1B run with the documented way out: eager layers
+    EXTRA_PERF_FLAGS="$EXTRA_PERF_FLAGS --no-compile-layers" mfu LLAMA1B llama_1b_eager
 }
 
 # resume_case NAME EXTRA_FLAGS...: straight N vs N/2 + save + load + N/2. Deterministic
@@ -340,7 +342,7 @@ implicit_gpu_tests() {
     exit $rc
 }
 
-export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 mfu_llama_1b_compiled \
+export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 mfu_llama_1b_eager \
     resume_case checkpoint_resume torchrun_nccl mfu_table fsdp_offload megatron_load \
     ring_attention zero_bubble memory_snapshot implicit_gpu_tests fp8
 
@@ -364,7 +366,7 @@ step ring_attention      60 ring_attention         # ~10 s: fused ring blocks, C
 step zero_bubble         60 zero_bubble            # ~15 s: F F B B W W bit-equal, W timed
 step memory_snapshot     45 memory_snapshot        # ~12 s: snapshot without --profile
 step mfu_gpt_1b3        120 mfu_gpt_1b3            # GPT 1.3B: MFU, memory
-step mfu_llama_1b_compiled 150 mfu_llama_1b_compiled 100  # 1.1B with --compile-layers
+step mfu_llama_1b_eager 150 mfu_llama_1b_eager 100  # 1.1B with --no-compile-layers
 step implicit_gpu_tests 120 implicit_gpu_tests 90  # only if 90 s are left
 step fp8                420 fp8 30                 # ~6 min: run alone, STEPS=fp8
 echo "---- summary ($(($(date +%s) - T0))s of ${BUDGET_S}s) ----" | tee -a "$RESULTS/summary.txt"

@@ -84,10 +84,13 @@ def _model(parser):
                    help="full: checkpoint groups of --recompute-num-layers layers (uniform), "
                         "or the first --recompute-num-layers layers of each stage (block).")
     g.add_argument("--recompute-num-layers", type=int)
-    g.add_argument("--compile-layers", action="store_true",
+    g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each transformer layer (megalite's own flag; Megatron "
-                        "has none). Same results within bf16 round-off; the first steps "
-                        "compile, which takes a while.")
+                        "has none, and fuses through Transformer Engine instead). Default: on "
+                        "when training on a GPU at TP 1 and CP 1 without --num-experts or "
+                        "--pipeline-schedule zb-h1, off otherwise; --no-compile-layers runs "
+                        "eagerly. Same results within bf16 round-off; the first step "
+                        "compiles, which takes a while.")
 
 
 def _parallelism(parser):

@@ -89,8 +89,10 @@ class GPTConfig:
     first recompute_num_layers layers of each model chunk) (--recompute-method)."""
     recompute_num_layers: int = 1
     """Layers per recompute group or block (--recompute-num-layers)."""
-    compile_layers: bool = False
-    """torch.compile each transformer layer (--compile-layers)."""
+    compile_layers: bool | None = False
+    """torch.compile each transformer layer (--compile-layers). None: neither
+    --compile-layers nor --no-compile-layers was given, and training.build_model decides
+    for its device (compile_by_default); a model built elsewhere with None runs eagerly."""
     cp_comm_type: str = "p2p"
     """How attention reaches the keys of other context-parallel ranks: "p2p" (ring) or
     "all_gather" (--cp-comm-type); unused at CP 1."""

@@ -28,6 +28,7 @@ from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_p
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
 from megalite.model.gpt import activation_shape
 from megalite.model.moe import set_aux_loss_scale, update_expert_bias
+from megalite.tensor_parallel.fp8 import quantize_weights_once
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.params import is_shared_embedding, main_grad
 
@@ -121,7 +122,7 @@ class StepRunner:
             self.optimizer.zero_grad()
         set_aux_loss_scale(self.chunks,
                            self.optimizer.loss_scale / self.microbatches_per_global_batch)
-        with timers("forward-backward"):
+        with timers("forward-backward"), quantize_weights_once():
             loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
                                 self.optimizer.scale_loss, self._autocast, timers=timers,

@@ -3,6 +3,8 @@ the formula: each operand quantized as q = clamp(t / s, +-fp8_max) in FP8, s = a
 fp8_max (per tensor, or per row along the GEMM's contraction dim), dequantized (q * s) in
 fp32, then multiplied in fp32. The flags that turn it on and what they refuse."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -160,6 +162,31 @@ def test_fp8_and_plain_runs_resume_from_each_other(tmp_path, capsys):
         _layout(checkpoint_tensors(tmp_path / "plain"))
 
 
+def test_weights_quantized_once_a_step_give_the_per_micro_batch_results(monkeypatch, capsys):
+    """train_step's quantize_weights_once against the layer quantizing its weight at every
+    micro-batch (the cache made a no-op): the same losses, bit for bit, over 4 micro-batches
+    a step under full recompute, and one weight quantization per linear layer and step
+    instead of two (forward and recomputed forward) per micro-batch."""
+    flags = ["--fp8-format", "hybrid", "--global-batch-size", "8", "--recompute-granularity",
+             "full", "--recompute-method", "uniform"]
+    weights = []
+    real = fp8.quantize
+
+    def counting(t, dtype, dim=None, group=None):
+        weights.append(isinstance(t, torch.nn.Parameter))
+        return real(t, dtype, dim, group)
+    monkeypatch.setattr(fp8, "quantize", counting)
+    cached = _pretrain(capsys, *flags)
+    cached_casts = sum(weights)
+    weights.clear()
+    monkeypatch.setattr("megalite.train_step.quantize_weights_once", contextlib.nullcontext)
+    uncached = _pretrain(capsys, *flags)
+    assert cached == uncached
+    linears, steps = 4 * 2, 3  # 2 layers (flags_with), train_iters 3
+    assert cached_casts == linears * steps
+    assert sum(weights) == 2 * 4 * linears * steps
+
+
 @pytest.mark.parametrize("capability, shapes, message", [
     ((8, 0), ((32, 32), (32, 32)), "compute capability >= 8.9.*has 8.0"),
     ((9, 0), ((24, 32), (32, 32)), r"\[24, 32\] x \[32, 32\] has a dim that is not a multiple"),
@@ -168,3 +195,47 @@ def test_fp8_gemm_refused_on_gpus_that_cannot_run_it(monkeypatch, capability, sh
     monkeypatch.setattr(fp8, "_capability", lambda device: capability)
     with pytest.raises(ConfigError, match=message):
         fp8._check_cuda(*shapes, "cuda:0")
+
+
+NEEDS_FP8_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
+
+
+@NEEDS_FP8_GPU
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.format}-{r.recipe}")
+@pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear])
+def test_fp8_layer_on_the_gpu_matches_the_formula(kind, recipe):
+    """cuBLASLt's FP8 GEMMs and the compiled quantization (fp8._kernel) against the formula
+    in fp64, in bf16: the output is rounded to bf16 once, so 1% of the tensor's scale."""
+    generator = torch.Generator().manual_seed(0)
+    layer = kind(64, 96, group=None, fp8=recipe).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 64, generator=generator))
+        layer.bias.copy_(torch.randn(96, generator=generator))
+    x = (torch.randn(16, 2, 64, generator=generator)
+         * torch.logspace(-2, 1, 16).view(16, 1, 1)).to("cuda", torch.bfloat16).requires_grad_()
+    g = (torch.randn(16, 2, 96, generator=generator) * 1e-3).to("cuda", torch.bfloat16)
+    y = layer(x)
+    y.backward(g)
+    expected = reference(x.detach().cpu(), layer.weight.detach().cpu(),
+                         layer.bias.detach().cpu(), g.cpu(), recipe)
+    for actual, want in zip((y, x.grad, layer.weight.grad, layer.bias.grad), expected):
+        actual = actual.detach().cpu().double().reshape(want.shape)
+        torch.testing.assert_close(actual, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@NEEDS_FP8_GPU
+@pytest.mark.parametrize("dim", [None, 0, 1])
+def test_compiled_quantization_equals_the_eager_one_on_the_gpu(dim):
+    """fp8._kernel's compiled amax and cast against the same functions run eagerly: the
+    same scales, and FP8 codes equal but for a rare one-step tie (division rounding)."""
+    t = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) \
+        * torch.logspace(-3, 2, 512, device="cuda")
+    for dtype in (E4M3, E5M2):
+        fused = fp8.quantize(t, dtype, dim)
+        amax = fp8._amax(t, dim)
+        data, scale = fp8._scale_and_cast(t, amax, dtype, torch.finfo(dtype).max)
+        assert torch.equal(fused.scale, scale)
+        codes = (fused.data.view(torch.uint8).int() - data.view(torch.uint8).int()).abs()
+        assert codes.max() <= 1 and (codes > 0).float().mean() < 1e-3

@@ -248,7 +248,8 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
 
 
 def planned_chunk_bytes(config, pp_rank: int, device: str = "cpu") -> list[int]:
-    return [c.saved + c.send_forward
+    # A forward saves its FP8 weight copies, which quantize_weights_once keeps for the step.
+    return [c.saved + c.send_forward + c.fp8_weights
             for c in me.rank_chunks(config, pp_rank, me.DEVICES[device])]
 
 

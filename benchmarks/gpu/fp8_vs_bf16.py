@@ -1,4 +1,4 @@
-"""fp8_vs_bf16.py WORKDIR ITERS [--fit FRACTION] -- PRETRAIN_GPT_FLAGS...: the same model,
+"""fp8_vs_bf16.py WORKDIR ITERS [--fit FRACTION [--max-layers N]] -- PRETRAIN_GPT_FLAGS...: the same model,
 data and steps in bf16 and with --fp8-format hybrid: tokens/s of each, their ratio (goal
 >= 1.3x on an H100), and the loss at the end (the mean of the last three logged intervals;
 FP8 within 1% of bf16, else exit 1).
@@ -8,7 +8,7 @@ from a skewed distribution over 16 offsets, so the loss falls from log V to abou
 offsets' entropy (~2 nats) and stays far from zero, where a relative comparison means
 something (mock data's counting documents are learnt to ~0). With --fit, the number of
 transformer layers is the largest the memory planner puts within FRACTION of this GPU
-(the larger of the bf16 and FP8 plans). Each run goes through run_pretrain.py (compile
+(the larger of the bf16 and FP8 plans), at most N with --max-layers. Each run goes through run_pretrain.py (compile
 backend and all) and its log is kept in WORKDIR. Lines starting with ">>" are the results.
 """
 
@@ -49,16 +49,17 @@ def write_corpus(prefix: str, vocab: int, tokens: int, seed: int = 1234):
     builder.finalize(prefix + ".idx")
 
 
-def fit_layers(flags: list[str], fraction: float) -> int:
+def fit_layers(flags: list[str], fraction: float, most: int) -> int:
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     fits = 1
-    for layers in range(1, 65):
+    for layers in range(1, most + 1):
         plans = [planned_bytes(flags + extra + ["--num-layers", str(layers)]) / 2**30
                  for extra in ([], FP8)]
         if max(plans) > fraction * gib:
             break
         fits = layers
-    print(f">> {fits} layers fit within {fraction:.0%} of {gib:.0f} GiB (memory planner)")
+    print(f">> {fits} layers fit within {fraction:.0%} of {gib:.0f} GiB (memory planner)"
+          + (f", at most {most} asked for" if fits == most else ""))
     return fits
 
 
@@ -81,6 +82,7 @@ def main():
     p.add_argument("workdir")
     p.add_argument("iters", type=int)
     p.add_argument("--fit", type=float, default=None)
+    p.add_argument("--max-layers", type=int, default=64)
     p.add_argument("--compile-backend", default=None)
     args, flags = p.parse_args(argv[:split]), argv[split + 1:]
     vocab = int(flag_value(flags, "--vocab-size"))
@@ -94,7 +96,7 @@ def main():
                   "100,0,0", "--data-cache-path", data, "--train-iters", str(args.iters),
                   "--log-interval", str(max(1, args.iters // 30))]
         if args.fit is not None:
-            flags += ["--num-layers", str(fit_layers(flags, args.fit))]
+            flags += ["--num-layers", str(fit_layers(flags, args.fit, args.max_layers))]
         runner = ["--compile-backend", args.compile_backend] if args.compile_backend else []
         logs = {name: run(args.workdir, name, flags + extra, runner)
                 for name, extra in (("bf16", []), ("fp8", FP8))}

@@ -11,7 +11,7 @@ from megalite.config import Config
 from megalite.memory_estimate.context_parallel import (attended_keys, cp_attention_working_set,
                                                        cp_core_attention_bytes,
                                                        gathered_qkv_bytes, ring_keeps_qkv)
-from megalite.memory_estimate.fp8 import fp8_layer_delta_bytes
+from megalite.memory_estimate.fp8 import fp8_layer_delta_bytes, fp8_weight_copy_bytes
 from megalite.memory_estimate.moe import moe_saved_bytes
 from megalite.model.gpt import recompute_groups
 from megalite.pipeline_parallel.p2p import communication_plan
@@ -237,6 +237,9 @@ class ChunkActivations:
     """Bytes of the input gradient sent to the previous stage (likewise)."""
     working_set: int
     """Recomputed in backward on top of `saved` (full recompute: one group)."""
+    fp8_weights: int = 0
+    """FP8 copies of the chunk's weights: held once a step, not per micro-batch
+    (memory_estimate/fp8.py)."""
 
 
 def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
@@ -245,6 +248,8 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
     contiguous = config.model.sequence_parallel or not pre
     residual = shape.act_bytes * shape.residual_tokens * shape.hidden
     saved, working = 0, cp_attention_working_set(config, shape)
+    fp8_weights = sum(fp8_weight_copy_bytes(config, shape, layer_fp8_recipe(config.model, i))
+                      for i in layers)
     for run, recomputed in recompute_groups(config.model, len(layers)):
         run_bytes = sum(layer_saved_bytes(config, shape, layer_fp8_recipe(config.model,
                                                                           layers[i]), layers[i])
@@ -262,7 +267,8 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
         saved += loss_saved_bytes(config, shape)
     elif not contiguous:
         saved += residual  # the output [b, s, h] view; its contiguous copy is sent
-    return ChunkActivations(saved, 0 if post else residual, 0 if pre else residual, working)
+    return ChunkActivations(saved, 0 if post else residual, 0 if pre else residual, working,
+                            fp8_weights)
 
 
 def _first_layer_keeps_input(config: Config, shape: _Shapes) -> bool:
@@ -322,7 +328,8 @@ def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int,
             sent += (chunk.send_backward if keep and piped else 0) - until_backward.pop(key)
         if now > peak:
             peak, peak_sent = now, sent
-    return sum(chunk.saved for chunk in chunks), peak, peak_sent
+    fp8_weights = sum(chunk.fp8_weights for chunk in chunks)  # held through the whole walk
+    return sum(chunk.saved for chunk in chunks), peak + fp8_weights, peak_sent
 
 
 def sends_held(config: Config, pp_rank: int) -> list[bool]:

@@ -1,8 +1,10 @@
-"""What FP8 changes in one transformer layer's saved tensors (tensor_parallel/fp8.py): under
-the tensorwise recipe each of its four linear layers keeps the FP8 copy of its input (one
-byte an element) instead of the input itself, plus the FP8 copy of its weight shard and the
-two fp32 scales, for every micro-batch in flight. The rowwise recipe keeps what the plain
-layer keeps (its input and the weight itself) and quantizes again in backward."""
+"""What FP8 changes in one transformer layer's memory (tensor_parallel/fp8.py): under the
+tensorwise recipe each of its four linear layers keeps the FP8 copy of its input (one byte
+an element) instead of the input itself, for every micro-batch in flight, and the FP8 copy
+of its weight shard with the two fp32 scales once a step (fp8.quantize_weights_once keeps
+it from the first micro-batch's forward to the step's last backward). The rowwise recipe
+keeps what the plain layer keeps (its input and the weight itself) and quantizes again in
+backward."""
 
 from megalite.config import Config
 from megalite.tensor_parallel.fp8 import Fp8Recipe
@@ -10,18 +12,26 @@ from megalite.tensor_parallel.fp8 import Fp8Recipe
 SCALES_PER_LINEAR = 2  # X's and A's, 0-dim fp32
 
 
-def fp8_layer_delta_bytes(config: Config, shape, recipe: Fp8Recipe | None) -> int:
-    """Bytes one layer saves in FP8 minus what it saves without (`shape`: the planner's
-    activations._Shapes)."""
+def fp8_weight_copy_bytes(config: Config, shape, recipe: Fp8Recipe | None) -> int:
+    """The FP8 copies of one layer's four weight shards and their scales, held through a
+    step's forwards and backwards (`shape`: the planner's activations._Shapes)."""
     if recipe is None or recipe.rowwise:
         return 0
     h, q, kv, f = shape.hidden, shape.query_width, shape.kv_width, shape.ffn_width
     fc1 = 2 * f if config.model.swiglu else f
-    kept = h * (q + 2 * kv) + q * h + h * fc1 + f * h + 4 * SCALES_PER_LINEAR * 4  # weights
+    return h * (q + 2 * kv) + q * h + h * fc1 + f * h + 4 * SCALES_PER_LINEAR * 4
+
+
+def fp8_layer_delta_bytes(config: Config, shape, recipe: Fp8Recipe | None) -> int:
+    """Bytes one layer saves per micro-batch in FP8 minus what it saves without, its weight
+    copies aside (fp8_weight_copy_bytes)."""
+    if recipe is None or recipe.rowwise:
+        return 0
+    h, q, f = shape.hidden, shape.query_width, shape.ffn_width
     # Inputs kept by their linear layer only: of QKV and fc1 (norm outputs, gathered under
     # SP) and fc2. The projection's input is the attention kernel's saved output itself
     # where the fused kernel lays it out [s, b, ...] (CPU): FP8 adds its copy there.
-    freed = shape.tokens * (2 * h + f)
+    freed, kept = shape.tokens * (2 * h + f), 0
     if shape.device.attention_output_copied or config.model.attention_backend == "unfused":
         freed += shape.tokens * q
     else:
