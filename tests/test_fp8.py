@@ -200,9 +200,11 @@ def test_fp8_gemm_refused_on_gpus_that_cannot_run_it(monkeypatch, capability, sh
 NEEDS_FP8_GPU = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
+# On a GPU the quantization is compiled: inductor starts its compile workers (processes).
 
 
 @NEEDS_FP8_GPU
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.format}-{r.recipe}")
 @pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear])
 def test_fp8_layer_on_the_gpu_matches_the_formula(kind, recipe):
@@ -226,6 +228,7 @@ def test_fp8_layer_on_the_gpu_matches_the_formula(kind, recipe):
 
 
 @NEEDS_FP8_GPU
+@pytest.mark.slow
 @pytest.mark.parametrize("dim", [None, 0, 1])
 def test_compiled_quantization_equals_the_eager_one_on_the_gpu(dim):
     """fp8._kernel's compiled amax and cast against the same functions run eagerly: the

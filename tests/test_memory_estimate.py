@@ -340,7 +340,8 @@ def test_recompute_shrinks_activations():
 
 GPU_FLAGS = ["--mock-data", "--vocab-size", "32000", "--num-layers", "2", "--hidden-size",
              "1024", "--num-attention-heads", "16", "--seq-length", "1024",
-             "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4", "--bf16"]
+             "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4", "--bf16",
+             "--no-compile-layers"]  # the planner models eager layers (compiled ones keep less)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

@@ -242,6 +242,7 @@ def test_compiled_layers_equal_eager(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton "
                     "kernels: the path --compile-layers takes by default on a GPU)")
+@pytest.mark.slow  # inductor starts its compile workers (processes)
 def test_compiled_layers_equal_eager_in_bf16_on_the_gpu():
     """The default path on a GPU (training.compile_by_default) against eager mode, both in
     bf16, each measured against the same model in fp32: compiled layers are as close to

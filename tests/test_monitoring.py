@@ -293,6 +293,7 @@ def test_memory_history_covers_the_model_and_is_written_after_the_first_log_inte
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory snapshots need a GPU")
+@pytest.mark.slow  # the default path on a GPU compiles layers: inductor's worker processes
 def test_memory_snapshot_on_gpu(tmp_path):
     import pickle
     path = tmp_path / "snapshot.pickle"

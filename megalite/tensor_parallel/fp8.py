@@ -153,15 +153,20 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
-def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
+              fast_accum: bool = False) -> torch.Tensor:
     """a [M, K] @ b [K, N] in FP8 with fp32 accumulation. cuBLASLt wants a row-major and b
-    column-major, every dim a multiple of 16."""
+    column-major, every dim a multiple of 16. `fast_accum`: Hopper's FP8 tensor cores
+    accumulate in fewer bits unless the sum is promoted to fp32 now and then, which costs
+    time; torchao (and Transformer Engine) take the fast path for the forward GEMM only and
+    promote in the gradients' GEMMs, where small contributions add up. A CPU ignores it."""
     if a.data.is_cuda:
         _check_cuda(a.data.shape, b.data.shape, a.data.device)
     # On CUDA, rowwise scaling writes bf16 only; the cast back is the one extra rounding.
     gemm_dtype = (torch.bfloat16 if a.data.is_cuda and a.scale.dim() else out_dtype)
     out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
-                           scale_a=a.scale, scale_b=b.scale, out_dtype=gemm_dtype)
+                           scale_a=a.scale, scale_b=b.scale, out_dtype=gemm_dtype,
+                           use_fast_accum=fast_accum)
     return out.to(out_dtype)
 
 
@@ -203,7 +208,7 @@ class _Fp8Linear(torch.autograd.Function):
             wq = _quantized_weight(weight, fwd_dtype, group).t()
             # weight itself only for a deferred weight gradient to land on
             ctx.save_for_backward(weight, xq.data, xq.scale, wq.data, wq.scale)
-        y = scaled_mm(xq, wq, x.dtype)
+        y = scaled_mm(xq, wq, x.dtype, fast_accum=True)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
