@@ -46,6 +46,7 @@ from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState
 from megalite.run_file import dump_run_file, write_run_file
+from megalite.tensor_parallel.fp8 import check_fp8_device
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
@@ -109,6 +110,8 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
         if compile_layers:
             print_rank_0("> compiling each transformer layer with torch.compile (the default "
                          "on a GPU; --no-compile-layers runs eagerly)")
+    if config.model.fp8_format and device.type == "cuda":
+        check_fp8_device(device)  # at the start: a compiled layer's traced GEMMs do not
     model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
         config.model.attention_backend, device, dtype), compile_layers=compile_layers)
     seed = config.training.seed

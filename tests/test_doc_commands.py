@@ -25,7 +25,11 @@ CHECKED_ELSEWHERE = {"guide.md", "troubleshooting.md"}  # tests/test_docs.py
 # Commands another test runs and checks more closely (the same line, the same way).
 RUN_ELSEWHERE = {"BUDGET_S=480 bash benchmarks/gpu_check.sh": "tests/test_gpu_check_smoke.py",
                  # one step of the script, which the smoke test runs with all the others
-                 "STEPS=fp8 bash benchmarks/gpu_check.sh": "tests/test_gpu_check_smoke.py"}
+                 "STEPS=fp8 bash benchmarks/gpu_check.sh": "tests/test_gpu_check_smoke.py",
+                 "STEPS=fp8 FP8_MAX_LAYERS=8 bash benchmarks/gpu_check.sh":
+                     "tests/test_gpu_check_smoke.py",
+                 'STEPS="env_info gpu_tests matmul_peak mfu_llama_1b mfu_llama_1b_eager" bash '
+                 'benchmarks/gpu_check.sh': "tests/test_gpu_check_smoke.py"}
 
 
 def fenced(text: str) -> list[tuple[str, str]]:

@@ -4,6 +4,7 @@ fp8_max (per tensor, or per row along the GEMM's contraction dim), dequantized (
 fp32, then multiplied in fp32. The flags that turn it on and what they refuse."""
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -194,7 +195,30 @@ def test_weights_quantized_once_a_step_give_the_per_micro_batch_results(monkeypa
 def test_fp8_gemm_refused_on_gpus_that_cannot_run_it(monkeypatch, capability, shapes, message):
     monkeypatch.setattr(fp8, "_capability", lambda device: capability)
     with pytest.raises(ConfigError, match=message):
-        fp8._check_cuda(*shapes, "cuda:0")
+        fp8.check_fp8_device("cuda:0")
+        fp8._check_dims(*shapes)
+
+
+def test_fp8_linears_traced_into_compiled_layers_equal_eager_ones(monkeypatch):
+    """--compile-layers with FP8 at TP 1: the FP8 linears are traced into each layer's graph
+    (no graph break) and the gradients equal the eager FP8 model's. aot_eager runs the same
+    capture (dynamo, AOTAutograd) as inductor with eager kernels; inductor itself was run
+    on the CPU once (2 minutes) with the same result."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    shape = dict(num_layers=2, fp8_format="hybrid", swiglu=True, normalization="RMSNorm",
+                 position_embedding_type="rope", add_bias_linear=False, seq_length=16)
+    models = [GPTModel(tiny_gpt_config(compile_layers=compiled, **shape), seed=2)
+              for compiled in (True, False)]
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for model in models:
+        model(tokens, tokens).mean().backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0  # the layers were compiled
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
 NEEDS_FP8_GPU = pytest.mark.skipif(
@@ -209,7 +233,11 @@ NEEDS_FP8_GPU = pytest.mark.skipif(
 @pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear])
 def test_fp8_layer_on_the_gpu_matches_the_formula(kind, recipe):
     """cuBLASLt's FP8 GEMMs and the compiled quantization (fp8._kernel) against the formula
-    in fp64, in bf16: the output is rounded to bf16 once, so 1% of the tensor's scale."""
+    in fp64, in bf16: the output is rounded to bf16 once, so 1% of the tensor in norm. An
+    element may be off by more: the formula divides in fp64, the kernel in fp32, and now
+    and then an operand lands on the other side of an FP8 rounding boundary (seen on an
+    H100: 1 of 3072 outputs 4% off under rowwise scaling); a wrong scale or layout moves
+    every element."""
     generator = torch.Generator().manual_seed(0)
     layer = kind(64, 96, group=None, fp8=recipe).to("cuda", torch.bfloat16)
     with torch.no_grad():
@@ -222,9 +250,12 @@ def test_fp8_layer_on_the_gpu_matches_the_formula(kind, recipe):
     y.backward(g)
     expected = reference(x.detach().cpu(), layer.weight.detach().cpu(),
                          layer.bias.detach().cpu(), g.cpu(), recipe)
-    for actual, want in zip((y, x.grad, layer.weight.grad, layer.bias.grad), expected):
+    for name, actual, want in zip(("y", "dx", "dw", "db"),
+                                  (y, x.grad, layer.weight.grad, layer.bias.grad), expected):
         actual = actual.detach().cpu().double().reshape(want.shape)
-        torch.testing.assert_close(actual, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        error = (actual - want).norm() / want.norm()
+        far = ((actual - want).abs() > 1e-2 * want.abs() + 1e-2 * want.abs().max()).double()
+        assert error < 1e-2 and far.mean() < 1e-2, (name, error.item(), far.mean().item())
 
 
 @NEEDS_FP8_GPU
@@ -238,7 +269,7 @@ def test_compiled_quantization_equals_the_eager_one_on_the_gpu(dim):
     for dtype in (E4M3, E5M2):
         fused = fp8.quantize(t, dtype, dim)
         amax = fp8._amax(t, dim)
-        data, scale = fp8._scale_and_cast(t, amax, dtype, torch.finfo(dtype).max)
+        data, scale = fp8._scale_and_cast(t, amax, dtype)
         assert torch.equal(fused.scale, scale)
         codes = (fused.data.view(torch.uint8).int() - data.view(torch.uint8).int()).abs()
         assert codes.max() <= 1 and (codes > 0).float().mean() < 1e-3

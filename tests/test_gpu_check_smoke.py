@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = ["env_info", "gpu_tests", "kernels", "matmul_peak", "train_350m", "mfu_table",
          "mfu_llama_1b", "checkpoint_resume", "torchrun_nccl", "fsdp_offload", "megatron_load",
          "ring_attention", "zero_bubble", "memory_snapshot", "mfu_gpt_1b3",
-         "mfu_llama_1b_compiled", "implicit_gpu_tests", "fp8"]
+         "mfu_llama_1b_eager", "implicit_gpu_tests", "fp8"]
 # The steps a CPU cannot run, and why the script says so.
 GPU_ONLY = {"memory_snapshot": "needs a GPU", "implicit_gpu_tests": "CPU CI runs these"}
 COMMAND = "BUDGET_S=480 bash benchmarks/gpu_check.sh"  # docs/benchmarks.md's first command

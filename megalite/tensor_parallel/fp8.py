@@ -97,15 +97,18 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
     amax = _kernel(_amax, t)(t, dim)
     if group_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return Quantized(*_kernel(_scale_and_cast, t)(t, amax, dtype, torch.finfo(dtype).max))
+    return Quantized(*_kernel(_scale_and_cast, t)(t, amax, dtype))
 
 
 def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     return (t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)).float()
 
 
-def _scale_and_cast(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype,
-                    fp8_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_and_cast(t: torch.Tensor, amax: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # fp8_max from the dtype here, not an argument: compiled with dynamic shapes, a float
+    # argument becomes a graph input read back with .item() at every call (seen on an H100).
+    fp8_max = torch.finfo(dtype).max
     scale = amax.clamp(min=_AMAX_FLOOR) / fp8_max
     return (t.float() / scale).clamp(-fp8_max, fp8_max).to(dtype), scale
 
@@ -130,7 +133,9 @@ def quantize_weights_once():
 
 
 def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype, group) -> Quantized:
-    if _step_weights is None:
+    # Traced, each micro-batch casts again (fused by inductor): a dict read here would be
+    # guarded on and recompile the layer every step.
+    if torch.compiler.is_compiling() or _step_weights is None:
         return quantize(weight, dtype, None, group)
     key = (id(weight), dtype)
     if key not in _step_weights:  # the weight is kept with it, so its id is not reused
@@ -143,8 +148,9 @@ def _kernel(fn, t: torch.Tensor):
     is a pass over the tensor with an fp32 intermediate (abs, amax, float, divide, clamp,
     cast): for a weight that costs about what its FP8 GEMM saves. Compiled, the amax is one
     reduction and the rest one pass that reads t and writes one byte an element, with the
-    same arithmetic. On a CPU, inductor's C++ build would take minutes on a small machine."""
-    return _compiled(fn) if t.is_cuda else fn
+    same arithmetic. On a CPU, inductor's C++ build would take minutes on a small machine.
+    Inside a compiled layer fn is traced into the layer's own graph."""
+    return _compiled(fn) if t.is_cuda and not torch.compiler.is_compiling() else fn
 
 
 @functools.cache
@@ -161,7 +167,9 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
     time; torchao (and Transformer Engine) take the fast path for the forward GEMM only and
     promote in the gradients' GEMMs, where small contributions add up. A CPU ignores it."""
     if a.data.is_cuda:
-        _check_cuda(a.data.shape, b.data.shape, a.data.device)
+        if not torch.compiler.is_compiling():  # traced: checked when the model was built
+            check_fp8_device(a.data.device)
+        _check_dims(a.data.shape, b.data.shape)
     # On CUDA, rowwise scaling writes bf16 only; the cast back is the one extra rounding.
     gemm_dtype = (torch.bfloat16 if a.data.is_cuda and a.scale.dim() else out_dtype)
     out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
@@ -170,11 +178,15 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
     return out.to(out_dtype)
 
 
-def _check_cuda(a_shape, b_shape, device):
+def check_fp8_device(device: torch.device):
+    """Refuses a CUDA GPU without FP8 tensor cores, by name."""
     major, minor = _capability(device)
     if (major, minor) < (8, 9):
         raise ConfigError(f"--fp8-format needs FP8 tensor cores (compute capability >= 8.9: "
                           f"Ada, Hopper, Blackwell); GPU {device} has {major}.{minor}")
+
+
+def _check_dims(a_shape, b_shape):
     if any(d % 16 for d in (*a_shape, b_shape[1])):
         raise ConfigError(f"--fp8-format: an FP8 GEMM of [{a_shape[0]}, {a_shape[1]}] x "
                           f"[{b_shape[0]}, {b_shape[1]}] has a dim that is not a multiple of "
@@ -249,11 +261,22 @@ def _wgrad(g_data, g_scale, x_data, x_scale, *, dtype):
     return scaled_mm(Quantized(g_data, g_scale), Quantized(x_data, x_scale), dtype)
 
 
-# Run eagerly inside a compiled layer (a graph break on each side): traced, the backward of
-# this function failed on a view of a gradient whose strides differed from the traced ones.
-@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                recipe: Fp8Recipe, group, *, row_parallel: bool) -> torch.Tensor:
-    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way)."""
+    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way).
+    Inside a compiled layer at TP 1 it is traced into the layer's graph, so inductor fuses
+    each quantization with the ops around it. Run eagerly between compiled graphs instead,
+    as it was first built, an H100 spent 1.2 ms of host time per FP8 linear and direction
+    (graph breaks, guards, the compiled quantizations' calls) and the GPU idled 28% of an
+    FP8 step (docs/benchmarks.md). Over a TP group it stays eager: its amax all-reduce is
+    not traced."""
+    if torch.compiler.is_compiling() and group_size(group) == 1:
+        return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
+                                       row_parallel)
+    return _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel)
+
+
+@torch.compiler.disable
+def _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel):
     return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
                                    row_parallel)
