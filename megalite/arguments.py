@@ -87,8 +87,9 @@ def _model(parser):
     g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each transformer layer (megalite's own flag; Megatron "
                         "has none, and fuses through Transformer Engine instead). Default: on "
-                        "when training on a GPU at TP 1 and CP 1 without --num-experts or "
-                        "--pipeline-schedule zb-h1, off otherwise; --no-compile-layers runs "
+                        "when training on a GPU at TP 1 and CP 1 without --num-experts, "
+                        "--use-torch-fsdp2 or --pipeline-schedule zb-h1, off otherwise; "
+                        "--no-compile-layers runs "
                         "eagerly. Same results within bf16 round-off; the first step "
                         "compiles, which takes a while.")
 

@@ -137,13 +137,14 @@ def compile_by_default(config: Config, device: torch.device) -> bool:
     layers spend as long on their elementwise work (norms, RoPE, SwiGLU, residual adds,
     casts: one memory pass each) as on their GEMMs, which compiling fuses away (37% -> 51%
     MFU, docs/benchmarks.md); a CPU gains little and would wait minutes for inductor's C++
-    build. On where compiled layers have run on a GPU: TP 1 and CP 1 (no collective inside
-    a layer), dense layers (MoE's routed shapes change every step), and not under zb-h1,
-    whose split backward a compiled layer does not make."""
+    build. Only where compiled layers have run on a GPU: TP 1 and CP 1 (no collective
+    inside a layer), dense layers (MoE's routed shapes change every step), not under FSDP2
+    (its hooks around compiled layers have not run on a GPU), and not under zb-h1, whose
+    split backward a compiled layer does not make."""
     p = config.parallel
     return (device.type == "cuda" and p.tensor_model_parallel_size == 1
             and p.context_parallel_size == 1 and not config.model.num_experts
-            and p.pipeline_schedule != "zb-h1")
+            and not p.use_torch_fsdp2 and p.pipeline_schedule != "zb-h1")
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megalite.arguments import parse_args
 from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.saving import model_file, optim_file
 from megalite.checkpointing.storage import save_tensor_file
@@ -22,8 +23,10 @@ from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.params import (local_shard, mark_stacked, mark_tensor_parallel,
                                              tp_shard)
+from megalite.training import compile_by_default
+from megalite.validation import validate_args
 
-from tests.helpers import tiny_gpt_config
+from tests.helpers import flags_with, tiny_gpt_config
 
 H, F_, EPS = 32, 48, 1e-5
 FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
@@ -238,6 +241,30 @@ def test_compiled_layers_equal_eager(monkeypatch):
     torch.testing.assert_close(compiled(tokens, tokens), eager(tokens, tokens))
     for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+@pytest.mark.parametrize("flags, world, device, compiled", [
+    ([], 1, "cuda", True),  # the default on a GPU
+    ([], 1, "cpu", False),  # ... and not on a CPU
+    (["--no-compile-layers"], 1, "cuda", False),
+    (["--compile-layers"], 1, "cpu", True),
+    (["--compile-layers", "--no-compile-layers"], 1, "cuda", False),  # the last one given
+    (["--tensor-model-parallel-size", "2"], 2, "cuda", False),
+    (["--context-parallel-size", "2"], 2, "cuda", False),
+    (["--num-experts", "4", "--disable-bias-linear"], 1, "cuda", False),
+    (["--use-torch-fsdp2"], 1, "cuda", False),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 2, "cuda", False),
+    (["--pipeline-model-parallel-size", "2"], 2, "cuda", True),
+])
+def test_layers_compile_by_default_on_a_gpu_where_they_have_run_there(flags, world, device,
+                                                                      compiled):
+    """--compile-layers / --no-compile-layers, and with neither the rule of
+    training.compile_by_default as its docstring and --help state it."""
+    config = validate_args(parse_args(flags_with(*flags)), world_size=world)
+    chosen = config.model.compile_layers
+    if chosen is None:
+        chosen = compile_by_default(config, torch.device(device))
+    assert chosen is compiled
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton "

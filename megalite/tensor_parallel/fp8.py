@@ -146,9 +146,9 @@ def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype, group) -> Quanti
 def _kernel(fn, t: torch.Tensor):
     """fn compiled for a CUDA tensor, else fn itself. Eagerly, every op of a quantization
     is a pass over the tensor with an fp32 intermediate (abs, amax, float, divide, clamp,
-    cast): for a weight that costs about what its FP8 GEMM saves. Compiled, the amax is one
-    reduction and the rest one pass that reads t and writes one byte an element, with the
-    same arithmetic. On a CPU, inductor's C++ build would take minutes on a small machine.
+    cast): about 37 bytes an element, more time for a weight than its FP8 GEMMs save.
+    Compiled, the amax is one reduction and the rest one pass that reads t and writes one
+    byte an element, with the same arithmetic. On a CPU, inductor's C++ build would take minutes on a small machine.
     Inside a compiled layer fn is traced into the layer's own graph."""
     return _compiled(fn) if t.is_cuda and not torch.compiler.is_compiling() else fn
 
@@ -265,11 +265,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                recipe: Fp8Recipe, group, *, row_parallel: bool) -> torch.Tensor:
     """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way).
     Inside a compiled layer at TP 1 it is traced into the layer's graph, so inductor fuses
-    each quantization with the ops around it. Run eagerly between compiled graphs instead,
-    as it was first built, an H100 spent 1.2 ms of host time per FP8 linear and direction
-    (graph breaks, guards, the compiled quantizations' calls) and the GPU idled 28% of an
-    FP8 step (docs/benchmarks.md). Over a TP group it stays eager: its amax all-reduce is
-    not traced."""
+    each quantization with the ops around it. Run eagerly between the compiled graphs, as
+    first built, it cost an H100 1.2 ms of host time per FP8 linear and direction (graph
+    breaks, guards, the compiled quantizations' calls) and left the GPU idle 28% of an FP8
+    step (docs/benchmarks.md). Over a TP group it stays eager: its amax all-reduce is not
+    traced."""
     if torch.compiler.is_compiling() and group_size(group) == 1:
         return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
                                        row_parallel)
