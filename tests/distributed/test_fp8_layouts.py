@@ -1,7 +1,7 @@
-"""FP8 at tensor-, sequence-, pipeline- (zero bubble) and data-parallel (ZeRO-1) layouts and
-with recompute against one FP8 process (docs/design.md "FP8"): the scales do not depend on
-the layout, so the per-step losses, grad norms and values after each update agree to fp32
-round-off. One launch of 2 ranks for every comparison."""
+"""FP8 at tensor-, sequence-, pipeline- (zero bubble) and data-parallel (ZeRO-1, FSDP2)
+layouts and with recompute against one FP8 process (docs/design.md "FP8"): the scales do
+not depend on the layout, so the per-step losses, grad norms and values after each update
+agree to fp32 round-off. One launch of 2 ranks for every comparison."""
 
 import pytest
 import torch
@@ -34,6 +34,11 @@ LAYOUTS = {
     "pp2 zb-h1": (HYBRID, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                            "zb-h1"]),
     "dp2 zero-1": (HYBRID, ["--use-distributed-optimizer"]),
+    # The weights' FP8 copies are made once a step (fp8.quantize_weights_once): after the
+    # overlapped parameter all-gather lands, and from FSDP2's gathered weights.
+    "dp2 zero-1 overlapped": (HYBRID, ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                       "--overlap-param-gather"]),
+    "dp2 fsdp2": (HYBRID, ["--use-torch-fsdp2"]),
     "rowwise tp2 sp": (ROWWISE, TP2 + ["--sequence-parallel"]),
 }
 
