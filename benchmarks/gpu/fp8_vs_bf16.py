@@ -1,17 +1,18 @@
-"""fp8_vs_bf16.py WORKDIR ITERS [--fit FRACTION [--max-layers N]] -- PRETRAIN_GPT_FLAGS...: the same model,
-data and steps in bf16 and with --fp8-format hybrid: tokens/s of each, their ratio (goal
->= 1.3x on an H100), and the loss at the end (the mean of the last three logged intervals;
-FP8 within 1% of bf16, else exit 1).
+"""fp8_vs_bf16.py WORKDIR ITERS [--fit FRACTION [--max-layers N]] -- PRETRAIN_GPT_FLAGS...:
+the same model, data and steps in bf16 and with --fp8-format hybrid: tokens/s of each, their
+ratio (goal >= 1.3x on an H100), and the loss at the end (the mean of the last three logged
+intervals; FP8 within 1% of bf16, else exit 1).
 
 The data is a synthetic corpus written here (seeded): a walk over 1024 of the V token ids
 (a random subset), position p+1 = p + d mod 1024 with d drawn from a skewed distribution
 over 16 offsets, so the loss falls from log V through log 1024 (which tokens occur) toward
 the offsets' entropy (~2 nats) within a few hundred steps and stays far from zero, where a
 relative comparison means something. (Mock data's counting documents are learnt to ~0; a
-walk over all 32000 ids was not learnt at all in 300 steps: both runs ended at log V.) With --fit, the number of
-transformer layers is the largest the memory planner puts within FRACTION of this GPU
-(the larger of the bf16 and FP8 plans), at most N with --max-layers. Each run goes through run_pretrain.py (compile
-backend and all) and its log is kept in WORKDIR. Lines starting with ">>" are the results.
+walk over all 32000 ids was not learnt at all in 300 steps: both runs ended at log V.)
+With --fit, the number of transformer layers is the largest the memory planner puts within
+FRACTION of this GPU (the larger of the bf16 and FP8 plans), at most N with --max-layers.
+Each run goes through run_pretrain.py (compile backend and all) and its log is kept in
+WORKDIR. Lines starting with ">>" are the results.
 """
 
 import argparse

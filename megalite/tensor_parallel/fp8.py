@@ -148,8 +148,9 @@ def _kernel(fn, t: torch.Tensor):
     is a pass over the tensor with an fp32 intermediate (abs, amax, float, divide, clamp,
     cast): about 37 bytes an element, more time for a weight than its FP8 GEMMs save.
     Compiled, the amax is one reduction and the rest one pass that reads t and writes one
-    byte an element, with the same arithmetic. On a CPU, inductor's C++ build would take minutes on a small machine.
-    Inside a compiled layer fn is traced into the layer's own graph."""
+    byte an element, with the same arithmetic. On a CPU, inductor's C++ build would take
+    minutes on a small machine. Inside a compiled layer fn is traced into the layer's own
+    graph."""
     return _compiled(fn) if t.is_cuda and not torch.compiler.is_compiling() else fn
 
 
