@@ -175,6 +175,14 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = 
         out, x, group=group, async_op=async_op)
 
 
+def all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """[n, ...] on each rank -> [size * n, ...], rank 0's block first (no autograd)."""
+    x = x.contiguous()
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    all_gather_into(out, x, group=group)
+    return out
+
+
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
     """Sum x over the ranks and keep this rank's block of dim 0 in out. out may be that
     block of x itself (in place). Returns the work handle when async_op."""

@@ -39,7 +39,7 @@ from megalite.checkpointing.storage import (MOE_FIELDS, RECORDED_FIELDS, apply_r
                                            checkpoint_dir, commit, prepare_staging,
                                            save_tensor_file, staging_dir)
 from megalite.distributed.fsdp import full_tensor, is_fully_sharded
-from megalite.parallel_state import ParallelState, RankGrid, all_gather_into, group_rank
+from megalite.parallel_state import ParallelState, RankGrid, all_gather_first_dim, group_rank
 from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
                                              partition_dim, partition_stride)
 
@@ -174,8 +174,9 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
     params = saved_params(chunks)
     owns_model_file = state.dp_rank == 0 and state.cp_rank == 0
     files = {}
-    # Every EP rank takes part in gathering the experts.
-    experts = {n: gather_experts(p.detach(), p, state) for n, p in params.items()
+    # Every EP rank takes part in gathering the experts (each rank's block is dim 0's, in
+    # EP rank order).
+    experts = {n: all_gather_first_dim(p.detach(), state.ep_group) for n, p in params.items()
                if state.ep_size > 1 and is_expert_parallel(p)}
     # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
     if owns_model_file or is_fully_sharded(chunks):
@@ -246,7 +247,7 @@ def _optimizer_shard(optimizer, names: dict[int, str], copy: Callable, state: Pa
         shift = state.ep_rank * s.param.numel() if expert and not gather else 0
         values = {"main": s.main, **{m: adam[m] for m in MOMENTS if m in adam}}
         if gather:
-            values = {k: gather_experts(v.reshape(s.param.shape), s.param, state)
+            values = {k: all_gather_first_dim(v.detach().reshape(s.param.shape), state.ep_group)
                       for k, v in values.items()}
         if write:
             entry = {k: copy(v.reshape(-1), torch.float32 if k == "main" else None)
@@ -255,16 +256,6 @@ def _optimizer_shard(optimizer, names: dict[int, str], copy: Callable, state: Pa
             segments[names[id(s.param)]] = {"range": torch.tensor([s.start + shift, end]),
                                             **entry}
     return {"step": step, "segments": segments}
-
-
-@torch.no_grad()
-def gather_experts(block: torch.Tensor, param: nn.Parameter, state: ParallelState) -> torch.Tensor:
-    """All experts of an expert parameter (every EP rank's block, dim 0, in EP rank order)
-    from this rank's `block`: a collective over the EP group."""
-    block = block.detach().contiguous()
-    out = block.new_empty((block.shape[0] * state.ep_size, *block.shape[1:]))
-    all_gather_into(out, block, state.ep_group)
-    return out
 
 
 def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ routing rank (all-to-all) and the weighting is done there in fp32, as the local 
 import torch
 import torch.distributed as dist
 
-from megalite.parallel_state import all_gather_into, group_rank, group_size
+from megalite.parallel_state import all_gather_first_dim, group_rank, group_size
 from megalite.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                reduce_scatter_to_sequence_parallel_region)
 
@@ -65,13 +65,6 @@ def weighted_sum(rows: torch.Tensor, order: torch.Tensor, probs: torch.Tensor,
     full = rows.new_zeros((tokens * k, rows.shape[1]), dtype=wide)
     full = full.index_copy(0, order, rows.to(wide))
     return (full.view(tokens, k, -1) * probs.unsqueeze(-1)).sum(1).to(dtype)
-
-
-def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's x stacked along dim 0, rank order, outside autograd (integers)."""
-    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    all_gather_into(out, x.contiguous(), group)
-    return out
 
 
 class AllToAllDispatch:
@@ -116,8 +109,8 @@ class AllGatherDispatch:
         self.dtype = hidden.dtype
         hidden = gather_from_sequence_parallel_region(hidden, self.group)
         self.probs = gather_from_sequence_parallel_region(probs, self.group)
-        local = _gather_rows(indices, self.group) - self.first
-        mine = _gather_rows(keep.to(torch.uint8), self.group).bool() & (local >= 0) & (
+        local = all_gather_first_dim(indices, self.group) - self.first
+        mine = all_gather_first_dim(keep.to(torch.uint8), self.group).bool() & (local >= 0) & (
             local < self.local_experts)
         self.order, counts = sort_by_expert(local.clamp(0, self.local_experts - 1), mine,
                                             self.local_experts)

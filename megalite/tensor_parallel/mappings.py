@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.errors import ConfigError
-from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
+from megalite.parallel_state import (all_gather_first_dim, group_rank, group_size,
+                                     reduce_scatter_into)
 
 
 def _check_divisible(x: torch.Tensor, dim: int, parts: int, op: str):
@@ -43,18 +44,10 @@ def _split(x: torch.Tensor, group, *, dim: int, op: str) -> torch.Tensor:
     return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
 
 
-def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """[n, ...] on each rank -> [tp * n, ...], rank 0's block first."""
-    x = x.contiguous()
-    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    all_gather_into(out, x, group=group)
-    return out
-
-
 def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[..., n] on each rank -> [..., tp * n]: gather along dim 0, then move the rank blocks."""
     tp = group_size(group)
-    stacked = _all_gather_first_dim(x, group).view(tp, *x.shape)     # [tp, ..., n]
+    stacked = all_gather_first_dim(x, group).view(tp, *x.shape)     # [tp, ..., n]
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], tp * x.shape[-1])
 
 
@@ -118,21 +111,21 @@ gather_from_tensor_model_parallel_region = _operator(
 
 scatter_to_sequence_parallel_region = _operator(
     "ScatterToSequenceParallelRegion",
-    partial(_split, dim=0, op="scatter_to_sequence_parallel_region"), _all_gather_first_dim)
+    partial(_split, dim=0, op="scatter_to_sequence_parallel_region"), all_gather_first_dim)
 """Keep this rank's chunk of dim 0 (sequence); backward all-gathers dim 0."""
 
 reduce_scatter_to_sequence_parallel_region = _operator(
     "ReduceScatterToSequenceParallelRegion",
     partial(_reduce_scatter_first_dim, op="reduce_scatter_to_sequence_parallel_region"),
-    _all_gather_first_dim)
+    all_gather_first_dim)
 """Reduce-scatter dim 0 (sequence); backward all-gathers dim 0."""
 
 _GATHER_SP = "gather_from_sequence_parallel_region"
 # A gathered tensor feeding a tensor-parallel layer gets a partial gradient on each rank.
-_gather_sp_partial_grads = _operator("GatherFromSequenceParallelRegion", _all_gather_first_dim,
+_gather_sp_partial_grads = _operator("GatherFromSequenceParallelRegion", all_gather_first_dim,
                                      partial(_reduce_scatter_first_dim, op=_GATHER_SP))
 _gather_sp_whole_grads = _operator("GatherFromSequenceParallelRegionSplitGrad",
-                                   _all_gather_first_dim, partial(_split, dim=0, op=_GATHER_SP))
+                                   all_gather_first_dim, partial(_split, dim=0, op=_GATHER_SP))
 
 
 def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
