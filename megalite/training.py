@@ -165,9 +165,10 @@ def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
 def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
                     timers: Timers = NO_TIMERS) -> tuple[Optimizer, GradBuffer | None]:
     """The gradient buffer (reduced over DP x CP: all-reduce, or reduce-scatter for ZeRO-1,
-    whose shards are laid over DP x CP as Megatron's are; expert parameters over expert-DP; none under FSDP2, which reduces
-    its own gradients) and the optimizer reading it: ZeRO-1 with --use-distributed-optimizer;
-    fp32 main parameters (unsharded) for bf16/fp16 model parameters; plain AdamW otherwise."""
+    whose shards are laid over DP x CP as Megatron's are; expert parameters over expert-DP;
+    none under FSDP2, which reduces its own gradients) and the optimizer reading it: ZeRO-1
+    with --use-distributed-optimizer; fp32 main parameters (unsharded) for bf16/fp16 model
+    parameters; plain AdamW otherwise."""
     scaler = build_grad_scaler(config.precision)
     p = config.parallel
     if config.optimizer_kind is OptimizerKind.FULLY_SHARDED:  # FSDP2 reduces the gradients

@@ -103,7 +103,6 @@ class GradBuffer:
                  overlap: bool = False, grad_dtype: torch.dtype | None = None,
                  expert_group=None):
         self.group, self.shard = group, shard
-        self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.overlap = overlap
         expert = [is_expert_parallel(p) for p in params]
         layout = bucket_layout([p.numel() for p in params], [p.dtype for p in params],

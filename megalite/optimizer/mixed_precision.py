@@ -3,9 +3,9 @@
 parallelism: ZeRO-1 (Rajbhandari et al. 2020, "P_os"), Megatron's `DistributedOptimizer`.
 
 The layout is the gradient buffer's (distributed/grad_buffer.py): flat buckets padded to a
-multiple of the DP size, each cut into DP equal shards (an expert bucket: into expert-DP shards, over its own
-group). The model's parameters are made
-views into flat parameter buffers laid out the same way. DP rank r owns shard r of every
+multiple of the DP size, each cut into DP equal shards (an expert bucket: into expert-DP
+shards, over its own group). The model's parameters are made views into flat parameter
+buffers laid out the same way. DP rank r owns shard r of every
 bucket: it keeps fp32 main copies of (its pieces of) the parameters in that shard and
 their Adam moments, and nothing for the rest, so optimizer memory is 12 bytes x
 parameters / DP. One step:

@@ -127,7 +127,7 @@ def quantize_weights_once():
     global _step_weights
     previous, _step_weights = _step_weights, {}
     try:
-        yield _step_weights
+        yield
     finally:
         _step_weights = previous
 
