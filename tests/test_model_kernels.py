@@ -20,7 +20,8 @@ from megalite.model import norms
 from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel, initial_value
 from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.cross_entropy import (vocab_parallel_cross_entropy,
+                                                    whole_vocab_cross_entropy)
 from megalite.tensor_parallel.params import (local_shard, mark_stacked, mark_tensor_parallel,
                                              tp_shard)
 from megalite.training import compile_by_default
@@ -241,6 +242,37 @@ def test_compiled_layers_equal_eager(monkeypatch):
     torch.testing.assert_close(compiled(tokens, tokens), eager(tokens, tokens))
     for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "aot_eager_decomp_partition"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_loss_equals_the_eager_vocab_parallel_one(backend, dtype):
+    """The loss a model with compiled layers runs (whole_vocab_cross_entropy, compiled;
+    aot_eager_decomp_partition partitions forward and backward as inductor does) against
+    torch's cross-entropy on the same logits, padding masked: losses and logit gradients."""
+    torch._dynamo.reset()
+    logits = (20 * torch.randn(6, 3, 40)).to(dtype)
+    mask = torch.arange(40) >= 37  # the last 3 columns are vocabulary padding
+    target = torch.randint(0, 37, (6, 3))
+    grad_loss = torch.randn(6, 3)
+    full = logits.clone().requires_grad_()
+    ref = F.cross_entropy(full.float()[..., :37].reshape(-1, 37), target.view(-1),
+                          reduction="none").view(6, 3)
+    ref.backward(grad_loss)
+    ours = logits.clone().requires_grad_()
+    loss = torch.compile(whole_vocab_cross_entropy, backend=backend)(ours, target, mask)
+    loss.backward(grad_loss)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ours.grad[..., :37], full.grad[..., :37])
+    assert torch.all(ours.grad[..., 37:] == 0)
+
+
+def test_a_model_with_compiled_layers_compiles_its_loss():
+    """With compiled layers (one process) the loss is compiled too; eager layers keep the
+    eager vocab-parallel loss."""
+    assert GPTModel(config(compile_layers=True), seed=0)._compiled_loss is not None
+    assert GPTModel(config(), seed=0)._compiled_loss is None
 
 
 @pytest.mark.parametrize("flags, world, device, compiled", [

@@ -20,7 +20,8 @@ from megalite.model.rotary import rotary_frequencies, rotary_table
 from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.cross_entropy import (vocab_parallel_cross_entropy,
+                                                    whole_vocab_cross_entropy)
 from megalite.tensor_parallel.fp8 import layer_fp8_recipe
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding,
                                              column_parallel_linear)
@@ -150,6 +151,10 @@ class GPTModel(nn.Module):
             mark_shared_embedding(self.embedding.word_embeddings.weight, copy=False)
         self._rotary: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
+        # With compiled layers the loss is compiled too (one process: the whole vocabulary
+        # here); over a TP group it stays the eager vocab-parallel form (its all-reduces).
+        self._compiled_loss = (torch.compile(whole_vocab_cross_entropy)
+                               if config.compile_layers and group_size(tp_group) == 1 else None)
         initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group),
                               ep_rank=group_rank(ep_group))
 
@@ -213,24 +218,28 @@ class GPTModel(nn.Module):
             return x
         if kv_cache is not None:
             x = x[-1:]
-        logits = self._vocab_parallel_logits(x)
         if labels is None:
+            logits = self._vocab_parallel_logits(x)
             return gather_from_tensor_model_parallel_region(logits, self.tp_group).transpose(0, 1)
+        if self._compiled_loss is not None:
+            return self._compiled_loss(self._vocab_parallel_logits(x, masked=False), labels.t(),
+                                       self.padded_vocab_mask).t()
         # Softmax in fp32: in bf16 the log-sum-exp over a large vocabulary loses digits
         # the loss is measured in.
-        losses = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous(),
-                                              self.tp_group)
+        losses = vocab_parallel_cross_entropy(self._vocab_parallel_logits(x).float(),
+                                              labels.t().contiguous(), self.tp_group)
         return losses.t()
 
-    def _vocab_parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """[seq, batch, padded vocab / TP]: this rank's vocabulary shard of the logits."""
+    def _vocab_parallel_logits(self, x: torch.Tensor, masked: bool = True) -> torch.Tensor:
+        """[seq, batch, padded vocab / TP]: this rank's vocabulary shard of the logits
+        (`masked`: the padding's filled with -inf)."""
         if self.output_layer is not None:
             # Called as a module, so its forward hooks run (ZeRO-1's deferred gather).
             logits = self.output_layer(x)
         else:  # tied, on the embedding's own stage
             logits = column_parallel_linear(x, self.embedding.word_embeddings.weight, None,
                                             self.tp_group, self.config.sequence_parallel)
-        if self.padded_vocab_mask is not None:
+        if masked and self.padded_vocab_mask is not None:
             logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
         return logits
 

@@ -9,6 +9,7 @@ The gradient on each shard is (softmax - onehot(target)) restricted to the shard
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megalite.parallel_state import group_rank, group_size
 
@@ -65,3 +66,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     fp32 `logits` are overwritten (with the softmax, then the gradient): pass a tensor
     that nothing else reads, as the model's fresh fp32 logits are."""
     return _VocabParallelCrossEntropy.apply(logits, target, group)
+
+
+def whole_vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token loss [...] (fp32) from the whole vocabulary's logits [..., V] in their own
+    dtype, `mask` (True: vocabulary padding) filled with -inf first. Written for
+    torch.compile (one process holds the whole vocabulary): traced, inductor reads the logits
+    in their dtype, keeps the log-sum-exp in fp32 registers and saves only it beside the
+    logits, and the backward writes the gradient in one pass. The eager vocab-parallel form
+    passes over an fp32 [tokens, V] buffer about ten times (on an H100 about 20 ms of a
+    474 ms 1.1B step: docs/design.md §23)."""
+    if mask is not None:
+        logits = logits.masked_fill(mask, float("-inf"))
+    losses = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none")
+    return losses.view(target.shape)
