@@ -6,12 +6,14 @@ The model is nanoGPT's baby configuration (its shakespeare_char example: 4 layer
 a user runs it, `pretrain_gpt.py` on --mock-data, one process; the plain loop is nanoGPT's
 model.py and train.py condensed (fp32 on a CPU, as nanoGPT runs there) on random tokens.
 (megalite keeps its LayerNorm biases, 1,152 of 0.8M parameters: it has no flag to drop them.)
-Runs alternate (megalite, plain, megalite, ...) so that a busy machine slows both alike;
-each reports its mean time per iteration after the first log interval (start-up).
+Runs alternate, in ABBA order (megalite, plain; plain, megalite; ...), so that a busy machine
+slows both alike; each reports its mean time per iteration after the first log interval
+(start-up).
 
     python benchmarks/nanogpt_baseline.py [--iters 400] [--rounds 3] [--threads 2]
 
-Prints each run's tokens/s, the median of each side, and megalite / plain.
+Prints each run's tokens/s, each round's megalite / plain, the median of each side and their
+ratio, and the median of the rounds' ratios (rounds pair runs close in time).
 SMOKE=1 (benchmarks/smoke.py): one round of 4 iterations per side, 1 thread, not a measurement.
 """
 
@@ -166,15 +168,22 @@ def main():
     results = {"megalite": [], "plain": []}
     print(f"nanoGPT baby config, {args.iters} iterations per run, {args.threads} threads, "
           f"torch {torch.__version__}")
+    sides = (("megalite", run_megalite), ("plain", run_plain))
     for r in range(args.rounds):
-        for name, run in (("megalite", run_megalite), ("plain", run_plain)):
+        # ABBA: each side goes first in every other round, so a machine slowing down or
+        # speeding up over the session does not favour the side that always runs first.
+        for name, run in sides if r % 2 == 0 else sides[::-1]:
             ms = run(args.iters, interval, env)
             results[name].append(tokens / ms * 1000)
             print(f"round {r + 1} {name:8s}: {ms:7.1f} ms/iteration, "
                   f"{results[name][-1]:9.0f} tokens/s", flush=True)
+        print(f"round {r + 1} megalite / plain = "
+              f"{results['megalite'][-1] / results['plain'][-1]:.2f}x", flush=True)
     ours, plain = (statistics.median(results[k]) for k in ("megalite", "plain"))
+    ratios = [a / b for a, b in zip(results["megalite"], results["plain"])]
     print(f"median tokens/s: megalite {ours:.0f}, plain PyTorch {plain:.0f}, "
-          f"megalite / plain = {ours / plain:.2f}x")
+          f"megalite / plain = {ours / plain:.2f}x; median of the rounds' ratios "
+          f"{statistics.median(ratios):.2f}x (from {min(ratios):.2f} to {max(ratios):.2f})")
 
 
 if __name__ == "__main__":
