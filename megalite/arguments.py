@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (_model, _parallelism, _training, _learning_rate, _mixed_precision,
                       _data, _checkpointing, _logging, _distributed, _monitoring, _fsdp,
                       _add_fp8_args, _add_uneven_work_args, _add_async_save_args,
-                      _add_wandb_args, _add_grad_compression_args, _add_moe_args):
+                      _add_wandb_args, _add_grad_compression_args, _add_moe_args,
+                      _add_kernel_switches):
         add_group(parser)
     parser.add_argument("--yaml-cfg", metavar="FILE",
                         help="A run file: YAML whose keys are these flags' names (grouped or "
@@ -439,6 +440,36 @@ def _add_grad_compression_args(parser):
     g.add_argument("--powersgd-orthogonalization-epsilon", type=float, default=0.0,
                    help="Megalite's own (torch: orthogonalization_epsilon). Added to column "
                         "norms when orthogonalising; > 0 guards all-zero gradient matrices.")
+
+
+# Megatron's switches for its own fused kernels (Transformer Engine, Apex, its JIT fusions).
+# megalite has none of these kernels to switch off: on a GPU its compiled layers fuse the
+# same ops. Accepted, with no effect, so that a Megatron launch script runs as written.
+KERNEL_SWITCHES = ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                   "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+                   "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+                   "--attention-softmax-in-fp32", "--use-mcore-models")
+
+
+def _add_kernel_switches(parser):
+    g = parser.add_argument_group(
+        "Megatron's kernel switches",
+        "Megatron's flags for its fused kernels and model code, accepted so that its launch "
+        "scripts run unchanged. megalite has one implementation of each layer; on a GPU "
+        "--compile-layers (the default there) fuses the norm, RoPE, activation, bias and "
+        "dropout chains, and attention runs in fused kernels with an fp32 softmax.")
+    for name in KERNEL_SWITCHES:
+        g.add_argument(name, action="store_true", help="Megatron's; no effect in megalite.")
+    g.add_argument("--transformer-impl", default="transformer_engine",
+                   choices=["local", "transformer_engine"],
+                   help="Megatron's; megalite runs its own layers under either name (compiled "
+                        "on a GPU by default, where Megatron would use Transformer Engine).")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="Compile the loss (torch.compile) even with eager layers, at TP 1; "
+                        "with compiled layers it is compiled anyway. Over a TP group the loss "
+                        "is the eager vocab-parallel one. (Megatron's flag; its own kernel.)")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native"],
+                   help="Megatron's; its Transformer Engine kernel (te) is not available.")
 
 
 # Megatron's MoE flags that megalite does not build: refused by name (validation/moe.py).

@@ -93,6 +93,8 @@ class GPTConfig:
     """torch.compile each transformer layer (--compile-layers). None: neither
     --compile-layers nor --no-compile-layers was given, and training.build_model decides
     for its device (compile_by_default); a model built elsewhere with None runs eagerly."""
+    cross_entropy_loss_fusion: bool = False
+    """Compile the loss even with eager layers, at TP 1 (--cross-entropy-loss-fusion)."""
     cp_comm_type: str = "p2p"
     """How attention reaches the keys of other context-parallel ranks: "p2p" (ring) or
     "all_gather" (--cp-comm-type); unused at CP 1."""

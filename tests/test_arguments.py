@@ -351,3 +351,30 @@ def test_model_only_validation_refuses_bad_model_flags_by_name(extra, words):
         assert word in str(err.value)
     with pytest.raises(ConfigError, match="missing required flag.*--num-layers"):
         validate_model_args(parse_args(MODEL_ONLY[2:]))
+
+
+# Megatron's own kernel and implementation switches, as its example launch scripts pass them
+# (examples/gpt3, examples/llama: local implementation, its fusions off, Apex absent).
+MEGATRON_SCRIPT_FLAGS = ["--transformer-impl", "local", "--no-masked-softmax-fusion",
+                         "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+                         "--no-bias-dropout-fusion", "--no-rope-fusion",
+                         "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+                         "--attention-softmax-in-fp32", "--use-mcore-models"]
+
+
+def test_megatron_kernel_switches_run_as_written_and_change_nothing():
+    """A Megatron launch script's kernel switches parse, and the model they give is the
+    model without them."""
+    assert config_of(*MEGATRON_SCRIPT_FLAGS) == config_of()
+    assert config_of("--transformer-impl", "transformer_engine") == config_of()
+
+
+def test_cross_entropy_loss_fusion_reaches_the_model_config():
+    assert config_of("--cross-entropy-loss-fusion").model.cross_entropy_loss_fusion
+    assert not config_of().model.cross_entropy_loss_fusion
+
+
+def test_transformer_engine_cross_entropy_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE_FLAGS + ["--cross-entropy-fusion-impl", "te"])
+    assert "--cross-entropy-fusion-impl" in capsys.readouterr().err

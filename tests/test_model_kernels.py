@@ -269,9 +269,10 @@ def test_compiled_loss_equals_the_eager_vocab_parallel_one(backend, dtype):
 
 
 def test_a_model_with_compiled_layers_compiles_its_loss():
-    """With compiled layers (one process) the loss is compiled too; eager layers keep the
-    eager vocab-parallel loss."""
+    """With compiled layers (one process) the loss is compiled too, and with eager ones
+    under --cross-entropy-loss-fusion; otherwise the loss is the eager vocab-parallel one."""
     assert GPTModel(config(compile_layers=True), seed=0)._compiled_loss is not None
+    assert GPTModel(config(cross_entropy_loss_fusion=True), seed=0)._compiled_loss is not None
     assert GPTModel(config(), seed=0)._compiled_loss is None
 
 
