@@ -30,6 +30,7 @@ from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint
 from megalite.checkpointing.local import load_newest
 from megalite.checkpointing.saver import CheckpointSaver
+from megalite.host_memory import keep_freed_host_memory
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
@@ -74,6 +75,7 @@ def print_rank_0(message: str):
 
 def pretrain(argv=None) -> int:
     """Entry point of pretrain_gpt.py. Returns the process exit code."""
+    keep_freed_host_memory()  # before the run allocates (host_memory.py)
     try:
         args = parse_args(argv)
         tokenizer = None
