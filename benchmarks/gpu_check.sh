@@ -235,7 +235,7 @@ mfu() {
     matmul=$(cat "$LOG/matmul_tflops.txt" 2>/dev/null || echo 0)
     "$PY" "$HELPERS/parse_log.py" "$LOG/$name.run$try.log" "$PEAK" "$matmul" nofall
 }
-# With no flag, a GPU compiles each layer (training.compile_by_default); under SMOKE the CPU
+# With no flag, a GPU compiles each layer (config.compile_by_default); under SMOKE the CPU
 # is asked to, so the same path runs (aot_eager).
 mfu_llama_1b() { EXTRA_PERF_FLAGS="$GPU_DEFAULT $EXTRA_PERF_FLAGS" mfu LLAMA1B llama_1b profile; }
 mfu_gpt_1b3() { mfu GPT13B gpt_1b3; }

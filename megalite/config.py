@@ -91,8 +91,9 @@ class GPTConfig:
     """Layers per recompute group or block (--recompute-num-layers)."""
     compile_layers: bool | None = False
     """torch.compile each transformer layer (--compile-layers). None: neither
-    --compile-layers nor --no-compile-layers was given, and training.build_model decides
-    for its device (compile_by_default); a model built elsewhere with None runs eagerly."""
+    --compile-layers nor --no-compile-layers was given, and training.build_model and the
+    memory planner decide for their device (Config.layers_compiled); a model built
+    elsewhere with None runs eagerly."""
     cross_entropy_loss_fusion: bool = False
     """Compile the loss even with eager layers, at TP 1 (--cross-entropy-loss-fusion)."""
     cp_comm_type: str = "p2p"
@@ -530,6 +531,15 @@ class Config:
             return OptimizerKind.FP32_MAIN_PARAMS
         return OptimizerKind.FP32
 
+    def layers_compiled(self, device_type: str) -> bool:
+        """Whether each transformer layer runs under torch.compile on a `device_type`
+        ("cuda", "cpu") device: as --compile-layers / --no-compile-layers say, else
+        compile_by_default. training.build_model builds it so and the memory planner plans
+        it so: one decision, read in both places."""
+        if self.model.compile_layers is not None:
+            return self.model.compile_layers
+        return compile_by_default(self, device_type)
+
     @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype gradients are accumulated and reduced over DP x CP in (the gradient
@@ -544,3 +554,18 @@ class Config:
         """Bytes per element of grad_dtype."""
         return self.grad_dtype.itemsize
 
+
+
+def compile_by_default(config: Config, device_type: str) -> bool:
+    """--compile-layers when neither it nor --no-compile-layers is given. On a GPU eager
+    layers spend as long on their elementwise work (norms, RoPE, SwiGLU, residual adds,
+    casts: one memory pass each) as on their GEMMs, which compiling fuses away (37% -> 51%
+    MFU, docs/benchmarks.md); a CPU gains little and would wait minutes for inductor's C++
+    build. Only where compiled layers have run on a GPU: TP 1 and CP 1 (no collective
+    inside a layer), dense layers (MoE's routed shapes change every step), not under FSDP2
+    (its hooks around compiled layers have not run on a GPU), and not under zb-h1, whose
+    split backward a compiled layer does not make."""
+    p = config.parallel
+    return (device_type == "cuda" and p.tensor_model_parallel_size == 1
+            and p.context_parallel_size == 1 and not config.model.num_experts
+            and not p.use_torch_fsdp2 and p.pipeline_schedule != "zb-h1")

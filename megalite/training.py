@@ -106,12 +106,10 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     """This rank's model chunks (one per virtual pipeline stage), each its TP shard, on
     `device`, with the attention kernel resolved."""
     dtype = config.precision.params_dtype
-    compile_layers = config.model.compile_layers
-    if compile_layers is None:
-        compile_layers = compile_by_default(config, device)
-        if compile_layers:
-            print_rank_0("> compiling each transformer layer with torch.compile (the default "
-                         "on a GPU; --no-compile-layers runs eagerly)")
+    compile_layers = config.layers_compiled(device.type)
+    if compile_layers and config.model.compile_layers is None:
+        print_rank_0("> compiling each transformer layer with torch.compile (the default "
+                     "on a GPU; --no-compile-layers runs eagerly)")
     if config.model.fp8_format and device.type == "cuda":
         check_fp8_device(device)  # at the start: a compiled layer's traced GEMMs do not
     model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
@@ -132,21 +130,6 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
         fully_shard_model(chunks, config, state, device)
         _initialize_sharded(chunks, seed, dtype, state, device)
     return chunks
-
-
-def compile_by_default(config: Config, device: torch.device) -> bool:
-    """--compile-layers when neither it nor --no-compile-layers is given. On a GPU eager
-    layers spend as long on their elementwise work (norms, RoPE, SwiGLU, residual adds,
-    casts: one memory pass each) as on their GEMMs, which compiling fuses away (37% -> 51%
-    MFU, docs/benchmarks.md); a CPU gains little and would wait minutes for inductor's C++
-    build. Only where compiled layers have run on a GPU: TP 1 and CP 1 (no collective
-    inside a layer), dense layers (MoE's routed shapes change every step), not under FSDP2
-    (its hooks around compiled layers have not run on a GPU), and not under zb-h1, whose
-    split backward a compiled layer does not make."""
-    p = config.parallel
-    return (device.type == "cuda" and p.tensor_model_parallel_size == 1
-            and p.context_parallel_size == 1 and not config.model.num_experts
-            and not p.use_torch_fsdp2 and p.pipeline_schedule != "zb-h1")
 
 
 @torch.no_grad()

@@ -10,8 +10,10 @@ should not import each other).
 - scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
 - gather_tensor_parallel, reference_name, step_problems, tensor_problem: the layout
   comparisons, from megalite/layout_check.py (tools/check_cluster.py runs the same ones);
-- random_batches, saved_activation_bytes: a layout's slice of a global batch, and the
-  saved-tensor bytes of a forward;
+- random_batches: a layout's slice of a global batch;
+- saved_activation_bytes, measured_chunk_bytes, planned_chunk_bytes: the saved-tensor
+  bytes of a forward on the CPU, of each model chunk of a pipeline rank, and the memory
+  planner's count of the same;
 - load_tool / untracked: a tools/ script as a module, and the checkout's untracked files.
 """
 
@@ -20,16 +22,22 @@ import importlib.util
 import io
 import json
 import subprocess
+import types
 from pathlib import Path
 
 import torch
 
+from megalite import memory_estimate as me
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
 # The layout comparisons live in the package, shared with tools/check_cluster.py.
 from megalite.layout_check import (gather_tensor_parallel, reference_name,  # noqa: F401
                                    step_problems, tensor_problem)
+from megalite.monitoring.memory import SavedActivations
+from megalite.pipeline_parallel.stages import rank_stages
+from megalite.train_step import autocast
+from megalite.training import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,3 +212,47 @@ def random_batches(generator, vocab: int, micro: int, seq: int, num_micro: int,
         return batches
     per_rank = num_micro // state.dp_size
     return batches[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]
+
+
+# ----------------------------------------------------- activations saved for backward
+
+CPU = torch.device("cpu")
+
+def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> int:
+    """One micro-batch through `chunk` as the executor runs it (the step's autocast):
+    the distinct storages autograd saves for backward, plus what the executor holds, the
+    received input and, on a stage that sends, the output and its contiguous send buffer.
+    Parameters and buffers are not activations."""
+    m, b = config.model, config.training.micro_batch_size
+    chunk.train()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), generator=g)
+    dtype = next(chunk.parameters()).dtype
+    x = tokens if first else \
+        torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
+    with SavedActivations(chunk) as saved, autocast(config.precision, CPU):
+        out = chunk(x, tokens if last else None)
+    if not first:
+        saved.add(x)
+    if not last:
+        saved.add(out, out.detach().contiguous())
+    return saved.nbytes
+
+
+def planned_chunk_bytes(config, pp_rank: int, device: str = "cpu") -> list[int]:
+    # A forward saves its FP8 weight copies, which quantize_weights_once keeps for the step.
+    return [c.saved + c.send_forward + c.fp8_weights
+            for c in me.rank_chunks(config, pp_rank, me.DEVICES[device])]
+
+
+def measured_chunk_bytes(config, pp_rank: int, state=None) -> list[int]:
+    par = config.parallel
+    p = par.pipeline_model_parallel_size
+    groups = state or types.SimpleNamespace(pp_rank=pp_rank, pp_size=p, tp_group=None,
+                                            cp_group=None, ep_group=None)
+    torch.manual_seed(0)
+    chunks = build_model(config, groups, CPU, None)
+    t = par.tensor_model_parallel_size
+    seq = config.model.seq_length // (t if config.model.sequence_parallel else 1)
+    return [saved_activation_bytes(config, chunk, stage.is_first, stage.is_last, seq)
+            for stage, chunk in zip(rank_stages(pp_rank, p, len(chunks)), chunks)]

@@ -23,7 +23,7 @@ FLAGS = flags_with("--attention-dropout", "0", "--hidden-dropout", "0", vocab_si
                    make_vocab_size_divisible_by=None, hidden_size=32, seq_length=16,
                    micro_batch_size=2, global_batch_size=2, train_iters=4, lr="3e-3")
 KINDS = {"fp32 Adam": [], "bf16 ZeRO-1": ["--bf16", "--use-distributed-optimizer"]}
-# On a GPU the default path compiles each layer (training.compile_by_default), and inductor
+# On a GPU the default path compiles each layer (config.compile_by_default), and inductor
 # starts its compile workers: processes, so slow.
 DEVICES = [pytest.param("cpu"),
            pytest.param("cuda", marks=[pytest.mark.skipif(not torch.cuda.is_available(),

@@ -3,8 +3,9 @@ independent references: the ZeRO paper's worked example, Megatron's count of mic
 in flight, the parameters and gradient buckets of the real model, and bytes counted on
 the tensors of small CPU runs: after one real training step for the parameters, gradients
 and optimizer state (issue 8: within 10%), and the tensors autograd saves for one
-micro-batch's backward for the activations (within 25%). The activation model is the planner's CPU one (CPU kernels
-save a few things differently from CUDA ones: see `DEVICES` in the planner).
+micro-batch's backward for the activations (within 25%). The activation model is the
+planner's CPU one (CPU kernels save a few things differently from CUDA ones: see `DEVICES`
+in the planner), of eager layers; test_memory_estimate_compiled.py checks compiled ones.
 
 Flash-style SDPA on the CPU falls back to the math kernel (which keeps the s x s
 probabilities) when attention dropout is on, unlike the CUDA kernels, so the SDPA cases
@@ -24,19 +25,17 @@ import torch
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.validation import validate_args
-from megalite.memory_estimate.activations import sends_held
+from megalite.memory_estimate.activations import layer_activation_bytes, sends_held
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
-from megalite.monitoring.memory import SavedActivations
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
-from megalite.pipeline_parallel.stages import rank_stages
 from megalite.spawn import run_distributed
 from megalite.tensor_parallel.params import is_embedding_copy, is_shared_embedding, partition_dim
 from megalite.train_step import StepRunner, autocast
 from megalite.training import build_model, build_optimizer
 
-from tests.helpers import flags_with, without
+from tests.helpers import flags_with, measured_chunk_bytes, planned_chunk_bytes, without
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_TOLERANCE = 0.10        # params, grads, optimizer state (issue 8)
@@ -226,46 +225,6 @@ def test_weights_and_optimizer_state_match_one_step(flags):
 
 # Activations: what one micro-batch's forward saves for backward.
 
-def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> int:
-    """One micro-batch through `chunk` as the executor runs it (the step's autocast):
-    the distinct storages autograd saves for backward, plus what the executor holds, the
-    received input and, on a stage that sends, the output and its contiguous send buffer.
-    Parameters and buffers are not activations."""
-    m, b = config.model, config.training.micro_batch_size
-    chunk.train()
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), generator=g)
-    dtype = next(chunk.parameters()).dtype
-    x = tokens if first else \
-        torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
-    with SavedActivations(chunk) as saved, autocast(config.precision, CPU):
-        out = chunk(x, tokens if last else None)
-    if not first:
-        saved.add(x)
-    if not last:
-        saved.add(out, out.detach().contiguous())
-    return saved.nbytes
-
-
-def planned_chunk_bytes(config, pp_rank: int, device: str = "cpu") -> list[int]:
-    # A forward saves its FP8 weight copies, which quantize_weights_once keeps for the step.
-    return [c.saved + c.send_forward + c.fp8_weights
-            for c in me.rank_chunks(config, pp_rank, me.DEVICES[device])]
-
-
-def measured_chunk_bytes(config, pp_rank: int, state=None) -> list[int]:
-    par = config.parallel
-    p = par.pipeline_model_parallel_size
-    groups = state or types.SimpleNamespace(pp_rank=pp_rank, pp_size=p, tp_group=None,
-                                            cp_group=None, ep_group=None)
-    torch.manual_seed(0)
-    chunks = build_model(config, groups, CPU, None)
-    t = par.tensor_model_parallel_size
-    seq = config.model.seq_length // (t if config.model.sequence_parallel else 1)
-    return [saved_activation_bytes(config, chunk, stage.is_first, stage.is_last, seq)
-            for stage, chunk in zip(rank_stages(pp_rank, p, len(chunks)), chunks)]
-
-
 ACTIVATION_CASES = {
     "gpt fp32": [],
     "gpt bf16": ["--bf16"],
@@ -328,9 +287,12 @@ def test_activations_with_recompute_match_saved_tensors(name):
 
 def test_recompute_shrinks_activations():
     """Full recompute keeps one [s, b, h] input per group: far less than every layer's
-    tensors; selective keeps a little less than none (flash attention saves little)."""
+    tensors; selective keeps a little less than none (flash attention saves little).
+    Eager layers: the planner's CUDA default would compile them, and then selective
+    recompute is counted eager (activations.plans_compiled)."""
     def per_microbatch(flags):
-        return me.estimate_rank_memory(make_config(flags), 0).activations_per_microbatch
+        config = make_config(flags + ["--no-compile-layers"])
+        return me.estimate_rank_memory(config, 0).activations_per_microbatch
     none = per_microbatch(["--bf16"])
     full = per_microbatch(["--bf16", "--recompute-granularity", "full",
                            "--recompute-method", "uniform", "--recompute-num-layers", "1"])
@@ -340,8 +302,32 @@ def test_recompute_shrinks_activations():
 
 GPU_FLAGS = ["--mock-data", "--vocab-size", "32000", "--num-layers", "2", "--hidden-size",
              "1024", "--num-attention-heads", "16", "--seq-length", "1024",
-             "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4", "--bf16",
-             "--no-compile-layers"]  # the planner models eager layers (compiled ones keep less)
+             "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4", "--bf16"]
+
+
+def cuda_forward_bytes(config, warm_up: bool = False) -> int:
+    """Memory allocated on the GPU by one micro-batch's forward, kept for backward (the
+    loss too). `warm_up`: a forward and backward first, so compiled layers compile outside
+    the measurement."""
+    cuda = torch.device("cuda")
+    groups = types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None, cp_group=None,
+                                   ep_group=None)
+    chunk = build_model(config, groups, cuda, None)[0]
+    chunk.train()
+    _ = chunk.rope_table(cuda)  # the model's cached RoPE angles are not activations
+    tokens = torch.randint(0, 32000, (2, 1024), device=cuda)
+    for _ in range(1 if warm_up else 0):
+        with autocast(config.precision, cuda):
+            chunk(tokens, tokens).float().sum().backward()
+        chunk.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with autocast(config.precision, cuda):
+        losses = chunk(tokens, tokens)
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated() - before
+    del losses
+    return used
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -349,25 +335,35 @@ GPU_FLAGS = ["--mock-data", "--vocab-size", "32000", "--num-layers", "2", "--hid
 @pytest.mark.parametrize("flags", [[], ["--attention-dropout", "0.1"], LLAMA])
 def test_cuda_activations_match_allocated_memory(flags):
     """On a GPU: memory allocated by one micro-batch's forward (kept for backward) against
-    the CUDA model (bool dropout masks, fp32 LayerNorm under autocast, the attention
-    output copied for the projection). Tensors of MBs, so allocator rounding is noise."""
-    cuda = torch.device("cuda")
-    config = validate_args(parse_args(GPU_FLAGS + flags), 1)
-    groups = types.SimpleNamespace(pp_rank=0, pp_size=1, tp_group=None, cp_group=None,
-                                   ep_group=None)
-    chunk = build_model(config, groups, cuda, None)[0]
-    chunk.train()
-    _ = chunk.rope_table(cuda)  # the model's cached RoPE angles are not activations
-    tokens = torch.randint(0, 32000, (2, 1024), device=cuda)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    with autocast(config.precision, cuda):
-        losses = chunk(tokens, tokens)
-    torch.cuda.synchronize()
-    used = torch.cuda.memory_allocated() - before
+    the CUDA model of eager layers (bool dropout masks, fp32 LayerNorm under autocast, the
+    attention output copied for the projection). Tensors of MBs, so allocator rounding is
+    noise."""
+    config = validate_args(parse_args(GPU_FLAGS + flags + ["--no-compile-layers"]), 1)
     assert planned_chunk_bytes(config, 0, "cuda")[0] == pytest.approx(
-        used, rel=ACTIVATION_TOLERANCE)
-    del losses
+        cuda_forward_bytes(config), rel=ACTIVATION_TOLERANCE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: checks the "
+                    "planner's model of layers compiled by inductor (the default on a GPU)")
+@pytest.mark.slow  # inductor starts its compile workers (processes)
+@pytest.mark.parametrize("flags", [[], ["--attention-dropout", "0.1"], LLAMA,
+                                   LLAMA + ["--hidden-dropout", "0.1"]])
+def test_cuda_compiled_activations_match_allocated_memory(flags):
+    """The twin of the test above with the default flags, so layers compiled by inductor
+    (test_memory_estimate_compiled.py checks the partition on a CPU). One layer's bytes
+    are the difference between 4 and 2 layers, within 5% of
+    activations.compiled_layer_saved_bytes (the fp32 LayerNorm statistics of CUDA
+    autocast, the attention output not copied: the partitioner recomputes the copy);
+    the whole chunk within the eager test's tolerance."""
+    torch._dynamo.reset()
+    configs = [validate_args(parse_args(without(GPU_FLAGS, "--num-layers") + flags
+                                        + ["--num-layers", str(n)]), 1) for n in (2, 4)]
+    assert all(config.layers_compiled("cuda") for config in configs)
+    used = [cuda_forward_bytes(config, warm_up=True) for config in configs]
+    layer, _ = layer_activation_bytes(configs[0], me.DEVICES["cuda"])
+    assert layer == pytest.approx((used[1] - used[0]) / 2, rel=0.05)
+    assert planned_chunk_bytes(configs[0], 0, "cuda")[0] == pytest.approx(
+        used[0], rel=ACTIVATION_TOLERANCE)
 
 
 # Two ranks: tensor (and sequence) parallelism, ZeRO-1 over DP 2, pipeline send buffers.

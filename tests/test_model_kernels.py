@@ -24,7 +24,6 @@ from megalite.tensor_parallel.cross_entropy import (vocab_parallel_cross_entropy
                                                     whole_vocab_cross_entropy)
 from megalite.tensor_parallel.params import (local_shard, mark_stacked, mark_tensor_parallel,
                                              tp_shard)
-from megalite.training import compile_by_default
 from megalite.validation import validate_args
 
 from tests.helpers import flags_with, tiny_gpt_config
@@ -292,19 +291,16 @@ def test_a_model_with_compiled_layers_compiles_its_loss():
 def test_layers_compile_by_default_on_a_gpu_where_they_have_run_there(flags, world, device,
                                                                       compiled):
     """--compile-layers / --no-compile-layers, and with neither the rule of
-    training.compile_by_default as its docstring and --help state it."""
+    config.compile_by_default as its docstring and --help state it."""
     config = validate_args(parse_args(flags_with(*flags)), world_size=world)
-    chosen = config.model.compile_layers
-    if chosen is None:
-        chosen = compile_by_default(config, torch.device(device))
-    assert chosen is compiled
+    assert config.layers_compiled(device) is compiled
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton "
                     "kernels: the path --compile-layers takes by default on a GPU)")
 @pytest.mark.slow  # inductor starts its compile workers (processes)
 def test_compiled_layers_equal_eager_in_bf16_on_the_gpu():
-    """The default path on a GPU (training.compile_by_default) against eager mode, both in
+    """The default path on a GPU (config.compile_by_default) against eager mode, both in
     bf16, each measured against the same model in fp32: compiled layers are as close to
     it as eager ones, within bf16 round-off (inductor fuses elementwise chains in fp32 and
     rounds once where eager rounds after each op, so neither is the other bit for bit)."""

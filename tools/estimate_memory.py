@@ -120,7 +120,9 @@ def _sharding(config: Config) -> str:
 def format_table(config: Config, ranks: list[RankMemory], gpu_gib: float,
                  device: str = "cuda") -> str:
     total_params = num_model_parameters(config)
-    lines = [f"megalite memory plan ({device} kernels): {total_params / 1e9:.3f}B parameters"]
+    layers = "compiled" if config.layers_compiled(device) else "eager"
+    lines = [f"megalite memory plan ({device} kernels, {layers} layers): "
+             f"{total_params / 1e9:.3f}B parameters"]
     lines += ["  " + line for line in describe(config)]
     lines += ["", "| PP rank | params (B) | params | grads | optimizer | fp32 main grads "
                   "| activations (in flight) | total GiB | of GPU |",

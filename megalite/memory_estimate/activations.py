@@ -66,6 +66,8 @@ class _Shapes:
     device: Device
     cp: int = 1
     """Context-parallel ranks: seq is then this rank's s / CP rows (context_parallel.py)."""
+    compiled: bool = False
+    """The transformer layers run under torch.compile (Config.layers_compiled)."""
 
     @property
     def tokens(self) -> int:
@@ -93,7 +95,8 @@ def _shapes(config: Config, device: Device) -> _Shapes:
                    query_width=m.query_projection_size // t,
                    kv_width=m.kv_projection_size // t, heads=m.num_attention_heads // t,
                    ffn_width=m.ffn_hidden_size // t, vocab=m.padded_vocab_size // t, tp=t,
-                   device=device, cp=par.context_parallel_size)
+                   device=device, cp=par.context_parallel_size,
+                   compiled=config.layers_compiled(device.name))
 
 
 # One transformer layer, the embedding, the loss (docs/memory.md, "What one layer saves").
@@ -190,13 +193,61 @@ def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = No
                       layer: int = 0) -> int:
     """One transformer layer (global index `layer`), without recompute or with selective
     recompute; its linear layers' GEMMs in FP8 with a recipe `fp8`; a MoE layer's MLP as
-    memory_estimate/moe.py counts it."""
+    memory_estimate/moe.py counts it; a compiled layer as compiled_layer_saved_bytes does
+    where that count holds (plans_compiled)."""
+    if plans_compiled(config, shape, fp8, layer):
+        return compiled_layer_saved_bytes(config, shape)
     selective = config.model.recompute_granularity == "selective"
     mlp = (moe_saved_bytes(config, shape, mlp_saved_bytes) if config.model.is_moe_layer(layer)
            else mlp_saved_bytes(config, shape))
     return (2 * norm_saved_bytes(config, shape) + 2 * norm_output_bytes(config, shape)
             + attention_saved_bytes(config, shape, selective) + mlp
             + fp8_layer_delta_bytes(config, shape, fp8))
+
+
+def plans_compiled(config: Config, shape: _Shapes, fp8: Fp8Recipe | None, layer: int) -> bool:
+    """Whether layer `layer` is counted as compiled: it is (shape.compiled), and it is one
+    of the variants whose compiled saved tensors were measured (the layers compiled by
+    default: TP 1, CP 1, a dense MLP), without FP8 GEMMs, selective recompute (its
+    checkpoint inside a compiled layer fails to trace in torch 2.13) or the `unfused`
+    attention. Other compiled layers keep the eager count, which is above the compiled
+    one in every variant measured."""
+    m = config.model
+    return (shape.compiled and shape.tp == 1 and shape.cp == 1 and fp8 is None
+            and not m.is_moe_layer(layer) and m.recompute_granularity != "selective"
+            and m.attention_backend != "unfused")
+
+
+def compiled_layer_saved_bytes(config: Config, shape: _Shapes) -> int:
+    """One transformer layer under torch.compile: what inductor's min-cut partitioner
+    (torch._functorch.partitioners.min_cut_rematerialization_partition) keeps between the
+    forward and backward graphs. It saves the cheapest set that lets backward recompute
+    the rest, so it keeps the GEMM and attention inputs and outputs and recomputes the
+    elementwise work between them (RMSNorm's fp32 copies, silu(gate), GeLU, RoPE's
+    intermediates, the residual sums). Kept: the layer's input and the output
+    projection's output (the residual sum for the second norm is rebuilt from both), each
+    norm's row statistics and output, Q, K, V as the attention kernel takes them with its
+    output and fp32 log-sum-exp, fc1's output and fc2's input, the residual dropouts'
+    bool masks (random draws are never recomputed). docs/memory.md, "Compiled layers"."""
+    m = config.model
+    a, rows, tokens = shape.act_bytes, shape.residual_tokens, shape.tokens
+    residual = 2 * a * rows * shape.hidden
+    norms = 2 * (_norm_statistics_bytes(config, shape) + norm_output_bytes(config, shape))
+    attention = (qkv_saved_bytes(config, shape) + a * tokens * shape.query_width
+                 + 4 * shape.heads * tokens)
+    mlp = (3 if m.swiglu else 2) * a * tokens * shape.ffn_width
+    masks = 2 * rows * shape.hidden if m.hidden_dropout > 0 else 0
+    return residual + norms + attention + mlp + masks
+
+
+def _norm_statistics_bytes(config: Config, shape: _Shapes) -> int:
+    """A compiled norm's row statistics: RMSNorm's fp32 rsqrt; LayerNorm's mean and rstd,
+    in fp32 where the norm runs in fp32 (fp32 activations, CUDA autocast), else in the
+    activation dtype (its decomposition casts them back)."""
+    if config.model.normalization == "RMSNorm":
+        return 4 * shape.residual_tokens
+    fp32 = not shape.mixed or shape.device.autocast_fp32_norm_softmax
+    return 2 * (4 if fp32 else shape.act_bytes) * shape.residual_tokens
 
 
 def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
@@ -262,7 +313,7 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
     if pre:
         saved += embedding_saved_bytes(config, shape)
     else:
-        saved += 0 if _first_layer_keeps_input(config, shape) else residual  # received input
+        saved += 0 if _first_layer_keeps_input(config, shape, layers[:1]) else residual
     if post:
         saved += loss_saved_bytes(config, shape)
     elif not contiguous:
@@ -271,12 +322,15 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
                             fp8_weights)
 
 
-def _first_layer_keeps_input(config: Config, shape: _Shapes) -> bool:
-    """Whether the first layer itself saves the tensor received from the previous stage
-    (a checkpointed group, a LayerNorm in the activation dtype, an fp32 RMSNorm), so that
-    holding it costs nothing more."""
-    if recompute_groups(config.model, 1)[0][1]:
-        return True
+def _first_layer_keeps_input(config: Config, shape: _Shapes, first: range) -> bool:
+    """Whether the stage's first layer (`first`: its index, or none) itself saves the
+    tensor received from the previous stage (a checkpointed group, a compiled layer, a
+    LayerNorm in the activation dtype, an fp32 RMSNorm), so that holding it costs nothing
+    more."""
+    compiled = any(plans_compiled(config, shape, layer_fp8_recipe(config.model, i), i)
+                   for i in first)
+    if recompute_groups(config.model, 1)[0][1] or compiled:
+        return True  # a checkpoint keeps its input; so does a compiled layer (above)
     if config.model.normalization == "RMSNorm":
         return shape.act_bytes == 4
     return not (shape.mixed and shape.device.autocast_fp32_norm_softmax)
