@@ -156,6 +156,13 @@ class GPTConfig:
     """How tokens reach experts on other EP ranks: "allgather" or "alltoall"
     (--moe-token-dispatcher-type)."""
 
+    def loss_compiled(self, layers_compiled: bool, tp_size: int) -> bool:
+        """Whether the loss runs under torch.compile: with compiled layers or
+        --cross-entropy-loss-fusion, where one rank holds the whole vocabulary (TP 1; over
+        a TP group it is the eager vocab-parallel one, whose all-reduces a graph would
+        break on). The model builds it so and the memory planner plans it so."""
+        return (layers_compiled or self.cross_entropy_loss_fusion) and tp_size == 1
+
     @property
     def query_projection_size(self) -> int:
         return self.num_attention_heads * self.kv_channels
@@ -563,9 +570,11 @@ def compile_by_default(config: Config, device_type: str) -> bool:
     MFU, docs/benchmarks.md); a CPU gains little and would wait minutes for inductor's C++
     build. Only where compiled layers have run on a GPU: TP 1 and CP 1 (no collective
     inside a layer), dense layers (MoE's routed shapes change every step), not under FSDP2
-    (its hooks around compiled layers have not run on a GPU), and not under zb-h1, whose
-    split backward a compiled layer does not make."""
+    (its hooks around compiled layers have not run on a GPU), not under zb-h1, whose
+    split backward a compiled layer does not make, and not with selective recompute, whose
+    checkpoint inside the layer does not trace."""
     p = config.parallel
     return (device_type == "cuda" and p.tensor_model_parallel_size == 1
             and p.context_parallel_size == 1 and not config.model.num_experts
-            and not p.use_torch_fsdp2 and p.pipeline_schedule != "zb-h1")
+            and not p.use_torch_fsdp2 and p.pipeline_schedule != "zb-h1"
+            and config.model.recompute_granularity != "selective")

@@ -230,8 +230,10 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
     dtype = next(chunk.parameters()).dtype
     x = tokens if first else \
         torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
+    # The labels a tensor of their own, as the data loader gives them (a compiled loss keeps
+    # them, where they would otherwise share the saved token ids' storage).
     with SavedActivations(chunk) as saved, autocast(config.precision, CPU):
-        out = chunk(x, tokens if last else None)
+        out = chunk(x, tokens.clone() if last else None)
     if not first:
         saved.add(x)
     if not last:

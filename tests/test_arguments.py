@@ -264,6 +264,8 @@ def test_entry_script_exits_nonzero_with_message(tmp_path):
     (["--recompute-method", "block"], "apply to --recompute-granularity full only"),
     (["--recompute-granularity", "full", "--recompute-method", "block",
       "--recompute-num-layers", "0"], "--recompute-num-layers must be positive"),
+    (["--recompute-granularity", "selective", "--compile-layers"],
+     "--compile-layers cannot trace"),
 ])
 def test_recompute_flag_errors(extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -287,6 +287,8 @@ def test_a_model_with_compiled_layers_compiles_its_loss():
     (["--use-torch-fsdp2"], 1, "cuda", False),
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 2, "cuda", False),
     (["--pipeline-model-parallel-size", "2"], 2, "cuda", True),
+    (["--recompute-granularity", "selective"], 1, "cuda", False),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], 1, "cuda", True),
 ])
 def test_layers_compile_by_default_on_a_gpu_where_they_have_run_there(flags, world, device,
                                                                       compiled):

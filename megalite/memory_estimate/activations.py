@@ -269,10 +269,14 @@ def embedding_saved_bytes(config: Config, shape: _Shapes) -> int:
 
 
 def loss_saved_bytes(config: Config, shape: _Shapes) -> int:
-    """Final norm, the output layer's input, and the vocab-parallel cross-entropy's fp32
-    softmax [s, b, V/t] with its target ids and out-of-shard mask."""
-    return (norm_saved_bytes(config, shape) + norm_output_bytes(config, shape)
-            + 4 * shape.tokens * shape.vocab + 8 * shape.tokens + shape.tokens)
+    """Final norm, the output layer's input, and the loss: the eager vocab-parallel
+    cross-entropy's fp32 softmax [s, b, V/t] with its target ids and out-of-shard mask, or
+    the compiled one's (GPTConfig.loss_compiled) logits in their own dtype, target ids, and
+    two fp32 numbers a token (the max and the log-sum-exp: inductor's partition)."""
+    head = norm_saved_bytes(config, shape) + norm_output_bytes(config, shape)
+    if config.model.loss_compiled(shape.compiled, shape.tp):
+        return head + shape.act_bytes * shape.tokens * shape.vocab + 16 * shape.tokens
+    return head + 4 * shape.tokens * shape.vocab + 8 * shape.tokens + shape.tokens
 
 
 # Recompute, chunks, and the pipeline schedule.

@@ -151,12 +151,9 @@ class GPTModel(nn.Module):
             mark_shared_embedding(self.embedding.word_embeddings.weight, copy=False)
         self._rotary: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
-        # With compiled layers (or --cross-entropy-loss-fusion) the loss is compiled too
-        # (one process: the whole vocabulary here); over a TP group it stays the eager
-        # vocab-parallel form (its all-reduces).
-        fused_loss = config.compile_layers or config.cross_entropy_loss_fusion
         self._compiled_loss = (torch.compile(whole_vocab_cross_entropy)
-                               if fused_loss and group_size(tp_group) == 1 else None)
+                               if config.loss_compiled(bool(config.compile_layers),
+                                                       group_size(tp_group)) else None)
         initialize_parameters(self, config, seed, group_rank(tp_group), group_size(tp_group),
                               ep_rank=group_rank(ep_group))
 

@@ -165,6 +165,13 @@ def _recompute_num_layers(args) -> int:
     if granularity == "full" and method is None:
         raise ConfigError("--recompute-granularity full needs --recompute-method "
                           "(uniform or block)")
+    if granularity == "selective" and args.compile_layers:
+        # Its checkpoint sits inside the layer's forward, with a context_fn that swaps the
+        # model-parallel RNG states: torch.compile cannot trace that (torch 2.13).
+        raise ConfigError("--recompute-granularity selective recomputes inside each layer, "
+                          "which --compile-layers cannot trace; inductor already recomputes "
+                          "what is cheap in a compiled layer: drop one of the two, or use "
+                          "--recompute-granularity full")
     if granularity != "full" and (method is not None or n is not None):
         raise ConfigError(f"--recompute-method/--recompute-num-layers apply to "
                           f"--recompute-granularity full only (got --recompute-granularity="
