@@ -28,6 +28,7 @@ from megalite.memory_estimate.activations import sends_held
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.monitoring.memory import SavedActivations
+from megalite.tensor_parallel import fp8
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule
 from megalite.pipeline_parallel.stages import rank_stages
@@ -238,8 +239,11 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
     dtype = next(chunk.parameters()).dtype
     x = tokens if first else \
         torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
-    with SavedActivations(chunk) as saved, autocast(config.precision, CPU):
+    with SavedActivations(chunk) as saved, autocast(config.precision, CPU), \
+            fp8.quantize_weights_once():  # as in a training step
         out = chunk(x, tokens if last else None)
+        for q, q_t in (copies for _, copies in fp8._step_weights.values()):
+            saved.add(q.data, q_t.data)  # held for the step, whether saved or not
     if not first:
         saved.add(x)
     if not last:
@@ -248,7 +252,7 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
 
 
 def planned_chunk_bytes(config, pp_rank: int, device: str = "cpu") -> list[int]:
-    # A forward saves its FP8 weight copies, which quantize_weights_once keeps for the step.
+    # The FP8 weight copies quantize_weights_once keeps for the step (both layouts).
     return [c.saved + c.send_forward + c.fp8_weights
             for c in me.rank_chunks(config, pp_rank, me.DEVICES[device])]
 
