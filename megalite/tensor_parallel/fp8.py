@@ -9,7 +9,8 @@ master weights, biases and everything outside the GEMMs stay as they are.
 A quantized tensor is q = clamp(t / s, +-fp8_max) with s = amax / fp8_max, and the GEMM
 multiplies the scales back in. Recipes:
 - "tensorwise" (Megatron's name): one scale per tensor. The forward keeps the FP8 copies
-  of X and A for the backward (half the bytes of bf16 copies).
+  of X and A for the backward (half the bytes of bf16 copies), transposed as dA's and dX's
+  GEMMs take them (scaled_mm).
 - "rowwise" (torchao's rowwise scaling; megalite's own name in Megatron's flag): one scale
   per row of each operand along the contraction dimension, so each GEMM quantizes its own
   operands: the forward keeps X and A in their own dtype, as the plain linear layer does.
