@@ -140,6 +140,17 @@ def test_cast_transpose_writes_the_transposed_codes_row_major(dtype, dim):
         assert torch.equal(q.scale, plain.scale) and torch.equal(q_t.scale, plain.scale.t())
 
 
+def test_scaled_mm_copies_operands_passed_in_other_layouts():
+    """A caller's a column-major or b row-major is copied into cuBLASLt's layout, not
+    refused: the same product as with the operands laid out for it."""
+    a = fp8.quantize(torch.randn(16, 32), E4M3)
+    b = fp8.quantize_transposed(torch.randn(32, 48), E4M3).t()  # [32, 48] column-major
+    want = fp8.scaled_mm(a, b, torch.float32)
+    a_col = fp8.Quantized(a.data.t().contiguous().t(), a.scale)
+    b_row = fp8.Quantized(b.data.contiguous(), b.scale)
+    assert torch.equal(fp8.scaled_mm(a_col, b_row, torch.float32), want)
+
+
 class Fp8Ops(TorchDispatchMode):
     """Records the aten ops that take an FP8 tensor, with the layouts of their inputs."""
 
