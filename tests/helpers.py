@@ -36,6 +36,7 @@ from megalite.layout_check import (gather_tensor_parallel, reference_name,  # no
                                    step_problems, tensor_problem)
 from megalite.monitoring.memory import SavedActivations
 from megalite.pipeline_parallel.stages import rank_stages
+from megalite.tensor_parallel import fp8
 from megalite.train_step import autocast
 from megalite.training import build_model
 
@@ -232,8 +233,11 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
         torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
     # The labels a tensor of their own, as the data loader gives them (a compiled loss keeps
     # them, where they would otherwise share the saved token ids' storage).
-    with SavedActivations(chunk) as saved, autocast(config.precision, CPU):
+    with SavedActivations(chunk) as saved, autocast(config.precision, CPU), \
+            fp8.quantize_weights_once():  # as in a training step
         out = chunk(x, tokens.clone() if last else None)
+        for q, q_t in (copies for _, copies in fp8._step_weights.values()):
+            saved.add(q.data, q_t.data)  # held for the step, whether saved or not
     if not first:
         saved.add(x)
     if not last:
@@ -242,7 +246,7 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
 
 
 def planned_chunk_bytes(config, pp_rank: int, device: str = "cpu") -> list[int]:
-    # A forward saves its FP8 weight copies, which quantize_weights_once keeps for the step.
+    # The FP8 weight copies quantize_weights_once keeps for the step (both layouts).
     return [c.saved + c.send_forward + c.fp8_weights
             for c in me.rank_chunks(config, pp_rank, me.DEVICES[device])]
 

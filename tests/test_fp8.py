@@ -8,6 +8,8 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megalite.arguments import parse_args
 from megalite.errors import ConfigError
@@ -57,9 +59,9 @@ def _close(actual, expected):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.format}-{r.recipe}")
-@pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear])
-def test_fp8_layer_forward_backward_match_the_formula(kind, recipe):
+def layer_case(kind, recipe: Fp8Recipe):
+    """An FP8 layer 32 -> 48 with random weight and bias, an input x [8, 2, 32] and an
+    output gradient g."""
     generator = torch.Generator().manual_seed(0)
     layer = kind(32, 48, group=None, fp8=recipe)
     with torch.no_grad():
@@ -68,7 +70,17 @@ def test_fp8_layer_forward_backward_match_the_formula(kind, recipe):
     # Rows of very different size, so a rowwise scale differs from a tensorwise one.
     x = (torch.randn(8, 2, 32, generator=generator)
          * torch.logspace(-2, 1, 8).view(8, 1, 1)).requires_grad_()
-    g = torch.randn(8, 2, 48, generator=generator) * 1e-3
+    return layer, x, torch.randn(8, 2, 48, generator=generator) * 1e-3
+
+
+LAYER_CASES = pytest.mark.parametrize("kind, recipe", [
+    (kind, recipe) for kind in (ColumnParallelLinear, RowParallelLinear) for recipe in RECIPES],
+    ids=lambda v: f"{v.format}-{v.recipe}" if isinstance(v, Fp8Recipe) else v.__name__)
+
+
+@LAYER_CASES
+def test_fp8_layer_forward_backward_match_the_formula(kind, recipe):
+    layer, x, g = layer_case(kind, recipe)
     y = layer(x)
     y.backward(g)
     ref_y, ref_dx, ref_dw, ref_db = reference(x.detach(), layer.weight.detach(),
@@ -80,6 +92,94 @@ def test_fp8_layer_forward_backward_match_the_formula(kind, recipe):
     # And FP8 is near the exact product (a wrong scale would be far from it).
     exact = x.detach() @ layer.weight.detach().T + layer.bias.detach()
     assert (y - exact).norm() < 0.1 * exact.norm()
+
+
+def fp32_formula(x, w, b, g, recipe: Fp8Recipe):
+    """(y, dx, dw, db) in fp32 as the FP8 layer computed them before its quantizations
+    wrote transposed copies: each operand quantized on its own, dequantized (q * s), then
+    multiplied in fp32 (what torch._scaled_mm does on a CPU)."""
+    def rounded(t, dtype, dim):
+        fp8_max = torch.finfo(dtype).max
+        amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+        scale = amax.clamp(min=1e-12) / fp8_max
+        return (t / scale).clamp(-fp8_max, fp8_max).to(dtype).float() * scale
+    grad_dtype = E5M2 if recipe.format == "hybrid" else E4M3
+    x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    dims = (1, 1, 1, 0, 0, 0) if recipe.rowwise else (None,) * 6  # along each contraction
+    y = rounded(x, E4M3, dims[0]) @ rounded(w, E4M3, dims[1]).T
+    dx = rounded(g, grad_dtype, dims[2]) @ rounded(w, E4M3, dims[3])
+    dw = rounded(g, grad_dtype, dims[4]).T @ rounded(x, E4M3, dims[5])
+    return y + b, dx, dw, g.sum(0)
+
+
+@LAYER_CASES
+def test_fp8_layer_equals_quantize_dequantize_matmul_bit_for_bit(kind, recipe):
+    """The quantizations that write transposed copies for the GEMMs change layouts only:
+    the same scales and codes, so in fp32 on a CPU the same bits as the formula."""
+    layer, x, g = layer_case(kind, recipe)
+    y = layer(x)
+    y.backward(g)
+    expected = fp32_formula(x.detach(), layer.weight.detach(), layer.bias.detach(), g, recipe)
+    actual = (y, x.grad, layer.weight.grad, layer.bias.grad)
+    for name, got, want in zip(("y", "dx", "dw", "db"), actual, expected):
+        assert torch.equal(got.reshape(want.shape), want), name
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_transpose_writes_the_transposed_codes_row_major(dtype, dim):
+    """quantize_both's second copy and quantize_transposed are quantize's codes and scales
+    transposed, bit for bit, laid out row-major (a bf16 input cast in the same pass)."""
+    t = (torch.randn(48, 32) * torch.logspace(-3, 2, 32)).to(torch.bfloat16)
+    plain = fp8.quantize(t, dtype, dim)
+    for q, q_t in (fp8.quantize_both(t, dtype, dim), (plain, fp8.quantize_transposed(t, dtype,
+                                                                                     dim))):
+        assert q_t.data.is_contiguous() and q_t.data.shape == (32, 48)
+        assert torch.equal(q.data.view(torch.uint8), plain.data.view(torch.uint8))
+        assert torch.equal(q_t.data.view(torch.uint8), plain.data.t().view(torch.uint8))
+        assert torch.equal(q.scale, plain.scale) and torch.equal(q_t.scale, plain.scale.t())
+
+
+def test_scaled_mm_copies_operands_passed_in_other_layouts():
+    """A caller's a column-major or b row-major is copied into cuBLASLt's layout, not
+    refused: the same product as with the operands laid out for it."""
+    a = fp8.quantize(torch.randn(16, 32), E4M3)
+    b = fp8.quantize_transposed(torch.randn(32, 48), E4M3).t()  # [32, 48] column-major
+    want = fp8.scaled_mm(a, b, torch.float32)
+    a_col = fp8.Quantized(a.data.t().contiguous().t(), a.scale)
+    b_row = fp8.Quantized(b.data.contiguous(), b.scale)
+    assert torch.equal(fp8.scaled_mm(a_col, b_row, torch.float32), want)
+
+
+class Fp8Ops(TorchDispatchMode):
+    """Records the aten ops that take an FP8 tensor, with the layouts of their inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.dtype in (E4M3, E5M2) for t in tensors):
+            self.ops.append((func, [(t.dtype, t.shape, t.stride()) for t in tensors]))
+        return func(*args, **(kwargs or {}))
+
+
+@LAYER_CASES
+@pytest.mark.parametrize("once", [False, True], ids=["uncached", "weights-once"])
+def test_fp8_layer_makes_no_copy_of_an_fp8_tensor(kind, recipe, once):
+    """Every GEMM operand is quantized straight into cuBLASLt's layout (fp8.scaled_mm), so
+    FP8 tensors are only viewed (transposed) and multiplied: no clone, contiguous or cast
+    of FP8 codes, over two micro-batches' forwards and backwards (the second reusing the
+    step's weight copies under quantize_weights_once)."""
+    layer, x, g = layer_case(kind, recipe)
+    with Fp8Ops() as seen, (fp8.quantize_weights_once() if once else contextlib.nullcontext()):
+        for _ in range(2):
+            layer(x).backward(g)
+    copies = [(func, inputs) for func, inputs in seen.ops
+              if not func.is_view and func is not torch.ops.aten._scaled_mm.default]
+    assert not copies, copies
+    assert sum(func is torch.ops.aten._scaled_mm.default for func, _ in seen.ops) == 6
 
 
 def test_fp8_weight_gradient_deferred_to_the_w_pass_equals_the_direct_one():
@@ -166,17 +266,18 @@ def test_fp8_and_plain_runs_resume_from_each_other(tmp_path, capsys):
 def test_weights_quantized_once_a_step_give_the_per_micro_batch_results(monkeypatch, capsys):
     """train_step's quantize_weights_once against the layer quantizing its weight at every
     micro-batch (the cache made a no-op): the same losses, bit for bit, over 4 micro-batches
-    a step under full recompute, and one weight quantization per linear layer and step
-    instead of two (forward and recomputed forward) per micro-batch."""
+    a step under full recompute, and one weight quantization (its cast-transpose, both
+    layouts) per linear layer and step instead of two (forward and recomputed forward) per
+    micro-batch."""
     flags = ["--fp8-format", "hybrid", "--global-batch-size", "8", "--recompute-granularity",
              "full", "--recompute-method", "uniform"]
     weights = []
-    real = fp8.quantize
+    real = fp8.quantize_both
 
     def counting(t, dtype, dim=None, group=None):
         weights.append(isinstance(t, torch.nn.Parameter))
         return real(t, dtype, dim, group)
-    monkeypatch.setattr(fp8, "quantize", counting)
+    monkeypatch.setattr(fp8, "quantize_both", counting)
     cached = _pretrain(capsys, *flags)
     cached_casts = sum(weights)
     weights.clear()
@@ -263,13 +364,18 @@ def test_fp8_layer_on_the_gpu_matches_the_formula(kind, recipe):
 @pytest.mark.parametrize("dim", [None, 0, 1])
 def test_compiled_quantization_equals_the_eager_one_on_the_gpu(dim):
     """fp8._kernel's compiled amax and cast against the same functions run eagerly: the
-    same scales, and FP8 codes equal but for a rare one-step tie (division rounding)."""
+    same scales, and FP8 codes equal but for a rare one-step tie (division rounding); the
+    compiled cast-transpose's two copies hold the same codes."""
     t = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) \
         * torch.logspace(-3, 2, 512, device="cuda")
     for dtype in (E4M3, E5M2):
-        fused = fp8.quantize(t, dtype, dim)
         amax = fp8._amax(t, dim)
         data, scale = fp8._scale_and_cast(t, amax, dtype)
-        assert torch.equal(fused.scale, scale)
-        codes = (fused.data.view(torch.uint8).int() - data.view(torch.uint8).int()).abs()
-        assert codes.max() <= 1 and (codes > 0).float().mean() < 1e-3
+        fused, (both, both_t) = fp8.quantize(t, dtype, dim), fp8.quantize_both(t, dtype, dim)
+        # The cast-transpose writes the same codes twice, the second copy row-major.
+        assert both_t.data.is_contiguous()
+        assert torch.equal(both_t.data.view(torch.uint8), both.data.t().view(torch.uint8))
+        for q in (fused, both):
+            assert torch.equal(q.scale, scale)
+            codes = (q.data.view(torch.uint8).int() - data.view(torch.uint8).int()).abs()
+            assert codes.max() <= 1 and (codes > 0).float().mean() < 1e-3

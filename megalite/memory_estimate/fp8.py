@@ -1,25 +1,28 @@
 """What FP8 changes in one transformer layer's memory (tensor_parallel/fp8.py): under the
 tensorwise recipe each of its four linear layers keeps the FP8 copy of its input (one byte
-an element) instead of the input itself, for every micro-batch in flight, and the FP8 copy
-of its weight shard with the two fp32 scales once a step (fp8.quantize_weights_once keeps
-it from the first micro-batch's forward to the step's last backward). The rowwise recipe
-keeps what the plain layer keeps (its input and the weight itself) and quantizes again in
-backward."""
+an element, transposed for dA's GEMM) instead of the input itself, for every micro-batch in
+flight, and two FP8 copies of its weight shard, A and A^T for the forward's and dX's GEMMs,
+with the two fp32 scales once a step (fp8.quantize_weights_once keeps them from the first
+micro-batch's forward to the step's last backward). The rowwise recipe keeps what the plain
+layer keeps (its input and the weight itself) and quantizes again in backward."""
 
 from megalite.config import Config
 from megalite.tensor_parallel.fp8 import Fp8Recipe
 
 SCALES_PER_LINEAR = 2  # X's and A's, 0-dim fp32
+WEIGHT_LAYOUTS = 2  # A and A^T, each row-major: cuBLASLt's FP8 GEMM wants both (fp8.scaled_mm)
 
 
 def fp8_weight_copy_bytes(config: Config, shape, recipe: Fp8Recipe | None) -> int:
-    """The FP8 copies of one layer's four weight shards and their scales, held through a
-    step's forwards and backwards (`shape`: the planner's activations._Shapes)."""
+    """The FP8 copies of one layer's four weight shards in both layouts and their scales,
+    held through a step's forwards and backwards (`shape`: the planner's
+    activations._Shapes)."""
     if recipe is None or recipe.rowwise:
         return 0
     h, q, kv, f = shape.hidden, shape.query_width, shape.kv_width, shape.ffn_width
     fc1 = 2 * f if config.model.swiglu else f
-    return h * (q + 2 * kv) + q * h + h * fc1 + f * h + 4 * SCALES_PER_LINEAR * 4
+    weights = h * (q + 2 * kv) + q * h + h * fc1 + f * h
+    return WEIGHT_LAYOUTS * weights + 4 * SCALES_PER_LINEAR * 4
 
 
 def fp8_layer_delta_bytes(config: Config, shape, recipe: Fp8Recipe | None) -> int:

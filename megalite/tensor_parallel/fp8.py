@@ -9,7 +9,8 @@ master weights, biases and everything outside the GEMMs stay as they are.
 A quantized tensor is q = clamp(t / s, +-fp8_max) with s = amax / fp8_max, and the GEMM
 multiplies the scales back in. Recipes:
 - "tensorwise" (Megatron's name): one scale per tensor. The forward keeps the FP8 copies
-  of X and A for the backward (half the bytes of bf16 copies).
+  of X and A for the backward (half the bytes of bf16 copies), transposed as dA's and dX's
+  GEMMs take them (scaled_mm).
 - "rowwise" (torchao's rowwise scaling; megalite's own name in Megatron's flag): one scale
   per row of each operand along the contraction dimension, so each GEMM quantizes its own
   operands: the forward keeps X and A in their own dtype, as the plain linear layer does.
@@ -46,7 +47,8 @@ _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (torchao's EPS)
 
 
 _step_weights: dict | None = None
-"""(id(weight), dtype) -> (weight, its FP8 copy) inside quantize_weights_once, else None."""
+"""(id(weight), dtype) -> (weight, its FP8 copies A and A^T) inside quantize_weights_once,
+else None."""
 
 
 @dataclass(frozen=True)
@@ -86,31 +88,85 @@ class Quantized:
     scale: torch.Tensor
 
     def t(self) -> "Quantized":
-        return Quantized(self.data.t(), self.scale.t())
+        return Quantized(self.data.t(), _transposed_scale(self.scale))
+
+
+def _transposed_scale(scale: torch.Tensor) -> torch.Tensor:
+    # A row of scales as a contiguous column and back (a 0-dim one as it is): a plain
+    # .t() would leave the stride torch._scaled_mm refuses for a scale of [M, 1].
+    return scale.reshape(scale.shape[::-1])
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
              group=None) -> Quantized:
     """t in FP8 `dtype`, scaled by its amax (over `dim`, kept, or the whole tensor), the
-    amax all-reduced (max) over `group` when t is a shard of the tensor to scale."""
+    amax all-reduced (max) over `group` when t is a shard of the tensor to scale. The
+    codes keep t's layout."""
     t = t.detach()  # no graph to record (and one compiled variant, not one per requires_grad)
+    return Quantized(*_kernel(_scale_and_cast, t)(t, _group_amax(t, dim, group), dtype))
+
+
+def quantize_transposed(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
+                        group=None) -> Quantized:
+    """quantize(t, ...).t() with its codes written row-major in the same pass: the operand
+    of a GEMM that contracts t's first dim (see scaled_mm), without a transposing copy."""
+    t = t.detach()
+    return Quantized(*_kernel(_scale_and_cast_t, t)(t, _group_amax(t, dim, group), dtype))
+
+
+def quantize_both(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
+                  group=None) -> tuple[Quantized, Quantized]:
+    """(quantize(t, ...), quantize_transposed(t, ...)) from one amax and one pass over t
+    (Transformer Engine's cast-transpose): t is an operand of two GEMMs, contracted along
+    its second dim in one and its first in the other."""
+    t = t.detach()
+    data, data_t, scale = _kernel(_scale_and_cast_both, t)(t, _group_amax(t, dim, group), dtype)
+    return Quantized(data, scale), Quantized(data_t, _transposed_scale(scale))
+
+
+def _group_amax(t: torch.Tensor, dim: int | None, group) -> torch.Tensor:
     amax = _kernel(_amax, t)(t, dim)
     if group_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return Quantized(*_kernel(_scale_and_cast, t)(t, amax, dtype))
+    return amax
 
 
 def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     return (t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)).float()
 
 
-def _scale_and_cast(t: torch.Tensor, amax: torch.Tensor,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _scaled(t: torch.Tensor, amax: torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t / scale clamped to the FP8 range, in fp32, scale)."""
     # fp8_max from the dtype here, not an argument: compiled with dynamic shapes, a float
     # argument becomes a graph input read back with .item() at every call (seen on an H100).
     fp8_max = torch.finfo(dtype).max
     scale = amax.clamp(min=_AMAX_FLOOR) / fp8_max
-    return (t.float() / scale).clamp(-fp8_max, fp8_max).to(dtype), scale
+    return (t.float() / scale).clamp(-fp8_max, fp8_max), scale
+
+
+def _scale_and_cast(t: torch.Tensor, amax: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled, scale = _scaled(t, amax, dtype)
+    return scaled.to(dtype), scale
+
+
+def _scale_and_cast_t(t: torch.Tensor, amax: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled, scale = _scaled(t, amax, dtype)
+    return _cast_row_major(scaled.t(), dtype), _transposed_scale(scale)
+
+
+def _scale_and_cast_both(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scaled, scale = _scaled(t, amax, dtype)
+    return scaled.to(dtype), _cast_row_major(scaled.t(), dtype), scale
+
+
+def _cast_row_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # The transpose happens in the cast (one op reading t strided), never as a copy of the
+    # FP8 codes; per element the same cast as .to(dtype), so the codes are bit-equal.
+    return t.to(dtype, memory_format=torch.contiguous_format)
 
 
 @contextlib.contextmanager
@@ -123,7 +179,11 @@ def quantize_weights_once():
     cast move 5 bytes an element, about a tenth of the time of its three FP8 GEMMs at 4096
     tokens a micro-batch: now once a step instead of once a micro-batch.
     The copies live until the context ends: one per layer, not one per micro-batch in
-    flight."""
+    flight. Both layouts are kept, A row-major for the forward and A^T row-major for dX
+    (cuBLASLt takes each FP8 operand only with its contraction dim contiguous, see
+    scaled_mm): two bytes an element, a bf16 weight's size, as Transformer Engine keeps an
+    FP8 weight and its transpose. Keeping one and transposing it for the other GEMM would
+    be a copy per micro-batch again, the cost this removes."""
     global _step_weights
     previous, _step_weights = _step_weights, {}
     try:
@@ -132,14 +192,16 @@ def quantize_weights_once():
         _step_weights = previous
 
 
-def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype, group) -> Quantized:
+def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype,
+                      group) -> tuple[Quantized, Quantized]:
+    """(A, A^T) in FP8, each written row-major: the forward's and dX's GEMM operands."""
     # Traced, each micro-batch casts again (fused by inductor): a dict read here would be
     # guarded on and recompile the layer every step.
     if torch.compiler.is_compiling() or _step_weights is None:
-        return quantize(weight, dtype, None, group)
+        return quantize_both(weight, dtype, None, group)
     key = (id(weight), dtype)
     if key not in _step_weights:  # the weight is kept with it, so its id is not reused
-        _step_weights[key] = (weight, quantize(weight, dtype, None, group))
+        _step_weights[key] = (weight, quantize_both(weight, dtype, None, group))
     return _step_weights[key][1]
 
 
@@ -162,8 +224,12 @@ def _compiled(fn):
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
               fast_accum: bool = False) -> torch.Tensor:
-    """a [M, K] @ b [K, N] in FP8 with fp32 accumulation. cuBLASLt wants a row-major and b
-    column-major, every dim a multiple of 16. `fast_accum`: Hopper's FP8 tensor cores
+    """a [M, K] @ b [K, N] in FP8 with fp32 accumulation. cuBLASLt's FP8 GEMM takes only
+    the "TN" layout, each operand with its contraction dim K contiguous: a row-major, b
+    column-major, every dim a multiple of 16. The FP8 layers pass them so (quantize_transposed
+    writes the transposed codes in the quantization's own pass); another layout is copied
+    here, one transposing copy per GEMM (on an H100 such copies were the largest kernels
+    after the GEMMs, docs/benchmarks.md). `fast_accum`: Hopper's FP8 tensor cores
     accumulate in fewer bits unless the sum is promoted to fp32 now and then, which costs
     time; torchao (and Transformer Engine) take the fast path for the forward GEMM only and
     promote in the gradients' GEMMs, where small contributions add up. A CPU ignores it."""
@@ -173,6 +239,7 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
         _check_dims(a.data.shape, b.data.shape)
     # On CUDA, rowwise scaling writes bf16 only; the cast back is the one extra rounding.
     gemm_dtype = (torch.bfloat16 if a.data.is_cuda and a.scale.dim() else out_dtype)
+    # Both no-ops (no copy) for operands already in cuBLASLt's layouts.
     out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
                            scale_a=a.scale, scale_b=b.scale, out_dtype=gemm_dtype,
                            use_fast_accum=fast_accum)
@@ -214,13 +281,15 @@ class _Fp8Linear(torch.autograd.Function):
         x_group = group if row_parallel else None
         if recipe.rowwise:  # scales along the input dim K: sharded in a row-parallel layer
             xq = quantize(x2d, fwd_dtype, 1, x_group)
-            wq = quantize(weight.t(), fwd_dtype, 0, x_group)
+            wq = quantize(weight, fwd_dtype, 1, x_group).t()  # A row-major: A^T column-major
             ctx.save_for_backward(weight, x2d)
         else:
-            xq = quantize(x2d, fwd_dtype, None, x_group)
-            wq = _quantized_weight(weight, fwd_dtype, group).t()
+            # X^T and A^T row-major, written with X and A, for dA = dY^T X and dX = dY A
+            xq, xq_t = quantize_both(x2d, fwd_dtype, None, x_group)
+            wq, wq_t = _quantized_weight(weight, fwd_dtype, group)
+            wq = wq.t()
             # weight itself only for a deferred weight gradient to land on
-            ctx.save_for_backward(weight, xq.data, xq.scale, wq.data, wq.scale)
+            ctx.save_for_backward(weight, xq_t.data, xq_t.scale, wq_t.data, wq_t.scale)
         y = scaled_mm(xq, wq, x.dtype, fast_accum=True)
         if bias is not None:
             y = y + bias
@@ -232,18 +301,21 @@ class _Fp8Linear(torch.autograd.Function):
         fwd_dtype, grad_dtype = recipe.dtypes
         g2d = grad_output.reshape(-1, grad_output.shape[-1])
         out_group = None if ctx.row_parallel else group  # dY's output dim sharded
+        # Operands in cuBLASLt's layouts (scaled_mm): gq and gq_t row-major, wq ([N, K])
+        # and xq ([M, K]) column-major, i.e. the transposes of row-major A^T and X^T.
         if recipe.rowwise:
             weight, x2d = ctx.saved_tensors
             # dX = dY A contracts the output dim N, dA = dY^T X the token dim (never sharded).
-            gq, wq = quantize(g2d, grad_dtype, 1, out_group), quantize(weight, fwd_dtype, 0,
-                                                                        out_group)
-            gq_t, xq = quantize(g2d.t(), grad_dtype, 1), quantize(x2d, fwd_dtype, 0)
+            gq = quantize(g2d, grad_dtype, 1, out_group)
+            wq = quantize_transposed(weight, fwd_dtype, 0, out_group).t()
+            gq_t = quantize_transposed(g2d, grad_dtype, 0)
+            xq = quantize_transposed(x2d, fwd_dtype, 0).t()
             dtype = x2d.dtype
         else:
-            weight, xd, xs, wd, ws = ctx.saved_tensors
-            xq, wq = Quantized(xd, xs), Quantized(wd, ws).t()
-            gq = quantize(g2d, grad_dtype, None, out_group)
-            gq_t, dtype = gq.t(), grad_output.dtype
+            weight, xd_t, xs, wd_t, ws = ctx.saved_tensors
+            xq, wq = Quantized(xd_t, xs).t(), Quantized(wd_t, ws).t()
+            gq, gq_t = quantize_both(g2d, grad_dtype, None, out_group)
+            dtype = grad_output.dtype
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = scaled_mm(gq, wq, dtype).reshape(*grad_output.shape[:-1], wq.data.shape[1])
