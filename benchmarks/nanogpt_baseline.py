@@ -30,12 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.host_memory import MMAP_THRESHOLD, NEVER_TRIM
 from megalite.training_log import parse_log
 from smoke import shrink
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, HEADS, WIDTH, BLOCK, BATCH, VOCAB = 4, 4, 128, 64, 12, 65
 LR, MIN_LR, WARMUP = 1e-3, 1e-4, 100
+# megalite's own malloc setting (host_memory.keep_freed_host_memory), as glibc reads it from
+# the environment: for --plain-keeps-freed-memory.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+              "MALLOC_TRIM_THRESHOLD_": str(NEVER_TRIM)}
 
 MEGALITE_FLAGS = [
     "--mock-data", "--vocab-size", VOCAB, "--make-vocab-size-divisible-by", 1,
@@ -155,6 +160,9 @@ def main():
     p.add_argument("--iters", type=int, default=400, help="iterations per run (default 400)")
     p.add_argument("--rounds", type=int, default=3, help="megalite + plain pairs (default 3)")
     p.add_argument("--threads", type=int, default=2, help="OMP threads per run (default 2)")
+    p.add_argument("--plain-keeps-freed-memory", action="store_true",
+                   help="give the plain loop megalite's malloc setting too (host_memory.py), "
+                        "through glibc's MALLOC_* variables")
     p.add_argument("--plain-loop", action="store_true", help=argparse.SUPPRESS)
     args = shrink(p.parse_args(), iters=4, rounds=1, threads=1)
     interval = max(1, args.iters // 4)
@@ -164,6 +172,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                         os.environ.get("PYTHONPATH")])))
+    plain_env = dict(env, **MALLOC_ENV) if args.plain_keeps_freed_memory else env
     tokens = BATCH * BLOCK
     results = {"megalite": [], "plain": []}
     print(f"nanoGPT baby config, {args.iters} iterations per run, {args.threads} threads, "
@@ -173,7 +182,7 @@ def main():
         # ABBA: each side goes first in every other round, so a machine slowing down or
         # speeding up over the session does not favour the side that always runs first.
         for name, run in sides if r % 2 == 0 else sides[::-1]:
-            ms = run(args.iters, interval, env)
+            ms = run(args.iters, interval, env if name == "megalite" else plain_env)
             results[name].append(tokens / ms * 1000)
             print(f"round {r + 1} {name:8s}: {ms:7.1f} ms/iteration, "
                   f"{results[name][-1]:9.0f} tokens/s", flush=True)

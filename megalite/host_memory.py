@@ -20,7 +20,8 @@ import os
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 * 2**20
 """glibc's largest accepted mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)."""
-_NEVER_TRIM = 2**31 - 1  # mallopt takes a C int
+NEVER_TRIM = 2**31 - 1
+"""The largest trim threshold (mallopt takes a C int): the heap is never trimmed."""
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
@@ -36,4 +37,4 @@ def keep_freed_host_memory() -> bool:
         return False
     # Setting either threshold freezes the other's dynamic adjustment: set both.
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-                and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM))
+                and mallopt(_M_TRIM_THRESHOLD, NEVER_TRIM))
