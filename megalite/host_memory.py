@@ -4,7 +4,7 @@ glibc's malloc returns freed memory at the top of its heap to the kernel once mo
 trim threshold is free there (by default twice the size of the largest block it has freed
 from an mmap, so a few MB in a small model), and the next step's allocations fault every page
 of it back in, zero-filled. A training step frees and reallocates the same activations every
-step, so a CPU run pays those page faults each step: on the nanoGPT baby model 1,000-3,000 a
+step, so a CPU run pays those page faults each step: on the nanoGPT baby model 500-3,000 a
 step, varying with the heap's layout from run to run, up to a tenth of the step
 (docs/benchmarks.md). PyTorch's CUDA allocator caches device memory for the same reason;
 its CPU allocator calls malloc and free. Intel's guide for PyTorch on CPUs preloads jemalloc
