@@ -209,9 +209,10 @@ train_350m() {
 mfu() {
     local flags="${!1} $PERF $EXTRA_PERF_FLAGS" name=$2 mbs try rc extra=() iters=$MFU_ITERS
     local matmul
-    # Within 85% of the GPU: the plan counts compiled layers and loss as they are (42.2 GiB
-    # planned against 43.2 measured for the 1.1B at micro-batch 8 on an H100); at 75% the
-    # 1.1B would stay at micro-batch 8. An out-of-memory run halves it below.
+    # Within 85% of the GPU: the plan counts compiled layers and loss as they are (the 1.1B
+    # at micro-batch 8 planned 42.2 GiB with the eager loss against 43.2 measured on an
+    # H100; 41.3 with the compiled loss); at 75% the 1.1B would stay at micro-batch 8. An
+    # out-of-memory run halves it below.
     mbs=$("$PY" "$HELPERS/planner.py" 0.85 $flags --train-iters "$iters") || exit 1
     if [ "${3:-}" = profile ]; then
         iters=$((MFU_ITERS + 1))

@@ -288,8 +288,8 @@ def test_activations_with_recompute_match_saved_tensors(name):
 def test_recompute_shrinks_activations():
     """Full recompute keeps one [s, b, h] input per group: far less than every layer's
     tensors; selective keeps a little less than none (flash attention saves little).
-    Eager layers: the planner's CUDA default would compile them, and then selective
-    recompute is counted eager (activations.plans_compiled)."""
+    Eager layers for all three, so they compare like with like (the planner's CUDA
+    default compiles none and full, never selective: config.compile_by_default)."""
     def per_microbatch(flags):
         config = make_config(flags + ["--no-compile-layers"])
         return me.estimate_rank_memory(config, 0).activations_per_microbatch

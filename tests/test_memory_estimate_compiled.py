@@ -12,10 +12,11 @@ CUDA model. AOTAutograd's compiled function hands those tensors to ctx.save_for_
 so the saved-tensor hooks (SavedActivations) see each of them, the layer's own input among
 them.
 
-Not covered (plans_compiled counts them eager): selective recompute, whose checkpoint does
-not trace inside a compiled layer in torch 2.13; `unfused` attention; SDPA with attention
-dropout, which on a CPU falls back to the math kernel (s x s probabilities) where CUDA runs
-flash; FP8, TP/CP > 1 and MoE layers, which do not compile by default.
+Not covered: selective recompute, whose checkpoint does not trace inside a compiled layer in
+torch 2.13 (never compiled: the default leaves it out, validation refuses it with
+--compile-layers); and, counted eager by plans_compiled, `unfused` attention; SDPA with
+attention dropout, which on a CPU falls back to the math kernel (s x s probabilities) where
+CUDA runs flash; FP8, TP/CP > 1 and MoE layers, which do not compile by default.
 """
 
 import functools

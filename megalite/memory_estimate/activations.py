@@ -208,14 +208,13 @@ def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = No
 def plans_compiled(config: Config, shape: _Shapes, fp8: Fp8Recipe | None, layer: int) -> bool:
     """Whether layer `layer` is counted as compiled: it is (shape.compiled), and it is one
     of the variants whose compiled saved tensors were measured (the layers compiled by
-    default: TP 1, CP 1, a dense MLP), without FP8 GEMMs, selective recompute (its
-    checkpoint inside a compiled layer fails to trace in torch 2.13) or the `unfused`
-    attention. Other compiled layers keep the eager count, which is above the compiled
-    one in every variant measured."""
+    default: TP 1, CP 1, a dense MLP), without FP8 GEMMs or the `unfused` attention.
+    Other compiled layers keep the eager count, which is above the compiled one in every
+    variant measured. (Selective recompute never compiles: config.compile_by_default
+    leaves it out and validation refuses it with --compile-layers.)"""
     m = config.model
     return (shape.compiled and shape.tp == 1 and shape.cp == 1 and fp8 is None
-            and not m.is_moe_layer(layer) and m.recompute_granularity != "selective"
-            and m.attention_backend != "unfused")
+            and not m.is_moe_layer(layer) and m.attention_backend != "unfused")
 
 
 def compiled_layer_saved_bytes(config: Config, shape: _Shapes) -> int:
