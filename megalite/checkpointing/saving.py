@@ -9,7 +9,8 @@ Files of `iter_0000100/` (made visible atomically by storage.py):
                             {"step": Adam's step count,
                             "segments": name -> {"range": [start, end) of the flattened TP
                             shard, "main", "exp_avg", "exp_avg_sq"}}
-  rng_rank{r}.pt            every rank: python, numpy, torch, accelerator and TP tracker RNG
+  rng_rank{r}.pt            every rank: python, numpy, torch, the run's device kind, its
+                            generator and the TP tracker's states
   metadata.json             layout, model config, iteration, consumed samples, LR
                             scheduler and loss scaler state, versions, the config
 Names are the single-process model's (megalite/model/gpt.py keys layers by global index),
@@ -42,6 +43,7 @@ from megalite.distributed.fsdp import full_tensor, is_fully_sharded
 from megalite.parallel_state import ParallelState, RankGrid, all_gather_first_dim, group_rank
 from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
                                              partition_dim, partition_stride)
+from megalite.tensor_parallel.random import get_device_rng_state
 
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -262,16 +264,28 @@ def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     return tensor.detach().to("cpu", dtype=dtype, copy=True)
 
 
+def rng_device(rng_tracker) -> torch.device:
+    """The device whose generators an RNG record holds besides the host's: the run's (the
+    tracker's), else the accelerator if there is one."""
+    if rng_tracker is not None:
+        return rng_tracker.device
+    return torch.accelerator.current_accelerator() or torch.device("cpu")
+
+
 def _rng_state(rng_tracker) -> dict:
+    """The host's generators (python, numpy, torch), and under "device" the kind of device
+    whose own generator (under that kind's name, none on a CPU) and tracker states follow:
+    a generator state fits only the kind of generator that made it."""
     version, words, gauss = random.getstate()
     np_state = np.random.get_state()
+    device = rng_device(rng_tracker)
     state = {"python": [version, list(words), gauss],
              "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
                        int(np_state[2]), int(np_state[3]), float(np_state[4])],
-             "torch": torch.get_rng_state(),
+             "torch": torch.get_rng_state(), "device": device.type,
              "tracker": rng_tracker.get_states() if rng_tracker is not None else {}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.type != "cpu":
+        state[device.type] = get_device_rng_state(device)  # gpu_check: checkpoint_resume
     return state
 
 
