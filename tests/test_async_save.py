@@ -1,14 +1,14 @@
 """--async-save in one process (docs/design.md §16): the files are byte for byte those of a
-synchronous save of the same state, a run resumed from them ends bit-exactly where the
-uninterrupted run does, the "requested" and "finished" log lines come apart, and a process
-killed at any point of an asynchronous write leaves the previous checkpoint tracked and
-loadable; the memory planner counts the host buffers the snapshot holds."""
+synchronous save of the same state (with the optimizer state on the host too), a run
+resumed from them ends bit-exactly where the uninterrupted run does, the "requested" and
+"finished" log lines come apart, and a process killed at any point of an asynchronous write
+leaves the previous checkpoint tracked and loadable; the memory planner counts the host
+buffers the snapshot holds."""
 
 import contextlib
 import io
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megalite.checkpointing.async_save import TEST_HOOK, AsyncCheckpointer, HostBuffers, _Pending
+from megalite.checkpointing.async_save import TEST_HOOK, _Pending
 from megalite.arguments import parse_args
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
 from megalite.memory_estimate import estimate_memory
@@ -24,7 +24,8 @@ from megalite.spawn import FORKSERVER_PRELOAD
 from megalite.training import pretrain
 from megalite.validation import validate_args
 
-from tests.helpers import assert_identical, assert_same_files, checkpoint_tensors, flags_with
+from tests.helpers import (assert_identical, assert_same_files, checkpoint_tensors, flags_with,
+                           hold_first_snapshot)
 
 FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
                    "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
@@ -49,26 +50,13 @@ def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, 
     run: its files are right only if that step waits for them (the pre-step hook)."""
     sync, asyn = tmp_path / "sync", tmp_path / "async"
     run("--save", str(sync))
-    step_reached, fill, before_step, write = (threading.Event(), HostBuffers.fill,
-                                              AsyncCheckpointer._before_step, _Pending.write)
-
-    def late_fill(self):
-        if not step_reached.is_set():  # the first save only (none follows the last)
-            step_reached.wait(timeout=10)  # without the hook: after the step has run
-        step_reached.set()
-        fill(self)
-
-    def announcing_before_step(self, *args):
-        if self.pending is not None:
-            step_reached.set()
-        before_step(self, *args)
+    hold_first_snapshot(monkeypatch)
+    write = _Pending.write
 
     def slow_write(self, *args):  # iteration 2's write outlasts steps 3 and 4: the save
         write(self, *args)  # at 4 publishes it, and must still print its line
         if self.iteration == 2:
             time.sleep(1.0)
-    monkeypatch.setattr(HostBuffers, "fill", late_fill)
-    monkeypatch.setattr(AsyncCheckpointer, "_before_step", announcing_before_step)
     monkeypatch.setattr(_Pending, "write", slow_write)
     first = run("--save", str(asyn), "--async-save", "--exit-interval", "4")
     second = run("--save", str(asyn), "--load", str(asyn), "--async-save")
@@ -103,6 +91,17 @@ def tensor_bytes(directory: Path) -> int:
         return 0
     return sum(walk(load_tensor_file(f)) for f in directory.glob("*.pt")
                if not f.name.startswith("rng_"))
+
+
+def test_async_save_of_offloaded_optimizer_state_writes_a_sync_saves_bytes(tmp_path):
+    """--optimizer-cpu-offload keeps the fp32 main copy and the moments on the host and
+    the parameters on the device: the snapshot copies both through the same lines (issue
+    #39: on CUDA a side-stream call made only for device tensors crashed the first save)."""
+    offload = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--train-iters", "2"]
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    run(*offload, "--save", str(sync))
+    run(*offload, "--save", str(asyn), "--async-save")
+    assert_same_files(sync / "iter_0000002", asyn / "iter_0000002")
 
 
 def _pretrain(flags: list[str], kill: str | None):
