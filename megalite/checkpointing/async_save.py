@@ -5,7 +5,7 @@
      save (HostBuffers). The writer thread makes the copies while the next step's forward
      and backward run (on an accelerator on a side stream into pinned memory), and the
      next optimizer step waits for them (a pre-step hook on AdamW): nothing a snapshot
-     copies changes before AdamW's step;
+     copies changes before AdamW's step (what does, rank_files copies on the device first);
   2. write: a background thread of this process torch.saves those files into the staging
      directory, each fsynced and renamed (storage.save_tensor_file): the same bytes;
   3. publish: `finalize`, which every rank calls at the same iterations (each iteration

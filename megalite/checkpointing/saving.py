@@ -169,8 +169,9 @@ def begin_save(save: str, iteration: int) -> Path:
 def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, rng_tracker,
                copy: Callable | None = None, compressor=None) -> dict[str, dict]:
     """file name -> what this rank writes into it, every tensor a host copy made by
-    `copy(tensor, dtype)` (default: a fresh CPU tensor). Every rank calls it at once: under
-    FSDP2 each whole value is gathered. `compressor`: PowerSGD, whose state is per rank."""
+    `copy(tensor, dtype)` (default: a fresh CPU tensor; --async-save's is made later, but
+    before the next optimizer step). Every rank calls it at once: under FSDP2 each whole
+    value is gathered. `compressor`: PowerSGD, whose state is per rank."""
     copy = copy or _cpu_copy
     optimizer.finish_param_gather()
     params = saved_params(chunks)
@@ -182,10 +183,8 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
                if state.ep_size > 1 and is_expert_parallel(p)}
     # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
     if owns_model_file or is_fully_sharded(chunks):
-        # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
-        # torch.save would write the whole buffer.
-        values = {n: copy(experts[n] if n in experts else full_tensor(p.detach()))
-                  for n, p in params.items()}
+        values = _model_values(params, experts, state_buffers(chunks, chunk_prefix=False),
+                               copy)
     if owns_model_file:
         files[model_file(state.tp_rank, state.pp_rank)] = {"params": values,
                                                            **shard_layout(params)}
@@ -204,6 +203,22 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
         files[compression_file(dist.get_rank())] = compression_record(
             compressor, layout_of(state.grid, len(chunks), optimizer.sharded), _cpu_copy)
     return files
+
+
+def _model_values(params: dict, experts: dict, buffers: dict, copy: Callable) -> dict:
+    """Each parameter's whole (TP-shard) value copied by `copy`."""
+    values = {}
+    for n, p in params.items():
+        value = experts[n] if n in experts else full_tensor(p.detach())
+        # A buffer moves outside AdamW's step (a router's expert bias, in the gradient
+        # finalisation), before --async-save's copies must be done: copied on the device
+        # now, this iteration's value.
+        if n in buffers:
+            value = value.clone()  # gpu_check: async_save_moe
+        # Copies on the host: a parameter may be a view into a flat buffer (ZeRO-1), and
+        # torch.save would write the whole buffer.
+        values[n] = copy(value)
+    return values
 
 
 def checkpoint_metadata(chunks: nn.ModuleList, optimizer, scheduler, state: ParallelState,
