@@ -9,6 +9,7 @@ should not import each other).
   some values changed, and removing a flag by name;
 - scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
 - hold_first_snapshot: --async-save's first snapshot copied as late as it may be;
+  saved_files / tensor_bytes: a checkpoint's files, and the bytes a snapshot copies of them;
 - gather_tensor_parallel, reference_name, step_problems, tensor_problem: the layout
   comparisons, from megalite/layout_check.py (tools/check_cluster.py runs the same ones);
 - random_batches: a layout's slice of a global batch;
@@ -182,6 +183,24 @@ def hold_first_snapshot(monkeypatch) -> None:
         before_step(self, *args)
     monkeypatch.setattr(HostBuffers, "fill", late_fill)
     monkeypatch.setattr(AsyncCheckpointer, "_before_step", announcing_before_step)
+
+
+def saved_files(directory: Path, names=None) -> dict[str, dict]:
+    """The .pt files of a checkpoint directory (those in `names`), by name."""
+    paths = directory.glob("*.pt") if names is None else (directory / n for n in names)
+    return {p.name: load_tensor_file(p) for p in paths}
+
+
+def tensor_bytes(files: dict[str, dict]) -> int:
+    """Bytes of the model's and optimizer's tensors in checkpoint files, by file name (what
+    an async save holds in host buffers; less the few bytes of ranges and RNG states)."""
+    def walk(value, key=""):
+        if isinstance(value, dict):
+            return sum(walk(v, k) for k, v in value.items())
+        if torch.is_tensor(value) and key != "range":
+            return value.numel() * value.element_size()
+        return 0
+    return sum(walk(value) for name, value in files.items() if not name.startswith("rng_"))
 
 
 def assert_same_files(a: Path, b: Path):

@@ -181,10 +181,9 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
     # EP rank order).
     experts = {n: all_gather_first_dim(p.detach(), state.ep_group) for n, p in params.items()
                if state.ep_size > 1 and is_expert_parallel(p)}
-    # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
     if owns_model_file or is_fully_sharded(chunks):
         values = _model_values(params, experts, state_buffers(chunks, chunk_prefix=False),
-                               copy)
+                               copy if owns_model_file else None)
     if owns_model_file:
         files[model_file(state.tp_rank, state.pp_rank)] = {"params": values,
                                                            **shard_layout(params)}
@@ -205,11 +204,14 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
     return files
 
 
-def _model_values(params: dict, experts: dict, buffers: dict, copy: Callable) -> dict:
-    """Each parameter's whole (TP-shard) value copied by `copy`."""
+def _model_values(params: dict, experts: dict, buffers: dict, copy: Callable | None) -> dict:
+    """Each parameter's whole (TP-shard) value copied by `copy`. Under FSDP2 every DP rank
+    takes part in the gathers; only the model file's writer (`copy` given) keeps them."""
     values = {}
     for n, p in params.items():
         value = experts[n] if n in experts else full_tensor(p.detach())
+        if copy is None:
+            continue  # gpu_check: async_save_fsdp
         # A buffer moves outside AdamW's step (a router's expert bias, in the gradient
         # finalisation), before --async-save's copies must be done: copied on the device
         # now, this iteration's value.
