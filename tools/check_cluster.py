@@ -55,6 +55,7 @@ import torch.distributed as dist
 from megalite.arguments import parse_args
 from megalite.atomic_write import unwritable_directory
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.state import CheckpointState, TrainState
 from megalite.checkpointing.storage import TRACKER_FILENAME
 from megalite.config import DistributedConfig
 from megalite.errors import ConfigError, MegaliteError
@@ -70,7 +71,6 @@ from megalite.monitoring.peak_flops import compute_dtype, peak_tflops
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.parallel_state import all_gather_into, reduce_scatter_into
 from megalite.spawn import torchrun_workers
-from megalite.training import TrainState
 from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_args, validate_model_args
 
@@ -590,15 +590,16 @@ def check_checkpoint(model: list[str], args, rank: int, world: int, device) -> S
     config, state, chunks, optimizer, runner, batches = build_run(flags, world, rank, device)
     runner.train_step([next(batches) for _ in range(config.training.num_microbatches)])
     scheduler = LRScheduler(optimizer, config.scheduler)
+    ckpt = CheckpointState(chunks, optimizer, scheduler, state, config,
+                           TrainState(1, config.training.global_batch_size))
     timings = {}
     for what in ("save", "load"):
         dist.barrier()
         start = time.perf_counter()
         if what == "save":
-            published = save_checkpoint(directory, 1, chunks, optimizer, scheduler, state,
-                                        config, TrainState(1, config.training.global_batch_size))
+            published = save_checkpoint(directory, 1, ckpt)
         else:
-            load_checkpoint(directory, chunks, optimizer, scheduler, state, config)
+            load_checkpoint(directory, ckpt)
         sync(device)
         dist.barrier()
         timings[what] = time.perf_counter() - start
