@@ -28,6 +28,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 @dataclass
 class TrainState:
+    """Where the run stands: the iterations done and the samples consumed."""
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
