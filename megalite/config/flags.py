@@ -1,0 +1,142 @@
+"""Each flag declared once (docs/design.md §24): a config field carries its command-line flag,
+and the parser, the run file (--yaml-cfg) and the copy of parsed flags into configs are made
+from the fields.
+
+    hidden_dropout: float = flag(0.1, help="Dropout on the embedding and each residual branch.")
+
+declares --hidden-dropout, a float (the field's type), 0.1 when not given, in the --help group
+of its class (`GROUP`). A bool field is a switch: --name turns on one that defaults to False;
+one that defaults to True is turned off by a flag that says so (--no-..., --disable-...);
+`bool | None` takes --name and --no-name (None when neither is given).
+"""
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import MISSING, fields, is_dataclass
+
+FLAG = "megalite.flag"  # the key of a field's metadata that holds its Flag
+AS_FIELD = object()  # Flag.unset when the parser's default is the field's
+
+GROUPS = {  # key: (title, description); --help shows them, and a run file has them, in order
+    "model": ("model", None), "parallelism": ("parallelism", None),
+    "training": ("training", None), "lr": ("learning rate", None),
+    "precision": ("mixed precision", None), "data": ("data", None),
+    "checkpointing": ("checkpointing", None), "logging": ("logging", None),
+    "distributed": ("distributed", None), "monitoring": ("monitoring", None),
+    "fsdp": ("fully sharded data parallelism", None), "fp8": ("fp8", None),
+    "uneven": ("uneven pipeline stages and data-parallel shares", None),
+    "async_save": ("asynchronous and non-persistent checkpoints", None),
+    "wandb": ("weights & biases", None),
+    "grad_compression": ("gradient compression (megalite's own flags; Megatron-LM has no such "
+                         "feature: names follow torch's PowerSGDState)", None),
+    "moe": ("mixture of experts", None),
+    "kernels": ("Megatron's kernel switches",
+                "Megatron's flags for its fused kernels and model code, accepted so that its "
+                "launch scripts run unchanged. megalite has one implementation of each layer; "
+                "on a GPU --compile-layers (the default there) fuses the norm, RoPE, "
+                "activation, bias and dropout chains, and attention runs in fused kernels "
+                "with an fp32 softmax."),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A field's flag, as `flag` takes it."""
+    option: str | None
+    help: str | None
+    group: str | None = None
+    unset: object = AS_FIELD
+    type: object = None  # int or float
+    choices: typing.Sequence | None = None
+    nargs: str | None = None
+    metavar: str | None = None
+    const: object = None
+
+
+def flag(default=MISSING, option: str | None = None, *, help: str | None = None, **spec):
+    """A field with its flag. `option`: the flag's name when it is not --field-name (Megatron's
+    name where Megatron has the flag); `group`: a key of GROUPS, when not the class's GROUP;
+    `unset`: what parsing gives when the flag is not given, when that is not the field's
+    default (None for a field without one): the value validation derives the field from;
+    `type` (when not the field's int or float), `choices`, `nargs`, `metavar`, `const`: as
+    argparse takes them."""
+    return dataclasses.field(default=default, metadata={FLAG: Flag(option, help, **spec)})
+
+
+def flag_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in fields(cls) if FLAG in f.metadata]
+
+
+def section_types(cls) -> list[type]:
+    """The dataclasses of `cls`'s fields (Config's sections), in order."""
+    return [t for t in map(_dataclass_in, (f.type for f in fields(cls))) if t is not None]
+
+
+def add_flags(parser: argparse.ArgumentParser, classes) -> None:
+    """Every flag of `classes`' fields on `parser`, each in its --help group."""
+    by_group = {key: [] for key in GROUPS}  # added in --help's order, the usage line's too
+    for cls in classes:
+        for f in flag_fields(cls):
+            by_group[f.metadata[FLAG].group or cls.GROUP].append(f)
+    for key, group_fields in by_group.items():
+        group = parser.add_argument_group(*GROUPS[key])
+        for f in group_fields:
+            group.add_argument(_option(f), **_arguments(f))
+
+
+def from_flags(cls, args: argparse.Namespace, **derived):
+    """`cls` from the parsed flags: each field as `derived` gives it, else its flag's value, else
+    (a section, such as Config's `logging`) built from the flags in turn; a dict in `derived`
+    is a section's derived fields, the rest of it from the flags."""
+    values = {}
+    for f in fields(cls):
+        value = derived.get(f.name, {} if is_dataclass(f.type) else MISSING)
+        if isinstance(value, dict):
+            value = from_flags(_dataclass_in(f.type), args, **value)
+        elif value is MISSING and FLAG in f.metadata:
+            value = getattr(args, _arguments(f)["dest"])
+            value = tuple(value) if isinstance(value, list) else value  # nargs: frozen
+        if value is not MISSING:
+            values[f.name] = value
+    return cls(**values)
+
+
+def _option(f: dataclasses.Field) -> str:
+    return f.metadata[FLAG].option or "--" + f.name.replace("_", "-")
+
+
+def _arguments(f: dataclasses.Field) -> dict:
+    """argparse's keyword arguments for the flag of `f`."""
+    spec, option = f.metadata[FLAG], _option(f)
+    dest = option.removeprefix("--").replace("-", "_")
+    if f.type is bool and f.default:  # --no-x stores False into x, --disable-x into the field
+        dest = dest.removeprefix("no_") if option.startswith("--no-") else f.name
+        return dict(dest=dest, action="store_false", help=spec.help)
+    if f.type is bool:
+        return dict(dest=dest, action="store_true", help=spec.help)
+    unset = spec.unset if spec.unset is not AS_FIELD else (
+        None if f.default is MISSING else f.default)
+    if f.type == bool | None:
+        return dict(dest=dest, action=argparse.BooleanOptionalAction, default=unset,
+                     help=spec.help)
+    given = dict(type=spec.type or _number(f.type), choices=spec.choices, nargs=spec.nargs,
+                 metavar=spec.metavar, const=spec.const)
+    return dict(dest=dest, default=unset, help=spec.help,
+                **{k: v for k, v in given.items() if v is not None})
+
+
+def _number(annotation) -> type | None:
+    """int or float for a field of either (or None of it, or a tuple of it), else None: the
+    parser keeps the string."""
+    inner = [a for a in typing.get_args(annotation) if a not in (type(None), Ellipsis)]
+    kind = inner[0] if inner else annotation
+    return kind if kind in (int, float) else None
+
+
+def _dataclass_in(annotation) -> type | None:
+    """The dataclass an annotation names (`X` or `X | None`), else None."""
+    for kind in (annotation, *typing.get_args(annotation)):
+        if isinstance(kind, type) and is_dataclass(kind):
+            return kind
+    return None
