@@ -40,28 +40,16 @@ GROUPS = {  # key: (title, description); --help shows them, and a run file has t
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Flag:
-    """A field's flag, as `flag` takes it."""
-    option: str | None
-    help: str | None
-    group: str | None = None
-    unset: object = AS_FIELD
-    type: object = None  # int or float
-    choices: typing.Sequence | None = None
-    nargs: str | None = None
-    metavar: str | None = None
-    const: object = None
-
-
-def flag(default=MISSING, option: str | None = None, *, help: str | None = None, **spec):
+def flag(default=MISSING, option: str | None = None, *, group: str | None = None,
+         unset=AS_FIELD, **argparse_kwargs):
     """A field with its flag. `option`: the flag's name when it is not --field-name (Megatron's
     name where Megatron has the flag); `group`: a key of GROUPS, when not the class's GROUP;
     `unset`: what parsing gives when the flag is not given, when that is not the field's
     default (None for a field without one): the value validation derives the field from;
-    `type` (when not the field's int or float), `choices`, `nargs`, `metavar`, `const`: as
-    argparse takes them."""
-    return dataclasses.field(default=default, metadata={FLAG: Flag(option, help, **spec)})
+    `help`, `choices`, `nargs`, `metavar`, `const`, `type` (the field's int or float unless
+    given): as argparse takes them."""
+    return dataclasses.field(default=default, metadata={FLAG: dict(
+        option=option, group=group, unset=unset, argparse=argparse_kwargs)})
 
 
 def flag_fields(cls) -> list[dataclasses.Field]:
@@ -78,7 +66,7 @@ def add_flags(parser: argparse.ArgumentParser, classes) -> None:
     by_group = {key: [] for key in GROUPS}  # added in --help's order, the usage line's too
     for cls in classes:
         for f in flag_fields(cls):
-            by_group[f.metadata[FLAG].group or cls.GROUP].append(f)
+            by_group[f.metadata[FLAG]["group"] or cls.GROUP].append(f)
     for key, group_fields in by_group.items():
         group = parser.add_argument_group(*GROUPS[key])
         for f in group_fields:
@@ -103,27 +91,23 @@ def from_flags(cls, args: argparse.Namespace, **derived):
 
 
 def _option(f: dataclasses.Field) -> str:
-    return f.metadata[FLAG].option or "--" + f.name.replace("_", "-")
+    return f.metadata[FLAG]["option"] or "--" + f.name.replace("_", "-")
 
 
 def _arguments(f: dataclasses.Field) -> dict:
     """argparse's keyword arguments for the flag of `f`."""
     spec, option = f.metadata[FLAG], _option(f)
-    dest = option.removeprefix("--").replace("-", "_")
+    dest, given = option.removeprefix("--").replace("-", "_"), spec["argparse"]
     if f.type is bool and f.default:  # --no-x stores False into x, --disable-x into the field
         dest = dest.removeprefix("no_") if option.startswith("--no-") else f.name
-        return dict(dest=dest, action="store_false", help=spec.help)
+        return dict(dest=dest, action="store_false", **given)
     if f.type is bool:
-        return dict(dest=dest, action="store_true", help=spec.help)
-    unset = spec.unset if spec.unset is not AS_FIELD else (
+        return dict(dest=dest, action="store_true", **given)
+    unset = spec["unset"] if spec["unset"] is not AS_FIELD else (
         None if f.default is MISSING else f.default)
     if f.type == bool | None:
-        return dict(dest=dest, action=argparse.BooleanOptionalAction, default=unset,
-                     help=spec.help)
-    given = dict(type=spec.type or _number(f.type), choices=spec.choices, nargs=spec.nargs,
-                 metavar=spec.metavar, const=spec.const)
-    return dict(dest=dest, default=unset, help=spec.help,
-                **{k: v for k, v in given.items() if v is not None})
+        return dict(dest=dest, action=argparse.BooleanOptionalAction, default=unset, **given)
+    return {"dest": dest, "default": unset, "type": _number(f.type), **given}
 
 
 def _number(annotation) -> type | None:
