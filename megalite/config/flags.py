@@ -2,9 +2,9 @@
 and the parser, the run file (--yaml-cfg) and the copy of parsed flags into configs are made
 from the fields.
 
-    hidden_dropout: float = flag(0.1, help="Dropout on the embedding and each residual branch.")
+    rotary_base: int = flag(10000, help="RoPE base.")
 
-declares --hidden-dropout, a float (the field's type), 0.1 when not given, in the --help group
+declares --rotary-base, an int (the field's type), 10000 when not given, in the --help group
 of its class (`GROUP`). A bool field is a switch: --name turns on one that defaults to False;
 one that defaults to True is turned off by a flag that says so (--no-..., --disable-...);
 `bool | None` takes --name and --no-name (None when neither is given).
@@ -15,8 +15,8 @@ import dataclasses
 import typing
 from dataclasses import MISSING, fields, is_dataclass
 
-FLAG = "megalite.flag"  # the key of a field's metadata that holds its Flag
-AS_FIELD = object()  # Flag.unset when the parser's default is the field's
+FLAG = "megalite.flag"  # the key of a field's metadata that holds its flag
+AS_FIELD = object()  # flag(unset=): the parser's default is the field's
 
 GROUPS = {  # key: (title, description); --help shows them, and a run file has them, in order
     "model": ("model", None), "parallelism": ("parallelism", None),
