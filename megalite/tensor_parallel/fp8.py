@@ -33,8 +33,7 @@ import torch.distributed as dist
 from megalite.config import GPTConfig
 from megalite.errors import ConfigError
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.weight_grad import (apply_as_autocast_would,
-                                                  weight_grad_now_or_deferred)
+from megalite.tensor_parallel.weight_grad import LinearStep, apply_as_autocast_would
 
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
                "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -273,9 +272,10 @@ class _Fp8Linear(torch.autograd.Function):
     input dim (a row-parallel layer), else A and dY that of the output dim."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, group, row_parallel: bool):
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, group, row_parallel: bool,
+                step: LinearStep):
         x2d = x.reshape(-1, x.shape[-1])
-        ctx.recipe, ctx.group, ctx.row_parallel = recipe, group, row_parallel
+        ctx.recipe, ctx.group, ctx.row_parallel, ctx.step = recipe, group, row_parallel, step
         ctx.has_bias = bias is not None
         fwd_dtype = recipe.dtypes[0]
         x_group = group if row_parallel else None
@@ -322,10 +322,10 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g2d.sum(0)
         if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad_now_or_deferred(
+            grad_weight = ctx.step.weight_grad_now_or_deferred(
                 weight, functools.partial(_wgrad, dtype=dtype), gq_t.data, gq_t.scale,
                 xq.data, xq.scale)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 def _wgrad(g_data, g_scale, x_data, x_scale, *, dtype):
@@ -335,8 +335,10 @@ def _wgrad(g_data, g_scale, x_data, x_scale, *, dtype):
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               recipe: Fp8Recipe, group, *, row_parallel: bool) -> torch.Tensor:
-    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way).
+               recipe: Fp8Recipe, group, step: LinearStep, *,
+               row_parallel: bool) -> torch.Tensor:
+    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way,
+    through `step`).
     Inside a compiled layer at TP 1 it is traced into the layer's graph, so inductor fuses
     each quantization with the ops around it. Run eagerly between the compiled graphs, as
     first built, it cost an H100 1.2 ms of host time per FP8 linear and direction (graph
@@ -345,11 +347,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     traced."""
     if torch.compiler.is_compiling() and group_size(group) == 1:
         return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
-                                       row_parallel)
-    return _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel)
+                                       row_parallel, step)
+    return _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel, step)
 
 
 @torch.compiler.disable
-def _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel):
+def _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel, step):
     return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
-                                   row_parallel)
+                                   row_parallel, step)
