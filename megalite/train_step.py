@@ -66,9 +66,9 @@ class StepRunner:
     phases (monitoring/timers.py).
 
     The runner owns what the chunks' linear layers share within a step, `linear_step`
-    (weight_grad.LinearStep: the split backward's B-pass store), and installs it on them and
-    on the gradient buffer: nothing of it is module-level, so two models in one process keep
-    their own.
+    (weight_grad.LinearStep: the split backward's B-pass store, the FP8 weight copies), and
+    installs it on them and on the gradient buffer: nothing of it is module-level, so two
+    models in one process keep their own.
     """
 
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, config: Config,
@@ -132,7 +132,7 @@ class StepRunner:
             self.optimizer.zero_grad()
         set_aux_loss_scale(self.chunks,
                            self.optimizer.loss_scale / self.microbatches_per_global_batch)
-        with timers("forward-backward"), quantize_weights_once():
+        with timers("forward-backward"), quantize_weights_once(self.linear_step):
             loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
                                 self.optimizer.scale_loss, self._autocast, self.linear_step,

@@ -45,11 +45,6 @@ FP8_RECIPES_NOT_BUILT = ("delayed", "mxfp8", "blockwise")
 _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (torchao's EPS)
 
 
-_step_weights: dict | None = None
-"""(id(weight), dtype) -> (weight, its FP8 copies A and A^T) inside quantize_weights_once,
-else None."""
-
-
 @dataclass(frozen=True)
 class Fp8Recipe:
     """How one layer's GEMMs run in FP8: --fp8-format and --fp8-recipe."""
@@ -169,8 +164,9 @@ def _cast_row_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def quantize_weights_once():
-    """Inside (one training step's forwards and backwards), a tensorwise FP8 layer quantizes
+def quantize_weights_once(step: LinearStep):
+    """Inside (one training step's forwards and backwards), a tensorwise FP8 layer running
+    with `step` (its model's, weight_grad.LinearStep, where the copies are kept) quantizes
     its weight at its first micro-batch and reuses that copy in the others and in a
     recomputed forward, as Transformer Engine keeps its FP8 weights over micro-batches: the
     weights change only at the optimizer step, after this ends. The same copy the uncached
@@ -183,25 +179,24 @@ def quantize_weights_once():
     scaled_mm): two bytes an element, a bf16 weight's size, as Transformer Engine keeps an
     FP8 weight and its transpose. Keeping one and transposing it for the other GEMM would
     be a copy per micro-batch again, the cost this removes."""
-    global _step_weights
-    previous, _step_weights = _step_weights, {}
+    previous, step.fp8_weights = step.fp8_weights, {}
     try:
         yield
     finally:
-        _step_weights = previous
+        step.fp8_weights = previous
 
 
-def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype,
-                      group) -> tuple[Quantized, Quantized]:
+def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype, group,
+                      step: LinearStep) -> tuple[Quantized, Quantized]:
     """(A, A^T) in FP8, each written row-major: the forward's and dX's GEMM operands."""
     # Traced, each micro-batch casts again (fused by inductor): a dict read here would be
     # guarded on and recompile the layer every step.
-    if torch.compiler.is_compiling() or _step_weights is None:
+    if torch.compiler.is_compiling() or step.fp8_weights is None:
         return quantize_both(weight, dtype, None, group)
     key = (id(weight), dtype)
-    if key not in _step_weights:  # the weight is kept with it, so its id is not reused
-        _step_weights[key] = (weight, quantize_both(weight, dtype, None, group))
-    return _step_weights[key][1]
+    if key not in step.fp8_weights:  # the weight is kept with it, so its id is not reused
+        step.fp8_weights[key] = (weight, quantize_both(weight, dtype, None, group))
+    return step.fp8_weights[key][1]
 
 
 def _kernel(fn, t: torch.Tensor):
@@ -286,7 +281,7 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             # X^T and A^T row-major, written with X and A, for dA = dY^T X and dX = dY A
             xq, xq_t = quantize_both(x2d, fwd_dtype, None, x_group)
-            wq, wq_t = _quantized_weight(weight, fwd_dtype, group)
+            wq, wq_t = _quantized_weight(weight, fwd_dtype, group, step)
             wq = wq.t()
             # weight itself only for a deferred weight gradient to land on
             ctx.save_for_backward(weight, xq_t.data, xq_t.scale, wq_t.data, wq_t.scale)
@@ -337,8 +332,8 @@ def _wgrad(g_data, g_scale, x_data, x_scale, *, dtype):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                recipe: Fp8Recipe, group, step: LinearStep, *,
                row_parallel: bool) -> torch.Tensor:
-    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way,
-    through `step`).
+    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way, its
+    weight's FP8 copies kept by `step` under quantize_weights_once).
     Inside a compiled layer at TP 1 it is traced into the layer's graph, so inductor fuses
     each quantization with the ops around it. Run eagerly between the compiled graphs, as
     first built, it cost an H100 1.2 ms of host time per FP8 linear and direction (graph

@@ -8,8 +8,9 @@ its `partition_dim`, a replicated one fed this rank's sequence shard as sequence
 (`allreduce_sequence_parallel_grads` sums its grads before the optimizer step). The matrix
 products go through `weight_grad.linear` with the layer's `linear_step` (its model's, installed
 by the step that runs it), so a zero-bubble schedule can defer their weight gradients to a W
-pass. Parameters start as zeros on the current default device and dtype (the model builds
-them where they will live, then overwrites every one).
+pass and an FP8 weight is quantized once a step. Parameters start as zeros on the current
+default device and dtype (the model builds them where they will live, then overwrites every
+one).
 """
 
 import torch

@@ -61,16 +61,21 @@ class _DeferredWeightGrad(torch.autograd.Function):
 
 class LinearStep:
     """What the linear layers of one model share within a training step: whether `linear`
-    builds the node a B pass can split, and the store of the B pass running now. The step
-    that runs the model owns it (train_step.StepRunner) and installs it on the layers
-    (`install`): two models in one process never share one. A layer built alone has one of
-    its own, so outside that one's contexts it computes its gradients in the backward."""
+    builds the node a B pass can split, the store of the B pass running now, and the FP8
+    copies of the weights made once a step (fp8.quantize_weights_once). The step that runs
+    the model owns it (train_step.StepRunner) and installs it on the layers (`install`):
+    two models in one process never share one. A layer built alone has one of its own, so
+    outside that one's contexts it computes its gradients in the backward and quantizes its
+    weight at every call."""
 
     def __init__(self):
         self.splittable = True
         # Read by autograd's backward functions: on a GPU those run on its own device
         # thread, so this is a plain attribute, not a thread-local.
         self.store: WeightGradStore | None = None
+        self.fp8_weights: dict | None = None
+        """(id(weight), dtype) -> (weight, its FP8 copies A and A^T) inside
+        fp8.quantize_weights_once, else None."""
 
     def install(self, model: nn.Module):
         """Every layer of `model` that runs `linear` (it has a `linear_step`) runs with
