@@ -32,6 +32,7 @@ from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_expert_parallel,
                                              pad_vocab_rows, partition_dim, partition_stride,
                                              tp_shard)
 from megalite.tensor_parallel.random import checkpoint
+from megalite.tensor_parallel.weight_grad import LinearStep
 
 
 class Embedding(nn.Module):
@@ -149,6 +150,9 @@ class GPTModel(nn.Module):
                 mark_shared_embedding(self.output_layer.weight, copy=True)
         if tied and self.pre_process:
             mark_shared_embedding(self.embedding.word_embeddings.weight, copy=False)
+        # For the tied output layer, a linear without a module of its own (weight_grad.py);
+        # the step running the model installs its own here and on every layer.
+        self.linear_step = LinearStep()
         self._rotary: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
         self._compiled_loss = (torch.compile(whole_vocab_cross_entropy)
@@ -237,7 +241,8 @@ class GPTModel(nn.Module):
             logits = self.output_layer(x)
         else:  # tied, on the embedding's own stage
             logits = column_parallel_linear(x, self.embedding.word_embeddings.weight, None,
-                                            self.tp_group, self.config.sequence_parallel)
+                                            self.tp_group, self.config.sequence_parallel,
+                                            self.linear_step)
         if masked and self.padded_vocab_mask is not None:
             logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
         return logits
