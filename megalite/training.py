@@ -34,7 +34,7 @@ from megalite.host_memory import keep_freed_host_memory
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
-from megalite.model.gpt import build_model_chunks, initialize_parameters
+from megalite.model.gpt import build_model_chunks, initialize_buffers, initialize_parameters
 from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
@@ -144,7 +144,7 @@ def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
     for chunk in chunks:
         initialize_parameters(chunk, chunk.config, seed, state.tp_rank, state.tp_size, device,
                               assign)
-        chunk.reset_padded_vocab_mask(device)
+        initialize_buffers(chunk, device)
 
 
 def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
