@@ -27,6 +27,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.powersgd import PowerSGD, single_process_names
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
+from megalite.expert_parallel.grouped_gemm import check_grouped_gemm_device
 from megalite.checkpointing import load_checkpoint
 from megalite.checkpointing.local import load_newest
 from megalite.checkpointing.saver import CheckpointSaver
@@ -112,6 +113,8 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
                      "on a GPU; --no-compile-layers runs eagerly)")
     if config.model.fp8_format and device.type == "cuda":
         check_fp8_device(device)  # at the start: a compiled layer's traced GEMMs do not
+    if config.model.moe_grouped_gemm and (note := check_grouped_gemm_device(device, dtype)):
+        print_rank_0(note)
     model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
         config.model.attention_backend, device, dtype), compile_layers=compile_layers)
     seed = config.training.seed

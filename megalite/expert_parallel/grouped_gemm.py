@@ -2,14 +2,62 @@
 layout), each block times its own expert's weight.
 
 `grouped_linear` runs them either as one grouped GEMM (torch._grouped_mm, which torch 2.13
-runs on CPUs in fp32, bf16 and fp16 when every operand's rows are 16-byte aligned) or as a
-loop over the experts, the reference it must equal. torch's own autograd formula for
+runs on CPUs in fp32, bf16 and fp16 when every operand's rows are 16-byte aligned; on GPUs
+`grouped_mm_path` says where it is one kernel) or as a loop over the experts, the reference
+it must equal. torch's own autograd formula for
 _grouped_mm hands the backward a broadcast (stride 0) gradient that the CPU kernel refuses,
 so the backward here calls the kernel itself on contiguous operands. Experts without tokens
 get what the loop gives them whatever the kernel writes for an empty group (_GroupedLinear).
 """
 
+import re
+
 import torch
+
+from megalite.errors import ConfigError
+
+KERNEL, LOOP = "kernel", "loop"
+
+
+def grouped_mm_path(torch_version: str, capability: tuple[int, int] | None,
+                    dtype: torch.dtype) -> str | None:
+    """What torch._grouped_mm runs, by torch release, device (`capability`: an NVIDIA GPU's
+    compute capability; None for the CPU and every other device) and dtype, as aten's
+    _grouped_mm_cuda decides it (its _scaled_mm_allowed_device(sm90_only, sm100_only) gate):
+    - KERNEL: CUTLASS's grouped GEMM, one launch, no host sync: bf16 on sm_90 (torch 2.8),
+      on sm_90 or sm_100 (torch 2.9 on);
+    - LOOP: torch's fallback, one GEMM per expert after copying the offsets to the host (on
+      a GPU a sync every call, as megalite's own loop without --moe-grouped-gemm): every
+      other device and dtype from torch 2.9 (the CPU's only path);
+    - None: torch raises: before 2.8 (no _grouped_mm), and in 2.8 for all but bf16 on sm_90."""
+    release = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", torch_version).groups())
+    if release < (2, 8):
+        return None
+    archs = (9,) if release < (2, 9) else (9, 10)
+    if capability is not None and capability[0] in archs and dtype == torch.bfloat16:
+        return KERNEL
+    return LOOP if release >= (2, 9) else None
+
+
+def check_grouped_gemm_device(device: torch.device, dtype: torch.dtype) -> str | None:
+    """--moe-grouped-gemm on `device` in `dtype` with this torch: a ConfigError where
+    torch._grouped_mm would raise; a note to print where a GPU would run torch's loop over
+    the experts instead of a grouped kernel (no faster than without the flag); else None."""
+    capability = None
+    if device.type == "cuda" and torch.version.hip is None:  # gpu_check: moe_grouped_gemm
+        capability = torch.cuda.get_device_capability(device)
+    where = (f"torch {torch.__version__} on {device.type}"
+             f"{f' sm_{capability[0]}{capability[1]}' if capability else ''} in {dtype}")
+    path = grouped_mm_path(torch.__version__, capability, dtype)
+    if path is None:
+        raise ConfigError(f"--moe-grouped-gemm: torch._grouped_mm cannot run {where} (torch "
+                          "2.8 has only its bf16 kernel for sm_90 GPUs; torch 2.9 and later "
+                          "run every device and dtype): upgrade torch or drop the flag")
+    if path == LOOP and device.type != "cpu":
+        return (f"> --moe-grouped-gemm: {where} has no grouped kernel (bf16 on sm_90 or "
+                "sm_100 has one): torch runs one GEMM per expert after a host sync, as "
+                "megalite does without the flag")
+    return None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
