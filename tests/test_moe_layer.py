@@ -82,6 +82,26 @@ def test_grouped_gemm_never_reads_what_the_kernel_leaves_in_empty_groups(monkeyp
         torch.testing.assert_close(grouped, loop, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("counts", [[5, 0, 6, 0], [0, 0, 0, 0]])
+def test_grouped_gemm_on_the_gpu_with_experts_without_tokens(counts):
+    """The GPU's own kernel in bf16 (CUTLASS's on sm_90 and sm_100) against the loop, where
+    some or all experts got no token: the empty experts' weight gradients exactly zero."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x0 = torch.randn(sum(counts), 16, generator=g, device="cuda").bfloat16()
+    w0 = torch.randn(4, 24, 16, generator=g, device="cuda").bfloat16()
+    results = []
+    for grouped in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = grouped_linear(x, w, torch.tensor(counts, device="cuda"), grouped)
+        (y.float() * torch.arange(24.0, device="cuda")).sum().backward()
+        results.append((y, x.grad, w.grad))
+    for loop, grouped in zip(*results):
+        torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
+    empty = torch.tensor(counts) == 0
+    assert torch.count_nonzero(results[1][2][empty.cuda()]) == 0
+
+
 def test_layer_equals_a_token_by_token_mixture():
     """out_t = sum over t's top-k experts e of p_te SwiGLU_e(x_t), plus the shared experts."""
     config = _config(moe_shared_expert_intermediate_size=32)

@@ -29,7 +29,9 @@ def grouped_mm_path(torch_version: str, capability: tuple[int, int] | None,
     - LOOP: torch's fallback, one GEMM per expert after copying the offsets to the host (on
       a GPU a sync every call, as megalite's own loop without --moe-grouped-gemm): every
       other device and dtype from torch 2.9 (the CPU's only path);
-    - None: torch raises: before 2.8 (no _grouped_mm), and in 2.8 for all but bf16 on sm_90."""
+    - None: torch raises: before 2.8 (no _grouped_mm), and in 2.8 for all but bf16 on sm_90.
+    Not modelled: cuBLASLt's grouped GEMM, which torch built with CUDA 13.3 or later may take
+    for fp16 (pytorch#177037); there the note over-warns."""
     release = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", torch_version).groups())
     if release < (2, 8):
         return None

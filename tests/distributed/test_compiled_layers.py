@@ -2,9 +2,10 @@
 with ZeRO-1 and --overlap-param-gather (examples/configs), at tiny size, at DP 2, with every
 parameter in a bucket of its own: dynamo's own records say each compiled function (the
 layers' shared forward, the loss) compiled once and whole, with no recompile and no graph
-break (docs/design.md §23, "Once and whole"). Those failures are the same on every device; on a GPU the
-layers past dynamo's recompile limit would run eagerly, slower and bigger than the memory
-planner plans them (issue 39: the parameter all-gather's wait hooked inside each layer).
+break (docs/design.md §23, "Once and whole"). Those failures are the same on every device;
+on a GPU the layers past dynamo's recompile limit would run eagerly, slower and bigger than
+the memory planner plans them (issue 39: the parameter all-gather's wait hooked inside each
+layer).
 
 torch.compile's backend is "eager": dynamo's capture, guards and graph breaks, then the
 captured graphs run as they are (what is checked here happens before any backend runs).
