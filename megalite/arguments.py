@@ -351,7 +351,8 @@ def _monitoring(parser):
                    help="0: iteration time only; 1: also the phases run once a step "
                         "(gradient reduction, optimizer, ...); 2: also per micro-batch "
                         "(forward/backward compute, pipeline send/recv). Levels 1-2 "
-                        "synchronise the GPU at each phase boundary.")
+                        "record a timing event on the GPU at each phase boundary (read "
+                        "between steps; the host does not wait).")
     g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
                    help="Timers over ranks: max, (min, max), or every rank's.")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
