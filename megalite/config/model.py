@@ -161,8 +161,11 @@ class GPTConfig:
         False, group="moe", help="Pad each expert's input to its capacity (needs "
                                  "--moe-expert-capacity-factor).")
     moe_grouped_gemm: bool = flag(
-        False, group="moe", help="Run the experts as grouped GEMMs (torch._grouped_mm) instead of "
-                                 "a loop over experts.")
+        False, group="moe",
+        help="Run the experts as grouped GEMMs (torch._grouped_mm) instead of a loop over "
+             "experts. One kernel for bf16 on sm_90 (and sm_100 from torch 2.9); elsewhere "
+             "torch 2.9+ loops over the experts (said at the start) and torch 2.8 cannot run it "
+             "(refused).")
     # flex is parsed to be refused by name (validation/moe.py).
     moe_token_dispatcher_type: str = flag(
         "allgather", group="moe", choices=["allgather", "alltoall", "flex"],

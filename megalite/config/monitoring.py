@@ -46,7 +46,8 @@ class MonitoringConfig:
         0, choices=[0, 1, 2],
         help="0: iteration time only; 1: also the phases run once a step (gradient reduction, "
              "optimizer, ...); 2: also per micro-batch (forward/backward compute, pipeline "
-             "send/recv). Levels 1-2 synchronise the GPU at each phase boundary.")
+             "send/recv). Levels 1-2 record a timing event on the GPU at each phase boundary "
+             "(read between steps; the host does not wait).")
     timing_log_option: str = flag("minmax", choices=["max", "minmax", "all"],
                                   help="Timers over ranks: max, (min, max), or every rank's.")
     log_timers_to_tensorboard: bool = flag(
