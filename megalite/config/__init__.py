@@ -48,7 +48,8 @@ class OptimizerKind(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    """The whole run. The model-only configuration of the tools
+    """The whole run, one field per section: the parser and `from_flags` find each section's
+    flags through these fields. The model-only configuration of the tools
     (validation.validate_model_args) has no optimizer, scheduler or data."""
     model: GPTConfig
     parallel: ParallelConfig
