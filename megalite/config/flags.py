@@ -90,8 +90,13 @@ def from_flags(cls, args: argparse.Namespace, **derived):
     return cls(**values)
 
 
+def flag_name(name: str) -> str:
+    """The flag of a field (or of a parsed flag's attribute) named `name`, as argparse has it."""
+    return "--" + name.replace("_", "-")
+
+
 def _option(f: dataclasses.Field) -> str:
-    return f.metadata[FLAG]["option"] or "--" + f.name.replace("_", "-")
+    return f.metadata[FLAG]["option"] or flag_name(f.name)
 
 
 def _arguments(f: dataclasses.Field) -> dict:

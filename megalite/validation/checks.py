@@ -1,11 +1,8 @@
 """The checks every part of the validation shares: required and positive flags, fractions,
-and the flag's name as the user typed it."""
+each naming the flag as the user typed it."""
 
+from megalite.config.flags import flag_name
 from megalite.errors import ConfigError
-
-
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def require(args, *names):

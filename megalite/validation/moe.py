@@ -6,9 +6,9 @@ import re
 from dataclasses import dataclass, fields, make_dataclass
 
 from megalite.config import ParallelConfig
-from megalite.config.flags import flag
+from megalite.config.flags import flag, flag_name
 from megalite.errors import ConfigError
-from megalite.validation.checks import check_positive, flag_name
+from megalite.validation.checks import check_positive
 from megalite.validation.expert_parallel import check_expert_parallel
 
 

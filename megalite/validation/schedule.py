@@ -4,9 +4,9 @@ config) become SchedulerConfig's sample counts here, from the one global batch."
 
 from dataclasses import dataclass
 
-from megalite.config.flags import flag
+from megalite.config.flags import flag, flag_name
 from megalite.errors import ConfigError
-from megalite.validation.checks import check_fraction, check_positive, flag_name
+from megalite.validation.checks import check_fraction, check_positive
 
 
 @dataclass(frozen=True)
