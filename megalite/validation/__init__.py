@@ -15,8 +15,8 @@ from megalite.validation.checks import check_positive, require
 from megalite.validation.grad_compression import check_grad_compression
 from megalite.validation.layout import (LayoutFlags, batch, parallel_config,
                                         validate_pipeline_schedule)
-from megalite.validation.model import (KernelSwitches, ModelFlags, model_fields,
-                                       pad_vocab_size)  # noqa: F401
+from megalite.validation.model import KernelSwitches, ModelFlags, model_fields
+from megalite.validation.model import pad_vocab_size  # noqa: F401 (megalite.validation's)
 from megalite.validation.moe import MoeFlags, RefusedMoeFlags
 from megalite.validation.run import (TokenizerFlags, check_checkpoint, check_data_source,
                                      check_wandb, monitoring_fields, precision_fields)
