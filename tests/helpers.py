@@ -8,6 +8,8 @@ should not import each other).
 - BASE_FLAGS / flags_with / without: the command line tests start from, that line with
   some values changed, and removing a flag by name;
 - scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
+- hold_first_snapshot: --async-save's first snapshot copied as late as it may be;
+  saved_files / tensor_bytes: a checkpoint's files, and the bytes a snapshot copies of them;
 - gather_tensor_parallel, reference_name, step_problems, tensor_problem: the layout
   comparisons, from megalite/layout_check.py (tools/check_cluster.py runs the same ones);
 - random_batches: a layout's slice of a global batch;
@@ -22,12 +24,14 @@ import importlib.util
 import io
 import json
 import subprocess
+import threading
 import types
 from pathlib import Path
 
 import torch
 
 from megalite import memory_estimate as me
+from megalite.checkpointing.async_save import AsyncCheckpointer, HostBuffers
 from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
@@ -157,6 +161,46 @@ def checkpoint_tensors(save) -> dict[str, object]:
     for path in sorted(directory.glob("*.pt")):
         walk(path.name, load_tensor_file(path))
     return flat
+
+
+def hold_first_snapshot(monkeypatch) -> None:
+    """--async-save's first snapshot copied to host memory only once the next optimizer
+    step is about to run (its pre-step hook reached), as a slow copy beside a step would
+    be: its files are right only if nothing it copies changes before that hook, and if the
+    step waits for the copies (the hook). Later saves copy as usual."""
+    step_reached, fill, before_step = (threading.Event(), HostBuffers.fill,
+                                       AsyncCheckpointer._before_step)
+
+    def late_fill(self, *args):
+        if not step_reached.is_set():  # the first save only (none follows the last)
+            step_reached.wait(timeout=10)  # without the hook: after the step has run
+        step_reached.set()
+        fill(self, *args)
+
+    def announcing_before_step(self, *args):
+        if self.pending is not None:
+            step_reached.set()
+        before_step(self, *args)
+    monkeypatch.setattr(HostBuffers, "fill", late_fill)
+    monkeypatch.setattr(AsyncCheckpointer, "_before_step", announcing_before_step)
+
+
+def saved_files(directory: Path, names=None) -> dict[str, dict]:
+    """The .pt files of a checkpoint directory (those in `names`), by name."""
+    paths = directory.glob("*.pt") if names is None else (directory / n for n in names)
+    return {p.name: load_tensor_file(p) for p in paths}
+
+
+def tensor_bytes(files: dict[str, dict]) -> int:
+    """Bytes of the model's and optimizer's tensors in checkpoint files, by file name (what
+    an async save holds in host buffers; less the few bytes of ranges and RNG states)."""
+    def walk(value, key=""):
+        if isinstance(value, dict):
+            return sum(walk(v, k) for k, v in value.items())
+        if torch.is_tensor(value) and key != "range":
+            return value.numel() * value.element_size()
+        return 0
+    return sum(walk(value) for name, value in files.items() if not name.startswith("rng_"))
 
 
 def assert_same_files(a: Path, b: Path):

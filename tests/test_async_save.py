@@ -1,30 +1,33 @@
 """--async-save in one process (docs/design.md §16): the files are byte for byte those of a
-synchronous save of the same state, a run resumed from them ends bit-exactly where the
-uninterrupted run does, the "requested" and "finished" log lines come apart, and a process
-killed at any point of an asynchronous write leaves the previous checkpoint tracked and
-loadable; the memory planner counts the host buffers the snapshot holds."""
+synchronous save of the same state (with the optimizer state on the host too), a run
+resumed from them ends bit-exactly where the uninterrupted run does, the "requested" and
+"finished" log lines come apart, and a process killed at any point of an asynchronous write
+leaves the previous checkpoint tracked and loadable; the memory planner counts the host
+buffers the snapshot holds, and a rank copies to host memory only what it writes."""
 
 import contextlib
 import io
 import os
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megalite.checkpointing.async_save import TEST_HOOK, AsyncCheckpointer, HostBuffers, _Pending
+from megalite.checkpointing.async_save import TEST_HOOK, HostBuffers, _Pending
 from megalite.arguments import parse_args
-from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
+from megalite.checkpointing.saving import model_file, rank_files
+from megalite.checkpointing.storage import find_checkpoint_to_load
 from megalite.memory_estimate import estimate_memory
+from megalite.parallel_state import ParallelState, RankGrid
 from megalite.spawn import FORKSERVER_PRELOAD
-from megalite.training import pretrain
+from megalite.training import build_model, build_optimizer, pretrain
 from megalite.validation import validate_args
 
-from tests.helpers import assert_identical, assert_same_files, checkpoint_tensors, flags_with
+from tests.helpers import (assert_identical, assert_same_files, checkpoint_tensors, flags_with,
+                           hold_first_snapshot, saved_files, tensor_bytes)
 
 FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
                    "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
@@ -49,26 +52,13 @@ def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, 
     run: its files are right only if that step waits for them (the pre-step hook)."""
     sync, asyn = tmp_path / "sync", tmp_path / "async"
     run("--save", str(sync))
-    step_reached, fill, before_step, write = (threading.Event(), HostBuffers.fill,
-                                              AsyncCheckpointer._before_step, _Pending.write)
-
-    def late_fill(self):
-        if not step_reached.is_set():  # the first save only (none follows the last)
-            step_reached.wait(timeout=10)  # without the hook: after the step has run
-        step_reached.set()
-        fill(self)
-
-    def announcing_before_step(self, *args):
-        if self.pending is not None:
-            step_reached.set()
-        before_step(self, *args)
+    hold_first_snapshot(monkeypatch)
+    write = _Pending.write
 
     def slow_write(self, *args):  # iteration 2's write outlasts steps 3 and 4: the save
         write(self, *args)  # at 4 publishes it, and must still print its line
         if self.iteration == 2:
             time.sleep(1.0)
-    monkeypatch.setattr(HostBuffers, "fill", late_fill)
-    monkeypatch.setattr(AsyncCheckpointer, "_before_step", announcing_before_step)
     monkeypatch.setattr(_Pending, "write", slow_write)
     first = run("--save", str(asyn), "--async-save", "--exit-interval", "4")
     second = run("--save", str(asyn), "--load", str(asyn), "--async-save")
@@ -83,7 +73,7 @@ def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, 
     assert "training blocked" in first[requested:finished]
     assert "successfully saved checkpoint at iteration       4" in first
     assert planned_host_buffers("--save", str(asyn), "--async-save") == \
-        tensor_bytes(asyn / "iter_0000002")
+        tensor_bytes(saved_files(asyn / "iter_0000002"))
 
 
 def planned_host_buffers(*flags) -> int:
@@ -92,17 +82,38 @@ def planned_host_buffers(*flags) -> int:
     return rank.async_save_host
 
 
-def tensor_bytes(directory: Path) -> int:
-    """Bytes of the model's and optimizer's tensors in a checkpoint (what the planner says
-    an async save holds in host buffers; less the few bytes of ranges and RNG states)."""
-    def walk(value, key=""):
-        if isinstance(value, dict):
-            return sum(walk(v, k) for k, v in value.items())
-        if torch.is_tensor(value) and key != "range":
-            return value.numel() * value.element_size()
-        return 0
-    return sum(walk(load_tensor_file(f)) for f in directory.glob("*.pt")
-               if not f.name.startswith("rng_"))
+def test_async_save_of_offloaded_optimizer_state_writes_a_sync_saves_bytes(tmp_path):
+    """--optimizer-cpu-offload keeps the fp32 main copy and the moments on the host and
+    the parameters on the device: the snapshot copies both through the same lines (issue
+    #39: on CUDA a side-stream call made only for device tensors crashed the first save)."""
+    offload = ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--train-iters", "2"]
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    run(*offload, "--save", str(sync))
+    run(*offload, "--save", str(asyn), "--async-save")
+    assert_same_files(sync / "iter_0000002", asyn / "iter_0000002")
+
+
+def test_a_rank_copies_to_host_only_what_it_writes(tmp_path):
+    """Under FSDP2 every DP rank takes part in gathering each parameter, but only DP rank 0
+    writes the model file: a rank's host buffers hold exactly the tensors of the files it
+    writes (issue #39: every DP rank kept a host copy of the whole TP shard). DP rank 1 is
+    played by this one process with its DP coordinate changed: at one rank the gathers are
+    the identity, and which files a rank writes follows from its coordinates."""
+    config = validate_args(parse_args([*FLAGS, "--use-torch-fsdp2", "--save", str(tmp_path)]))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state = ParallelState(RankGrid(1), 0)
+        model = build_model(config, state, torch.device("cpu"), None)
+        optimizer, _ = build_optimizer(model, config, state)
+        for dp_rank in (0, 1):
+            state.dp_rank = dp_rank
+            buffers = HostBuffers(torch.device("cpu"))
+            buffers.start()
+            files = rank_files(model, optimizer, state, config, None, buffers.copy)
+            assert (model_file(0, 0) in files) == (dp_rank == 0)
+            assert buffers.nbytes == tensor_bytes(files) > 0, dp_rank
+    finally:
+        dist.destroy_process_group()
 
 
 def _pretrain(flags: list[str], kill: str | None):

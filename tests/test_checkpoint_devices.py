@@ -1,7 +1,9 @@
 """A checkpoint load puts every tensor it keeps where the run needs it (issue 13, fix 2): Adam
 moments on the device and in the dtype of the tensor they belong to, the step count where
 torch's AdamW keeps it. Checked on the `meta` device on a CPU (a tensor left on the host
-shows up as such), and as save -> load -> step, bit-exact, on each available device."""
+shows up as such), and as save -> load -> step, bit-exact, on each available device. RNG
+states written on another kind of device (issue #39) leave the device's generators as
+seeded."""
 
 import types
 
@@ -11,9 +13,12 @@ import torch.distributed as dist
 
 from megalite.arguments import parse_args
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.saving import rng_file
+from megalite.checkpointing.storage import load_tensor_file, save_tensor_file
 from megalite.validation import validate_args
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
 
@@ -62,11 +67,11 @@ def train(config, state, device, built, steps, seed):
         scheduler.step(t.global_batch_size)
 
 
-def save(config, state, built, iteration):
+def save(config, state, built, iteration, rng_tracker=None):
     model, optimizer, _, scheduler = built
     progress = types.SimpleNamespace(consumed_train_samples=0, consumed_valid_samples=0)
     save_checkpoint(config.checkpoint.save, iteration, model, optimizer, scheduler, state,
-                    config, progress)
+                    config, progress, rng_tracker)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -111,3 +116,33 @@ def test_save_load_step_is_bit_exact(tmp_path, state, kind, device):
         assert torch.equal(a.main, b.main)
         for key, value in straight[1].adam.state[a.main].items():
             assert torch.equal(value, optimizer.adam.state[b.main][key]), key
+
+
+def test_rng_states_of_another_device_kind_resume_as_seeded(tmp_path, state, capsys):
+    """A checkpoint whose RNG file was written on another kind of device (a CUDA one,
+    faked: its generator states are Philox's 16 bytes, where the CPU's are 5056) resumes
+    (issue #39: a CPU checkpoint resumed on a GPU stopped in torch.cuda.set_rng_state):
+    the host generator is restored, the device's and the tensor-parallel tracker's stay
+    as seeded, and the run says so."""
+    config = make_config(tmp_path, "fp32 Adam")
+    built = build(config, state, "cpu")
+    train(config, state, "cpu", built, 1, seed=0)
+    save(config, state, built, 1, build_rng_tracker(1, 0, "cpu"))
+    path = tmp_path / "iter_0000001" / rng_file(0)
+    record = load_tensor_file(path)
+    philox = torch.arange(16, dtype=torch.uint8)
+    record.update(device="cuda", cuda=philox,
+                  tracker={name: philox for name in record["tracker"]})
+    save_tensor_file(record, path)
+    torch.manual_seed(7)
+    tracker, seeded = build_rng_tracker(1, 0, "cpu"), build_rng_tracker(1, 0, "cpu")
+    model, optimizer, _, scheduler = build(config, state, "cpu")
+    load_checkpoint(config.checkpoint.load, model, optimizer, scheduler, state, config,
+                    tracker)
+    assert torch.equal(torch.get_rng_state(), record["torch"])
+    draws = []
+    for t in (tracker, seeded):
+        with t.fork():
+            draws.append(torch.rand(8))
+    assert torch.equal(*draws)
+    assert "RNG states saved on cuda, running on cpu" in capsys.readouterr().out

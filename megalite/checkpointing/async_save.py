@@ -2,10 +2,10 @@
 
   1. snapshot (the stall): every rank builds the files a synchronous save writes
      (saving.rank_files), each tensor to be copied into a host buffer kept from the last
-     save (HostBuffers). The copies run while the next step's forward and backward do (on
-     a side CUDA stream into pinned memory, or in the writer thread on a CPU), and the
+     save (HostBuffers). The writer thread makes the copies while the next step's forward
+     and backward run (on an accelerator on a side stream into pinned memory), and the
      next optimizer step waits for them (a pre-step hook on AdamW): nothing a snapshot
-     copies changes before AdamW's step;
+     copies changes before AdamW's step (what does, rank_files copies on the device first);
   2. write: a background thread of this process torch.saves those files into the staging
      directory, each fsynced and renamed (storage.save_tensor_file): the same bytes;
   3. publish: `finalize`, which every rank calls at the same iterations (each iteration
@@ -36,6 +36,7 @@ from megalite.checkpointing.saving import (begin_save, checkpoint_metadata, publ
                                            rank_files)
 from megalite.checkpointing.storage import save_tensor_file
 from megalite.errors import CheckpointError
+from megalite.parallel_state import all_reduce_anywhere
 
 TEST_HOOK = "MEGALITE_ASYNC_SAVE_TEST_KILL"
 """Test-only: "<point>:<iteration>" kills this process (SIGKILL) at `point` of the save of
@@ -51,14 +52,23 @@ def _test_kill(point: str, iteration: int) -> None:
 class HostBuffers:
     """Host tensors reused from save to save: the i-th copy of a save lands in the i-th
     buffer (a save copies the same tensors in the same order), reallocated only when its
-    shape or dtype changes. `copy` only queues; the copies run overlapped with the next
-    step's forward and backward (`launch` on CUDA, `fill` in the writer thread on a CPU),
-    and the next optimizer step waits for them (AsyncCheckpointer._before_step)."""
+    shape or dtype changes. `copy` only queues; `fill`, in the writer thread, makes the
+    copies while the next step's forward and backward run, and the next optimizer step
+    waits for them (AsyncCheckpointer._before_step).
+
+    The same lines on every device, through its torch module (torch.cuda, torch.cpu): on
+    an accelerator the copies run on a side stream, after the work that made the values,
+    into pinned memory, so they overlap the step; torch.cpu's streams and events are
+    no-ops, and a CPU's copies are plain copies in the writer thread. Values on the host
+    (the optimizer state under --optimizer-cpu-offload) take the same lines."""
 
     def __init__(self, device: torch.device):
-        self.pin = device.type == "cuda"  # pinned: a DMA that does not block the host
-        self.stream = torch.cuda.Stream(device) if self.pin else None
-        self.buffers, self.next, self.queued = [], 0, []
+        self.device, self.streams = device, torch.get_device_module(device.type)
+        accelerator = torch.accelerator.current_accelerator()
+        # Pinned where the device has it: a copy from the device that does not block.
+        self.pin = accelerator is not None and accelerator.type == device.type
+        self.stream = self.streams.Stream()
+        self.buffers, self.next, self.queued, self.ready = [], 0, [], None
 
     def start(self) -> None:
         self.next, self.queued = 0, []
@@ -75,25 +85,23 @@ class HostBuffers:
         self.queued.append((buffer, tensor.detach()))
         return buffer
 
-    def launch(self):
-        """CUDA: every queued copy on a side stream, after the work that made the values;
-        the event that marks them done. None on a CPU."""
-        if not self.pin:
-            return None
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            for buffer, tensor in self.queued:
-                buffer.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self.stream)  # a gathered value lives until copied
-        self.queued = []
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
+    def values_made(self) -> None:
+        """Training thread, after the last `copy`: the point of its stream after which
+        every queued value is made (the copies start there)."""
+        self.ready = self.streams.Event()
+        self.ready.record(self.streams.current_stream(self.device))
 
     def fill(self) -> None:
-        """CPU: the queued copies, in the calling (writer) thread."""
-        for buffer, tensor in self.queued:
-            buffer.copy_(tensor)
+        """Writer thread: the queued copies, returning once they are in host memory. The
+        queue holds each value (a gathered one too) until then: no stream can reuse its
+        memory while it is being copied."""
+        done = self.streams.Event()
+        with self.streams.stream(self.stream):
+            self.ready.wait(self.stream)
+            for buffer, tensor in self.queued:
+                buffer.copy_(tensor, non_blocking=True)  # gpu_check: async_save_offload
+            done.record(self.stream)
+        done.synchronize()
         self.queued = []
 
     @property
@@ -109,15 +117,11 @@ class _Pending:
         self.save, self.iteration, self.metadata, self.config = save, iteration, metadata, config
         self.requested, self.error, self.thread = requested, None, None
         self.copied = threading.Event()  # the host buffers hold the snapshot
-        self.cuda_copied = None  # on CUDA: the side stream's event
 
     def write(self, files: dict[str, dict], staging: Path, buffers: HostBuffers) -> None:
         try:
             try:
-                if self.cuda_copied is not None:
-                    self.cuda_copied.synchronize()
-                else:
-                    buffers.fill()
+                buffers.fill()
             finally:
                 self.copied.set()  # never leave the optimizer step waiting
             _test_kill("before_write", self.iteration)
@@ -133,8 +137,7 @@ class AsyncCheckpointer:
     """Owns the save in flight. `group`: the ranks that save together (all of them)."""
 
     def __init__(self, device: torch.device, group=None):
-        self.device, self.group = device, group
-        self.buffers = HostBuffers(device)
+        self.group, self.buffers = group, HostBuffers(device)
         self.pending: _Pending | None = None
         self.waited_s = 0.0
         """Seconds optimizer steps waited for a snapshot's copies (part of the stall)."""
@@ -143,11 +146,7 @@ class AsyncCheckpointer:
     def _before_step(self, *_) -> None:
         """Before AdamW changes anything a snapshot copies: its copies must be done."""
         pending = self.pending
-        if pending is None:
-            return
-        if pending.cuda_copied is not None:
-            torch.cuda.current_stream().wait_event(pending.cuda_copied)  # on the GPU
-        elif not pending.copied.is_set():
+        if pending is not None and not pending.copied.is_set():
             start = time.perf_counter()
             pending.copied.wait()
             self.waited_s += time.perf_counter() - start
@@ -169,8 +168,8 @@ class AsyncCheckpointer:
         if id(optimizer.adam) not in self._hooked:  # AdamW updates params, main and moments
             optimizer.adam.register_step_pre_hook(self._before_step)
             self._hooked.add(id(optimizer.adam))
+        self.buffers.values_made()
         pending = _Pending(save, iteration, metadata, config, requested)
-        pending.cuda_copied = self.buffers.launch()
         pending.thread = threading.Thread(target=pending.write,
                                           args=(files, staging, self.buffers),
                                           name=f"async-save-{iteration}", daemon=True)
@@ -189,9 +188,7 @@ class AsyncCheckpointer:
             pending.thread.join()
         flags = torch.tensor([pending.thread.is_alive(), pending.error is not None],
                              dtype=torch.float32)
-        if self.device.type == "cuda":  # NCCL takes device tensors only
-            flags = flags.to(self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce_anywhere(flags, self.group, op=dist.ReduceOp.MAX)
         writing, failed = flags.tolist()
         if writing:
             return None

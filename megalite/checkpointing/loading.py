@@ -7,7 +7,8 @@ segments placed at their ranges) and cut again for this rank (its experts, then 
 shard). Vocabulary padding, which
 depends on TP, is zero in weights and Adam moments alike, so it is dropped or added as
 zeros. Files are memory-mapped, so a rank reads only the pieces it touches. RNG states only
-mean something at the same layout; at another they are left as seeded.
+mean something at the same layout; at another they are left as seeded. The device's own
+and the tracker's also need the same kind of device (`_set_rng_state`).
 """
 
 import random
@@ -20,14 +21,15 @@ from torch import nn
 
 from megalite.checkpointing.compression_state import load_compression_state
 from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, model_fields,
-                                           model_file, optim_file, optimizer_shards, rng_file,
-                                           saved_layout, state_buffers)
+                                           model_file, optim_file, optimizer_shards, rng_device,
+                                           rng_file, saved_layout, state_buffers)
 from megalite.checkpointing.storage import (check_model_compatible, find_checkpoint_to_load,
                                             load_tensor_file, read_metadata)
 from megalite.distributed.fsdp import copy_into
 from megalite.errors import CheckpointError
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.params import ep_shard, local_shard, tp_unshard
+from megalite.tensor_parallel.random import set_device_rng_state
 
 # Before SwiGLU's gate and up were fused into linear_fc1 = [gate; up], the gate was saved
 # as its own parameter; such checkpoints still load (SavedCheckpoint._with_legacy_gate).
@@ -205,13 +207,25 @@ def rank_block(full: torch.Tensor, param: nn.Parameter, name: str,
 
 
 def _set_rng_state(state: dict, rng_tracker):
+    """The host's generators always; the device's own and the tracker's only when saved on
+    this kind of device (a CPU generator state does not fit a GPU's, nor the reverse):
+    otherwise they stay as seeded and the run resumes with other dropout masks."""
     version, words, gauss = state["python"]
     random.setstate((version, tuple(words), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    device = rng_device(rng_tracker)
+    # Records before "device" hold a "cuda" generator when saved on a CUDA machine.
+    saved = state.get("device", "cuda" if "cuda" in state else "cpu")
+    if saved != device.type:  # gpu_check: resume_cpu_checkpoint_on_gpu
+        if dist.get_rank() == 0:
+            print(f" > RNG states saved on {saved}, running on {device.type}: restoring the "
+                  f"host's generators (python, numpy, torch) only; the others stay as seeded",
+                  flush=True)
+        return
+    if saved in state:
+        set_device_rng_state(state[saved], device)  # gpu_check: checkpoint_resume
     if rng_tracker is not None and state["tracker"]:
         rng_tracker.set_states(state["tracker"])
 

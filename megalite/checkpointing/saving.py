@@ -9,7 +9,8 @@ Files of `iter_0000100/` (made visible atomically by storage.py):
                             {"step": Adam's step count,
                             "segments": name -> {"range": [start, end) of the flattened TP
                             shard, "main", "exp_avg", "exp_avg_sq"}}
-  rng_rank{r}.pt            every rank: python, numpy, torch, accelerator and TP tracker RNG
+  rng_rank{r}.pt            every rank: python, numpy, torch, the run's device kind, its
+                            generator and the TP tracker's states
   metadata.json             layout, model config, iteration, consumed samples, LR
                             scheduler and loss scaler state, versions, the config
 Names are the single-process model's (megalite/model/gpt.py keys layers by global index),
@@ -42,6 +43,7 @@ from megalite.distributed.fsdp import full_tensor, is_fully_sharded
 from megalite.parallel_state import ParallelState, RankGrid, all_gather_first_dim, group_rank
 from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
                                              partition_dim, partition_stride)
+from megalite.tensor_parallel.random import get_device_rng_state
 
 FORMAT_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -167,8 +169,9 @@ def begin_save(save: str, iteration: int) -> Path:
 def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, rng_tracker,
                copy: Callable | None = None, compressor=None) -> dict[str, dict]:
     """file name -> what this rank writes into it, every tensor a host copy made by
-    `copy(tensor, dtype)` (default: a fresh CPU tensor). Every rank calls it at once: under
-    FSDP2 each whole value is gathered. `compressor`: PowerSGD, whose state is per rank."""
+    `copy(tensor, dtype)` (default: a fresh CPU tensor; --async-save's is made later, but
+    before the next optimizer step). Every rank calls it at once: under FSDP2 each whole
+    value is gathered. `compressor`: PowerSGD, whose state is per rank."""
     copy = copy or _cpu_copy
     optimizer.finish_param_gather()
     params = saved_params(chunks)
@@ -178,12 +181,9 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
     # EP rank order).
     experts = {n: all_gather_first_dim(p.detach(), state.ep_group) for n, p in params.items()
                if state.ep_size > 1 and is_expert_parallel(p)}
-    # Under FSDP2 every DP rank takes part in gathering each whole (TP-shard) value.
     if owns_model_file or is_fully_sharded(chunks):
-        # Copies on the CPU: a parameter may be a view into a flat buffer (ZeRO-1), and
-        # torch.save would write the whole buffer.
-        values = {n: copy(experts[n] if n in experts else full_tensor(p.detach()))
-                  for n, p in params.items()}
+        values = _model_values(params, experts, state_buffers(chunks, chunk_prefix=False),
+                               copy if owns_model_file else None)
     if owns_model_file:
         files[model_file(state.tp_rank, state.pp_rank)] = {"params": values,
                                                            **shard_layout(params)}
@@ -202,6 +202,25 @@ def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, r
         files[compression_file(dist.get_rank())] = compression_record(
             compressor, layout_of(state.grid, len(chunks), optimizer.sharded), _cpu_copy)
     return files
+
+
+def _model_values(params: dict, experts: dict, buffers: dict, copy: Callable | None) -> dict:
+    """Each parameter's whole (TP-shard) value copied by `copy`. Under FSDP2 every DP rank
+    takes part in the gathers; only the model file's writer (`copy` given) keeps them."""
+    values = {}
+    for n, p in params.items():
+        value = experts[n] if n in experts else full_tensor(p.detach())
+        if copy is None:
+            continue  # gpu_check: async_save_fsdp
+        # A buffer moves outside AdamW's step (a router's expert bias, in the gradient
+        # finalisation), before --async-save's copies must be done: copied on the device
+        # now, this iteration's value.
+        if n in buffers:
+            value = value.clone()  # gpu_check: async_save_moe
+        # Copies on the host: a parameter may be a view into a flat buffer (ZeRO-1), and
+        # torch.save would write the whole buffer.
+        values[n] = copy(value)
+    return values
 
 
 def checkpoint_metadata(chunks: nn.ModuleList, optimizer, scheduler, state: ParallelState,
@@ -262,16 +281,28 @@ def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     return tensor.detach().to("cpu", dtype=dtype, copy=True)
 
 
+def rng_device(rng_tracker) -> torch.device:
+    """The device whose generators an RNG record holds besides the host's: the run's (the
+    tracker's), else the accelerator if there is one."""
+    if rng_tracker is not None:
+        return rng_tracker.device
+    return torch.accelerator.current_accelerator() or torch.device("cpu")
+
+
 def _rng_state(rng_tracker) -> dict:
+    """The host's generators (python, numpy, torch), and under "device" the kind of device
+    whose own generator (under that kind's name, none on a CPU) and tracker states follow:
+    a generator state fits only the kind of generator that made it."""
     version, words, gauss = random.getstate()
     np_state = np.random.get_state()
+    device = rng_device(rng_tracker)
     state = {"python": [version, list(words), gauss],
              "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
                        int(np_state[2]), int(np_state[3]), float(np_state[4])],
-             "torch": torch.get_rng_state(),
+             "torch": torch.get_rng_state(), "device": device.type,
              "tracker": rng_tracker.get_states() if rng_tracker is not None else {}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.type != "cpu":
+        state[device.type] = get_device_rng_state(device)  # gpu_check: checkpoint_resume
     return state
 
 

@@ -1,9 +1,10 @@
 """Host memory an --async-save holds (checkpointing/async_save.py, docs/memory.md).
 
 The snapshot copies what the rank's files hold into host buffers kept between saves: on DP
-rank 0 (every rank under FSDP2, which gathers each value) its TP shard of the parameters in
-their own dtype, and the fp32 main copy and two moments of what its optimizer owns (4 + 8
-bytes per element; none with --no-save-optim). The RNG states are a few kilobytes.
+rank 0 (under FSDP2 too, where every DP rank gathers each value and the others drop it) its
+TP shard of the parameters in their own dtype, and the fp32 main copy and two moments of
+what its optimizer owns (4 + 8 bytes per element; none with --no-save-optim). The RNG
+states are a few kilobytes.
 """
 
 from megalite.config import Config

@@ -21,6 +21,20 @@ def model_parallel_seed(seed: int, tp_rank: int) -> int:
     return seed + 2718 + tp_rank
 
 
+def get_device_rng_state(device: torch.device) -> torch.Tensor:
+    """The state of `device`'s default generator (on a CPU: the host's)."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)  # gpu_check: kernels
+
+
+def set_device_rng_state(state: torch.Tensor, device: torch.device):
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)  # gpu_check: kernels
+
+
 class RNGStatesTracker:
     """Named generator states that `fork(name)` swaps in for the device's default one."""
 
@@ -28,17 +42,6 @@ class RNGStatesTracker:
         self.device = torch.device(device)
         self.states: dict[str, torch.Tensor] = {}
         self.seeds: set[int] = set()
-
-    def _get_rng_state(self) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.get_rng_state()
-        return torch.get_device_module(self.device.type).get_rng_state(self.device)
-
-    def _set_rng_state(self, state: torch.Tensor):
-        if self.device.type == "cpu":
-            torch.set_rng_state(state)
-        else:
-            torch.get_device_module(self.device.type).set_rng_state(state, self.device)
 
     def add(self, name: str, seed: int):
         if name in self.states:
@@ -53,13 +56,13 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         if name not in self.states:
             raise KeyError(f"RNG state {name!r} is not tracked (have {sorted(self.states)})")
-        default_state = self._get_rng_state()
-        self._set_rng_state(self.states[name])
+        default_state = get_device_rng_state(self.device)
+        set_device_rng_state(self.states[name], self.device)
         try:
             yield
         finally:
-            self.states[name] = self._get_rng_state()
-            self._set_rng_state(default_state)
+            self.states[name] = get_device_rng_state(self.device)
+            set_device_rng_state(default_state, self.device)
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """Copies of the tracked states, for a checkpoint."""

@@ -1,14 +1,18 @@
 """--async-save at TP 2 x PP 2 x DP 2 with ZeRO-1 and with FSDP2 (docs/design.md §16): every
-rank's files byte for byte those of a synchronous save of the same state, and a run resumed
+rank's files byte for byte those of a synchronous save of the same state, a run resumed
 from the asynchronous checkpoint writes the uninterrupted run's next checkpoint byte for
-byte. One launch of 8 ranks runs every training through megalite.training.run_training."""
+byte, and each rank's host buffers hold the tensors of the files it writes, no more (under
+FSDP2 every DP rank gathers each parameter, one writes it). One launch of 8 ranks runs
+every training through megalite.training.run_training."""
 
 
 import pytest
 
+from megalite.checkpointing import async_save
 from megalite.spawn import run_distributed
 
-from tests.helpers import assert_same_files, flags_with, train_in_rank
+from tests.helpers import (assert_same_files, flags_with, saved_files, tensor_bytes,
+                           train_in_rank)
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -26,24 +30,44 @@ def train(rank, world_size, *flags) -> str:
     return train_in_rank(rank, world_size, [*FLAGS, *flags])
 
 
+def record_snapshots(held: list) -> None:
+    """This rank's async saves append (the bytes of its host buffers, the files it
+    writes) to `held`."""
+    rank_files = async_save.rank_files
+
+    def recording(*args):
+        files = rank_files(*args)
+        held.append((args[5].__self__.nbytes, sorted(files)))  # args[5]: HostBuffers.copy
+        return files
+    async_save.rank_files = recording
+
+
 def runs(rank, world_size, root):
     """Per layout: sync 2 steps (saves 1, 2); async 1 step; async resumed from it to 2.
-    Returns what each resumed run printed."""
-    printed = {}
+    Returns what each resumed run printed and what its save of iteration 2 held."""
+    printed, held = {}, {}
+    snapshots = []
+    record_snapshots(snapshots)
     for name, layout in LAYOUTS.items():
         sync, asyn = f"{root}/{name}_sync", f"{root}/{name}_async"
         train(rank, world_size, *layout, "--train-iters", "2", "--save", sync)
         train(rank, world_size, *layout, "--train-iters", "1", "--save", asyn, "--async-save")
         printed[name] = train(rank, world_size, *layout, "--train-iters", "2", "--save", asyn,
                               "--load", asyn, "--async-save")
-    return printed
+        held[name] = snapshots[-1]
+    return printed, held
 
 
 def test_async_save_bytes_and_resume_at_tp2_pp2_dp2(tmp_path):
-    printed = run_distributed(8, runs, str(tmp_path), timeout=600)[0]
+    results = run_distributed(8, runs, str(tmp_path), timeout=600)
+    printed = results[0][0]
     for name in LAYOUTS:
         assert "resuming from" in printed[name] and "at iteration 1" in printed[name], name
         for iteration in (1, 2):
             directory = f"iter_{iteration:07d}"
             assert_same_files(tmp_path / f"{name}_sync" / directory,
                               tmp_path / f"{name}_async" / directory)
+        for rank, (_, held) in enumerate(results):
+            nbytes, names = held[name]
+            written = saved_files(tmp_path / f"{name}_async" / "iter_0000002", names)
+            assert nbytes == tensor_bytes(written), (name, rank)
