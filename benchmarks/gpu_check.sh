@@ -204,10 +204,15 @@ train_350m() {
     $PY pretrain_gpt.py $GPT350 $BACKEND --bf16 --lr 3e-4 --min-lr 3e-5 \
         --lr-decay-style cosine --lr-warmup-iters 5 --train-iters "$ITERS" \
         --log-interval $((ITERS / 3)) --log-throughput --eval-iters 0 $PEAK_FLAG \
+        --profile --profile-step-start 2 --profile-step-end 3 --profile-dir "$LOG/profile" \
         >"$LOG/train_350m.out" 2>&1
     rc=$?
     cat "$LOG/train_350m.out"
-    [ $rc -eq 0 ] && "$PY" "$HELPERS/parse_log.py" "$LOG/train_350m.out" "$PEAK"
+    [ $rc -eq 0 ] || exit $rc
+    # --profile's trace (CUDA activity on a GPU): written, then dropped (tens of MB)
+    ls "$LOG"/profile/rank0.iter3-3.pt.trace.json >/dev/null || exit 1
+    echo ">> --profile: rank 0's trace of iteration 3 written"; rm -rf "$LOG/profile"
+    "$PY" "$HELPERS/parse_log.py" "$LOG/train_350m.out" "$PEAK"
 }
 
 # mfu FLAGS_VAR_NAME NAME [PROFILE]: the planner's micro-batch (2 micro-batches per step),
