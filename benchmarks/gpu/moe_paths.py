@@ -17,10 +17,11 @@ import sys
 
 from runs import Checks, log_rows, relative, run_all, run_pretrain, tail
 
-MOE = ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2"]
-EMPTY = ["--disable-bias-linear", "--num-experts", "32", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0",
+EXPERTS = ["--disable-bias-linear", "--num-experts"]  # experts have no biases
+MOE = [*EXPERTS, "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2"]
+EMPTY = [*EXPERTS, "32", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0",
          "--micro-batch-size", "1", "--seq-length", "16"]
-BIAS = ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-enable-expert-bias",
+BIAS = [*EXPERTS, "4", "--moe-router-topk", "2", "--moe-router-enable-expert-bias",
         "--moe-router-score-function", "sigmoid", "--moe-router-load-balancing-type", "none"]
 FSDP_OFFLOAD = ["--use-torch-fsdp2", "--optimizer-cpu-offload"]
 GROUPED = ["--moe-grouped-gemm"]

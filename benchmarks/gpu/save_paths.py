@@ -2,8 +2,8 @@
 at half the iterations and resumed, bit-exact against the straight run (compare_resume.py:
 losses, grad norms, every tensor of the final checkpoints), deterministic kernels:
 - async: --async-save (the side-stream snapshot to pinned memory, the background writer);
-- async_offload: --async-save with FSDP2 and --optimizer-cpu-offload (host optimizer state
-  in the snapshot), under torchrun;
+- async_offload, async_zero1_offload: --async-save with --optimizer-cpu-offload under FSDP2
+  (torchrun) and under ZeRO-1: host optimizer state in the snapshot;
 - async_moe: --async-save with an MoE layer and --moe-router-enable-expert-bias (the bias
   updated after the backward, snapshotted with the step it belongs to);
 - local: --non-persistent-ckpt-type local saves every iteration, the first run killed as
@@ -22,9 +22,11 @@ from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
 
 from runs import GPU, HELPERS, Checks, log_rows, relative, run_all, run_pretrain, tail
 
-MOE = ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-enable-expert-bias",
-       "--moe-router-score-function", "sigmoid", "--moe-router-load-balancing-type", "none"]
+MOE = ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
+       "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
+       "--moe-router-load-balancing-type", "none"]
 FSDP_OFFLOAD = ["--use-torch-fsdp2", "--optimizer-cpu-offload"]
+ZERO1_OFFLOAD = ["--use-distributed-optimizer", "--optimizer-cpu-offload"]
 ASYNC = ["--async-save"]
 CPU_TOLERANCE = 2e-2  # a CPU's fp32 against the GPU's TF32 matmuls, a few steps on
 
@@ -50,7 +52,8 @@ def main():
     half = iters // 2
     check = Checks()
     ckpt = {name: os.path.join(log_dir, f"ckpt_{name}")
-            for name in ("async", "async_offload", "async_moe", "local", "cpu_written")}
+            for name in ("async", "async_offload", "async_zero1_offload", "async_moe", "local",
+                         "cpu_written")}
     log = {}
 
     def job(name, extra, torchrun=False, env=None, die_at=None):
@@ -60,7 +63,8 @@ def main():
                                     instruments=instruments)
 
     halves = ["--save-interval", str(half)]
-    extras = {"async": ASYNC, "async_offload": ASYNC + FSDP_OFFLOAD, "async_moe": ASYNC + MOE}
+    extras = {"async": ASYNC, "async_offload": ASYNC + FSDP_OFFLOAD,
+              "async_zero1_offload": ASYNC + ZERO1_OFFLOAD, "async_moe": ASYNC + MOE}
     first = {f"{n}.straight": job(f"{n}.straight", e + halves + ["--save", f"{ckpt[n]}/straight"],
                                   torchrun=n == "async_offload") for n, e in extras.items()}
     local = ["--non-persistent-save-interval", "1", "--non-persistent-ckpt-type",
@@ -70,9 +74,10 @@ def main():
         "--save", f"{ckpt['local']}/first", "--save-interval", str(iters)], die_at=half + 1)
     if GPU:
         first["cpu_written.straight"] = job("cpu_written.straight", [])
-        first["cpu_written.first"] = job(
+        first["cpu_written.first"] = job(  # CUDA_VISIBLE_DEVICES="": torch sees no GPU
             "cpu_written.first", ["--save", ckpt["cpu_written"], "--exit-interval", str(half),
-                                  "--distributed-backend", "gloo"], env={"CUDA_VISIBLE_DEVICES": ""})
+                                  "--distributed-backend", "gloo"],
+            env={"CUDA_VISIBLE_DEVICES": ""})
     done = run_all(first)
     second = {}
     for n, e in extras.items():

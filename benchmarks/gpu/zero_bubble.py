@@ -1,9 +1,10 @@
 """The zero-bubble split backward (tensor_parallel/weight_grad.py) on this device, by hand:
 two micro-batches as F F B B W W (each B under defer_weight_grads, each W its store's run)
 against F F and one ordinary backward per micro-batch (with --fp8, FP8 linears: --fp8-format
-hybrid, their W pass quantizing the saved input and the output gradient). pretrain's model (--bf16: bf16
-parameters, fp32 main_grad in the gradient buffer, overlapped reduction counting each
-gradient's arrival); every main_grad must be bit-equal, deterministic kernels on. The
+hybrid, their W pass quantizing the saved input and the output gradient). pretrain's model
+(--bf16: bf16 parameters, fp32 main_grad in the gradient buffer, overlapped reduction
+counting each gradient's arrival); every main_grad must be bit-equal, deterministic kernels
+on. The
 ordinary run is repeated first: if the device itself is not deterministic here, that is
 said rather than blamed on the split. Then the passes are timed: B, W, and the ordinary
 backward they replace (median of a few steps, device synchronised around each pass).
@@ -142,7 +143,8 @@ def main():
         ordinary(config, model, buffer, batches, backward)
         split(config, model, buffer, batches, b, w)
     ms = {k: statistics.median(v) for k, v in (("backward", backward), ("B", b), ("W", w))}
-    print(f">> per micro-batch{' (FP8 linears)' if FP8 else ''} ({LAYERS} layers, hidden {HIDDEN}, {MICRO} x {SEQ} tokens, "
+    print(f">> per micro-batch{' (FP8 linears)' if FP8 else ''} ({LAYERS} layers, hidden "
+          f"{HIDDEN}, {MICRO} x {SEQ} tokens, "
           f"{len(linears)} weights in W): ordinary backward {ms['backward']:.2f} ms; B "
           f"{ms['B']:.2f} ms + W {ms['W']:.2f} ms = {ms['B'] + ms['W']:.2f} ms "
           f"({(ms['B'] + ms['W']) / ms['backward']:.2f}x the ordinary backward)")
