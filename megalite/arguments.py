@@ -267,8 +267,16 @@ def _checkpointing(parser):
     g.add_argument("--save-interval", type=int,
                    help="Save every this many iterations (and always at exit).")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=0,
-                   help="Delete all but the newest N checkpoints (0: keep all); the one "
-                        "the tracker names is never deleted.")
+                   help="Delete all but the newest N of this run's checkpoints (0: keep "
+                        "all); the one the tracker names, and those of another run "
+                        "(--overwrite-save), are never deleted.")
+    g.add_argument("--overwrite-save", action="store_true",
+                   help="megalite's own flag (Megatron-LM writes into --save unchecked): "
+                        "save into a --save that holds checkpoints this run does not resume "
+                        "from, which is refused otherwise. This run's saves replace that "
+                        "run's checkpoints of the same iterations; the others are kept, "
+                        "and the tracker never moves back past them, so --load resumes the "
+                        "newest checkpoint in the directory.")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")

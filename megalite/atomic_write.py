@@ -4,6 +4,7 @@ A leaf: imports nothing of megalite."""
 
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
@@ -69,3 +70,20 @@ def staged_directory(path: Path) -> Iterator[Path]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def unwritable_directory(path: str | Path) -> str | None:
+    """Why `path` cannot be a directory this process writes into, or None when it can. A
+    missing `path` is created (what its first write would do), and a file is created in it
+    and removed: permissions and read-only mounts fail here, not after hours of work."""
+    path = Path(path)
+    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        return f"{file} is a file, not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return f"cannot create or write a file in it ({error.strerror or error})"
+    return None

@@ -416,6 +416,9 @@ class CheckpointConfig:
     """Iterations between checkpoints (--save-interval)."""
     keep_last: int = 0
     """Checkpoints to keep, 0: all (--keep-last-n-checkpoints)."""
+    overwrite_save: bool = False
+    """Write into a --save that holds checkpoints this run does not resume from
+    (--overwrite-save, megalite's own; checkpointing/save_guard.py)."""
     save_optim: bool = True
     """Write optimizer state (not --no-save-optim)."""
     load_optim: bool = True

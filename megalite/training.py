@@ -9,7 +9,7 @@ import dataclasses
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
 from megalite.checkpointing import load_checkpoint
 from megalite.checkpointing.local import load_newest
+from megalite.checkpointing.save_guard import (RunRecord, check_save_directory,
+                                               resumes_from_save)
 from megalite.checkpointing.saver import CheckpointSaver
 from megalite.host_memory import keep_freed_host_memory
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
@@ -60,6 +62,8 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    run: RunRecord = field(default_factory=RunRecord)
+    """This launch, as its checkpoints record it (checkpointing/save_guard.py)."""
 
 
 def print_rank_last(message: str):
@@ -85,6 +89,7 @@ def pretrain(argv=None) -> int:
                                         vocab_size=args.vocab_size)
         config = validate_args(args, world_size_from_env(),
                                tokenizer.vocab_size if tokenizer else None)
+        check_save_directory(config.checkpoint)
         rank, _, device = initialize_distributed(config.distributed)
     except MegaliteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -228,7 +233,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                 print_rank_0(" > restarting PowerSGD from uncompressed steps: a "
                              "non-persistent local checkpoint does not hold its state")
         if loaded is not None:
-            progress = TrainState(**loaded)
+            progress = TrainState(**loaded, run=RunRecord(
+                resumed_at=loaded["iteration"] if resumes_from_save(ckpt) else None))
             monitor.resumed = True
         print_rank_0(f" > resuming from {source} at iteration {progress.iteration}"
                      if loaded else f" > no checkpoint in {source}: starting from scratch")

@@ -205,14 +205,15 @@ def tensor_bytes(files: dict[str, dict]) -> int:
 
 def assert_same_files(a: Path, b: Path):
     """Two checkpoint directories: every .pt file byte for byte, the metadata equal but for
-    the flags ("config", "run_file"), which differ between the runs compared."""
+    the flags ("config", "run_file") and the launch ("run"), which differ between the runs
+    compared."""
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
     for name in names:
         if name.endswith(".json"):
             ma, mb = (json.loads((d / name).read_text()) for d in (a, b))
             for m in (ma, mb):
-                del m["config"], m["run_file"]
+                del m["config"], m["run_file"], m["run"]
             assert ma == mb
         else:
             assert (a / name).read_bytes() == (b / name).read_bytes(), name

@@ -53,11 +53,12 @@ import torch
 import torch.distributed as dist
 
 from megalite.arguments import parse_args
+from megalite.atomic_write import unwritable_directory
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.checkpointing.storage import TRACKER_FILENAME
 from megalite.config import DistributedConfig
 from megalite.errors import ConfigError, MegaliteError
-from megalite.initialize import initialize_distributed
+from megalite.initialize import initialize_distributed, world_size_from_env
 from megalite.layout_check import (BF16, FP32, build_run, first_difference, layouts_for,
                                    run_layout)
 from megalite.layout_tune import (Candidate, Estimate, algorithm_factor, candidates,
@@ -173,6 +174,17 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 def selected(layout, args) -> bool:
     return not args.layouts or any(fnmatch.fnmatchcase(layout.name, pattern)
                                    for pattern in args.layouts)
+
+
+def check_layout_patterns(patterns: list[str] | None, world: int):
+    """Each --layouts pattern names a layout: a typo would check nothing, and pass."""
+    names = [layout.name for layout in layouts_for(world)]
+    unmatched = [p for p in patterns or ()
+                 if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    if unmatched:
+        raise ConfigError(f"--layouts {' '.join(map(repr, unmatched))} matches no layout at "
+                          f"world size {world} (names are case-sensitive); the layouts are: "
+                          + ", ".join(map(repr, names)))
 
 
 def checked_configs(model: list[str], args, world: int) -> list:
@@ -853,7 +865,7 @@ def main(argv=None) -> int:
     args, model_flags = build_parser().parse_known_args(argv)
     model = MODEL + model_flags
     try:
-        check_flags(args)
+        check_flags(args, world_size_from_env())
         backend = parse_args(model).distributed_backend
         rank, world, device = initialize_distributed(DistributedConfig(backend=backend))
     except MegaliteError as e:
@@ -881,7 +893,9 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def check_flags(args):
+def check_flags(args, world: int):
+    """Before any check runs (and before start-up): the flags, the layouts they select and
+    the directories the report and checkpoints go to."""
     for flag in ("steps", "timed_steps", "tune_max", "recovery_nproc", "recovery_limit"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
@@ -891,6 +905,12 @@ def check_flags(args):
                           f"{args.tune_micro_batch_sizes}")
     if args.message_sizes and min(args.message_sizes) <= 0:
         raise ConfigError(f"--message-sizes must be positive, got {args.message_sizes}")
+    check_layout_patterns(args.layouts, world)
+    for flag in ("output_dir", "checkpoint_dir"):
+        path = getattr(args, flag)
+        problem = path is not None and unwritable_directory(path)
+        if problem:
+            raise ConfigError(f"--{flag.replace('_', '-')} {path}: {problem}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Files of `iter_0000100/` (made visible atomically by storage.py):
   rng_rank{r}.pt            every rank: python, numpy, torch, the run's device kind, its
                             generator and the TP tracker's states
   metadata.json             layout, model config, iteration, consumed samples, LR
-                            scheduler and loss scaler state, versions, the config
+                            scheduler and loss scaler state, versions, the config, the
+                            launch that wrote it ("run": save_guard.RunRecord)
 Names are the single-process model's (megalite/model/gpt.py keys layers by global index),
 and the last stage's copy of a tied embedding is not saved: it is the embedding.
 
@@ -36,6 +37,7 @@ from torch import nn
 
 import megalite
 from megalite.checkpointing.compression_state import compression_file, compression_record
+from megalite.checkpointing.save_guard import RunRecord, newer_tracked
 from megalite.checkpointing.storage import (MOE_FIELDS, RECORDED_FIELDS, apply_retention,
                                            checkpoint_dir, commit, prepare_staging,
                                            save_tensor_file, staging_dir)
@@ -238,14 +240,21 @@ def checkpoint_metadata(chunks: nn.ModuleList, optimizer, scheduler, state: Para
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
             # What JSON cannot hold (dtypes, enums) as its str().
             "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
-            "run_file": run_file}
+            "run_file": run_file, "run": dataclasses.asdict(train_state.run)}
 
 
 def publish(save: str, iteration: int, metadata: dict, config) -> Path:
-    """Rank 0, once every rank's files are in the staging directory: commit, retention."""
+    """Rank 0, once every rank's files are in the staging directory: commit, retention,
+    both leaving alone the checkpoints of another run (save_guard.py)."""
+    newer = newer_tracked(save, iteration)
     final = commit(save, iteration, metadata,
-                   expected_files(metadata["layout"], config.checkpoint.save_optim))
-    apply_retention(save, config.checkpoint.keep_last)
+                   expected_files(metadata["layout"], config.checkpoint.save_optim),
+                   track=newer is None)
+    if newer is not None:
+        print(f"  the tracker of {save} still names iteration {newer}, a newer checkpoint "
+              f"this run did not write: --load {save} resumes that one", flush=True)
+    run = RunRecord.of(metadata)
+    apply_retention(save, config.checkpoint.keep_last, run.owns if run else None)
     return final
 
 

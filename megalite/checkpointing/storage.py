@@ -140,12 +140,14 @@ def _missing_files(files: Any, where: str, directory: Path) -> list[str]:
 
 
 def commit(save: str | Path, iteration: int, metadata: dict,
-           expected_files: list[str]) -> Path:
+           expected_files: list[str], track: bool = True) -> Path:
     """Rank 0, after the barrier that follows every rank's writes: publish the checkpoint.
 
     Order matters: metadata last inside staging (a dir with metadata is complete), then the
-    rename, then the tracker. A checkpoint of the same iteration from an earlier run (resumed
-    from an older one) is moved aside and deleted only once the new one is in place.
+    rename, then the tracker (unless not `track`: it names a newer checkpoint, which
+    save_guard.newer_tracked keeps it from moving back past). A checkpoint of the same
+    iteration from an earlier run (resumed from an older one) is moved aside and deleted
+    only once the new one is in place.
     """
     save, staging, final = Path(save), staging_dir(save, iteration), checkpoint_dir(save, iteration)
     aside = final.with_name(final.name + ".old")
@@ -161,7 +163,8 @@ def commit(save: str | Path, iteration: int, metadata: dict,
     with _io_errors("publish checkpoint", final):
         swap_in(staging, final, aside)
         fsync_dir(save)
-    _atomic_write(save / TRACKER_FILENAME, lambda f: f.write(str(iteration).encode()))
+    if track:
+        _atomic_write(save / TRACKER_FILENAME, lambda f: f.write(str(iteration).encode()))
     shutil.rmtree(aside, ignore_errors=True)
     return final
 
@@ -218,16 +221,23 @@ def tracked_checkpoint(save: Path) -> tuple[int, Path]:
     return iteration, checkpoint_dir(save, iteration)
 
 
-def _is_complete(directory: Path) -> bool:
+def _complete_metadata(directory: Path) -> dict | None:
     try:
-        return bool(read_metadata(directory))
+        return read_metadata(directory)
     except CheckpointError:
-        return False
+        return None
 
 
 def _iteration_dirs(save: Path) -> dict[int, Path]:
     return {int(m.group(1)): d for d in save.iterdir()
             if (m := _ITER_DIR.fullmatch(d.name)) and d.is_dir()}
+
+
+def checkpoint_names(directory: Path) -> list[str]:
+    """The checkpoint directories in `directory`, complete or not, by name (staging and
+    moved-aside leftovers of a crashed save are not checkpoints)."""
+    return sorted(d.name for d in _iteration_dirs(directory).values()) + (
+        [RELEASE] if (directory / RELEASE).is_dir() else [])
 
 
 def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
@@ -242,8 +252,7 @@ def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
     if not load.is_dir():
         raise CheckpointError(f"checkpoint path {load} is not a directory")
     if not (load / TRACKER_FILENAME).exists():
-        found = sorted(d.name for d in _iteration_dirs(load).values()) + (
-            [RELEASE] if (load / RELEASE).is_dir() else [])
+        found = checkpoint_names(load)
         if not found:
             return None
         raise CheckpointError(
@@ -259,8 +268,11 @@ def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
     return iteration, directory
 
 
-def apply_retention(save: str | Path, keep: int) -> list[Path]:
-    """Rank 0, after `commit`: delete all but the newest `keep` complete checkpoints.
+def apply_retention(save: str | Path, keep: int,
+                    owns: Callable[[int, dict], bool] | None = None) -> list[Path]:
+    """Rank 0, after `commit`: delete all but the newest `keep` complete checkpoints of
+    those `owns(iteration, metadata)` says are the saving run's (save_guard.RunRecord; None:
+    all): another run's are neither counted nor deleted.
 
     The one the tracker names is never deleted, even if older (a run resumed from it).
     Incomplete `iter_*` dirs are not ours to judge and are left alone. Staging (`.tmp`) and
@@ -271,9 +283,11 @@ def apply_retention(save: str | Path, keep: int) -> list[Path]:
     tracked = _read_tracker(save)
     deleted = []
     if keep > 0:
-        complete = [(i, d) for i, d in sorted(_iteration_dirs(save).items()) if _is_complete(d)]
-        kept = {iteration for iteration, _ in complete[-keep:]} | {tracked}
-        deleted += [d for iteration, d in complete if iteration not in kept]
+        complete = [(i, d, meta) for i, d in sorted(_iteration_dirs(save).items())
+                    if (meta := _complete_metadata(d)) is not None]
+        ours = [(i, d) for i, d, meta in complete if owns is None or owns(i, meta)]
+        kept = {iteration for iteration, _ in ours[-keep:]} | {tracked}
+        deleted += [d for iteration, d in ours if iteration not in kept]
     if tracked != RELEASE:
         deleted += [d for d in save.iterdir() if d.is_dir() and
                     (m := _LEFTOVER_DIR.fullmatch(d.name)) and int(m.group(1)) <= tracked]

@@ -44,7 +44,7 @@ def build_datasets(config: Config, eod: int | None, is_builder: bool, barrier):
     indexed = [open_indexed_dataset(p) for p in prefixes]
     if is_builder:
         for prefix, ds in zip(prefixes, indexed):
-            check_token_ids(prefix, ds, config.model.padded_vocab_size)
+            check_token_ids(prefix, ds, config.model.vocab_size)
     return [_build_split(split, n, weights, prefixes, indexed, data, config.model.seq_length,
                          seed, eod, is_builder, barrier) for split, n in zip(range(3), counts)]
 
@@ -56,20 +56,21 @@ def open_indexed_dataset(prefix: str) -> IndexedDataset:
     return IndexedDataset(prefix)
 
 
-def check_token_ids(prefix: str, ds: IndexedDataset, padded_vocab_size: int):
-    """A token id beyond the (padded) vocabulary would index past the embedding table
-    hours into a run; read every token once up front instead. Skipped when the file's
-    dtype cannot hold such an id."""
-    if ds.dtype.kind == "u" and np.iinfo(ds.dtype).max < padded_vocab_size:
+def check_token_ids(prefix: str, ds: IndexedDataset, vocab_size: int):
+    """A token id beyond the tokenizer's vocabulary would index past the embedding table,
+    or into its padding rows, whose logits are masked to -inf (an infinite loss at the
+    first step); read every token once up front instead. Skipped when the file's dtype
+    cannot hold such an id."""
+    if ds.dtype.kind == "u" and np.iinfo(ds.dtype).max < vocab_size:
         return
     chunk = 1 << 26
     for start in range(0, len(ds.tokens), chunk):
         block = ds.tokens[start:start + chunk]
         top, bottom = int(block.max()), int(block.min())
-        if top >= padded_vocab_size or bottom < 0:
+        if top >= vocab_size or bottom < 0:
             raise DataError(f"--data-path {prefix}: token id "
-                            f"{top if top >= padded_vocab_size else bottom} is outside the "
-                            f"tokenizer's padded vocabulary [0, {padded_vocab_size}); was it "
+                            f"{top if top >= vocab_size else bottom} is outside the "
+                            f"tokenizer's vocabulary [0, {vocab_size}); was it "
                             "preprocessed with another tokenizer?")
 
 
@@ -82,6 +83,11 @@ def _build_split(split: int, num_samples: int, weights, prefixes, indexed, data:
     parts = []
     for prefix, ds, n in zip(prefixes, indexed, per_dataset):
         start, end = split_documents(len(ds), data.split)[split]
+        if start == end and split == 0:  # evaluation may go without; training may not
+            why = (f"--split {data.split} gives the training set none of its {len(ds)} "
+                   "documents" if len(ds) else "it holds none (preprocessed from an empty "
+                   "input?)")
+            raise DataError(f"--data-path {prefix}: no documents to train on: {why}")
         if start == end:
             return None
         parts.append(GPTDataset(

@@ -323,6 +323,8 @@ def _checkpoint_config(args) -> CheckpointConfig:
         raise ConfigError("--finetune needs --load (the checkpoint to start from)")
     if args.async_save and args.save is None:
         raise ConfigError("--async-save needs --save (where to write)")
+    if args.overwrite_save and args.save is None:
+        raise ConfigError("--overwrite-save needs --save (the directory to write into)")
     _check_non_persistent(args)
     return from_flags(CheckpointConfig, args, keep_last=args.keep_last_n_checkpoints,
                       save_optim=not args.no_save_optim, load_optim=not args.no_load_optim,
