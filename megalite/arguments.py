@@ -351,7 +351,8 @@ def _monitoring(parser):
                    help="0: iteration time only; 1: also the phases run once a step "
                         "(gradient reduction, optimizer, ...); 2: also per micro-batch "
                         "(forward/backward compute, pipeline send/recv). Levels 1-2 "
-                        "synchronise the GPU at each phase boundary.")
+                        "record a timing event on the GPU at each phase boundary (read "
+                        "between steps; the host does not wait).")
     g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
                    help="Timers over ranks: max, (min, max), or every rank's.")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
@@ -540,7 +541,9 @@ def _add_moe_args(parser):
                         "--moe-expert-capacity-factor).")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Run the experts as grouped GEMMs (torch._grouped_mm) instead of a "
-                        "loop over experts.")
+                        "loop over experts. One kernel for bf16 on sm_90 (and sm_100 from "
+                        "torch 2.9); elsewhere torch 2.9+ loops over the experts (said at the "
+                        "start) and torch 2.8 cannot run it (refused).")
     g.add_argument("--moe-token-dispatcher-type", default="allgather",
                    choices=["allgather", "alltoall", "flex"],
                    help="How tokens reach the experts of other EP ranks: allgather or "

@@ -1,10 +1,10 @@
 """The zero-bubble split backward (tensor_parallel/weight_grad.py) on this device, by hand:
-two micro-batches as F F B B W W (each B under defer_weight_grads, each W its store's run)
-against F F and one ordinary backward per micro-batch (with --fp8, FP8 linears: --fp8-format
-hybrid, their W pass quantizing the saved input and the output gradient). pretrain's model
-(--bf16: bf16 parameters, fp32 main_grad in the gradient buffer, overlapped reduction
-counting each gradient's arrival); every main_grad must be bit-equal, deterministic kernels
-on. The
+two micro-batches as F F B B W W (each B under the model's LinearStep.defer_weight_grads,
+each W its store's run) against F F and one ordinary backward per micro-batch (with --fp8,
+FP8 linears: --fp8-format hybrid, their W pass quantizing the saved input and the output
+gradient). pretrain's model (--bf16: bf16 parameters, fp32 main_grad in the gradient
+buffer, overlapped reduction counting each gradient's arrival); every main_grad must be
+bit-equal, deterministic kernels on. The
 ordinary run is repeated first: if the device itself is not deterministic here, that is
 said rather than blamed on the split. Then the passes are timed: B, W, and the ordinary
 backward they replace (median of a few steps, device synchronised around each pass).
@@ -24,7 +24,7 @@ from megalite.arguments import parse_args  # noqa: E402
 from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.tensor_parallel.random import build_rng_tracker  # noqa: E402
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads  # noqa: E402
+from megalite.tensor_parallel.weight_grad import LinearStep, WeightGradStore  # noqa: E402
 from megalite.train_step import autocast  # noqa: E402
 from megalite.training import build_model  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
@@ -75,6 +75,8 @@ def setup():
                         build_rng_tracker(1234, 0, DEVICE))[0]
     params = [p for p in model.parameters() if p.requires_grad]
     buffer = GradBuffer(params, None, 10 ** 9, overlap=True, grad_dtype=torch.float32)
+    buffer.linear_step = LinearStep()  # as train_step.StepRunner installs it
+    buffer.linear_step.install(model)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g).to(DEVICE)
                for _ in range(2)]
@@ -104,7 +106,8 @@ def split(config, model, buffer, batches, b_times=None, w_times=None):
     losses = [forward(config, model, tokens) for tokens in batches]
     stores = [WeightGradStore() for _ in batches]
     for loss, store in zip(losses, stores):
-        with Timed(b_times if b_times is not None else []), defer_weight_grads(store):
+        with Timed(b_times if b_times is not None else []), \
+                buffer.linear_step.defer_weight_grads(store):
             loss.backward()
     untouched = {n for n, p in model.named_parameters() if not p.main_grad.any()}
     deferred = len(stores[0].weights)
