@@ -200,12 +200,12 @@ gpu_tests() {  # the tests that skip without a GPU: a skip reason naming a GPU o
 kernels() { "$PY" "$HELPERS/kernels.py"; }
 matmul_peak() { "$PY" "$HELPERS/matmul_peak.py" "$LOG/matmul_tflops.txt"; }
 
-train_350m() {
+train_350m() {  # with --profile and the timers' device events (--timing-log-level 2)
     $PY pretrain_gpt.py $GPT350 $BACKEND --bf16 --lr 3e-4 --min-lr 3e-5 \
         --lr-decay-style cosine --lr-warmup-iters 5 --train-iters "$ITERS" \
         --log-interval $((ITERS / 3)) --log-throughput --eval-iters 0 $PEAK_FLAG \
         --profile --profile-step-start 2 --profile-step-end 3 --profile-dir "$LOG/profile" \
-        >"$LOG/train_350m.out" 2>&1
+        --timing-log-level 2 >"$LOG/train_350m.out" 2>&1
     rc=$?
     cat "$LOG/train_350m.out"
     [ $rc -eq 0 ] || exit $rc
