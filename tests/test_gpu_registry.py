@@ -69,3 +69,14 @@ def test_a_tag_naming_no_step_is_reported():
     source = 'if device.type == "cuda":  # gpu_check: no_such_step\n    pass\n'
     names = {name for _, _, steps in registry.scan(source) for name in steps}
     assert names == {"no_such_step"} and not names <= set(registry.steps())
+
+
+def test_the_readme_lists_each_tier_as_steps_tsv_has_it():
+    readme = (REPO / "README.md").read_text()
+    steps = registry.steps()
+    for tier in ("core", "extended"):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{tier}` |"))
+        names = [s for s in steps if steps[s]["tier"] == tier]
+        assert re.findall(r"`(\w+)`", row.split("|")[2]) == names, row
+        limit = sum(steps[s]["limit"] for s in names)
+        assert f"at most {limit:,} s" in row, (row, limit)
