@@ -116,6 +116,7 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     if compile_layers and config.model.compile_layers is None:
         print_rank_0("> compiling each transformer layer with torch.compile (the default "
                      "on a GPU; --no-compile-layers runs eagerly)")
+    # gpu_check: fp8_paths
     if config.model.fp8_format and device.type == "cuda":
         check_fp8_device(device)  # at the start: a compiled layer's traced GEMMs do not
     if config.model.moe_grouped_gemm and (note := check_grouped_gemm_device(device, dtype)):

@@ -409,7 +409,7 @@ def check_scaling(model: list[str], args, rank: int, world: int, device, charts)
 
 def planner(device) -> str:
     """The memory planner's device: "cuda" (its allocator's rounding) or "cpu"."""
-    return device.type if device.type == "cuda" else "cpu"
+    return device.type if device.type == "cuda" else "cpu"  # gpu_check: check_cluster_tune
 
 
 def device_capacity(device, world: int, fraction: float) -> int:
@@ -533,6 +533,7 @@ def tuning_table(rows, short, by_name, default, world: int, device) -> list[str]
     default_seconds = next(r[1] for r in rows if r[0] == default.name)
     peak = peak_tflops(device, compute_dtype(default.config.precision.params_dtype),
                        default.config.monitoring.peak_tflops)
+    # gpu_check: check_cluster_tune
     what = "max_memory_allocated" if device.type == "cuda" else "peak RSS growth"
     out = []
     for name, seconds, memory, config in rows:

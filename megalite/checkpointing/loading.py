@@ -218,7 +218,7 @@ def _set_rng_state(state: dict, rng_tracker):
     device = rng_device(rng_tracker)
     # Records before "device" hold a "cuda" generator when saved on a CUDA machine.
     saved = state.get("device", "cuda" if "cuda" in state else "cpu")
-    if saved != device.type:  # gpu_check: resume_cpu_checkpoint_on_gpu
+    if saved != device.type:  # gpu_check: save_paths
         if dist.get_rank() == 0:
             print(f" > RNG states saved on {saved}, running on {device.type}: restoring the "
                   f"host's generators (python, numpy, torch) only; the others stay as seeded",

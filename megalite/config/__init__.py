@@ -1,6 +1,6 @@
 """The frozen configuration `pretrain` hands to each part: `Config`, one dataclass per part
 (its sections, one module each here), every field that a flag sets declaring that flag
-(config/flags.py, docs/design.md §24). Every fact is stored once: the model's shape lives in
+(config/flags.py, docs/design.md §25). Every fact is stored once: the model's shape lives in
 `GPTConfig` and nowhere else. megalite/validation/ builds these from the parsed flags and
 derives what is derived (global batch, micro-batches, schedule lengths in samples, padded
 vocabulary) there and only there.

@@ -1,4 +1,4 @@
-"""Each flag declared once (docs/design.md §24): a config field carries its command-line flag,
+"""Each flag declared once (docs/design.md §25): a config field carries its command-line flag,
 and the parser, the run file (--yaml-cfg) and the copy of parsed flags into configs are made
 from the fields.
 

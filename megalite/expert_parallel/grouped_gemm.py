@@ -46,7 +46,7 @@ def check_grouped_gemm_device(device: torch.device, dtype: torch.dtype) -> str |
     torch._grouped_mm would raise; a note to print where a GPU would run torch's loop over
     the experts instead of a grouped kernel (no faster than without the flag); else None."""
     capability = None
-    if device.type == "cuda" and torch.version.hip is None:  # gpu_check: moe_grouped_gemm
+    if device.type == "cuda" and torch.version.hip is None:  # gpu_check: moe_paths
         capability = torch.cuda.get_device_capability(device)
     where = (f"torch {torch.__version__} on {device.type}"
              f"{f' sm_{capability[0]}{capability[1]}' if capability else ''} in {dtype}")
@@ -72,6 +72,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     return torch.cat([block @ w.t() for block, w in zip(blocks, weight)])
 
 
+# gpu_check: moe_paths
 class _GroupedLinear(torch.autograd.Function):
     """Nothing here depends on what the kernel writes for an expert without rows (B200's
     kernel writes nothing, pytorch#172439): a weight gradient's empty groups are zeroed, and

@@ -78,7 +78,7 @@ def timing_event(device: torch.device | None):
     """A recorded point in `device`'s stream whose time can be read later."""
     if device is None or device.type == "cpu":
         event = HostEvent()
-    else:  # gpu_check: dp_shares_auto
+    else:  # gpu_check: train_350m
         event = torch.Event(device=device, enable_timing=True)
     event.record()
     return event

@@ -176,7 +176,7 @@ class HostOffload:
             self._grads[bucket] = self._buffer(shard.numel())
         host = self._grads[bucket].copy_(shard, non_blocking=self.pin)
         if self.pin:
-            torch.cuda.current_stream(shard.device).synchronize()
+            torch.cuda.current_stream(shard.device).synchronize()  # gpu_check: fsdp_offload
         return host
 
 

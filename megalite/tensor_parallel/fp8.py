@@ -234,6 +234,7 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
     # On CUDA, rowwise scaling writes bf16 only; the cast back is the one extra rounding.
     gemm_dtype = (torch.bfloat16 if a.data.is_cuda and a.scale.dim() else out_dtype)
     # Both no-ops (no copy) for operands already in cuBLASLt's layouts.
+    # gpu_check: fp8_paths
     out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
                            scale_a=a.scale, scale_b=b.scale, out_dtype=gemm_dtype,
                            use_fast_accum=fast_accum)
@@ -259,7 +260,7 @@ def _check_dims(a_shape, b_shape):
 
 @functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return torch.cuda.get_device_capability(device)  # gpu_check: fp8_paths
 
 
 class _Fp8Linear(torch.autograd.Function):
