@@ -1,37 +1,42 @@
 #!/usr/bin/env bash
-# megalite on one GPU, in one pass (about 9 minutes on an H100 or H200):
+# megalite on one GPU, in two tiers (benchmarks/gpu/steps.tsv lists the steps, their tier,
+# their time limit and their last GPU run):
 #
-#   bash benchmarks/gpu_check.sh                 # from anywhere; it runs in its checkout
-#   SMOKE=1 bash benchmarks/gpu_check.sh         # the same steps, tiny, on the CPU (gloo;
+#   bash benchmarks/gpu_check.sh                 # TIER=core: the first command on a GPU
+#                                                # (its limits sum to under 8 minutes)
+#   TIER=extended bash benchmarks/gpu_check.sh   # the rest (TIER=all: both)
+#   SMOKE=1 TIER=all bash benchmarks/gpu_check.sh  # the same steps, tiny, on the CPU (gloo;
 #                                                # torch.compile with aot_eager, not inductor)
 #
-# Steps: the environment; the tests that skip without a GPU; attention kernels and RNG on
-# the GPU (which SDPA kernels take the training shapes); a bf16 matmul peak; GPT-2 350M in
-# bf16 (the log line); MFU, tokens/s, peak memory next to the planner's figure and the time
-# to the first step of a TinyLlama-shaped 1.1B with the default flags (compiled layers on a
-# GPU; with a profile of one step by category), of the same with --no-compile-layers, and of
-# a GPT-style 1.3B, micro-batch chosen by the memory planner; save + resume bit-exact (fp32
-# Adam, bf16 ZeRO-1); torchrun over NCCL with ZeRO-1 and both overlaps; the log line's MFU
-# and a measured matmul against megalite's peak table; FSDP2 (both strategies) with CPU
-# offload under torchrun against ZeRO-1, saved and resumed; a Megatron checkpoint from
-# megalite's exporter loaded by each optimizer against a CPU load; ring attention's fused
-# blocks and merge (CP 2, 4 emulated) and its autograd function; the zero-bubble B/W split
-# bit-equal to one backward; a CUDA memory snapshot without --profile; FP8 (--fp8-format
-# hybrid) against bf16 on Llama-3-8B layer shapes, both compiled: tokens/s ratio and the loss
-# after FP8_ITERS (default 300) steps on the same data, FP8 within 1% (about 6 minutes: it
-# does not fit the default budget after the other steps; run it alone with STEPS=fp8).
+# core: the environment; the tests that skip without a GPU; attention kernels and RNG on the
+# GPU; a bf16 matmul peak; MFU, tokens/s, peak memory next to the planner's figure, the time
+# to the first step and a one-step profile of a TinyLlama-shaped 1.1B with the default flags
+# (compiled layers); save + resume bit-exact (fp32 Adam, bf16 ZeRO-1); torchrun over NCCL
+# with ZeRO-1 and both overlaps; compiled layers with ZeRO-1's overlapped param gather (no
+# recompile, no graph break); MoE (grouped GEMM against the loop, experts without tokens,
+# the expert bias, under FSDP2 with offload); the save paths (async, async with offload, async
+# with the expert bias, local non-persistent, a CPU-written checkpoint resumed on the GPU).
+# extended: GPT-2 350M in bf16 (the log line) and the peak table; FSDP2 with CPU offload
+# against ZeRO-1; a Megatron checkpoint loaded by each optimizer; ring attention's fused
+# blocks; the zero-bubble B/W split; a CUDA memory snapshot; GPT 1.3B and eager 1.1B MFU;
+# compiled layers with full recompute and under PP 2 (two GPUs), the compiled loss with eager
+# layers; FP8 rowwise, eager with its weight cache, with recompute and in the W pass; the
+# cluster check at world size 1 with --tune; pretrain()'s own tests on the GPU; FP8 against
+# bf16 on Llama-3-8B layer shapes over FP8_ITERS (default 300) steps (about 6 minutes).
 #
 # One "PASS|FAIL|SKIP <step>: detail" line per step, the results (">>" lines) under it, and
 # a summary; a failing step never stops the next, and every step is cut to what is left of
 # BUDGET_S. Exit status 0 when no step failed.
-# Output (at most 3 files): $OUT/gpu_check/ (or $TMPDIR/megalite_gpu_check/gpu_check when OUT is
-# unset): summary.txt (the result lines, written as they come), logs.tar.gz (every log),
-# trace_llama_1b.json.gz (chrome trace of the profiled step). Checkpoints and loose logs
-# live in a temporary directory that is removed at the end.
-# Env: BUDGET_S (default 540; 1200 under SMOKE, where each step may take 4x its GPU limit),
-# PYTHON, PEAK_TFLOPS (default 989: H100/H200 SXM dense bf16), EXTRA_PERF_FLAGS (appended
-# to the MFU runs), STEPS (run only these step names; the others SKIP), FP8_ITERS,
-# FP8_MAX_LAYERS (at most this many layers in the fp8 step, for a shorter run), SMOKE=1.
+# Output (at most 5 files): $OUT/gpu_check/ (or $TMPDIR/megalite_gpu_check/gpu_check when OUT is
+# unset): summary.txt (the result lines, written as they come), step_times.tsv (each step's
+# seconds and exit status: the "measured" column of steps.tsv), logs.tar.gz (every log),
+# trace_llama_1b.json.gz (chrome trace of the profiled step), cluster_report.md (the
+# cluster check's report). Checkpoints and loose logs live in a temporary directory that is
+# removed at the end.
+# Env: TIER (core, extended, all; default core, or all when STEPS is set), BUDGET_S (default: the tier's limits summed,
+# 4x under SMOKE), PYTHON, PEAK_TFLOPS (default 989: H100/H200 SXM dense bf16),
+# EXTRA_PERF_FLAGS (appended to the MFU runs), STEPS (run only these step names; the others
+# SKIP), FP8_ITERS, FP8_MAX_LAYERS (at most this many layers in the fp8 step), SMOKE=1.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export REPO=$PWD
@@ -41,14 +46,14 @@ export EXTRA_PERF_FLAGS=${EXTRA_PERF_FLAGS:-}
 export HELPERS=$REPO/benchmarks/gpu
 export PYTHONPATH="$REPO:$HELPERS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-BUDGET_S=${BUDGET_S:-$([ "$SMOKE" = 1 ] && echo 1200 || echo 540)}
 STEPS=${STEPS:-}
 T0=$(date +%s)
 export RESULTS=${OUT:-${TMPDIR:-/tmp}/megalite_gpu_check}/gpu_check
 export LOG
 LOG=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 mkdir -p "$RESULTS"
-rm -f "$RESULTS/summary.txt" "$RESULTS/logs.tar.gz" "$RESULTS"/trace_*.json.gz
+rm -f "$RESULTS/summary.txt" "$RESULTS/step_times.tsv" "$RESULTS/logs.tar.gz" \
+    "$RESULTS"/trace_*.json.gz "$RESULTS/cluster_report.md"
 SUMMARY=()
 
 finish() {  # one archive of the logs (no checkpoints), then the scratch directory goes
@@ -76,6 +81,7 @@ step() {
     timeout -k 15 "$limit" bash -c "$fn" </dev/null >"$LOG/$name.log" 2>&1
     rc=$?
     grep -a '^>>' "$LOG/$name.log" | sed 's/^>>/   /' | tee -a "$RESULTS/summary.txt"
+    printf "%s\t%s\t%s\n" "$name" "$(($(date +%s) - start))" "$rc" >>"$RESULTS/step_times.tsv"
     if [ $rc -eq 0 ]; then
         note PASS "$name" "$(($(date +%s) - start))s"
     elif [ $rc -eq 99 ]; then
@@ -194,14 +200,19 @@ gpu_tests() {  # the tests that skip without a GPU: a skip reason naming a GPU o
 kernels() { "$PY" "$HELPERS/kernels.py"; }
 matmul_peak() { "$PY" "$HELPERS/matmul_peak.py" "$LOG/matmul_tflops.txt"; }
 
-train_350m() {
+train_350m() {  # with --profile and the timers' device events (--timing-log-level 2)
     $PY pretrain_gpt.py $GPT350 $BACKEND --bf16 --lr 3e-4 --min-lr 3e-5 \
         --lr-decay-style cosine --lr-warmup-iters 5 --train-iters "$ITERS" \
         --log-interval $((ITERS / 3)) --log-throughput --eval-iters 0 $PEAK_FLAG \
-        >"$LOG/train_350m.out" 2>&1
+        --profile --profile-step-start 2 --profile-step-end 3 --profile-dir "$LOG/profile" \
+        --timing-log-level 2 >"$LOG/train_350m.out" 2>&1
     rc=$?
     cat "$LOG/train_350m.out"
-    [ $rc -eq 0 ] && "$PY" "$HELPERS/parse_log.py" "$LOG/train_350m.out" "$PEAK"
+    [ $rc -eq 0 ] || exit $rc
+    # --profile's trace (CUDA activity on a GPU): written, then dropped (tens of MB)
+    ls "$LOG"/profile/rank0.iter3-3.pt.trace.json >/dev/null || exit 1
+    echo ">> --profile: rank 0's trace of iteration 3 written"; rm -rf "$LOG/profile"
+    "$PY" "$HELPERS/parse_log.py" "$LOG/train_350m.out" "$PEAK"
 }
 
 # mfu FLAGS_VAR_NAME NAME [PROFILE]: the planner's micro-batch (2 micro-batches per step),
@@ -346,33 +357,68 @@ implicit_gpu_tests() {
     exit $rc
 }
 
+# The paths no step ran before issue 39 (the `# gpu_check: <step>` tags in the code name them).
+compiled_zero1_overlap() {  # no recompile, no graph break: the param-gather waits outside
+    "$PY" "$HELPERS/compiled_paths.py" zero1_overlap "$LOG" \
+        ${COMPILE_BACKEND:+--compile-backend $COMPILE_BACKEND} -- $SMALL $BACKEND --bf16 \
+        $NO_DROPOUT --train-iters 4 --log-interval 1 --eval-iters 0
+}
+moe_paths() { "$PY" "$HELPERS/moe_paths.py" "$LOG" -- $SMALL $BACKEND --bf16 $NO_DROPOUT \
+    --train-iters 4 --log-interval 1 --eval-iters 0; }
+save_paths() { "$PY" "$HELPERS/save_paths.py" "$LOG" -- $SMALL $BACKEND --bf16 \
+    --train-iters "$RESUME_ITERS" --log-interval 1 --eval-iters 0; }
+compiled_paths() {
+    "$PY" "$HELPERS/compiled_paths.py" paths "$LOG" \
+        ${COMPILE_BACKEND:+--compile-backend $COMPILE_BACKEND} -- $SMALL $BACKEND --bf16 \
+        $NO_DROPOUT --train-iters 4 --log-interval 1 --eval-iters 0
+}
+fp8_paths() { "$PY" "$HELPERS/fp8_paths.py" "$LOG" \
+    ${COMPILE_BACKEND:+--compile-backend $COMPILE_BACKEND} -- $SMALL $BACKEND --bf16 \
+    $NO_DROPOUT --train-iters 4 --log-interval 1 --eval-iters 0; }
+check_cluster_tune() {  # world size 1: every check, --tune; the report kept beside summary.txt
+    local rc
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 tools/check_cluster.py \
+        --output-dir "$LOG/cluster" --tune --tune-micro-batch-sizes 1 2 4 --tune-max 2 \
+        --steps 2 --timed-steps 2 $GPT350 $BACKEND --bf16 --train-iters 10 \
+        >"$LOG/check_cluster.out" 2>&1
+    rc=$?
+    cat "$LOG/check_cluster.out"
+    [ -f "$LOG/cluster/REPORT.md" ] && cp "$LOG/cluster/REPORT.md" "$RESULTS/cluster_report.md" \
+        && echo ">> report: $RESULTS/cluster_report.md"
+    exit $rc
+}
+
 export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 mfu_llama_1b_eager \
     resume_case checkpoint_resume torchrun_nccl mfu_table fsdp_offload megatron_load \
-    ring_attention zero_bubble memory_snapshot implicit_gpu_tests fp8
+    ring_attention zero_bubble memory_snapshot implicit_gpu_tests fp8 \
+    compiled_zero1_overlap moe_paths save_paths compiled_paths fp8_paths check_cluster_tune
 
+# The steps of TIER, in steps.tsv's order (name tier limit measured run): core, extended, all.
+TIER=${TIER:-$([ -n "$STEPS" ] && echo all || echo core)}  # STEPS: from either tier
+case $TIER in core|extended|all) ;; *) echo "FAIL setup: TIER=$TIER (core, extended or all)"; exit 2;; esac
+PLAN=$(grep -v '^#' "$HELPERS/steps.tsv" | awk -v t="$TIER" 'NF && (t == "all" || $2 == t)')
+# The budget: the tier's limits (4x under SMOKE, as each step's) unless BUDGET_S says.
+BUDGET_S=${BUDGET_S:-$(echo "$PLAN" | awk -v f=$([ "$SMOKE" = 1 ] && echo 4 || echo 1) \
+    '{s += $3} END {print s * f}')}
 echo "megalite GPU check in $REPO$([ "$SMOKE" = 1 ] && echo ' (SMOKE: tiny, on the CPU)')," \
-    "budget ${BUDGET_S}s, results in $RESULTS"
-step env_info            30 env_info
-if grep -q "^FAIL env_info" "$RESULTS/summary.txt" && [ "$SMOKE" != 1 ]; then
-    echo "no GPU visible to torch: the other steps would run on the CPU; stopping"; exit 1
-fi
-step gpu_tests           90 gpu_tests              # the tests that skip without a GPU
-step kernels             60 kernels                # SDPA kernels, RNG tracker, recompute
-step matmul_peak         30 matmul_peak            # the measured bf16 matmul ceiling
-step train_350m          90 train_350m             # GPT-2 350M bf16: the log line
-step mfu_table           30 mfu_table              # ~5 s: MFU and matmul vs the peak table
-step mfu_llama_1b       150 mfu_llama_1b           # TinyLlama 1.1B: MFU, memory, profile
-step checkpoint_resume  120 checkpoint_resume      # save + resume bit-exact
-step torchrun_nccl       60 torchrun_nccl          # torchrun, NCCL, ZeRO-1, both overlaps
-step fsdp_offload       150 fsdp_offload           # ~45 s: FSDP2 + offload vs ZeRO-1, resume
-step megatron_load      120 megatron_load          # ~35 s: Megatron --load, each optimizer
-step ring_attention      60 ring_attention         # ~10 s: fused ring blocks, CP 2/4, NCCL
-step zero_bubble         60 zero_bubble            # ~15 s: F F B B W W bit-equal, W timed
-step memory_snapshot     45 memory_snapshot        # ~12 s: snapshot without --profile
-step mfu_gpt_1b3        120 mfu_gpt_1b3            # GPT 1.3B: MFU, memory
-step mfu_llama_1b_eager 150 mfu_llama_1b_eager 100  # 1.1B with --no-compile-layers
-step implicit_gpu_tests 120 implicit_gpu_tests 90  # only if 90 s are left
-step fp8                420 fp8 30                 # ~6 min: run alone, STEPS=fp8
+    "tier $TIER, budget ${BUDGET_S}s, results in $RESULTS"
+echo "$PLAN" | awk '{n++; lim += $3; if ($4 ~ /^[0-9]+$/) {m++; sec += $4} else if ($4 == "ran") r++
+    else never = never " " $1}
+    END {printf "plan: %d steps, limits %d s; %d timed on the last GPU run (%d s), %d ran untimed;" \
+         " never on a GPU:%s\n", n, lim, m, sec, r, (never == "" ? " none" : never)}' \
+    | tee -a "$RESULTS/summary.txt"
+printf "# step\tseconds\tverdict\n" >"$RESULTS/step_times.tsv"
+while read -r name _tier limit _rest; do
+    case $name in
+        implicit_gpu_tests) step "$name" "$limit" "$name" 90 ;;  # only if 90 s are left
+        mfu_llama_1b_eager) step "$name" "$limit" "$name" 80 ;;
+        *) step "$name" "$limit" "$name" ;;
+    esac
+    if [ "$name" = env_info ] && grep -q "^FAIL env_info" "$RESULTS/summary.txt" \
+        && [ "$SMOKE" != 1 ]; then
+        echo "no GPU visible to torch: the other steps would run on the CPU; stopping"; exit 1
+    fi
+done <<<"$PLAN"
 echo "---- summary ($(($(date +%s) - T0))s of ${BUDGET_S}s) ----" | tee -a "$RESULTS/summary.txt"
 printf "%s\n" "${SUMMARY[@]}" | tee -a "$RESULTS/summary.txt"
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q '^FAIL'

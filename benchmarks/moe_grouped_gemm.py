@@ -23,6 +23,7 @@ import time
 import torch
 
 from megalite.config import GPTConfig
+from megalite.expert_parallel.grouped_gemm import check_grouped_gemm_device
 from megalite.model.moe import GroupedExperts
 from smoke import shrink
 
@@ -101,6 +102,9 @@ def main(argv=None):
     print(f"device {device}, {dtype}, {torch.get_num_threads()} threads; experts {args.experts}"
           f" top {args.topk}, hidden {args.hidden}, ffn {args.ffn} (SwiGLU), {args.tokens} "
           f"tokens, rows per expert {skewed_counts(args.tokens * args.topk, args.experts).tolist()}")
+    note = check_grouped_gemm_device(device, dtype)  # the run's own check: refuses or notes
+    if note:
+        print(note)
     results, best, peak = {}, {}, 0.0
     paths = (("per-expert loop", False), ("grouped GEMM", True))
     for _ in range(args.rounds):  # alternately, so that a busy machine slows both alike

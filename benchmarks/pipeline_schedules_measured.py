@@ -34,7 +34,7 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule
 from megalite.pipeline_parallel.simulate import simulate
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.tensor_parallel.weight_grad import WeightGradStore
 from megalite.train_step import StepRunner
 from rank_setup import add_device_flag, describe, launch, rank_device
 from smoke import shrink
@@ -60,7 +60,7 @@ def pass_times(chunk, microbatch, shape, device, reps) -> list[float]:
         out = chunk(x, microbatch["labels"] if stage.is_last else None)
         t1 = _sync(device)
         store = WeightGradStore()
-        with defer_weight_grads(store):
+        with chunk.linear_step.defer_weight_grads(store):
             if stage.is_last:
                 out.sum().backward()
             else:
@@ -102,10 +102,11 @@ def worker(rank, world, device_type, steps, reps):
         for schedule, runner in runners.items():
             optimizer.zero_grad()
             dist.barrier()
+            runner.linear_step.install(chunks)  # the runners share the chunks
             t0 = _sync(device)
             run_schedule(runner.schedule, chunks, microbatches, runner.comm,
                          lambda losses, mb: losses.sum() / losses.numel(), lambda loss: loss,
-                         contextlib.nullcontext)
+                         contextlib.nullcontext, runner.linear_step)
             t1 = _sync(device)
             slowest = torch.tensor([t1 - t0], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -41,7 +41,7 @@ def _flash_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str |
     if not flash_attn_available():
         return "the flash-attn package is not installed (pip install flash-attn)"
     # Only reached once flash-attn imported, i.e. on a machine with a GPU build.
-    if device.type != "cuda":
+    if device.type != "cuda":  # gpu_check: gpu_tests
         return f"it needs a CUDA device, not {device.type}"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it needs --bf16 or --fp16, not {dtype}"

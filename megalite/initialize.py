@@ -30,6 +30,7 @@ def world_size_from_env() -> int:
 def initialize_distributed(config: DistributedConfig) -> tuple[int, int, torch.device]:
     """Init the default process group; returns (rank, world size, device)."""
     # 'cuda' (or another accelerator's device type) when one is visible.
+    # gpu_check: torchrun_nccl
     accel = (torch.accelerator.current_accelerator().type
              if torch.accelerator.is_available() else None)
     backend = config.backend or ("nccl" if accel else "gloo")
@@ -58,7 +59,7 @@ def allow_tf32(device: torch.device):
     flag for it and runs in NVIDIA's containers, which turn it on for cuBLAS
     (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1). Set NVIDIA_TF32_OVERRIDE=0 to run in full fp32.
     bf16/fp16 runs are unaffected (their matmuls are half precision already)."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # gpu_check: checkpoint_resume
         torch.set_float32_matmul_precision("high")
 
 

@@ -152,6 +152,7 @@ def to_collective_device(tensor: torch.Tensor, group) -> torch.Tensor:
     rank's GPU: NCCL has no host path, and --optimizer-cpu-offload keeps parameter shards,
     gradients and optimizer state (and what is computed from them) on the host; gloo takes
     either. Every collective on a tensor that may be on the host goes through here."""
+    # gpu_check: torchrun_nccl
     if tensor.device.type != "cuda" and dist.get_backend(group) == "nccl":
         return tensor.to(torch.cuda.current_device())
     return tensor

@@ -48,7 +48,7 @@ class RankFailure(AssertionError):
 def _join_group(rank, world_size, workdir, timeout, device_type):
     torch.set_num_threads(1)
     options = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
-    if device_type == "cuda":
+    if device_type == "cuda":  # gpu_check: gpu_tests
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         options["device_id"] = device

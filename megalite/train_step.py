@@ -31,6 +31,7 @@ from megalite.model.moe import set_aux_loss_scale, update_expert_bias
 from megalite.tensor_parallel.fp8 import quantize_weights_once
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.params import is_shared_embedding, main_grad
+from megalite.tensor_parallel.weight_grad import LinearStep
 
 
 def autocast(precision: PrecisionConfig, device: torch.device):
@@ -63,6 +64,11 @@ class StepRunner:
     passes `ParallelState.single_process()`. `grad_buffer` holds the gradients and sums
     them over the data x context group (needed when DP x CP > 1). `timers` times the step's
     phases (monitoring/timers.py).
+
+    The runner owns what the chunks' linear layers share within a step, `linear_step`
+    (weight_grad.LinearStep: the split backward's B-pass store, the FP8 weight copies), and
+    installs it on them and on the gradient buffer: nothing of it is module-level, so two
+    models in one process keep their own.
     """
 
     def __init__(self, chunks: nn.ModuleList, optimizer: Optimizer, config: Config,
@@ -70,6 +76,10 @@ class StepRunner:
                  grad_buffer: GradBuffer | None = None, timers: Timers = NO_TIMERS):
         self.chunks, self.optimizer, self.precision = chunks, optimizer, config.precision
         self.state, self.device, self.grad_buffer, self.timers = state, device, grad_buffer, timers
+        self.linear_step = LinearStep()
+        self.linear_step.install(chunks)
+        if grad_buffer is not None:
+            grad_buffer.linear_step = self.linear_step
         # fp16's loss scaler skips the steps whose gradients overflow instead.
         self.check_for_nan = config.checkpoint.check_for_nan and not config.precision.fp16
         self.num_microbatches = m = config.training.num_microbatches
@@ -122,10 +132,11 @@ class StepRunner:
             self.optimizer.zero_grad()
         set_aux_loss_scale(self.chunks,
                            self.optimizer.loss_scale / self.microbatches_per_global_batch)
-        with timers("forward-backward"), quantize_weights_once():
+        with timers("forward-backward"), quantize_weights_once(self.linear_step):
             loss = run_schedule(self.schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum() / num_tokens,
-                                self.optimizer.scale_loss, self._autocast, timers=timers,
+                                self.optimizer.scale_loss, self._autocast, self.linear_step,
+                                timers=timers,
                                 before_backward=self._before_backward
                                 if self.fsdp_defer_grad_reduce else None)
         with timers("all-grads-sync"):
@@ -212,7 +223,8 @@ class StepRunner:
         # Untimed (timers=NO_TIMERS): the timers report training steps only.
         loss_sum = run_schedule(self.eval_schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum(),
-                                lambda loss: loss, self._autocast, forward_only=True)
+                                lambda loss: loss, self._autocast, self.linear_step,
+                                forward_only=True)
         for chunk in self.chunks:
             chunk.train()
         tokens = sum(mb["loss_mask"].sum() for mb in microbatches)

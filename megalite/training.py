@@ -26,6 +26,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.distributed.powersgd import PowerSGD, single_process_names
 from megalite.errors import MegaliteError, NumericalError
 from megalite.exit_conditions import ExitConditions
+from megalite.expert_parallel.grouped_gemm import check_grouped_gemm_device
 from megalite.checkpointing import load_checkpoint
 from megalite.checkpointing.local import load_newest
 from megalite.checkpointing.save_guard import (RunRecord, check_save_directory,
@@ -36,7 +37,7 @@ from megalite.host_memory import keep_freed_host_memory
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
-from megalite.model.gpt import build_model_chunks, initialize_parameters
+from megalite.model.gpt import build_model_chunks, initialize_buffers, initialize_parameters
 from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
@@ -106,8 +107,11 @@ def build_model(config: Config, state: ParallelState, device: torch.device,
     if compile_layers and config.model.compile_layers is None:
         print_rank_0("> compiling each transformer layer with torch.compile (the default "
                      "on a GPU; --no-compile-layers runs eagerly)")
+    # gpu_check: fp8_paths
     if config.model.fp8_format and device.type == "cuda":
         check_fp8_device(device)  # at the start: a compiled layer's traced GEMMs do not
+    if config.model.moe_grouped_gemm and (note := check_grouped_gemm_device(device, dtype)):
+        print_rank_0(note)
     model_config = dataclasses.replace(config.model, attention_backend=resolve_backend(
         config.model.attention_backend, device, dtype), compile_layers=compile_layers)
     seed = config.training.seed
@@ -140,7 +144,7 @@ def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
     for chunk in chunks:
         initialize_parameters(chunk, chunk.config, seed, state.tp_rank, state.tp_size, device,
                               assign)
-        chunk.reset_padded_vocab_mask(device)
+        initialize_buffers(chunk, device)
 
 
 def build_optimizer(model: nn.Module, config: Config, state: ParallelState,

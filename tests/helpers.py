@@ -41,6 +41,7 @@ from megalite.layout_check import (gather_tensor_parallel, reference_name,  # no
 from megalite.monitoring.memory import SavedActivations
 from megalite.pipeline_parallel.stages import rank_stages
 from megalite.tensor_parallel import fp8
+from megalite.tensor_parallel.weight_grad import LinearStep
 from megalite.train_step import autocast
 from megalite.training import build_model
 
@@ -278,10 +279,12 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
         torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
     # The labels a tensor of their own, as the data loader gives them (a compiled loss keeps
     # them, where they would otherwise share the saved token ids' storage).
+    step = LinearStep()
+    step.install(chunk)
     with SavedActivations(chunk) as saved, autocast(config.precision, CPU), \
-            fp8.quantize_weights_once():  # as in a training step
+            fp8.quantize_weights_once(step):  # as in a training step
         out = chunk(x, tokens.clone() if last else None)
-        for q, q_t in (copies for _, copies in fp8._step_weights.values()):
+        for q, q_t in (copies for _, copies in step.fp8_weights.values()):
             saved.add(q.data, q_t.data)  # held for the step, whether saved or not
     if not first:
         saved.add(x)

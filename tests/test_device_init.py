@@ -1,17 +1,26 @@
 """The model is built where it will live (docs/design.md §3): on the target device, in the target
 dtype, never first as a whole fp32 copy on the host. Checked by recording every tensor an
-operator creates while the model is built."""
+operator creates while the model is built. FSDP2's model, built on `meta` and given storage by
+to_empty, has the one-process model's buffers, on the device it computes on."""
+
+import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megalite.model.gpt import build_model_chunks
+from megalite.arguments import parse_args
+from megalite.model.gpt import GPTModel, build_model_chunks
+from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.params import (is_embedding_copy, is_sequence_parallel,
                                              is_shared_embedding, partition_dim)
 
-from tests.helpers import tiny_gpt_config
+from megalite.training import build_model
+from megalite.validation import validate_args
+
+from tests.helpers import flags_with, tiny_gpt_config
 
 CONFIG = tiny_gpt_config(num_layers=4, num_query_groups=2, seq_length=16, padded_vocab_size=104,
                          vocab_size=101, attention_dropout=0.1, hidden_dropout=0.1,
@@ -89,3 +98,47 @@ def test_cuda_build_never_holds_weights_on_the_host(dtype):
     weight = "0.decoder.layers.0.mlp.linear_fc1.weight"
     assert not torch.equal(dict(chunks.named_parameters())[weight].cpu(),
                            dict(cpu.named_parameters())[weight])
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield ParallelState(RankGrid(1), 0)
+    dist.destroy_process_group()
+
+
+# MoE layers with the expert bias and its token counts, and a padded vocabulary: every buffer
+# the model has.
+MOE_EXPERT_BIAS = flags_with("--num-experts", "4", "--moe-router-topk", "2",
+                             "--moe-router-score-function", "sigmoid",
+                             "--moe-router-enable-expert-bias", "--disable-bias-linear",
+                             vocab_size=61)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_buffers_are_the_one_process_models_on_the_compute_device(one_rank, device,
+                                                                         offload):
+    """to_empty leaves buffers without values (and, under --optimizer-cpu-offload, on the
+    host, where the router's bias would meet the device's scores): each buffer, after
+    FSDP2's build, against the model built in one process (issue 39, finding 3).
+    Uninitialised memory is filled with NaN here, so a buffer left as to_empty made it
+    shows."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        config = validate_args(parse_args(MOE_EXPERT_BIAS + ["--use-torch-fsdp2"] +
+                                          ["--optimizer-cpu-offload"] * offload))
+        chunks = build_model(config, one_rank, torch.device(device), None)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    reference = GPTModel(dataclasses.replace(config.model, compile_layers=False), seed=0)
+    expected = dict(reference.named_buffers())
+    assert expected.keys() == {n.split(".", 1)[1] for n, _ in chunks.named_buffers()}
+    assert any(n.endswith("local_tokens_per_expert") for n in expected)
+    for name, buffer in chunks.named_buffers():
+        assert buffer.device.type == device, name
+        assert buffer.dtype == expected[name.split(".", 1)[1]].dtype, name
+        assert torch.equal(buffer.cpu(), expected[name.split(".", 1)[1]]), name

@@ -12,17 +12,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megalite.arguments import parse_args
+from megalite.config import OptimizerConfig
 from megalite.errors import ConfigError
 from megalite.model.gpt import GPTModel
+from megalite.optimizer.optimizer import Optimizer
+from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel import fp8
 from megalite.tensor_parallel.fp8 import Fp8Recipe
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.tensor_parallel.weight_grad import WeightGradStore
+from megalite.train_step import StepRunner
 from megalite.training import pretrain
 from megalite.training_log import parse_log
 from megalite.validation import validate_args
 
-from tests.helpers import checkpoint_tensors, flags_with, tiny_gpt_config
+from tests.helpers import (checkpoint_tensors, flags_with, random_batches, step_config,
+                           tiny_gpt_config)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = [Fp8Recipe("e4m3", "tensorwise"), Fp8Recipe("hybrid", "tensorwise"),
@@ -173,7 +178,8 @@ def test_fp8_layer_makes_no_copy_of_an_fp8_tensor(kind, recipe, once):
     of FP8 codes, over two micro-batches' forwards and backwards (the second reusing the
     step's weight copies under quantize_weights_once)."""
     layer, x, g = layer_case(kind, recipe)
-    with Fp8Ops() as seen, (fp8.quantize_weights_once() if once else contextlib.nullcontext()):
+    with Fp8Ops() as seen, (fp8.quantize_weights_once(layer.linear_step) if once
+                            else contextlib.nullcontext()):
         for _ in range(2):
             layer(x).backward(g)
     copies = [(func, inputs) for func, inputs in seen.ops
@@ -192,7 +198,7 @@ def test_fp8_weight_gradient_deferred_to_the_w_pass_equals_the_direct_one():
     direct = layer.weight.grad.clone()
     layer.weight.grad = None
     store = WeightGradStore()
-    with defer_weight_grads(store):
+    with layer.linear_step.defer_weight_grads(store):
         layer(x).square().sum().backward()
     assert layer.weight.grad is None and len(store.pending) == 1
     store.run()
@@ -287,6 +293,46 @@ def test_weights_quantized_once_a_step_give_the_per_micro_batch_results(monkeypa
     linears, steps = 4 * 2, 3  # 2 layers (flags_with), train_iters 3
     assert cached_casts == linears * steps
     assert sum(weights) == 2 * 4 * linears * steps
+
+
+def _fp8_runner(seed: int) -> StepRunner:
+    """A tiny FP8 model (tensorwise, so its weights are quantized once a step) and its
+    runner: 2 micro-batches of 2 sequences a step."""
+    config = tiny_gpt_config(fp8_format="hybrid")
+    model = GPTModel(config, seed=seed)
+    return StepRunner(torch.nn.ModuleList([model]), Optimizer(model, OptimizerConfig(lr=1e-2)),
+                      step_config(config, 2, 2), ParallelState.single_process(),
+                      torch.device("cpu"))
+
+
+def _teacher_rounds(teacher: StepRunner, rounds: int) -> list[float]:
+    """`rounds` times: the teacher's evaluation loss, then one step of its own."""
+    generator = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(rounds):
+        batches = random_batches(generator, 64, 2, 8, 2)
+        losses += [teacher.evaluate(batches)[0], teacher.train_step(batches).loss]
+    return losses
+
+
+def test_two_models_keep_their_own_fp8_weight_copies():
+    """Two FP8 models in one process, each with its runner: a teacher evaluated and stepped
+    by its own runner inside the student's step (from a forward hook, where a distillation
+    loss would read it) equals the teacher run alone, bit for bit. The copies a step keeps
+    belong to its model: with one module-level cache, the teacher's evaluation left its FP8
+    weights in the student's step and its next evaluation reused them after the teacher's
+    own step had changed the weights."""
+    alone = _teacher_rounds(_fp8_runner(seed=3), rounds=2)
+    student, teacher = _fp8_runner(seed=1), _fp8_runner(seed=3)
+    inside = []
+    generator = torch.Generator().manual_seed(7)
+
+    def run_teacher(module, args, output):  # at each of the student's 2 micro-batches
+        batches = random_batches(generator, 64, 2, 8, 2)
+        inside.extend([teacher.evaluate(batches)[0], teacher.train_step(batches).loss])
+    student.chunks[0].register_forward_hook(run_teacher)
+    student.train_step(random_batches(torch.Generator().manual_seed(0), 64, 2, 8, 2))
+    assert inside == alone
 
 
 @pytest.mark.parametrize("capability, shapes, message", [

@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.sh in SMOKE mode (tiny, on the CPU): the script's output contract.
 
-docs/benchmarks.md's first command (every step) runs here rather than in
+docs/benchmarks.md's first command (both tiers: every step of steps.tsv) runs here rather than in
 tests/test_doc_commands.py, which runs the page's other commands: one run of the whole
 script is checked for its exit status and the contract: one PASS / FAIL / SKIP line per
 step, every step passing but those that only a GPU can run, the results in summary.txt,
@@ -22,13 +22,12 @@ from tests.helpers import untracked
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["env_info", "gpu_tests", "kernels", "matmul_peak", "train_350m", "mfu_table",
-         "mfu_llama_1b", "checkpoint_resume", "torchrun_nccl", "fsdp_offload", "megatron_load",
-         "ring_attention", "zero_bubble", "memory_snapshot", "mfu_gpt_1b3",
-         "mfu_llama_1b_eager", "implicit_gpu_tests", "fp8"]
+STEPS = [line.split()[0] for line in
+         (REPO / "benchmarks" / "gpu" / "steps.tsv").read_text().splitlines()
+         if line.strip() and not line.startswith("#")]
 # The steps a CPU cannot run, and why the script says so.
 GPU_ONLY = {"memory_snapshot": "needs a GPU", "implicit_gpu_tests": "CPU CI runs these"}
-COMMAND = "BUDGET_S=480 bash benchmarks/gpu_check.sh"  # docs/benchmarks.md's first command
+COMMAND = "TIER=all bash benchmarks/gpu_check.sh"  # docs/benchmarks.md's first command
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None or shutil.which("tar") is None,
@@ -61,8 +60,12 @@ def test_smoke_steps_pass_and_outputs_fit_the_device_limits(tmp_path):
     assert re.search(r"MFU [\d.]+% of the dense bf16 peak 989", summary)
 
     files = [p for p in out_dir.rglob("*") if p.is_file()]
-    assert sorted(p.name for p in files) == ["logs.tar.gz", "summary.txt",
+    assert sorted(p.name for p in files) == ["cluster_report.md", "logs.tar.gz",
+                                             "step_times.tsv", "summary.txt",
                                              "trace_llama_1b.json.gz"]
+    times = (results / "step_times.tsv").read_text().splitlines()[1:]
+    assert [row.split("\t")[0] for row in times] == [s for s in STEPS], times
+    assert "Layout tuning" in (results / "cluster_report.md").read_text()
     assert all(p.stat().st_size < 16 * 2**20 for p in files)
     assert all(len(p.relative_to(out_dir).parts) <= 2 for p in files)
     assert not list((tmp_path / "tmp").glob("gpu_check.*"))  # the scratch directory is gone

@@ -1,10 +1,12 @@
 """megalite/layout_tune.py against closed forms: the message sizes of a layout (what the
 cluster check measures bandwidth at), the candidate layouts, the pruning rule; and
-tools/check_cluster.py's report with and without matplotlib."""
+tools/check_cluster.py's report with and without matplotlib, and the memory it plans for."""
 
 import sys
+import types
 
 import pytest
+import torch
 
 from megalite.arguments import parse_args
 from megalite.layout_tune import (Candidate, Estimate, algorithm_factor, candidates,
@@ -137,3 +139,23 @@ def test_the_report_with_matplotlib_links_both_charts(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["REPORT.md", "busbw.png",
                                                           "scaling.png"]
+
+
+def test_tune_plans_against_a_fraction_of_each_ranks_memory(monkeypatch):
+    tool = load_tool("check_cluster")
+    args = tool.build_parser().parse_args(["--output-dir", "out"])
+    assert args.memory_fraction == 0.9
+    # A GPU of 80 GiB: the CUDA context, NCCL's buffers and fragmentation get the rest.
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=80 * 2 ** 30))
+    assert tool.device_capacity(torch.device("cuda", 0), 8, 0.9) == int(0.9 * 80 * 2 ** 30)
+    # A CPU: the host's memory (the kernel's MemTotal) split over the node's ranks.
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert tool.device_capacity(torch.device("cpu"), 4, 0.5) == int(0.5 * (total // 2))
+    for bad in ("0", "1.5"):
+        with pytest.raises(tool.ConfigError, match=f"--memory-fraction must be in \\(0, 1\\], "
+                           f"got {bad}"):
+            tool.check_flags(tool.build_parser().parse_args(["--output-dir", "out",
+                                                              "--memory-fraction", bad]))

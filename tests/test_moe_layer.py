@@ -51,6 +51,57 @@ def test_grouped_gemm_equals_the_per_expert_loop(dtype):
     assert results[0][2][1].abs().max() == 0
 
 
+def leaving_empty_groups_unwritten(grouped_mm):
+    """torch._grouped_mm as a kernel that writes nothing for a group without rows (B200's,
+    pytorch#172439): an empty group's slab of a [groups, m, n] result is left as it was
+    (NaN here)."""
+    def kernel(a, b, offs=None, **kwargs):
+        out = grouped_mm(a, b, offs=offs, **kwargs)
+        if a.dim() == 2 and b.dim() == 2:
+            out[torch.diff(offs, prepend=offs.new_zeros(1)) == 0] = float("nan")
+        return out
+    return kernel
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 6, 0], [0, 4, 0, 9], [0, 0, 0, 0]])
+def test_grouped_gemm_never_reads_what_the_kernel_leaves_in_empty_groups(monkeypatch, counts):
+    """Experts that receive no token (some, or all of this rank's: no rows at all) against
+    the per-expert loop, with a kernel that leaves empty groups unwritten (issue 39,
+    finding 10)."""
+    monkeypatch.setattr(torch, "_grouped_mm", leaving_empty_groups_unwritten(torch._grouped_mm))
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(sum(counts), 16, generator=g)
+    w0 = torch.randn(4, 24, 16, generator=g)
+    results = []
+    for grouped in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = grouped_linear(x, w, torch.tensor(counts), grouped)
+        (y * torch.arange(24.0)).sum().backward()
+        results.append((y, x.grad, w.grad))
+    for loop, grouped in zip(*results):
+        torch.testing.assert_close(grouped, loop, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("counts", [[5, 0, 6, 0], [0, 0, 0, 0]])
+def test_grouped_gemm_on_the_gpu_with_experts_without_tokens(counts):
+    """The GPU's own kernel in bf16 (CUTLASS's on sm_90 and sm_100) against the loop, where
+    some or all experts got no token: the empty experts' weight gradients exactly zero."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x0 = torch.randn(sum(counts), 16, generator=g, device="cuda").bfloat16()
+    w0 = torch.randn(4, 24, 16, generator=g, device="cuda").bfloat16()
+    results = []
+    for grouped in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = grouped_linear(x, w, torch.tensor(counts, device="cuda"), grouped)
+        (y.float() * torch.arange(24.0, device="cuda")).sum().backward()
+        results.append((y, x.grad, w.grad))
+    for loop, grouped in zip(*results):
+        torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
+    empty = torch.tensor(counts) == 0
+    assert torch.count_nonzero(results[1][2][empty.cuda()]) == 0
+
+
 def test_layer_equals_a_token_by_token_mixture():
     """out_t = sum over t's top-k experts e of p_te SwiGLU_e(x_t), plus the shared experts."""
     config = _config(moe_shared_expert_intermediate_size=32)

@@ -1,10 +1,15 @@
 """Optimizer pieces: weight-decay groups, clipping vs torch's, fp16 loss scaling rules, the
-host step of --optimizer-cpu-offload vs torch's fused AdamW."""
+host step of --optimizer-cpu-offload vs torch's fused AdamW, where the forward waits for
+ZeRO-1's overlapped parameter all-gathers."""
 
 import copy
+import dataclasses
+import functools
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
 from megalite.config import OptimizerConfig
 from megalite.errors import NumericalError
@@ -146,3 +151,47 @@ def test_offloaded_step_is_torchs_fused_adamw():
         adam.step()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), (name, (p - q).abs().max().item())
+
+
+class RecordedGather:
+    """An all-gather in flight (torch's Work) that logs when the forward waits for it."""
+
+    def __init__(self, bucket: int, log: list):
+        self.bucket, self.log = bucket, log
+
+    def wait(self):
+        self.log.append(("wait", self.bucket))
+
+
+def test_overlapped_gathers_are_waited_for_before_each_compiled_layer(monkeypatch):
+    """--overlap-param-gather with compiled layers: each layer waits for the all-gathers of
+    its own buckets, all of them and no others, just before it runs; the wait stays outside
+    its compiled forward, which dynamo captures once for every layer, whole (issue 39: waits
+    hooked inside a layer recompiled it per layer). One parameter per bucket."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+    model = GPTModel(dataclasses.replace(CONFIG, num_layers=4, compile_layers=True), seed=1)
+    grad_buffer = GradBuffer(list(model.parameters()), None, 1, shard=True)
+    optimizer = MixedPrecisionOptimizer(model, OptimizerConfig(lr=1e-3), None, None, None,
+                                        grad_buffer, overlap_param_gather=True)
+    log = []
+    optimizer._gathers = [RecordedGather(i, log) for i in range(len(grad_buffer.buckets))]
+    bucket_of = {id(p): i for i, b in enumerate(grad_buffer.buckets) for p in b.params}
+    layers = list(model.decoder.layers.values())
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda *_, i=i: log.append(("ran", i)))
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(tokens, tokens)
+    ran = [log.index(("ran", i)) for i in range(len(layers))]
+    for i, layer in enumerate(layers):
+        waited = {b for kind, b in log[ran[i - 1] + 1 if i else 0:ran[i]] if kind == "wait"}
+        own = {bucket_of[id(p)] for p in layer.parameters()}
+        before = {bucket_of[id(p)] for p in model.embedding.parameters()} if i == 0 else set()
+        assert waited == own | before, f"layer {i}"
+    compiles = get_compilation_metrics()
+    assert [c.recompile_reason for c in compiles if c.recompile_reason] == []
+    assert dict(counters["graph_break"]) == {}
+    assert any(c.co_name == "forward" and c.graph_op_count for c in compiles)
+    torch._dynamo.reset()

@@ -27,6 +27,7 @@ from megalite.pipeline_parallel.p2p import (Message, PipelineCommunicator, Trans
                                             action_messages, communication_plan)
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
 from megalite.pipeline_parallel.stages import rank_stages
+from megalite.tensor_parallel.weight_grad import LinearStep
 
 # (p, m, v): 1F1B for every m up to 4p, interleaved for m a multiple of p (as test_schedules).
 GRID = [(p, m, 1) for p in range(1, 9) for m in range(1, 4 * p + 1)] + \
@@ -203,7 +204,7 @@ def test_executor_posts_the_plan(kind, p, m, v):
     for plan in plans_for(SCHEDULES[kind], p, m, v):
         comm = RecordingCommunicator()
         run_schedule(plan, [chunk] * v, microbatches, comm, lambda out, mb: out.sum(),
-                     lambda loss: loss, contextlib.nullcontext,
+                     lambda loss: loss, contextlib.nullcontext, LinearStep(),
                      forward_only=kind == "eval")
         assert comm.batches == [b for b in plan.batches if b]
 
@@ -220,7 +221,7 @@ def test_executor_posts_the_plan_of_gpipe_and_zb_h1(kind, p, m):
     for plan in plans_for(ONE_CHUNK[kind], p, m, 1):
         comm = RecordingCommunicator()
         run_schedule(plan, [chunk], microbatches, comm, lambda out, mb: out.sum(),
-                     lambda loss: loss, contextlib.nullcontext)
+                     lambda loss: loss, contextlib.nullcontext, LinearStep())
         assert comm.batches == [b for b in plan.batches if b]
 
 

@@ -1,18 +1,26 @@
 """Uneven data-parallel shares without launching ranks (issue 29): the split of a global
 batch's micro-batches, the sampler's slices (the same samples in the same order at any
-shares), the flags' errors by name, and when auto re-balances."""
+shares), the flags' errors by name, when auto re-balances, and that its timers measure a
+GPU's steps without making the host wait for it."""
+
+import time
 
 import pytest
+import torch
 
 from megalite.arguments import parse_args
+from megalite.config import OptimizerConfig
 from megalite.data.sampler import MicroBatchSampler
 from megalite.data.shares import ShareBalancer, split_microbatches
 from megalite.errors import ConfigError
-from megalite.monitoring.timers import Timers
+from megalite.model.gpt import build_model_chunks
+from megalite.monitoring.timers import COMPUTE, Timers
+from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.train_step import StepRunner
 from megalite.validation import validate_args
 
-from tests.helpers import flags_with
+from tests.helpers import flags_with, random_batches, step_config, tiny_gpt_config
 
 
 def config_of(*extra, world_size=2):
@@ -95,3 +103,62 @@ def test_auto_balances_after_each_window_and_only_past_the_threshold():
     assert changed == [False, False, True, False, False, False, True]
     assert b.shares == (4, 4) and b.speeds == [1.0, 1.0]
     assert "[4, 4]" in b.describe() and "[1.0, 1.0]" in b.describe()
+
+
+class CountedEvent:
+    """torch.Event on a GPU, timed by the host clock, counting the events made and the
+    host's waits for one."""
+    made = waits = 0
+
+    def __init__(self, device=None, enable_timing=False):
+        assert enable_timing
+        CountedEvent.made += 1
+
+    def record(self):
+        self.seconds = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        CountedEvent.waits += 1
+
+    def elapsed_time(self, end) -> float:
+        return (end.seconds - self.seconds) * 1e3
+
+
+class TwoReplicas(ShareBalancer):
+    """DP rank 0 of two replicas, the other 3x slower than this one's measured speed (the
+    all-gather replaced)."""
+
+    def _gather_speeds(self):
+        mine = self._microbatches / self._seconds
+        return [mine, mine / 3]
+
+
+def test_auto_times_a_gpu_with_events_and_no_wait_per_micro_batch(monkeypatch):
+    syncs = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: syncs.append(a))
+    monkeypatch.setattr(torch, "Event", CountedEvent)
+    # The timers believe they time a GPU; the model runs on the CPU.
+    timers = Timers(0, torch.device("cuda", 0), extra=COMPUTE)
+    config = tiny_gpt_config()
+    chunks = build_model_chunks(config, 3)
+    runner = StepRunner(chunks, Optimizer(chunks, OptimizerConfig(lr=1e-3)),
+                        step_config(config, 2, 4), ParallelState.single_process(),
+                        torch.device("cpu"), timers=timers)
+    balancer = TwoReplicas((4, 4), ParallelState(RankGrid(2), 0, make_groups=False), timers,
+                           auto=True, threshold=0.2, window=1)
+    generator = torch.Generator().manual_seed(0)
+    for iteration in (1, 2):
+        balancer.before_step()
+        made, waits = CountedEvent.made, CountedEvent.waits
+        runner.train_step(random_batches(generator, 64, 2, 8, balancer.local))
+        # The host waited for neither the device nor an event; the timers recorded one at
+        # each start and stop of each micro-batch's forward and backward.
+        assert not syncs and CountedEvent.waits == waits
+        assert CountedEvent.made - made == 4 * balancer.local
+        changed = balancer.after_step(iteration)
+    # Step 2's compute, read from the events, set the shares: 3:1 of 8 micro-batches.
+    assert changed and balancer.shares == (6, 2)
+    assert 0 < balancer.measured[0] < float("inf")

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import GPTModel
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.weight_grad import (WeightGradStore, defer_weight_grads,
-                                                  linear, unsplit_weight_grads)
+from megalite.tensor_parallel.weight_grad import LinearStep, WeightGradStore, linear
 
 from tests.helpers import LLAMA_STYLE, tiny_gpt_config
 
@@ -38,7 +37,7 @@ def grads(module, x, grad_out, split):
     y = module(x)
     store = WeightGradStore()
     if split:
-        with defer_weight_grads(store):
+        with module.linear_step.defer_weight_grads(store):
             y.backward(grad_out)
         assert module.weight.grad is None, "B computed a weight gradient"
         assert store.pending
@@ -79,7 +78,7 @@ def test_w_accumulates_into_existing_grads():
     module.zero_grad(set_to_none=True)
     for _ in range(2):
         store = WeightGradStore()
-        with defer_weight_grads(store):
+        with module.linear_step.defer_weight_grads(store):
             module(x).backward(g)
         store.run()
     assert torch.equal(module.weight.grad, expected)
@@ -88,11 +87,12 @@ def test_w_accumulates_into_existing_grads():
 def test_plain_linear_under_autocast_keeps_the_dtype_of_f_linear():
     x = randn(4, 8, seed=1)
     weight = randn(6, 8, seed=2).bfloat16().requires_grad_()
+    step = LinearStep()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y, ref = linear(x, weight), F.linear(x, weight)
+        y, ref = linear(x, weight, None, step), F.linear(x, weight)
     assert y.dtype == ref.dtype == torch.bfloat16 and torch.equal(y, ref)
     store = WeightGradStore()
-    with defer_weight_grads(store):
+    with step.defer_weight_grads(store):
         y.float().sum().backward()
     store.run()
     assert weight.grad.dtype == torch.bfloat16
@@ -106,11 +106,12 @@ def test_grad_buffer_sees_the_w_pass():
     expected = grads(module, x, g, split=False)[1]["weight"] * 2
     module.bias.requires_grad_(False)  # the weight alone in the buffer: it arrives in W
     buffer = GradBuffer([module.weight], None, 10**6, overlap=True)
+    buffer.linear_step = module.linear_step  # as StepRunner gives it its own
     buffer.start_step(2)
     stores = []
     for _ in range(2):
         stores.append(WeightGradStore())
-        with defer_weight_grads(stores[-1]):
+        with module.linear_step.defer_weight_grads(stores[-1]):
             module(x).backward(g)
     assert buffer.launched_during_backward == 0
     assert not module.weight.main_grad.any()
@@ -133,9 +134,11 @@ def test_whole_model_b_then_w_equals_one_backward(overrides):
 
     def run(split):
         model = GPTModel(config, seed=5)
+        step = LinearStep()
+        step.install(model)
         store = WeightGradStore()
         loss = model(tokens, labels).sum()
-        with defer_weight_grads(store) if split else torch.enable_grad():
+        with step.defer_weight_grads(store) if split else torch.enable_grad():
             loss.backward()
         if split:
             linears = {n for n, p in model.named_parameters() if p.grad is None}
@@ -160,9 +163,11 @@ def test_w_pass_is_one_engine_call_holding_one_weight_gradient_at_a_time(monkeyp
     """The W pass enters the autograd engine once, not once per weight, and the engine
     accumulates each dA before it computes the next (never all of a stage's at once)."""
     model = GPTModel(tiny_gpt_config(), seed=5)
+    step = LinearStep()
+    step.install(model)
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     store = WeightGradStore()
-    with defer_weight_grads(store):
+    with step.defer_weight_grads(store):
         model(tokens, tokens).sum().backward()
     deferred = len(store.pending)
     assert deferred > 4
@@ -182,21 +187,44 @@ def test_w_pass_is_one_engine_call_holding_one_weight_gradient_at_a_time(monkeyp
 
 
 def test_one_store_at_a_time():
-    with defer_weight_grads(WeightGradStore()):
+    step = LinearStep()
+    with step.defer_weight_grads(WeightGradStore()):
         with pytest.raises(RuntimeError, match="already active"):
-            with defer_weight_grads(WeightGradStore()):
+            with step.defer_weight_grads(WeightGradStore()):
                 pass
+
+
+def test_two_models_keep_their_own_w_stores():
+    """Two models in one process, each with its own LinearStep: the second's backward, run
+    while the first's B pass defers (from a hook in that backward), computes its weight
+    gradient at once, and the first's store holds the first's weight alone. With one
+    module-level store the second's gradient went into the first's W pass."""
+    first, second = layers()["column"], layers()["row"]
+    x, g = randn(4, 2, 12, seed=3), randn(4, 2, 8, seed=4)
+    _, alone = grads(second, x, g, split=False)
+    second.zero_grad(set_to_none=True)
+    y = first(randn(4, 2, 8, seed=1))
+
+    def second_backward(_):
+        with torch.enable_grad():  # a backward's hooks run without
+            second(x).backward(g)
+    y.register_hook(second_backward)
+    store = WeightGradStore()
+    with first.linear_step.defer_weight_grads(store):
+        y.backward(randn(4, 2, 12, seed=2))
+    assert second.weight.grad is not None and torch.equal(second.weight.grad, alone["weight"])
+    assert store.weights == {id(first.weight)}
 
 
 @pytest.mark.parametrize("kind", ["column", "row", "column without bias"])
 def test_unsplit_linear_equals_the_splittable_one_bit_for_bit(kind):
-    """Schedules without W passes run the layers inside unsplit_weight_grads (torch's own
+    """Schedules without W passes run the layers inside LinearStep.unsplit (torch's own
     linear node, no custom function): the same output and gradients, bit for bit."""
     module = layers()[kind]
     x = randn(5, 3, module.weight.shape[1], seed=10)
     grad_out = randn(5, 3, module.weight.shape[0], seed=11)
     dx, dparams = grads(module, x, grad_out, split=False)
-    with unsplit_weight_grads():
+    with module.linear_step.unsplit():
         y = module(x)
         assert y.grad_fn.name() != "_LinearBackward"
         dx_unsplit, dparams_unsplit = grads(module, x, grad_out, split=False)
@@ -211,12 +239,14 @@ def test_unsplit_model_equals_the_splittable_one_bit_for_bit():
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
 
-    def run(context):
+    def run(split):
         model = GPTModel(config, seed=5)
-        with context:
+        step = LinearStep()
+        step.install(model)
+        with torch.enable_grad() if split else step.unsplit():
             model(tokens, labels).sum().backward()
         return {n: p.grad for n, p in model.named_parameters()}
 
-    splittable, unsplit = run(torch.enable_grad()), run(unsplit_weight_grads())
+    splittable, unsplit = run(True), run(False)
     for name in splittable:
         assert torch.equal(splittable[name], unsplit[name]), name

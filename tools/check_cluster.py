@@ -25,8 +25,10 @@ says what each failure means.
    time of --project-model-size at this world size (the planner's parameter count).
    Recovery: rank 0 runs a torchrun of its own with --max-restarts 1, SIGKILLs one of its
    workers after a checkpoint, and times from the kill to the first resumed step.
-5. --tune: the layouts the memory planner says fit, pruned by an estimate from the measured
-   bandwidth (megalite/layout_tune.py), the best few timed against the default, by tokens/s.
+5. --tune: the layouts the memory planner says fit (--memory-fraction of a rank's memory),
+   pruned by an estimate from the measured bandwidth (megalite/layout_tune.py), the best few
+   timed against the default, by tokens/s, each in processes of its own
+   (megalite/layout_trial.py): a layout that runs out of memory on a rank is reported as such.
 
 Every flag it does not know is pretrain_gpt.py's and changes the model it checks (the
 default is a 4-layer hidden-64 GPT small enough for a CPU).
@@ -42,7 +44,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -62,6 +63,7 @@ from megalite.errors import ConfigError, MegaliteError
 from megalite.initialize import initialize_distributed, world_size_from_env
 from megalite.layout_check import (BF16, FP32, build_run, first_difference, layouts_for,
                                    run_layout)
+from megalite.layout_trial import Trial, time_layout
 from megalite.layout_tune import (Candidate, Estimate, algorithm_factor, candidates,
                                   communication_seconds, compute_seconds, nearest_bandwidth,
                                   planned_bytes, prune_by_bandwidth,
@@ -125,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="N", help="Micro-batch sizes --tune tries (default 1 2 4).")
     parser.add_argument("--tune-max", type=int, default=6,
                         help="Layouts --tune times besides the default (default 6).")
+    parser.add_argument("--memory-fraction", type=float, default=0.9,
+                        help="--tune plans against this fraction of a rank's memory (default "
+                        "0.9): the CUDA context, NCCL's buffers and the allocator's "
+                        "fragmentation take the rest, and the memory planner counts none of "
+                        "them. A layout that runs out of memory all the same is reported as "
+                        "such and the tuning goes on (megalite's own flag).")
     parser.add_argument("--recovery-nproc", type=int, default=None,
                         help="Workers of the recovery check's own torchrun (default: 2, or "
                         "the node's ranks if fewer).")
@@ -347,59 +355,20 @@ def check_collectives(args, rank: int, world: int, device, configs, measured) ->
 
 # ------------------------------------------------------------------ 3. scaling, 5. tuning
 
-class PeakMemory:
-    """Peak memory a rank adds while the block runs: on GPUs torch.cuda.max_memory_allocated
-    above what was allocated at the start; on CPUs the resident set sampled every 2 ms
-    above its size at the start (freed memory of earlier runs is reused, so an
-    underestimate)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.peak = device, 0
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self):
-        while not self._done.wait(0.002):
-            self.peak = max(self.peak, self._rss() - self.base)
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            self.base, self._done = self._rss(), threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
-        else:
-            self._done.set()
-            self._thread.join()
+# Test-only: "<rank>:<layout name>" makes that rank's trial of that layout (the tuner's
+# name for it) run out of memory in its first step.
+TEST_HOOK = "MEGALITE_CHECK_CLUSTER_TEST_OOM"
 
 
-def time_steps(flags: list[str], world: int, rank: int, device, steps: int):
-    """(median seconds per step of `flags` on the first `world` ranks after one warm-up
-    step, the slowest rank's; the most any rank's memory grew; the config). A median:
-    a shared machine makes single steps noisy."""
-    seconds = None
-    with PeakMemory(device) as memory:
-        config, _, model, optimizer, runner, batches = build_run(flags, world, rank, device)
-        if model is not None:
-            n, times = config.training.num_microbatches, []
-            for _ in range(steps + 1):
-                start = time.perf_counter()
-                runner.train_step([next(batches) for _ in range(n)])
-                sync(device)
-                times.append(time.perf_counter() - start)
-            seconds = statistics.median(times[1:])
-            del model, optimizer, runner
-    dist.barrier()
-    return max(s for s in gathered(seconds) if s is not None), max(gathered(memory.peak)), config
+def time_steps(flags: list[str], world: int, rank: int, device, steps: int,
+               name: str = "") -> tuple[Trial, object]:
+    """(the trial of `flags` on the first `world` ranks: the slowest rank's median seconds
+    per step after one warm-up step and the most any rank's memory grew, or the rank that
+    ran out of memory, which ends the trial and not the check (megalite/layout_trial.py);
+    the config)."""
+    inject = os.environ.get(TEST_HOOK) == f"{rank}:{name}"
+    trial = time_layout(flags, world, rank, device, steps, inject_out_of_memory=inject)
+    return trial, validate_args(parse_args(flags), world)
 
 
 def world_sizes(world: int) -> list[int]:
@@ -416,8 +385,12 @@ def check_scaling(model: list[str], args, rank: int, world: int, device, charts)
     rows, points = [], []
     base = None
     for n in world_sizes(world):
-        seconds, _, config = time_steps(model + batch_flags(per_rank * n), n, rank, device,
-                                        args.timed_steps)
+        trial, config = time_steps(model + batch_flags(per_rank * n), n, rank, device,
+                                   args.timed_steps)
+        if trial.out_of_memory:
+            raise MegaliteError(f"weak scaling on {n} ranks ran out of memory on rank "
+                                f"{trial.out_of_memory[0]}: {trial.out_of_memory[1]}")
+        seconds = trial.seconds
         tokens = per_rank * n * config.model.seq_length / seconds / n
         base = base or tokens
         points.append((n, tokens / base))
@@ -434,12 +407,20 @@ def check_scaling(model: list[str], args, rank: int, world: int, device, charts)
     return section
 
 
-def device_capacity(device, world: int) -> int:
-    """Bytes a rank may plan for: the GPU's memory, or the host's split over its ranks."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+def planner(device) -> str:
+    """The memory planner's device: "cuda" (its allocator's rounding) or "cpu"."""
+    return device.type if device.type == "cuda" else "cpu"  # gpu_check: check_cluster_tune
+
+
+def device_capacity(device, world: int, fraction: float) -> int:
+    """Bytes a rank may plan for: `fraction` of the GPU's memory, or of the host's split
+    over its ranks."""
+    if device.type == "cuda":  # gpu_check: check_cluster_tune
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                 // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return int(fraction * total)
 
 
 def tune_candidates(model: list[str], args, world: int, device) -> tuple[list[Candidate],
@@ -448,18 +429,18 @@ def tune_candidates(model: list[str], args, world: int, device) -> tuple[list[Ca
     few hundred configs planned) and sent to the others."""
     result = [None]
     if dist.get_rank() == 0:
-        planner = device.type if device.type == "cuda" else "cpu"
-        capacity = device_capacity(device, world)
+        capacity = device_capacity(device, world, args.memory_fraction)
         lean, valid = candidates(model, world, tune_global_batch(world),
-                                 lambda config: planned_bytes(config, planner) <= capacity,
+                                 lambda config: planned_bytes(config, planner(device))
+                                 <= capacity,
                                  args.tune_micro_batch_sizes)
         result[0] = lean, [
             f"{valid} layouts validate_args accepts (TP with SP, PP with 1 or 2 virtual "
             "stages, CP, DP; plain DP, ZeRO-1 or FSDP2 in either strategy; micro-batch "
             f"{' / '.join(map(str, args.tune_micro_batch_sizes))}); {len(lean)} fit "
-            f"{capacity / GiB:.1f} GiB a rank by the memory planner, "
-            "each with the least recompute (none, selective, full) that fits: recompute only "
-            "buys memory with compute"]
+            f"{capacity / GiB:.1f} GiB a rank by the memory planner (--memory-fraction "
+            f"{args.memory_fraction:g} of the rank's memory), each with the least recompute "
+            "(none, selective, full) that fits: recompute only buys memory with compute"]
     dist.broadcast_object_list(result, src=0)
     return result[0]
 
@@ -468,20 +449,44 @@ def tune_global_batch(world: int) -> int:
     return max(8, 2 * world)
 
 
+def time_candidate(candidate: Candidate, model: list[str], args, rank: int, world: int, device,
+                   timed: dict, short: dict, what: str = "") -> bool:
+    """Time `candidate` into `timed` {name: (seconds, memory, config)}; or, when a rank ran
+    out of memory, say which in `short` {name: words for the report}. True if timed."""
+    print0(f"  tune {candidate.name}{what}")
+    trial, config = time_steps(model + list(candidate.flags), world, rank, device,
+                               args.timed_steps, candidate.name)
+    if trial.out_of_memory:
+        r, message = trial.out_of_memory
+        short[candidate.name] = f"out of memory on rank {r}"
+        print0(f"  tune {candidate.name}: out of memory on rank {r}: {message}")
+        return False
+    timed[candidate.name] = (trial.seconds, trial.peak_bytes, config)
+    return True
+
+
 def check_tuning(model: list[str], args, rank: int, world: int, device, measured,
                  lean: list[Candidate], notes: list[str]) -> Section:
     section = Section("Layout tuning: the layouts the planner says fit, pruned, timed")
     if not lean:
         section.lines.append("No layout fits the device memory by the planner.")
         return section
-    # The default: plain DP at micro-batch 1; if it does not fit, the first that does.
-    default = next((c for c in lean if c.flags == tuple(batch_flags(tune_global_batch(world)))),
-                   lean[0])
     if not measured:  # --checks without collectives: measure what the candidates send
         check_collectives(args, rank, world, device, [c.config for c in lean], measured)
-    print0(f"  tune {default.name} (default)")
-    timed = {default.name: time_steps(model + list(default.flags), world, rank, device,
-                                      args.timed_steps)}
+    timed, short = {}, {}
+    # The default: plain DP at micro-batch 1; if it does not fit by the planner or runs out
+    # of memory, the first layout that fits and runs.
+    plain, default = tuple(batch_flags(tune_global_batch(world))), None
+    for candidate in sorted(lean, key=lambda c: c.flags != plain):
+        if time_candidate(candidate, model, args, rank, world, device, timed, short,
+                          " (default)"):
+            default = candidate
+            break
+    if default is None:
+        section.lines += [f"Every layout the planner says fits ran out of memory "
+                          f"({', '.join(f'{n}: {why}' for n, why in short.items())}); "
+                          "a smaller --memory-fraction plans with more room."]
+        return section
     flops = num_floating_point_operations(default.config.model,
                                           default.config.training.global_batch_size) / world
     rate = flops / timed[default.name][0]
@@ -490,21 +495,19 @@ def check_tuning(model: list[str], args, rank: int, world: int, device, measured
                           communication_seconds(c.config, busbw)) for c in lean]
     kept, dropped = prune_by_bandwidth(estimates)
     for estimate in kept[:args.tune_max]:
-        name = estimate.candidate.name
-        if name not in timed:
-            print0(f"  tune {name}")
-            timed[name] = time_steps(model + list(estimate.candidate.flags), world, rank,
-                                     device, args.timed_steps)
+        if estimate.candidate.name not in timed and estimate.candidate.name not in short:
+            time_candidate(estimate.candidate, model, args, rank, world, device, timed, short)
     # The default again, last: of its two timings the faster counts, so a machine that got
     # busier during the tuning does not make the others look faster than it.
-    print0(f"  tune {default.name} (default, again)")
-    again = time_steps(model + list(default.flags), world, rank, device, args.timed_steps)
-    timed[default.name] = min(timed[default.name], again, key=lambda result: result[0])
+    again = {}
+    time_candidate(default, model, args, rank, world, device, again, {}, " (default, again)")
+    timed[default.name] = min(timed[default.name], again.get(default.name, timed[default.name]),
+                              key=lambda result: result[0])
     by_name = {e.candidate.name: e for e in estimates}
     rows = sorted(((name, *result) for name, result in timed.items()), key=lambda r: r[1])
     section.lines += tuning_summary(notes, len(dropped), len(kept), world, args) + [""]
-    section.lines += tuning_table(rows, by_name, default, world, device)
-    section.lines += verdict(rows, by_name, default, model, world)
+    section.lines += tuning_table(rows, short, by_name, default, world, device)
+    section.lines += verdict(rows, by_name, default, model, world, short)
     return section
 
 
@@ -518,17 +521,19 @@ def tuning_summary(notes, dropped: int, kept: int, world: int, args) -> list[str
             f"recompute, plus its communication): such a layout cannot win; of the {kept} "
             f"left, the {timed} with the shortest estimated step (--tune-max {args.tune_max}) "
             f"and the default are timed, the median of {args.timed_steps} steps after one "
-            "warm-up (the default first and again last, the faster kept). MFU needs the "
-            "device's peak FLOP rate (n/a on CPUs; --peak-tflops gives one). Measured memory "
-            "is the most any rank's grew while the layout was built and run: "
-            "max_memory_allocated on GPUs; on CPUs the resident set, which understates "
-            "(memory freed by an earlier layout is reused without growing it)."]
+            "warm-up (the default first and again last, the faster kept), each in processes "
+            "of its own: a rank that runs out of memory ends that layout's trial on every "
+            "rank, the table says so, and the tuning goes on. MFU needs the device's peak "
+            "FLOP rate (n/a on CPUs; --peak-tflops gives one). Measured memory is the most "
+            "any rank's grew while the layout was built and run: max_memory_allocated on "
+            "GPUs; on CPUs the resident set."]
 
 
-def tuning_table(rows, by_name, default, world: int, device) -> list[str]:
+def tuning_table(rows, short, by_name, default, world: int, device) -> list[str]:
     default_seconds = next(r[1] for r in rows if r[0] == default.name)
     peak = peak_tflops(device, compute_dtype(default.config.precision.params_dtype),
                        default.config.monitoring.peak_tflops)
+    # gpu_check: check_cluster_tune
     what = "max_memory_allocated" if device.type == "cuda" else "peak RSS growth"
     out = []
     for name, seconds, memory, config in rows:
@@ -536,16 +541,20 @@ def tuning_table(rows, by_name, default, world: int, device) -> list[str]:
         tokens = batch * config.model.seq_length / seconds
         flops = num_floating_point_operations(config.model, batch) / seconds / world
         mfu = f"{100 * flops / 1e12 / peak:.1f}" if peak else "n/a"
-        planned = most_loaded_rank(config, device.type if device.type == "cuda" else "cpu")
+        planned = most_loaded_rank(config, planner(device))
         out.append([name + (" (default)" if name == default.name else ""), f"{tokens:.1f}",
                     f"{default_seconds / seconds:.2f}x", mfu,
                     f"{by_name[name].step * 1e3:.1f}", f"{seconds * 1e3:.1f}",
                     f"{planned.total / 2 ** 20:.1f}", f"{memory / 2 ** 20:.1f}"])
+    for name, why in short.items():
+        planned = most_loaded_rank(by_name[name].candidate.config, planner(device))
+        out.append([name, why, "", "", f"{by_name[name].step * 1e3:.1f}", "",
+                    f"{planned.total / 2 ** 20:.1f}", ""])
     return table(["layout", "tokens/s", "vs default", "MFU %", "estimated ms/step",
                   "measured ms/step", "planned MiB", f"measured MiB ({what})"], out)
 
 
-def verdict(rows, by_name, default, model, world: int) -> list[str]:
+def verdict(rows, by_name, default, model, world: int, short) -> list[str]:
     winner = rows[0]
     default_seconds = next(r[1] for r in rows if r[0] == default.name)
     flags = " ".join(model + list(by_name[winner[0]].candidate.flags))
@@ -562,8 +571,12 @@ def verdict(rows, by_name, default, model, world: int) -> list[str]:
            "estimate's FLOP rate comes from the default layout, and smaller matrix "
            "multiplies (TP, CP) or more micro-batches run at a lower rate than it")
     if default.flags != tuple(batch_flags(tune_global_batch(world))):
-        why = "plain DP at micro-batch 1 does not fit by the planner, so the default here is " \
-            "the first layout that does"
+        plain = tuple(batch_flags(tune_global_batch(world)))
+        ran_out = any(e.candidate.flags == plain and name in short
+                      for name, e in by_name.items())
+        why = ("plain DP at micro-batch 1 ran out of memory" if ran_out else
+               "plain DP at micro-batch 1 does not fit by the planner") + \
+            ", so the default here is the first layout that fits and runs"
     return ["", f"No layout is faster than the default ({default.name}); {why}. The default "
             "stays the command to run:"] + command
 # ------------------------------------------------------------------ 4. checkpoints
@@ -906,6 +919,8 @@ def check_flags(args, world: int):
                           f"{args.tune_micro_batch_sizes}")
     if args.message_sizes and min(args.message_sizes) <= 0:
         raise ConfigError(f"--message-sizes must be positive, got {args.message_sizes}")
+    if not 0 < args.memory_fraction <= 1:
+        raise ConfigError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     check_layout_patterns(args.layouts, world)
     for flag in ("output_dir", "checkpoint_dir"):
         path = getattr(args, flag)

@@ -2,7 +2,8 @@
 planner's figure, and optionally a torch.profiler profile of one step.
 
     python benchmarks/gpu/run_pretrain.py [--profile-step N] [--trace FILE.json.gz] \\
-        [--deterministic] [--compile-backend NAME] [--report-optimizer] -- PRETRAIN_GPT_FLAGS...
+        [--deterministic] [--compile-backend NAME] [--report-optimizer] [--die-at-step N] \\
+        -- PRETRAIN_GPT_FLAGS...
 
 It runs megalite's own pretrain() (the same code path as pretrain_gpt.py) and wraps
 StepRunner.train_step, so nothing in megalite needs a profiler flag. The profiled step
@@ -34,7 +35,8 @@ def sync():
         torch.cuda.synchronize()
 
 
-def instrument(profile_step: int | None, trace: str | None, report: bool = False):
+def instrument(profile_step: int | None, trace: str | None, report: bool = False,
+               die_at: int | None = None):
     """Replace StepRunner.train_step by a timed (and at profile_step, profiled) one; with
     `report`, the optimizer's tensors are reported before and after the first step."""
     runner_class = getattr(train_step_module, "StepRunner", None)
@@ -46,6 +48,9 @@ def instrument(profile_step: int | None, trace: str | None, report: bool = False
 
     def train_step(self, microbatches):
         calls[0] += 1
+        if calls[0] == die_at:  # as a SIGKILL would: no save, no cleanup
+            print(f">> dying at the start of step {die_at}", flush=True)
+            os._exit(137)
         if report and calls[0] == 1:
             print(">> optimizer before step 1:", json.dumps(optimizer_report(self.optimizer)))
         if calls[0] == profile_step:
@@ -158,6 +163,9 @@ def main():
     p.add_argument("--report-optimizer", action="store_true",
                    help="Print where the optimizer's tensors live before and after step 1 "
                         "(JSON): after a --load, the state it loaded.")
+    p.add_argument("--die-at-step", type=int, default=None,
+                   help="Exit at once (status 137, as a SIGKILL) as step N starts: what was "
+                        "saved before it is all a restart has.")
     args = p.parse_args(own)
     if args.compile_backend and "--compile-layers" in flags:
         torch.compile = functools.partial(torch.compile, backend=args.compile_backend)
@@ -167,7 +175,7 @@ def main():
         # deterministic already (the CPU suite's bit-exact resumes hold without it), and the
         # call imports torch._dynamo, ~2 s of every SMOKE process on a CPU.
         torch.use_deterministic_algorithms(True)
-    instrument(args.profile_step, args.trace, args.report_optimizer)
+    instrument(args.profile_step, args.trace, args.report_optimizer, args.die_at_step)
     code = pretrain(flags)
     if code == 0:
         report_memory(flags)

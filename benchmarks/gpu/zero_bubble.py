@@ -1,8 +1,10 @@
 """The zero-bubble split backward (tensor_parallel/weight_grad.py) on this device, by hand:
-two micro-batches as F F B B W W (each B under defer_weight_grads, each W its store's run)
-against F F and one ordinary backward per micro-batch. pretrain's model (--bf16: bf16
-parameters, fp32 main_grad in the gradient buffer, overlapped reduction counting each
-gradient's arrival); every main_grad must be bit-equal, deterministic kernels on. The
+two micro-batches as F F B B W W (each B under the model's LinearStep.defer_weight_grads,
+each W its store's run) against F F and one ordinary backward per micro-batch (with --fp8,
+FP8 linears: --fp8-format hybrid, their W pass quantizing the saved input and the output
+gradient). pretrain's model (--bf16: bf16 parameters, fp32 main_grad in the gradient
+buffer, overlapped reduction counting each gradient's arrival); every main_grad must be
+bit-equal, deterministic kernels on. The
 ordinary run is repeated first: if the device itself is not deterministic here, that is
 said rather than blamed on the split. Then the passes are timed: B, W, and the ordinary
 backward they replace (median of a few steps, device synchronised around each pass).
@@ -10,6 +12,7 @@ backward they replace (median of a few steps, device synchronised around each pa
 
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
@@ -21,7 +24,7 @@ from megalite.arguments import parse_args  # noqa: E402
 from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.tensor_parallel.random import build_rng_tracker  # noqa: E402
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads  # noqa: E402
+from megalite.tensor_parallel.weight_grad import LinearStep, WeightGradStore  # noqa: E402
 from megalite.train_step import autocast  # noqa: E402
 from megalite.training import build_model  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
@@ -40,6 +43,7 @@ FLAGS = ["--mock-data", "--vocab-size", str(VOCAB), "--num-layers", str(LAYERS),
          "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights",
          "--attention-dropout", "0", "--hidden-dropout", "0"]
+FP8 = ["--fp8-format", "hybrid"] if "--fp8" in sys.argv[1:] else []
 LINEAR_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
                   "linear_fc2.weight", "output_layer.weight")
 
@@ -66,11 +70,13 @@ class Timed:
 
 def setup():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    config = validate_args(parse_args(FLAGS), 1)
+    config = validate_args(parse_args(FLAGS + FP8), 1)
     model = build_model(config, ParallelState(RankGrid(1), 0), DEVICE,
                         build_rng_tracker(1234, 0, DEVICE))[0]
     params = [p for p in model.parameters() if p.requires_grad]
     buffer = GradBuffer(params, None, 10 ** 9, overlap=True, grad_dtype=torch.float32)
+    buffer.linear_step = LinearStep()  # as train_step.StepRunner installs it
+    buffer.linear_step.install(model)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g).to(DEVICE)
                for _ in range(2)]
@@ -100,7 +106,8 @@ def split(config, model, buffer, batches, b_times=None, w_times=None):
     losses = [forward(config, model, tokens) for tokens in batches]
     stores = [WeightGradStore() for _ in batches]
     for loss, store in zip(losses, stores):
-        with Timed(b_times if b_times is not None else []), defer_weight_grads(store):
+        with Timed(b_times if b_times is not None else []), \
+                buffer.linear_step.defer_weight_grads(store):
             loss.backward()
     untouched = {n for n, p in model.named_parameters() if not p.main_grad.any()}
     deferred = len(stores[0].weights)
@@ -139,7 +146,8 @@ def main():
         ordinary(config, model, buffer, batches, backward)
         split(config, model, buffer, batches, b, w)
     ms = {k: statistics.median(v) for k, v in (("backward", backward), ("B", b), ("W", w))}
-    print(f">> per micro-batch ({LAYERS} layers, hidden {HIDDEN}, {MICRO} x {SEQ} tokens, "
+    print(f">> per micro-batch{' (FP8 linears)' if FP8 else ''} ({LAYERS} layers, hidden "
+          f"{HIDDEN}, {MICRO} x {SEQ} tokens, "
           f"{len(linears)} weights in W): ordinary backward {ms['backward']:.2f} ms; B "
           f"{ms['B']:.2f} ms + W {ms['W']:.2f} ms = {ms['B'] + ms['W']:.2f} ms "
           f"({(ms['B'] + ms['W']) / ms['backward']:.2f}x the ordinary backward)")

@@ -100,7 +100,7 @@ class HostBuffers:
         with self.streams.stream(self.stream):
             self.ready.wait(self.stream)
             for buffer, tensor in self.queued:
-                buffer.copy_(tensor, non_blocking=True)  # gpu_check: async_save_offload
+                buffer.copy_(tensor, non_blocking=True)  # gpu_check: save_paths
             done.record(self.stream)
         done.synchronize()
         self.queued = []

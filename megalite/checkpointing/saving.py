@@ -166,12 +166,12 @@ def _model_values(params: dict, experts: dict, buffers: dict, copy: Callable | N
     for n, p in params.items():
         value = experts[n] if n in experts else full_tensor(p.detach())
         if copy is None:
-            continue  # gpu_check: async_save_fsdp
+            continue
         # A buffer moves outside AdamW's step (a router's expert bias, in the gradient
         # finalisation), before --async-save's copies must be done: copied on the device
         # now, this iteration's value.
         if n in buffers:
-            value = value.clone()  # gpu_check: async_save_moe
+            value = value.clone()  # gpu_check: save_paths
         # Copies on the host: a parameter may be a view into a flat buffer (ZeRO-1), and
         # torch.save would write the whole buffer.
         values[n] = copy(value)

@@ -219,7 +219,7 @@ class CheckpointState:
         device = self.rng_device()
         # Records before "device" hold a "cuda" generator when saved on a CUDA machine.
         saved = state.get("device", "cuda" if "cuda" in state else "cpu")
-        if saved != device.type:  # gpu_check: resume_cpu_checkpoint_on_gpu
+        if saved != device.type:  # gpu_check: save_paths
             if dist.get_rank() == 0:
                 print(f" > RNG states saved on {saved}, running on {device.type}: restoring "
                       f"the host's generators (python, numpy, torch) only; the others stay "

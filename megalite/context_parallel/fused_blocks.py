@@ -39,10 +39,11 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     when they can)."""
     if device.type == "cpu":
         return None
-    if device.type != "cuda":
+    if device.type != "cuda":  # gpu_check: ring_attention
         return f"torch has no fused flash kernel with a log-sum-exp on {device.type}"
     if not torch.backends.cuda.is_flash_attention_available():
         return "this torch build has no CUDA flash kernel"
+    # gpu_check: ring_attention
     return cuda_unavailable_reason(torch.cuda.get_device_capability(device), dtype, head_dim)
 
 

@@ -65,6 +65,7 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
                                                  reduce_dtype=reduce_dtype,
                                                  cast_forward_inputs=False),
+                  # gpu_check: fsdp_offload
                   offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda")
                   if cpu_offload else OffloadPolicy())
     for chunk in chunks:

@@ -18,7 +18,8 @@ micro-batch's gradient into the fp32 buffer and drops it, as Megatron's main_gra
 Under --overlap-grad-reduce a bucket's collective is launched asynchronously as soon as
 its last gradient of the step has been accumulated, while the backward of earlier layers
 is still running (Li et al. 2020, PyTorch DDP §3.2.3); a weight gradient deferred to a
-zero-bubble W pass is counted there (weight_grad.weight_grad_deferred).
+zero-bubble W pass is counted there (`linear_step`: the model's weight_grad.LinearStep says
+which gradients the B pass running now deferred).
 
 Expert parameters (`is_expert_parallel`: a MoE layer's experts, split over the expert-parallel
 group) get buckets of their own, reduced over the expert-data-parallel group, the
@@ -41,7 +42,7 @@ from torch import nn
 
 from megalite.parallel_state import group_rank, group_size, reduce_scatter_into
 from megalite.tensor_parallel.params import is_expert_parallel, is_shared_embedding
-from megalite.tensor_parallel.weight_grad import weight_grad_deferred
+from megalite.tensor_parallel.weight_grad import LinearStep
 
 
 class Bucket:
@@ -112,6 +113,9 @@ class GradBuffer:
                                else group) for b in layout]
         self.compressor = None
         """A PowerSGD (distributed/powersgd.py) when the reduction is compressed."""
+        self.linear_step: LinearStep | None = None
+        """The model's LinearStep (weight_grad.py), set by the step that owns it
+        (train_step.StepRunner): a gradient its B pass deferred is counted in the W pass."""
         self._where = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
@@ -152,7 +156,8 @@ class GradBuffer:
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def _on_grad_accumulated(self, param: nn.Parameter):
-        if weight_grad_deferred(param):  # a split backward's B: the gradient comes in W
+        if self.linear_step is not None and self.linear_step.deferred(param):
+            # a split backward's B: the gradient comes in W
             return
         bucket, _ = self._where[id(param)]
         self._move_into_buffer(param)

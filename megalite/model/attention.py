@@ -25,10 +25,16 @@ class SelfAttention(nn.Module):
                  fp8=None):
         super().__init__()
         c = self.config = config
-        self.rng_tracker = rng_tracker
         # Under context parallelism x holds this rank's chunks of each sequence; the core
         # attention reaches the keys and values of the others (docs/design.md §10).
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
+        # Attention dropout acts on this rank's heads (and, under CP, queries) only: its
+        # mask must differ per TP and CP rank, so it draws from the model-parallel stream.
+        # With one rank of each there is nothing to tell apart, and the default stream
+        # serves: dynamo cannot trace the generator swap (a graph break in every compiled
+        # layer, at the compile default's TP 1 and CP 1).
+        self.rng_tracker = rng_tracker if group_size(tp_group) * group_size(cp_group) > 1 \
+            else None
         self.num_groups = c.num_query_groups // group_size(tp_group)
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         qkv_size = c.query_projection_size + 2 * c.kv_projection_size
@@ -71,8 +77,6 @@ class SelfAttention(nn.Module):
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.config.attention_dropout if self.training else 0.0
-        # Attention dropout acts on this rank's heads (and, under CP, queries) only: its
-        # mask must differ per TP and CP rank, so it draws from the model-parallel stream.
         with model_parallel_rng(self.rng_tracker, dropout != 0.0):  # no draws: no swap
             if self.cp_group is not None:
                 return context_parallel_attention(

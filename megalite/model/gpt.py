@@ -32,6 +32,7 @@ from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_expert_parallel,
                                              pad_vocab_rows, partition_dim, partition_stride,
                                              tp_shard)
 from megalite.tensor_parallel.random import checkpoint
+from megalite.tensor_parallel.weight_grad import LinearStep
 
 
 class Embedding(nn.Module):
@@ -149,6 +150,9 @@ class GPTModel(nn.Module):
                 mark_shared_embedding(self.output_layer.weight, copy=True)
         if tied and self.pre_process:
             mark_shared_embedding(self.embedding.word_embeddings.weight, copy=False)
+        # For the tied output layer, a linear without a module of its own (weight_grad.py);
+        # the step running the model installs its own here and on every layer.
+        self.linear_step = LinearStep()
         self._rotary: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
         self._compiled_loss = (torch.compile(whole_vocab_cross_entropy)
@@ -188,9 +192,8 @@ class GPTModel(nn.Module):
             return None
         return torch.arange(first, first + shard) >= vocab
 
-    def reset_padded_vocab_mask(self, device: torch.device):
-        """Recompute the mask on `device`: to_empty gives a model built on `meta` storage
-        but no values."""
+    def reset_buffers(self, device: torch.device):
+        """The padded-vocabulary mask, recomputed on `device` (initialize_buffers)."""
         if self.padded_vocab_mask is not None:
             self.padded_vocab_mask = self._padded_vocab_mask().to(device)
 
@@ -237,7 +240,8 @@ class GPTModel(nn.Module):
             logits = self.output_layer(x)
         else:  # tied, on the embedding's own stage
             logits = column_parallel_linear(x, self.embedding.word_embeddings.weight, None,
-                                            self.tp_group, self.config.sequence_parallel)
+                                            self.tp_group, self.config.sequence_parallel,
+                                            self.linear_step)
         if masked and self.padded_vocab_mask is not None:
             logits = logits.masked_fill(self.padded_vocab_mask, float("-inf"))
         return logits
@@ -370,6 +374,12 @@ def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_ran
             name = "embedding.word_embeddings.weight"  # a tied output layer starts equal
         full = full_initial_value(name, param, config, seed, tp_size, device, ep_rank)
         assign(param, tp_shard(full, param, name, tp_rank, tp_size))
-    for name, buffer in model.named_buffers():
-        if name.endswith("router.expert_bias") and not buffer.is_meta:
-            buffer.zero_()  # DeepSeek-V3's bias starts at zero
+
+
+def initialize_buffers(model: nn.Module, device: torch.device):
+    """Every buffer from its initial value, on `device` (the compute device): a model built
+    on `meta` and given storage by to_empty has none, and under FSDP2's CPU offload that
+    storage is on the host. Each module that owns buffers says how (`reset_buffers`)."""
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers(device)

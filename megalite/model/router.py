@@ -14,6 +14,7 @@ write them, over all T tokens of the micro-batch (`count_group`: the ranks holdi
 parts of its sequences, whose per-expert counts are summed in).
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -48,14 +49,17 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.config, self.count_group = config, count_group
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
-        if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts,
-                                                            dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert",
-                                 torch.zeros(config.num_experts, dtype=torch.float32),
-                                 persistent=False)
-        else:
-            self.expert_bias = None
+        self.register_buffer("expert_bias", None)
+        self.register_buffer("local_tokens_per_expert", None, persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self, device: torch.device | None = None):
+        """The bias and the counts at zero (DeepSeek-V3's bias starts there), in fp32
+        whatever the model's dtype, on `device` (default: torch's)."""
+        if self.config.moe_router_enable_expert_bias:
+            zeros = functools.partial(torch.zeros, self.config.num_experts, dtype=torch.float32,
+                                      device=device)
+            self.expert_bias, self.local_tokens_per_expert = zeros(), zeros()
 
     def forward(self, tokens: torch.Tensor, num_sequences: int) -> Routing:
         """tokens [T, h], sequence-first (token t is position t // num_sequences of sequence

@@ -13,7 +13,7 @@ import torch
 def memory_stats(device: torch.device) -> dict[str, float]:
     """By name, in an order fixed by the device type (the same on every rank, so ranks can
     stack them)."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # gpu_check: train_350m
         return {"allocated": torch.cuda.memory_allocated(device),
                 "reserved": torch.cuda.memory_reserved(device),
                 "max allocated": torch.cuda.max_memory_allocated(device)}

@@ -80,6 +80,7 @@ def device_key(device_name: str) -> str | None:
 
 def device_name(device: torch.device) -> str | None:
     """The GPU's marketing name ("NVIDIA H100 80GB HBM3"); None on a CPU."""
+    # gpu_check: mfu_table
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 

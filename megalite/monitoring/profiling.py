@@ -25,6 +25,7 @@ def rank_path(path: str, rank: int, world_size: int) -> Path:
     return p if world_size == 1 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
 
 
+# gpu_check: memory_snapshot
 def on_cuda(device: torch.device) -> bool:
     """Whether the CUDA allocator serves `device` (a CPU test stubs this, and the allocator)."""
     return device.type == "cuda"
@@ -38,7 +39,7 @@ def start_memory_history(config, device: torch.device):
     if not on_cuda(device):
         raise ConfigError("--record-memory-history records the CUDA allocator and needs a "
                           f"GPU; this run is on {device.type}")
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    torch.cuda.memory._record_memory_history(max_entries=100_000)  # gpu_check: memory_snapshot
 
 
 class Profiler:
@@ -57,7 +58,7 @@ class Profiler:
     def before_step(self, done: int):
         if self.enabled and done == self.config.profile_step_start:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
+            if self.device.type == "cuda":  # gpu_check: train_350m
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profile = torch.profiler.profile(activities=activities)
             self.profile.start()
@@ -97,6 +98,6 @@ class Profiler:
             return
         path = rank_path(self.config.memory_snapshot_path, self.rank, self.world_size)
         with atomic_path(path) as staging:
-            torch.cuda.memory._dump_snapshot(str(staging))
+            torch.cuda.memory._dump_snapshot(str(staging))  # gpu_check: memory_snapshot
         self.snapshot_written = True
         print(f" > rank {self.rank}: CUDA memory snapshot written to {path}", flush=True)

@@ -4,9 +4,11 @@ interval, reduced over ranks when printed.
 `--timing-log-level` picks the phases: 0 none (the log line's iteration time only; no
 timer, no synchronisation runs), 1 the phases a step runs about once (gradient reduction,
 optimizer, ...), 2 also those it runs per micro-batch (forward and backward compute,
-pipeline send/recv). On an accelerator a timer synchronises the device when it starts
-and stops, as Megatron's does, so it measures the work and not its launch; that is why
-the levels exist.
+pipeline send/recv). On an accelerator a timer records a timing event on the device's
+stream when it starts and stops, so it measures the work and not its launch without
+stalling the host (Megatron synchronises the device instead); the pairs are read when the
+times are asked for, between steps. On a CPU, which runs work as it is issued, the host
+clock stands in for the events, through the same lines.
 
 Each phase is also a `torch.profiler.record_function` range while a profile is being
 recorded (profiling.py), whatever the level, so a trace shows megalite's own phases.
@@ -55,18 +57,60 @@ def synchronize(device: torch.device | None):
         torch.accelerator.synchronize(device)
 
 
+class HostEvent:
+    """torch.Event's timing interface on the host clock, for a CPU: its work runs as it is
+    issued, so the time the host records is the work's."""
+
+    def record(self):
+        self.seconds = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return (end.seconds - self.seconds) * 1e3
+
+
+def timing_event(device: torch.device | None):
+    """A recorded point in `device`'s stream whose time can be read later."""
+    if device is None or device.type == "cpu":
+        event = HostEvent()
+    else:  # gpu_check: train_350m
+        event = torch.Event(device=device, enable_timing=True)
+    event.record()
+    return event
+
+
 class Timer:
+    """Seconds spent in one phase: an event at each start and stop, read (and the host
+    made to wait for the last of them) only by `read`, between steps."""
+
     def __init__(self, device: torch.device | None):
         self.device, self.elapsed_s, self._started = device, 0.0, None
+        self._pending: list[tuple] = []  # (start, stop) events not yet read
 
     def start(self):
-        synchronize(self.device)
-        self._started = time.perf_counter()
+        self._started = timing_event(self.device)
 
     def stop(self):
-        synchronize(self.device)
-        self.elapsed_s += time.perf_counter() - self._started
+        self._pending.append((self._started, timing_event(self.device)))
         self._started = None
+        while self._pending and self._pending[0][1].query():  # the pairs already done
+            self._add(*self._pending.pop(0))
+
+    def _add(self, start, stop):
+        self.elapsed_s += start.elapsed_time(stop) / 1e3
+
+    def read(self) -> float:
+        """Every interval so far, waiting for the device to reach the last stop."""
+        for start, stop in self._pending:
+            stop.synchronize()
+            self._add(start, stop)
+        self._pending.clear()
+        return self.elapsed_s
 
 
 _NOTHING = contextlib.nullcontext()
@@ -104,7 +148,7 @@ class Timers:
 
     def elapsed(self, reset: bool = True) -> dict[str, float]:
         """Seconds in each timed phase since the last reset."""
-        out = {name: t.elapsed_s for name, t in self.timers.items()}
+        out = {name: t.read() for name, t in self.timers.items()}
         if reset:
             for t in self.timers.values():
                 t.elapsed_s = 0.0

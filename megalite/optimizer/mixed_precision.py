@@ -119,6 +119,7 @@ class MixedPrecisionOptimizer(Optimizer):
             if not self.overlap_param_gather:
                 self.finish_param_gather()
 
+    @torch.compiler.disable  # a wait on collectives, never traced: it runs before the graph
     def _wait_for_buckets_in_forward(self, indices: list[int], _module, _args):
         for index in indices:
             if self._gathers[index] is not None:
@@ -175,7 +176,7 @@ class HostOffload:
             self._grads[bucket] = self._buffer(shard.numel())
         host = self._grads[bucket].copy_(shard, non_blocking=self.pin)
         if self.pin:
-            torch.cuda.current_stream(shard.device).synchronize()
+            torch.cuda.current_stream(shard.device).synchronize()  # gpu_check: fsdp_offload
         return host
 
 
@@ -194,10 +195,19 @@ def _adopt_params(bucket: Bucket) -> torch.Tensor:
 
 def _wait_before_forward(model: nn.Module, grad_buffer: GradBuffer, wait):
     """Forward pre-hooks `wait(indices, module, args)`: a module waits for the all-gathers
-    of its own parameters' buckets before it runs."""
+    of its own parameters' buckets before it runs. A compiled module (a transformer layer
+    under --compile-layers) waits once, for all of its parameters, before its compiled
+    forward starts: dynamo would trace a hook on a module inside it, break the graph at
+    Work.wait and guard on the hook's bucket indices, compiling the layers' shared forward
+    once per layer until its recompile limit leaves the rest eager."""
     bucket_of = {id(p): i for i, b in enumerate(grad_buffer.buckets) for p in b.params}
-    for module in model.modules():
-        indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
+    modules = [model]
+    while modules:
+        module = modules.pop()
+        whole = module._compiled_call_impl is not None  # nn.Module.compile()'s
+        indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=whole)
                           if id(p) in bucket_of})
         if indices:
             module.register_forward_pre_hook(functools.partial(wait, indices))
+        if not whole:
+            modules.extend(module.children())

@@ -11,32 +11,37 @@ import torch
 from megalite.monitoring.timers import NO_TIMERS, Timers
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, RankPlan, action_messages
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT
-from megalite.tensor_parallel.weight_grad import (WeightGradStore, defer_weight_grads,
-                                                  unsplit_weight_grads)
+from megalite.tensor_parallel.weight_grad import LinearStep, WeightGradStore
 
 
 def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
                  comm: PipelineCommunicator | None, loss_fn: Callable, backward_scale: Callable,
-                 autocast: Callable, forward_only: bool = False,
+                 autocast: Callable, linear_step: LinearStep, forward_only: bool = False,
                  timers: Timers = NO_TIMERS,
                  before_backward: Callable | None = None) -> torch.Tensor:
     """Returns the sum of loss_fn(per-token losses, microbatch) over the microbatches (on
     the last pipeline stage; zero elsewhere). `backward_scale` maps that loss to what
     backward starts from (the fp16 loss scale). Without pipelining `comm` is None: the
-    one stage is both first and last and the plan sends nothing. `timers` times (and
-    names for the profiler) the compute and the send/recv waits. `before_backward(
-    microbatch, chunk)`, if given, runs before each backward (FSDP's gradient sync)."""
+    one stage is both first and last and the plan sends nothing. `linear_step`: the one
+    installed on the chunks' layers (weight_grad.py), through which a split backward
+    defers. `timers` times (and names for the profiler) the compute and the send/recv
+    waits. `before_backward(microbatch, chunk)`, if given, runs before each backward
+    (FSDP's gradient sync)."""
     split = any(a.kind == WEIGHT for a in plan.actions)
     # Without W passes no backward is split: torch's own linear node is cheaper.
-    with contextlib.nullcontext() if split else unsplit_weight_grads():
+    with contextlib.nullcontext() if split else linear_step.unsplit():
         return _run_actions(plan, chunks, microbatches, comm, loss_fn, backward_scale,
-                            autocast, forward_only, timers, before_backward, split)
+                            autocast, forward_only, timers, before_backward,
+                            linear_step if split else None)
 
 
 def _run_actions(plan: RankPlan, chunks, microbatches: list[dict],
                  comm: PipelineCommunicator | None, loss_fn: Callable, backward_scale: Callable,
                  autocast: Callable, forward_only: bool, timers: Timers,
-                 before_backward: Callable | None, split: bool) -> torch.Tensor:
+                 before_backward: Callable | None,
+                 split: LinearStep | None) -> torch.Tensor:
+    """`split`: the LinearStep through which each backward defers its weight gradients,
+    None when no backward is split."""
     saved: dict[tuple[int, int], tuple] = {}
     deferred: dict[tuple[int, int], WeightGradStore] = {}  # B run, W not yet
     inbox, outbox = {}, {}  # received and not yet used; computed and not yet sent
@@ -69,9 +74,9 @@ def _run_actions(plan: RankPlan, chunks, microbatches: list[dict],
             if before_backward is not None:
                 before_backward(action.microbatch, action.chunk)
             context = contextlib.nullcontext()
-            if split:
+            if split is not None:
                 deferred[key] = WeightGradStore()
-                context = defer_weight_grads(deferred[key])
+                context = split.defer_weight_grads(deferred[key])
             with timers("backward-compute"), context:
                 if stage.is_last:
                     torch.autograd.backward(backward_scale(out))

@@ -33,8 +33,7 @@ import torch.distributed as dist
 from megalite.config import GPTConfig
 from megalite.errors import ConfigError
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.weight_grad import (apply_as_autocast_would,
-                                                  weight_grad_now_or_deferred)
+from megalite.tensor_parallel.weight_grad import LinearStep, apply_as_autocast_would
 
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
                "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -44,11 +43,6 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_RECIPES_NOT_BUILT = ("delayed", "mxfp8", "blockwise")
 """Megatron's other --fp8-recipe choices, refused by name."""
 _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (torchao's EPS)
-
-
-_step_weights: dict | None = None
-"""(id(weight), dtype) -> (weight, its FP8 copies A and A^T) inside quantize_weights_once,
-else None."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +164,9 @@ def _cast_row_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def quantize_weights_once():
-    """Inside (one training step's forwards and backwards), a tensorwise FP8 layer quantizes
+def quantize_weights_once(step: LinearStep):
+    """Inside (one training step's forwards and backwards), a tensorwise FP8 layer running
+    with `step` (its model's, weight_grad.LinearStep, where the copies are kept) quantizes
     its weight at its first micro-batch and reuses that copy in the others and in a
     recomputed forward, as Transformer Engine keeps its FP8 weights over micro-batches: the
     weights change only at the optimizer step, after this ends. The same copy the uncached
@@ -184,25 +179,24 @@ def quantize_weights_once():
     scaled_mm): two bytes an element, a bf16 weight's size, as Transformer Engine keeps an
     FP8 weight and its transpose. Keeping one and transposing it for the other GEMM would
     be a copy per micro-batch again, the cost this removes."""
-    global _step_weights
-    previous, _step_weights = _step_weights, {}
+    previous, step.fp8_weights = step.fp8_weights, {}
     try:
         yield
     finally:
-        _step_weights = previous
+        step.fp8_weights = previous
 
 
-def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype,
-                      group) -> tuple[Quantized, Quantized]:
+def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype, group,
+                      step: LinearStep) -> tuple[Quantized, Quantized]:
     """(A, A^T) in FP8, each written row-major: the forward's and dX's GEMM operands."""
     # Traced, each micro-batch casts again (fused by inductor): a dict read here would be
     # guarded on and recompile the layer every step.
-    if torch.compiler.is_compiling() or _step_weights is None:
+    if torch.compiler.is_compiling() or step.fp8_weights is None:
         return quantize_both(weight, dtype, None, group)
     key = (id(weight), dtype)
-    if key not in _step_weights:  # the weight is kept with it, so its id is not reused
-        _step_weights[key] = (weight, quantize_both(weight, dtype, None, group))
-    return _step_weights[key][1]
+    if key not in step.fp8_weights:  # the weight is kept with it, so its id is not reused
+        step.fp8_weights[key] = (weight, quantize_both(weight, dtype, None, group))
+    return step.fp8_weights[key][1]
 
 
 def _kernel(fn, t: torch.Tensor):
@@ -240,6 +234,7 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
     # On CUDA, rowwise scaling writes bf16 only; the cast back is the one extra rounding.
     gemm_dtype = (torch.bfloat16 if a.data.is_cuda and a.scale.dim() else out_dtype)
     # Both no-ops (no copy) for operands already in cuBLASLt's layouts.
+    # gpu_check: fp8_paths
     out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
                            scale_a=a.scale, scale_b=b.scale, out_dtype=gemm_dtype,
                            use_fast_accum=fast_accum)
@@ -265,7 +260,7 @@ def _check_dims(a_shape, b_shape):
 
 @functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return torch.cuda.get_device_capability(device)  # gpu_check: fp8_paths
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -273,9 +268,10 @@ class _Fp8Linear(torch.autograd.Function):
     input dim (a row-parallel layer), else A and dY that of the output dim."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, group, row_parallel: bool):
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, group, row_parallel: bool,
+                step: LinearStep):
         x2d = x.reshape(-1, x.shape[-1])
-        ctx.recipe, ctx.group, ctx.row_parallel = recipe, group, row_parallel
+        ctx.recipe, ctx.group, ctx.row_parallel, ctx.step = recipe, group, row_parallel, step
         ctx.has_bias = bias is not None
         fwd_dtype = recipe.dtypes[0]
         x_group = group if row_parallel else None
@@ -286,7 +282,7 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             # X^T and A^T row-major, written with X and A, for dA = dY^T X and dX = dY A
             xq, xq_t = quantize_both(x2d, fwd_dtype, None, x_group)
-            wq, wq_t = _quantized_weight(weight, fwd_dtype, group)
+            wq, wq_t = _quantized_weight(weight, fwd_dtype, group, step)
             wq = wq.t()
             # weight itself only for a deferred weight gradient to land on
             ctx.save_for_backward(weight, xq_t.data, xq_t.scale, wq_t.data, wq_t.scale)
@@ -322,10 +318,10 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g2d.sum(0)
         if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad_now_or_deferred(
+            grad_weight = ctx.step.weight_grad_now_or_deferred(
                 weight, functools.partial(_wgrad, dtype=dtype), gq_t.data, gq_t.scale,
                 xq.data, xq.scale)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 def _wgrad(g_data, g_scale, x_data, x_scale, *, dtype):
@@ -335,8 +331,10 @@ def _wgrad(g_data, g_scale, x_data, x_scale, *, dtype):
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               recipe: Fp8Recipe, group, *, row_parallel: bool) -> torch.Tensor:
-    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way).
+               recipe: Fp8Recipe, group, step: LinearStep, *,
+               row_parallel: bool) -> torch.Tensor:
+    """weight_grad.linear with FP8 GEMMs (its weight gradient deferrable the same way, its
+    weight's FP8 copies kept by `step` under quantize_weights_once).
     Inside a compiled layer at TP 1 it is traced into the layer's graph, so inductor fuses
     each quantization with the ops around it. Run eagerly between the compiled graphs, as
     first built, it cost an H100 1.2 ms of host time per FP8 linear and direction (graph
@@ -345,11 +343,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     traced."""
     if torch.compiler.is_compiling() and group_size(group) == 1:
         return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
-                                       row_parallel)
-    return _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel)
+                                       row_parallel, step)
+    return _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel, step)
 
 
 @torch.compiler.disable
-def _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel):
+def _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel, step):
     return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
-                                   row_parallel)
+                                   row_parallel, step)

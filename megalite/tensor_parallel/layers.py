@@ -6,9 +6,11 @@ under sequence parallelism.
 Every parameter is tagged where it is created (params.py): a shard as tensor parallel along
 its `partition_dim`, a replicated one fed this rank's sequence shard as sequence parallel
 (`allreduce_sequence_parallel_grads` sums its grads before the optimizer step). The matrix
-products go through `weight_grad.linear`, so a zero-bubble schedule can defer their weight
-gradients to a W pass. Parameters start as zeros on the current default device and dtype
-(the model builds them where they will live, then overwrites every one).
+products go through `weight_grad.linear` with the layer's `linear_step` (its model's, installed
+by the step that runs it), so a zero-bubble schedule can defer their weight gradients to a W
+pass and an FP8 weight is quantized once a step. Parameters start as zeros on the current
+default device and dtype (the model builds them where they will live, then overwrites every
+one).
 """
 
 import torch
@@ -24,7 +26,7 @@ from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
-from megalite.tensor_parallel.weight_grad import linear
+from megalite.tensor_parallel.weight_grad import LinearStep, linear
 
 
 def _divide(size: int, tp: int, what: str) -> int:
@@ -42,17 +44,17 @@ def _parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool =
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           group, sequence_parallel: bool,
+                           group, sequence_parallel: bool, step: LinearStep,
                            fp8: Fp8Recipe | None = None) -> torch.Tensor:
     """X A^T + b for this rank's row block A: X all-gathered along seq under SP, else f;
-    the GEMMs in FP8 with a recipe `fp8` (fp8.py)."""
+    the GEMMs in FP8 with a recipe `fp8` (fp8.py); `step`: the model's LinearStep."""
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, group)
     else:
         x = copy_to_tensor_model_parallel_region(x, group)
     if fp8 is not None:
-        return fp8_linear(x, weight, bias, fp8, group, row_parallel=False)
-    return linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, fp8, group, step, row_parallel=False)
+    return linear(x, weight, bias, step)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -78,10 +80,11 @@ class ColumnParallelLinear(nn.Module):
             output_size, group_size(group), "ColumnParallelLinear output size")
         self.weight = _parameter(self.output_size_per_partition, input_size, partition_dim=0)
         self.bias = _parameter(self.output_size_per_partition, partition_dim=0) if bias else None
+        self.linear_step = LinearStep()  # until the step running the model installs its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                   self.fp8)
+                                   self.linear_step, self.fp8)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -111,14 +114,16 @@ class RowParallelLinear(nn.Module):
         # Added to this rank's sequence shard under SP: a partial grad (params.py).
         self.bias = (_parameter(output_size, partition_dim=None,
                                 sequence_parallel=sequence_parallel) if bias else None)
+        self.linear_step = LinearStep()  # until the step running the model installs its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
         if self.fp8 is not None:
-            y = fp8_linear(x, self.weight, None, self.fp8, self.group, row_parallel=True)
+            y = fp8_linear(x, self.weight, None, self.fp8, self.group, self.linear_step,
+                           row_parallel=True)
         else:
-            y = linear(x, self.weight)
+            y = linear(x, self.weight, None, self.linear_step)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

@@ -18,5 +18,6 @@ def _mean(tensor, group):
 
 
 layers.all_reduce_anywhere = _mean
-runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools",
-                            "check_cluster.py"), run_name="__main__")
+if __name__ == "__main__":  # not in the processes a timing check starts (layout_trial.py)
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "tools", "check_cluster.py"), run_name="__main__")

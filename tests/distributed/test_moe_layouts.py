@@ -35,6 +35,8 @@ LAYOUTS = {
     "tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "dp2": [],
+    # FSDP2 builds on `meta`: the router's buffers from to_empty, on the host under offload.
+    "dp2 fsdp2 offload": ["--use-torch-fsdp2", "--optimizer-cpu-offload"],
 }
 
 

@@ -21,7 +21,7 @@ from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.spawn import run_distributed
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.tensor_parallel.weight_grad import WeightGradStore
 from megalite.train_step import StepRunner
 from megalite.validation import pad_vocab_size
 
@@ -128,7 +128,7 @@ def split_linears_bit_for_bit(rank, world_size) -> list[str]:
                 xi = x.clone().requires_grad_()
                 store = WeightGradStore()
                 if split:
-                    with defer_weight_grads(store):
+                    with module.linear_step.defer_weight_grads(store):
                         module(xi).backward(grad_out)
                     if module.weight.grad is not None:
                         problems.append(f"{type(module).__name__} sp={sp}: dW in B")

@@ -3,9 +3,12 @@
 One spawn per TP size runs every check: each mapping's forward and backward against its
 formula; ColumnParallel/RowParallel/VocabParallelEmbedding against nn.Linear/nn.Embedding
 (shards cut from the reference weights, sharded grads gathered back); the vocab-parallel
-cross-entropy against F.cross_entropy; the dropout RNG tracker. fp32 throughout.
+cross-entropy against F.cross_entropy; the dropout RNG tracker, and attention's fork of it.
+fp32 throughout.
 Every rank builds the same full tensors from seeded generators, so nothing is broadcast.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.errors import ConfigError
+from megalite.model.attention import SelfAttention
 from megalite.spawn import run_distributed
 from megalite.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -23,6 +27,8 @@ from megalite.tensor_parallel import (
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
     vocab_parallel_cross_entropy)
+
+from tests.helpers import tiny_gpt_config
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -277,6 +283,25 @@ def check_rng_tracker(rank, tp, group):
     with tracker.fork():
         again = torch.rand(16)
     assert torch.equal(first, again), "set_states did not restore the tracked RNG state"
+
+    # Attention dropout acts on this rank's heads: it forks to draw, and only to draw.
+    for dropout, forks in ((0.0, 0), (0.1, 1)):
+        counting = CountingTracker()
+        attention = SelfAttention(tiny_gpt_config(num_attention_heads=4, kv_channels=2,
+                                                  hidden_size=H, attention_dropout=dropout),
+                                  group, counting)
+        attention(randn(S, B, H, seed=5), None)
+        assert counting.forks == forks, f"attention dropout {dropout}: {counting.forks} forks"
+
+
+class CountingTracker:
+    def __init__(self):
+        self.forks = 0
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        self.forks += 1
+        yield
 
 
 # ---------------------------------------------------------------- one spawn per TP size
