@@ -166,7 +166,7 @@ def test_imports_point_down_and_never_loop():
 @pytest.mark.parametrize("module, line, expected", [
     # module-level, upward: a leaf reaching the run
     ("megalite.config", "from megalite.training import pretrain",
-     "megalite/config.py:{n} (layer 7) imports megalite.training (layer 1)"),
+     "megalite/config/__init__.py:{n} (layer 7) imports megalite.training (layer 1)"),
     # function-level, upward: the model reaching the step
     ("megalite.model.gpt", "def f():\n    from megalite import train_step",
      "megalite/model/gpt.py:{n} (layer 5) imports megalite.train_step (layer 4)"),
