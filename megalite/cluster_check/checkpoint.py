@@ -16,8 +16,8 @@ from megalite.cluster_check.shared import ROOT, TARGETS, batch_flags, gathered
 from megalite.errors import ConfigError
 from megalite.layout_check import build_run
 from megalite.memory_estimate import num_model_parameters
-from megalite.monitoring.timers import synchronize
 from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.timers import synchronize
 from megalite.training import TrainState
 from megalite.validation import validate_model_args
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from megalite.cluster_check.report import Section, table
 from megalite.cluster_check.shared import gathered
 from megalite.layout_tune import algorithm_factor, step_traffic
-from megalite.monitoring.timers import synchronize
 from megalite.parallel_state import all_gather_into, reduce_scatter_into
+from megalite.timers import synchronize
 
 
 def node_groups(world: int) -> tuple[object, list[list[int]], object]:
