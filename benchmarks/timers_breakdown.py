@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megalite.monitoring.timers import COMMUNICATION, PHASES
+from megalite.timers import COMMUNICATION, PHASES
 from megalite.training_log import parse_log
 from smoke import shrink
 
