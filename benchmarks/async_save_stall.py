@@ -35,7 +35,6 @@ import torch.distributed as dist
 from checkpoint_throughput import Run, add_run_args, build_config, init_one_rank
 from megalite.checkpointing.async_save import AsyncCheckpointer
 from megalite.parallel_state import ParallelState
-from megalite.training import TrainState
 from smoke import shrink
 
 
@@ -58,9 +57,7 @@ def async_round(run: Run, writer: AsyncCheckpointer, directory: str, iteration: 
                 n_steps: int) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()
-    stall, stall_cpu, _ = timed(writer.save, directory, iteration, run.model, run.optimizer,
-                                run.scheduler, run.state, run.config,
-                                TrainState(iteration, iteration))
+    stall, stall_cpu, _ = timed(writer.save, directory, iteration, run.checkpoint(iteration))
     writer.waited_s = 0.0
     step_s = steps(run, n_steps)  # beside the writer
     writer.finalize(blocking=True)
