@@ -21,6 +21,7 @@ import torch
 from megalite.config import GPTConfig, OptimizerConfig
 from megalite.initialize import allow_tf32
 from megalite.model.gpt import GPTModel
+from megalite.monitoring.peak_flops import mfu_percent
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training_log import num_floating_point_operations
 from smoke import shrink
@@ -129,7 +130,7 @@ def main():
     for name, bf16, peak in runs:
         tps, flops = train_flops(config, args.micro_batch_size, args.steps, bf16, device)
         print(f"megalite train step, {name:13s}: {tps:9.0f} tokens/s  {flops / 1e9:8.1f} "
-              f"GFLOP/s  = {100 * flops / peak:5.1f}% of the {name.split()[0]} matmul peak")
+              f"GFLOP/s  = {mfu_percent(flops, peak):5.1f}% of the {name.split()[0]} matmul peak")
 
 
 if __name__ == "__main__":

@@ -93,3 +93,8 @@ def peak_tflops(device: torch.device, dtype: str, override: float | None = None)
     name = device_name(device)
     key = device_key(name) if name else None
     return PEAK_TFLOPS[key].get(dtype) if key else None
+
+
+def mfu_percent(tflops_per_gpu: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation, in percent of the dense peak (the module docstring)."""
+    return 100.0 * tflops_per_gpu / peak_tflops
