@@ -14,18 +14,23 @@ otherwise).
 
 Each round times the matmul and both paths, one after the other; the best round of each
 is printed.
-SMOKE=1 (benchmarks/smoke.py): 64 tokens, hidden 32, one repeat; not a measurement.
+SMOKE=1 (benchmarks/common/smoke.py): 64 tokens, hidden 32, one repeat; not a measurement.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.smoke import shrink
 from megalite.config import GPTConfig
 from megalite.expert_parallel.grouped_gemm import check_grouped_gemm_device
 from megalite.model.moe import GroupedExperts
-from smoke import shrink
 
 
 def matmul_flops(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:

@@ -34,12 +34,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.rank_setup import torchrun
+from benchmarks.common.smoke import shrink
 from megalite.parallel_state import RankGrid
 from megalite.training_log import parse_log
-from smoke import shrink
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
@@ -146,8 +151,7 @@ def matmul_rate(nproc: int, n: int, seconds: float) -> float:
 # One training run.
 
 def pretrain_command(grid: RankGrid, args, global_batch: int) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(grid.world_size), PRETRAIN,
+    cmd = [*torchrun(grid.world_size), PRETRAIN,
            "--mock-data", "--vocab-size", str(args.vocab_size),
            "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
            "--num-attention-heads", str(args.num_attention_heads),

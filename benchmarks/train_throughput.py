@@ -10,21 +10,26 @@ pretrain_gpt.py (megalite.initialize.allow_tf32), and every timing ends in a syn
     python benchmarks/train_throughput.py [--hidden-size 256 --num-layers 4 ...]
     python benchmarks/train_throughput.py --device cpu
 
-SMOKE=1 (benchmarks/smoke.py): a tiny model, two steps and 0.1 s matmuls, not a measurement.
+SMOKE=1 (benchmarks/common/smoke.py): a tiny model, two steps and 0.1 s matmuls, not a measurement.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.smoke import shrink
 from megalite.config import GPTConfig, OptimizerConfig
 from megalite.initialize import allow_tf32
 from megalite.model.gpt import GPTModel
 from megalite.monitoring.peak_flops import mfu_percent
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training_log import num_floating_point_operations
-from smoke import shrink
 
 
 # Defaults per device: small enough for a 2-core CPU; a GPU-sized model on GPUs.
