@@ -43,7 +43,7 @@ import torch
 
 from benchmarks.common.rank_setup import torchrun
 from benchmarks.common.smoke import shrink
-from megalite.parallel_state import RankGrid
+from megalite.parallel_state import RankGrid, num_microbatches
 from megalite.training_log import parse_log
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -302,7 +302,7 @@ def print_table(rows, matmul, args, dtype):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, grid, global_batch, r, tokens_per_s in rows:
         n = grid.world_size
-        micro = global_batch // (args.micro_batch_size * grid.data_parallel_size)
+        micro = num_microbatches(global_batch, args.micro_batch_size, grid.data_parallel_size)
         fastest = global_batch * args.seq_length / (r.ms_fastest / 1e3)
         efficiency = tokens_per_s / (n * base)
         print(f"| {name} | {n} | {micro} | {r.ms_per_iter:,.0f} ± {r.ms_stdev:,.0f} "
