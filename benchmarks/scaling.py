@@ -41,9 +41,9 @@ if __spec__ is None:  # run as a file: benchmarks.* and megalite from this check
 
 import torch
 
-from benchmarks.common.rank_setup import torchrun
 from benchmarks.common.smoke import shrink
 from megalite.parallel_state import RankGrid, num_microbatches
+from megalite.spawn import torchrun_command
 from megalite.training_log import parse_log
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -151,7 +151,7 @@ def matmul_rate(nproc: int, n: int, seconds: float) -> float:
 # One training run.
 
 def pretrain_command(grid: RankGrid, args, global_batch: int) -> list[str]:
-    cmd = [*torchrun(grid.world_size), PRETRAIN,
+    cmd = torchrun_command(grid.world_size, PRETRAIN, [
            "--mock-data", "--vocab-size", str(args.vocab_size),
            "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
            "--num-attention-heads", str(args.num_attention_heads),
@@ -164,7 +164,7 @@ def pretrain_command(grid: RankGrid, args, global_batch: int) -> list[str]:
            "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
            "--num-workers", "0",
            "--tensor-model-parallel-size", str(grid.tensor_model_parallel_size),
-           "--pipeline-model-parallel-size", str(grid.pipeline_model_parallel_size)]
+           "--pipeline-model-parallel-size", str(grid.pipeline_model_parallel_size)])
     if grid.tensor_model_parallel_size > 1:
         cmd.append("--sequence-parallel")
     if args.bf16:

@@ -36,7 +36,7 @@ from megalite.config import (DEFAULT_BUCKET_SIZE, CheckpointConfig, Config,
 from megalite.data.shares import ShareBalancer
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import build_model_chunks
-from megalite.monitoring.timers import COMPUTE, Timers
+from megalite.timers import COMPUTE, Timers
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner

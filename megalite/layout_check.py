@@ -229,6 +229,35 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+def grids(world_size: int, max_degree: int = 4):
+    """Every (tp, pp, cp, dp) of `world_size` ranks with TP, PP and CP up to `max_degree`, DP
+    filling the rest: the rank grids the cluster check checks and its --tune enumerates."""
+    for tp in _divisors(world_size, max_degree):
+        for pp in _divisors(world_size // tp, max_degree):
+            for cp in _divisors(world_size // (tp * pp), max_degree):
+                yield tp, pp, cp, world_size // (tp * pp * cp)
+
+
+def axes_name(*sizes: tuple[str, int]) -> str:
+    """"TP2 x PP2 x DP2" of (("TP", 2), ("PP", 2), ("CP", 1), ("DP", 2)): the split axes."""
+    return " x ".join(f"{axis}{size}" for axis, size in sizes if size > 1)
+
+
+def grid_flags(tp: int, pp: int, cp: int, layers_per_virtual_stage: int | None = None
+               ) -> list[str]:
+    """pretrain_gpt.py's flags of a grid (TP always with SP)."""
+    flags = []
+    if tp > 1:
+        flags += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"]
+    if pp > 1:
+        flags += ["--pipeline-model-parallel-size", str(pp)]
+    if layers_per_virtual_stage:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(layers_per_virtual_stage)]
+    if cp > 1:
+        flags += ["--context-parallel-size", str(cp)]
+    return flags
+
+
 def layouts_for(world_size: int, max_degree: int = 4) -> list[Layout]:
     """Every kind of layout at `world_size` ranks, each filling the launch with DP: TP + SP,
     PP (1F1B, interleaved, GPipe, ZB-H1), CP (p2p and all_gather) alone and in products,
@@ -236,25 +265,12 @@ def layouts_for(world_size: int, max_degree: int = 4) -> list[Layout]:
     FSDP2 (both strategies, with and without optimizer offload). Degrees up to
     `max_degree`. validate_args decides which of them fit a model (a refused one is
     reported as skipped, with its reason)."""
-    layouts = []
-    for tp in _divisors(world_size, max_degree):
-        for pp in _divisors(world_size // tp, max_degree):
-            for cp in _divisors(world_size // (tp * pp), max_degree):
-                dp = world_size // (tp * pp * cp)
-                layouts += _variants(tp, pp, cp, dp)
-    return layouts
+    return [layout for grid in grids(world_size, max_degree) for layout in _variants(*grid)]
 
 
 def _variants(tp: int, pp: int, cp: int, dp: int) -> list[Layout]:
-    name = " x ".join(f"{axis}{size}" for axis, size in
-                      (("TP", tp), ("PP", pp), ("CP", cp), ("DP", dp)) if size > 1) or "1"
-    grid = []
-    if tp > 1:
-        grid += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"]
-    if pp > 1:
-        grid += ["--pipeline-model-parallel-size", str(pp)]
-    if cp > 1:
-        grid += ["--context-parallel-size", str(cp)]
+    name = axes_name(("TP", tp), ("PP", pp), ("CP", cp), ("DP", dp)) or "1"
+    grid = grid_flags(tp, pp, cp)
     alone = sum(size > 1 for size in (tp, pp, cp)) <= 1
     kinds = {"": []}
     if pp > 1 and alone:  # every schedule where the pipeline is the only model split

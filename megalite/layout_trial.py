@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from megalite.arguments import parse_args
 from megalite.layout_check import build_run
-from megalite.monitoring.timers import synchronize
+from megalite.timers import synchronize
 
 # What the trial processes' forkserver imports once, not each trial (torch._dynamo: the
 # optimizer's constructor imports it, ~1.5 s).

@@ -27,6 +27,7 @@ from megalite.config import Config, OptimizerKind
 from megalite.context_parallel.attention import cp_comm_bytes
 from megalite.distributed.fsdp import ZERO3, fsdp_units
 from megalite.errors import ConfigError
+from megalite.layout_check import axes_name, grid_flags, grids
 from megalite.memory_estimate import most_loaded_rank
 from megalite.memory_estimate.weights import grad_buckets, rank_parameters, shard_numel
 from megalite.model.gpt import activation_shape, build_model_chunks
@@ -138,30 +139,6 @@ RECOMPUTE = {"": (), " selective": ("--recompute-granularity", "selective"),
                        "--recompute-num-layers", "1")}
 
 
-def _grids(world: int, max_degree: int):
-    for tp in range(1, max_degree + 1):
-        for pp in range(1, max_degree + 1):
-            for cp in range(1, max_degree + 1):
-                if world % (tp * pp * cp) == 0:
-                    yield tp, pp, cp, world // (tp * pp * cp)
-
-
-def _grid_flags(tp: int, pp: int, vp: int, cp: int, num_layers: int) -> tuple[str, list]:
-    name = " x ".join(f"{axis}{size}" for axis, size in
-                      (("TP", tp), ("PP", pp), ("CP", cp)) if size > 1)
-    flags = []
-    if tp > 1:
-        flags += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"]
-    if pp > 1:
-        flags += ["--pipeline-model-parallel-size", str(pp)]
-    if vp > 1:
-        flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (pp * vp))]
-        name += f" (v{vp})"
-    if cp > 1:
-        flags += ["--context-parallel-size", str(cp)]
-    return name, flags
-
-
 def candidates(model: list[str], world: int, global_batch: int, fits,
                micro_batches=(1, 2, 4), max_degree: int = 4) -> tuple[list[Candidate], int]:
     """The layouts of `model` (pretrain_gpt.py flags) at `world` ranks that validate_args
@@ -171,10 +148,12 @@ def candidates(model: list[str], world: int, global_batch: int, fits,
     recompute only buys memory with compute. And how many layouts validate_args took."""
     num_layers = parse_args(model).num_layers
     out, valid = [], 0
-    for tp, pp, cp, dp in _grids(world, max_degree):
+    for tp, pp, cp, dp in grids(world, max_degree):
         for vp in (1, 2) if pp > 1 and num_layers % (2 * pp) == 0 else (1,):
-            grid_name, grid = _grid_flags(tp, pp, vp, cp, num_layers)
-            where = " x ".join(filter(None, [grid_name, f"DP{dp}" if dp > 1 else ""]))
+            grid = grid_flags(tp, pp, cp, num_layers // (pp * vp) if vp > 1 else None)
+            virtual = f" (v{vp})" if vp > 1 else ""
+            where = axes_name(("TP", tp), ("PP", pp), ("CP", cp)) + virtual
+            where = " x ".join(filter(None, [where, f"DP{dp}" if dp > 1 else ""]))
             for shard, shard_flags in SHARDING.items():
                 if shard and dp * cp == 1:
                     continue  # nothing to shard over

@@ -20,12 +20,16 @@ A rank that raises makes run_distributed raise RankFailure with that rank's trac
 other ranks are killed at once (they would otherwise wait forever in a collective). A run
 past `timeout` seconds (None: no limit) is killed and raises, naming the ranks still
 running.
+
+Where training must be launched as users launch it, `torchrun_command` is the one torchrun
+command line, and `torchrun_workers` finds its workers (to kill one).
 """
 
 import datetime
 import multiprocessing.connection
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -133,6 +137,15 @@ def _wait_for_first_failure(procs, deadline: float | None):
         multiprocessing.connection.wait(
             [p.sentinel for p in running],
             timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def torchrun_command(nproc: int, script: str, args=(), max_restarts: int | None = None
+                     ) -> list[str]:
+    """The command line of a one-node torchrun of `script` with `args` on `nproc` workers,
+    through this interpreter (`python -m torch.distributed.run`: no PATH lookup)."""
+    restarts = [] if max_restarts is None else ["--max-restarts", str(max_restarts)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), *restarts, script, *args]
 
 
 def torchrun_workers(agent_pid: int) -> dict[int, int]:

@@ -19,7 +19,7 @@ from megalite.config import Config, PrecisionConfig
 from megalite.distributed.fsdp import is_fully_sharded, set_gradient_sync
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
-from megalite.monitoring.timers import NO_TIMERS, Timers
+from megalite.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import (ParallelState, all_gather_into, all_reduce_anywhere,
                                      group_size, num_microbatches)
@@ -63,7 +63,7 @@ class StepRunner:
     of the global batch (a DP rank's samples, a CP rank's chunks of them); a single process
     passes `ParallelState.single_process()`. `grad_buffer` holds the gradients and sums
     them over the data x context group (needed when DP x CP > 1). `timers` times the step's
-    phases (monitoring/timers.py).
+    phases (timers.py).
 
     The runner owns what the chunks' linear layers share within a step, `linear_step`
     (weight_grad.LinearStep: the split backward's B-pass store, the FP8 weight copies), and

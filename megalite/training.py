@@ -41,7 +41,7 @@ from megalite.model.gpt import build_model_chunks, initialize_buffers, initializ
 from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
-from megalite.monitoring.timers import COMPUTE, NO_TIMERS, Timers, synchronize
+from megalite.timers import COMPUTE, NO_TIMERS, Timers, synchronize
 from megalite.monitoring.wandb_logger import with_wandb
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
 from megalite.optimizer.grad_scaler import build_grad_scaler

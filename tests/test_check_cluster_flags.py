@@ -5,6 +5,7 @@ would fail after the checks, without their report). In this process, at world si
 
 import pytest
 
+from megalite.cluster_check.correctness import check_layout_patterns
 from megalite.errors import ConfigError
 
 from tests.helpers import load_tool
@@ -26,11 +27,11 @@ def test_a_layout_pattern_that_names_nothing_is_refused(tool, tmp_path, capsys):
 
 def test_only_the_patterns_that_name_nothing_are_named(tool):
     with pytest.raises(ConfigError) as error:
-        tool.check_layout_patterns(["TP2*", "Tp4*", "DP4"], 4)
+        check_layout_patterns(["TP2*", "Tp4*", "DP4"], 4)
     message = str(error.value)
     assert message.startswith("--layouts 'Tp4*' matches no layout at world size 4"), message
     assert "'TP2 x DP2'" in message and "'TP4'" in message and "'DP4 ZeRO-1'" in message
-    tool.check_layout_patterns(["TP2*", "DP4"], 4)
+    check_layout_patterns(["TP2*", "DP4"], 4)
 
 
 @pytest.mark.parametrize("flag", ["--output-dir", "--checkpoint-dir"])

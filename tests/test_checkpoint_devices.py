@@ -5,7 +5,6 @@ shows up as such), and as save -> load -> step, bit-exact, on each available dev
 states written on another kind of device (issue #39) leave the device's generators as
 seeded."""
 
-import types
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
-from megalite.training import build_model, build_optimizer
+from megalite.training import TrainState, build_model, build_optimizer
 
 from tests.helpers import flags_with
 
@@ -69,7 +68,7 @@ def train(config, state, device, built, steps, seed):
 
 def save(config, state, built, iteration, rng_tracker=None):
     model, optimizer, _, scheduler = built
-    progress = types.SimpleNamespace(consumed_train_samples=0, consumed_valid_samples=0)
+    progress = TrainState()
     save_checkpoint(config.checkpoint.save, iteration, model, optimizer, scheduler, state,
                     config, progress, rng_tracker)
 

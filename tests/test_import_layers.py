@@ -1,5 +1,6 @@
 """Imports point down: every import in megalite/ against the layer table of
-docs/architecture.md (section 1), which is the rule (docs/design.md §12).
+docs/architecture.md (section 1), which is the rule (docs/design.md §12); and the folders
+too: no two folders of megalite/ import each other, directly or around a loop.
 
 A module may import from its own layer or a lower one (a higher row number), never from a
 higher one, and no modules import each other around a loop. Imports inside functions count
@@ -166,7 +167,7 @@ def test_imports_point_down_and_never_loop():
 @pytest.mark.parametrize("module, line, expected", [
     # module-level, upward: a leaf reaching the run
     ("megalite.config", "from megalite.training import pretrain",
-     "megalite/config.py:{n} (layer 7) imports megalite.training (layer 1)"),
+     "megalite/config/__init__.py:{n} (layer 7) imports megalite.training (layer 1)"),
     # function-level, upward: the model reaching the step
     ("megalite.model.gpt", "def f():\n    from megalite import train_step",
      "megalite/model/gpt.py:{n} (layer 5) imports megalite.train_step (layer 4)"),
@@ -189,3 +190,30 @@ def test_a_loop_in_one_layer_is_found():
     assert upward_imports(graph, modules, layer_table()) == []  # same layer: allowed
     assert ["megalite.tensor_parallel.layers",
             "megalite.tensor_parallel.mappings"] in import_loops(graph)
+
+
+def folder_graph(graph) -> dict[str, list[tuple[str, int]]]:
+    """The import graph between megalite's folders (a top-level module is a folder of its
+    own): folder -> the folders its modules import."""
+    def folder(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+    out: dict[str, list[tuple[str, int]]] = {}
+    for name, targets in with_parent_packages(graph).items():
+        edges = out.setdefault(folder(name), [])
+        edges += [(folder(t), line) for t, line in targets if folder(t) != folder(name)]
+    return out
+
+
+def test_folders_point_one_way():
+    graph = import_graph(package_modules())
+    assert import_loops(folder_graph(graph)) == []
+
+
+def test_a_loop_between_folders_is_found():
+    modules = package_modules()
+    # optimizer/ already imports timers.py; monitoring/ imports optimizer/: planting an
+    # import of monitoring/ in optimizer/ closes a loop of folders, not of modules.
+    graph = import_graph(modules, extra={
+        "megalite.optimizer.optimizer": "from megalite.monitoring import memory"})
+    assert import_loops(graph) == []
+    assert ["megalite.monitoring", "megalite.optimizer"] in import_loops(folder_graph(graph))

@@ -1,6 +1,6 @@
 """megalite/layout_tune.py against closed forms: the message sizes of a layout (what the
-cluster check measures bandwidth at), the candidate layouts, the pruning rule; and
-tools/check_cluster.py's report with and without matplotlib, and the memory it plans for."""
+cluster check measures bandwidth at), the candidate layouts, the pruning rule; and the
+cluster check's report with and without matplotlib, and the memory it plans for."""
 
 import sys
 import types
@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from megalite.arguments import parse_args
+from megalite.cluster_check.report import Section, write_report
+from megalite.cluster_check.tuning import device_capacity
+from megalite.errors import ConfigError
 from megalite.layout_tune import (Candidate, Estimate, algorithm_factor, candidates,
                                   communication_seconds, nearest_bandwidth, prune_by_bandwidth,
                                   step_traffic)
@@ -121,9 +124,8 @@ CHARTS = {"scaling.png": [(1, 1.0), (2, 0.93), (4, 0.85)],
 
 
 def test_the_report_without_matplotlib_says_why_there_are_no_charts(tmp_path, monkeypatch):
-    tool = load_tool("check_cluster")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
-    tool.write_report(str(tmp_path), [tool.Section("A check", ["a line"])], CHARTS, ["head"])
+    write_report(str(tmp_path), [Section("A check", ["a line"])], CHARTS, ["head"])
     report = (tmp_path / "REPORT.md").read_text()
     assert "Charts skipped: matplotlib is not installed; `pip install -e .[plot]`" in report
     assert "## A check" in report and not list(tmp_path.glob("*.png"))
@@ -131,8 +133,7 @@ def test_the_report_without_matplotlib_says_why_there_are_no_charts(tmp_path, mo
 
 def test_the_report_with_matplotlib_links_both_charts(tmp_path):
     pytest.importorskip("matplotlib")
-    tool = load_tool("check_cluster")
-    tool.write_report(str(tmp_path), [], CHARTS, ["head"])
+    write_report(str(tmp_path), [], CHARTS, ["head"])
     report = (tmp_path / "REPORT.md").read_text()
     for name in CHARTS:
         assert f"]({name})" in report
@@ -148,14 +149,14 @@ def test_tune_plans_against_a_fraction_of_each_ranks_memory(monkeypatch):
     # A GPU of 80 GiB: the CUDA context, NCCL's buffers and fragmentation get the rest.
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=80 * 2 ** 30))
-    assert tool.device_capacity(torch.device("cuda", 0), 8, 0.9) == int(0.9 * 80 * 2 ** 30)
+    assert device_capacity(torch.device("cuda", 0), 8, 0.9) == int(0.9 * 80 * 2 ** 30)
     # A CPU: the host's memory (the kernel's MemTotal) split over the node's ranks.
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert tool.device_capacity(torch.device("cpu"), 4, 0.5) == int(0.5 * (total // 2))
+    assert device_capacity(torch.device("cpu"), 4, 0.5) == int(0.5 * (total // 2))
     for bad in ("0", "1.5"):
-        with pytest.raises(tool.ConfigError, match=f"--memory-fraction must be in \\(0, 1\\], "
+        with pytest.raises(ConfigError, match=f"--memory-fraction must be in \\(0, 1\\], "
                            f"got {bad}"):
             tool.check_flags(tool.build_parser().parse_args(["--output-dir", "out",
-                                                              "--memory-fraction", bad]))
+                                                              "--memory-fraction", bad]), 1)

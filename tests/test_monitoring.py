@@ -14,7 +14,7 @@ import torch
 
 import megalite.monitoring.peak_flops as peak_flops
 import megalite.monitoring.profiling as profiling
-import megalite.monitoring.timers as timers_module
+import megalite.timers as timers_module
 import megalite.training as training
 from megalite.config import OptimizerConfig
 from megalite.model.gpt import GPTModel, build_model_chunks

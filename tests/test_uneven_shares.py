@@ -14,7 +14,7 @@ from megalite.data.sampler import MicroBatchSampler
 from megalite.data.shares import ShareBalancer, split_microbatches
 from megalite.errors import ConfigError
 from megalite.model.gpt import build_model_chunks
-from megalite.monitoring.timers import COMPUTE, Timers
+from megalite.timers import COMPUTE, Timers
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner

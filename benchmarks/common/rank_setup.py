@@ -1,8 +1,7 @@
 """What the multi-process benchmarks share: the --device flag, how ranks start, and a rank's
 device (megalite.spawn.run_distributed launches them: NCCL and GPU `rank` on cuda, gloo on
-the CPU; torchrun those of a script)."""
+the CPU)."""
 import argparse
-import sys
 import time
 
 import torch
@@ -18,12 +17,6 @@ def add_device_flag(parser: argparse.ArgumentParser):
 def describe(device_type: str) -> str:
     gpus = torch.cuda.device_count() if device_type == "cuda" else 0
     return f"{gpus} GPU(s), NCCL" if gpus else "the CPU, gloo"
-
-
-def torchrun(nproc: int) -> list[str]:
-    """The command line that starts a script on `nproc` local ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc)]
 
 
 def rank_device(rank: int, device_type: str) -> torch.device:

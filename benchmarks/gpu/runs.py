@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from benchmarks.common.rank_setup import torchrun
 from megalite.arguments import parse_args
 from megalite.memory_estimate import most_loaded_rank
+from megalite.spawn import torchrun_command
 from megalite.validation import validate_args
 
 HELPERS = os.path.dirname(os.path.abspath(__file__))
@@ -47,12 +47,12 @@ def run_pretrain(log: str, flags: list[str], *, nproc: int = 0,
                  env: dict | None = None) -> tuple[int, str]:
     """run_pretrain.py (megalite's pretrain() with instruments) on `flags`, under torchrun
     with `nproc` processes if not 0; its output goes to `log`. Returns (exit code, output)."""
-    script = [os.path.join(HELPERS, "run_pretrain.py"), *instruments, "--", *flags]
-    launcher = torchrun(nproc) if nproc else [sys.executable]
+    script, args = os.path.join(HELPERS, "run_pretrain.py"), [*instruments, "--", *flags]
+    command = torchrun_command(nproc, script, args) if nproc else [sys.executable, script, *args]
     # Deterministic cuBLAS (run_pretrain --deterministic): its workspace must be fixed.
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", **(env or {}))
     with open(log, "w") as out:
-        rc = subprocess.run(launcher + script, cwd=REPO, env=env, stdout=out,
+        rc = subprocess.run(command, cwd=REPO, env=env, stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     return rc, open(log, errors="replace").read()
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megalite.config import Config, ParallelConfig, TrainingConfig
 from megalite.errors import ConfigError
-from megalite.monitoring.timers import COMPUTE, Timers
+from megalite.timers import COMPUTE, Timers
 from megalite.parallel_state import ParallelState, all_gather_into, to_collective_device
 
 

@@ -45,7 +45,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (_orthogon
                                                                         _should_compress)
 
 from megalite.config import GradCompressionConfig
-from megalite.monitoring.timers import NO_TIMERS, Timers
+from megalite.timers import NO_TIMERS, Timers
 from megalite.parallel_state import group_rank, group_size
 from megalite.tensor_parallel.params import partition_dim, single_process_name
 

@@ -21,7 +21,7 @@ from megalite.monitoring.peak_flops import compute_dtype, mfu_percent, peak_tflo
 from megalite.monitoring.profiling import Profiler
 from megalite.monitoring.replica_check import check_all_replicas
 from megalite.monitoring.statistics import params_norm
-from megalite.monitoring.timers import COMPUTE, PHASES, Timers, timers_report
+from megalite.timers import COMPUTE, PHASES, Timers, timers_report
 from megalite.parallel_state import ParallelState, all_gather_into
 
 MIB = 2 ** 20

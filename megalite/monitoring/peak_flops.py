@@ -96,5 +96,5 @@ def peak_tflops(device: torch.device, dtype: str, override: float | None = None)
 
 
 def mfu_percent(tflops_per_gpu: float, peak_tflops: float) -> float:
-    """Model FLOPs utilisation, in percent of the dense peak (the module docstring)."""
+    """Model FLOPs utilisation in percent: achieved TFLOP/s per device over its dense peak."""
     return 100.0 * tflops_per_gpu / peak_tflops

@@ -16,7 +16,7 @@ import torch
 
 from megalite.atomic_write import atomic_path
 from megalite.errors import ConfigError
-from megalite.monitoring.timers import Timers
+from megalite.timers import Timers
 
 
 def rank_path(path: str, rank: int, world_size: int) -> Path:

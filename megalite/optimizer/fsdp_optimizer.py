@@ -16,7 +16,7 @@ ZeRO-1 rank owns of it, so checkpoints hold the same per-DP-rank optimizer files
 from torch import nn
 
 from megalite.distributed.fsdp import local_shard_range, shard_group
-from megalite.monitoring.timers import NO_TIMERS, Timers
+from megalite.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer, Segment
 
 

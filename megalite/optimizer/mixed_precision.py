@@ -30,7 +30,7 @@ from torch import nn
 
 from megalite.config import OptimizerConfig
 from megalite.distributed.grad_buffer import Bucket, GradBuffer
-from megalite.monitoring.timers import NO_TIMERS, Timers
+from megalite.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer, Segment
 from megalite.parallel_state import all_gather_into
 

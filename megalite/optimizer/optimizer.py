@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.config import OptimizerConfig
-from megalite.monitoring.timers import NO_TIMERS, Timers
+from megalite.timers import NO_TIMERS, Timers
 from megalite.parallel_state import all_reduce_anywhere, group_rank, group_size
 from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
                                              is_tensor_parallel)

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from megalite.monitoring.timers import NO_TIMERS, Timers
+from megalite.timers import NO_TIMERS, Timers
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, RankPlan, action_messages
 from megalite.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT
 from megalite.tensor_parallel.weight_grad import LinearStep, WeightGradStore

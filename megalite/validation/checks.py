@@ -1,17 +1,12 @@
 """The checks every part of the validation shares: required and positive flags, fractions,
-and the flag's name as the user typed it; and the copy of flags into a config's fields."""
+each naming the flag as the user typed it."""
 
-import dataclasses
-
+from megalite.config.flags import flag_name
 from megalite.errors import ConfigError
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def require(args, *names):
-    missing = [flag(n) for n in names if getattr(args, n) is None]
+    missing = [flag_name(n) for n in names if getattr(args, n) is None]
     if missing:
         raise ConfigError(f"missing required flag(s): {', '.join(missing)}")
 
@@ -20,16 +15,10 @@ def check_positive(args, *names):
     for name in names:
         value = getattr(args, name)
         if value is not None and value <= 0:
-            raise ConfigError(f"{flag(name)} must be positive, got {value}")
+            raise ConfigError(f"{flag_name(name)} must be positive, got {value}")
 
 
 def check_fraction(args, *names):
     for name in names:
         if not 0.0 <= getattr(args, name) < 1.0:
-            raise ConfigError(f"{flag(name)} must be in [0, 1), got {getattr(args, name)}")
-
-
-def from_flags(cls, args, **derived):
-    """`cls` built with `derived`, every other field the value of the flag of its name."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if f.name not in derived}, **derived)
+            raise ConfigError(f"{flag_name(name)} must be in [0, 1), got {getattr(args, name)}")

@@ -1,18 +1,13 @@
-"""--grad-compression and the --powersgd-* flags -> GradCompressionConfig, or a ConfigError."""
+"""--grad-compression and the --powersgd-* flags (GradCompressionConfig): what PowerSGD does
+not compose with, and the values it takes."""
 
-from megalite.config import GradCompressionConfig, ParallelConfig
+from megalite.config import ParallelConfig
 from megalite.errors import ConfigError
 
 
-def grad_compression_config(args, parallel: ParallelConfig) -> GradCompressionConfig:
-    config = GradCompressionConfig(
-        kind=args.grad_compression, rank=args.powersgd_rank,
-        start_iter=args.powersgd_start_iter,
-        min_compression_rate=args.powersgd_min_compression_rate,
-        error_feedback=args.powersgd_error_feedback, warm_start=args.powersgd_warm_start,
-        orthogonalization_epsilon=args.powersgd_orthogonalization_epsilon)
-    if not config.enabled:
-        return config
+def check_grad_compression(args, parallel: ParallelConfig):
+    if args.grad_compression != "powersgd":
+        return
     if parallel.use_torch_fsdp2:
         # FSDP2 reduce-scatters inside its own backward hooks, on its sharded gradients:
         # there is no whole gradient matrix on any rank to factorise.
@@ -28,13 +23,12 @@ def grad_compression_config(args, parallel: ParallelConfig) -> GradCompressionCo
     if parallel.grid.dp_cp_size == 1:
         raise ConfigError("--grad-compression powersgd compresses the data-parallel "
                           "reduction, and this layout has none (DP x CP = 1)")
-    for name, value, low in (("--powersgd-rank", config.rank, 1),
-                             ("--powersgd-start-iter", config.start_iter, 0)):
+    for name, value, low in (("--powersgd-rank", args.powersgd_rank, 1),
+                             ("--powersgd-start-iter", args.powersgd_start_iter, 0)):
         if value < low:
             raise ConfigError(f"{name} must be >= {low}, got {value}")
-    if config.min_compression_rate < 0 or config.orthogonalization_epsilon < 0:
+    rate, epsilon = args.powersgd_min_compression_rate, args.powersgd_orthogonalization_epsilon
+    if rate < 0 or epsilon < 0:
         raise ConfigError("--powersgd-min-compression-rate and "
                           "--powersgd-orthogonalization-epsilon must be >= 0, got "
-                          f"{config.min_compression_rate} and "
-                          f"{config.orthogonalization_epsilon}")
-    return config
+                          f"{rate} and {epsilon}")

@@ -2,13 +2,25 @@
 pipeline schedule, and the global batch split into micro-batches; each check names the flags
 and values that do not fit together."""
 
+from dataclasses import dataclass
+
 from megalite.config import DEFAULT_BUCKET_SIZE, ParallelConfig
+from megalite.config.flags import flag, from_flags
 from megalite.context_parallel import cp_backend_check
 from megalite.errors import ConfigError
 from megalite.parallel_state import RankGrid, num_microbatches
 from megalite.pipeline_parallel.schedules import validate_schedule_args
-from megalite.validation.checks import check_positive, from_flags
+from megalite.validation.checks import check_positive
 from megalite.validation.uneven import is_uneven_split, pipeline_split
+
+
+@dataclass(frozen=True)
+class LayoutFlags:
+    GROUP = "parallelism"
+
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None, help="Layers per model chunk: interleaved 1F1B with --num-layers / (PP x this) "
+                   "chunks per pipeline rank.")
 
 
 def parallel_config(args, world_size: int) -> ParallelConfig:

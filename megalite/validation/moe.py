@@ -3,18 +3,35 @@ fields derived from them (`moe_model_fields`), and what megalite refuses by name
 MoE features it does not build and the combinations that cannot work."""
 
 import re
+from dataclasses import dataclass, fields, make_dataclass
 
 from megalite.config import ParallelConfig
+from megalite.config.flags import flag, flag_name
 from megalite.errors import ConfigError
-from megalite.validation.checks import check_positive, flag
+from megalite.validation.checks import check_positive
 from megalite.validation.expert_parallel import check_expert_parallel
 
-# Megatron's MoE flags that megalite parses only to refuse them (arguments.MOE_REFUSED_FLAGS).
-REFUSED = ("moe_router_group_topk", "moe_router_num_groups", "expert_tensor_parallel_size",
-           "moe_use_upcycling", "moe_router_topk_scaling_factor", "moe_router_dtype",
-           "moe_input_jitter_eps", "moe_layer_recompute", "moe_shared_expert_overlap",
-           "moe_permute_fusion", "moe_router_fusion", "moe_enable_deepep", "moe_extended_tp",
-           "moe_use_legacy_grouped_gemm", "moe_per_layer_logging")
+
+@dataclass(frozen=True)
+class MoeFlags:
+    GROUP = "moe"
+
+    moe_layer_freq: str = flag(
+        "1", help="Which layers are MoE: an int N (every Nth layer, from layer 0) or a Python "
+                  "list expression of 0/1 per layer, e.g. \"([1]*3+[0]*1)\" (Megatron's).")
+
+
+# Megatron's MoE flags that megalite parses only to refuse them by name.
+RefusedMoeFlags = make_dataclass("RefusedMoeFlags", [
+    (name, object, flag(None, nargs="?", const=True, metavar="X",
+                        help="Megatron's; not built in megalite (refused)."))
+    for name in ("moe_router_group_topk", "moe_router_num_groups",
+                 "expert_tensor_parallel_size", "moe_use_upcycling",
+                 "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_input_jitter_eps",
+                 "moe_layer_recompute", "moe_shared_expert_overlap", "moe_permute_fusion",
+                 "moe_router_fusion", "moe_enable_deepep", "moe_extended_tp",
+                 "moe_use_legacy_grouped_gemm", "moe_per_layer_logging")],
+    namespace={"GROUP": "moe"}, frozen=True)
 
 # torch._grouped_mm needs every operand's rows 16-byte aligned (checked in torch 2.13 on CPU).
 _GROUPED_MM_ALIGNMENT_BYTES = 16
@@ -67,9 +84,10 @@ def layer_pattern(freq: str, num_layers: int) -> tuple[bool, ...]:
 
 
 def _refuse_unbuilt(args):
-    for name in REFUSED:
+    for name in (f.name for f in fields(RefusedMoeFlags)):
         if getattr(args, name, None) is not None:
-            raise ConfigError(f"{flag(name)} is Megatron's and not built in megalite (issue 32)")
+            raise ConfigError(f"{flag_name(name)} is Megatron's and not built in megalite "
+                              "(issue 32)")
     if args.moe_router_load_balancing_type == "sinkhorn":
         raise ConfigError("--moe-router-load-balancing-type sinkhorn is Megatron's and not "
                           "built in megalite: use aux_loss, seq_aux_loss or none")
@@ -108,7 +126,7 @@ def _check_layout(args, parallel: ParallelConfig):
 def _check_router(args):
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if (getattr(args, name) or 0.0) < 0:
-            raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
+            raise ConfigError(f"{flag_name(name)} must be >= 0, got {getattr(args, name)}")
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
         # As Megatron: the bias shifts scores in [0, 1]; a softmax's would not stay comparable.
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "

@@ -2,12 +2,47 @@
 flags, and the micro-batches of each data-parallel rank (--data-parallel-shares), checked
 by name."""
 
+from dataclasses import dataclass
+
 from megalite.config import ParallelConfig
+from megalite.config.flags import flag
 from megalite.data.shares import parse_weights, share_unit, split_microbatches
 from megalite.errors import ConfigError
 from megalite.parallel_state import num_microbatches
 from megalite.pipeline_parallel.schedules import validate_schedule_args
 from megalite.pipeline_parallel.stages import stage_layer_counts
+
+
+@dataclass(frozen=True)
+class UnevenFlags:
+    """The flags ParallelConfig.pipeline_layer_counts and TrainingConfig.data_parallel_shares
+    are derived from (docs/guide.md "Mixed or straggling hardware")."""
+    GROUP = "uneven"
+
+    decoder_first_pipeline_num_layers: int | None = flag(
+        None, help="Layers of the first pipeline rank (split evenly over its virtual stages); "
+                   "the other ranks share the rest evenly (Megatron's).")
+    decoder_last_pipeline_num_layers: int | None = flag(
+        None, help="Layers of the last pipeline rank, as above (Megatron's).")
+    account_for_embedding_in_pipeline_split: bool = flag(
+        False, help="Count the embedding as one layer of the first stage in the even split "
+                    "(Megatron's).")
+    account_for_loss_in_pipeline_split: bool = flag(
+        False, help="Count the output layer and loss as one layer of the last stage in the even "
+                    "split (Megatron's).")
+    num_virtual_stages_per_pipeline_rank: int | None = flag(
+        None, help="Model chunks per pipeline rank v (interleaved 1F1B); the way to interleave "
+                   "an uneven split (Megatron's).")
+    pipeline_model_parallel_layout: str | None = flag(
+        None, help="Megatron's per-stage layout string: not implemented in megalite (refused); "
+                   "use the flags above.")
+    data_parallel_shares: str | None = flag(
+        None, metavar="W0,W1,...|auto",
+        help="megalite's own: micro-batches of every global batch per DP rank in proportion to "
+             "these weights (one per DP rank, e.g. 3,1), or 'auto': from each DP replica's "
+             "measured speed (the --log-straggler timers), re-balanced when a speed moves by "
+             "more than --data-parallel-shares-threshold. The samples of a global batch and the "
+             "update stay one process's at any shares.")
 
 
 def is_uneven_split(args) -> bool:

@@ -1,0 +1,44 @@
+"""REPORT.md: a section per phase, under a header that says the launch and the result,
+written by rank 0 under a temporary name and renamed."""
+
+import os
+from dataclasses import dataclass, field
+
+from megalite.cluster_check.charts import write_charts
+
+
+@dataclass
+class Section:
+    title: str
+    lines: list[str] = field(default_factory=list)
+    failed: bool = False
+    seconds: float | None = None
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def write_report(output_dir: str, sections: list[Section], charts: dict, header: list[str]):
+    os.makedirs(output_dir, exist_ok=True)
+    lines = ["# megalite cluster check", ""] + header + [""] + write_charts(output_dir, charts)
+    for section in sections:
+        took = f" ({section.seconds:.0f} s)" if section.seconds is not None else ""
+        lines += [f"## {section.title}{' — FAILED' if section.failed else ''}{took}", ""]
+        lines += section.lines + [""]
+    path = os.path.join(output_dir, "REPORT.md")
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines))
+    os.replace(path + ".tmp", path)
+
+
+def publish(output_dir: str, sections: list[Section], charts: dict, launch: str):
+    """Rank 0's end: REPORT.md under `launch` (the ranks, backend, device, time) and the
+    result, and every section printed."""
+    failed = [s.title for s in sections if s.failed]
+    result = "FAILED: " + "; ".join(failed) if failed else "every check passed"
+    write_report(output_dir, sections, charts, [launch, f"Result: {result}."])
+    for section in sections:
+        print("\n".join([f"## {section.title}", *section.lines, ""]), flush=True)
+    print(f"report: {os.path.join(output_dir, 'REPORT.md')}", flush=True)
