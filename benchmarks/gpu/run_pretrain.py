@@ -75,7 +75,7 @@ def profiled(runner, original, microbatches, trace):
     """One step under torch.profiler; a profiler that cannot start or export is reported
     and the step still runs (the run's numbers matter more than its profile)."""
     from torch.profiler import ProfilerActivity, profile, record_function
-    import profile_summary
+    from benchmarks.gpu import profile_summary
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
