@@ -40,7 +40,6 @@ from benchmarks.common.checkpoint_run import Run, add_run_args, build_config, in
 from benchmarks.common.smoke import shrink
 from megalite.checkpointing.async_save import AsyncCheckpointer
 from megalite.parallel_state import ParallelState
-from megalite.training import TrainState
 
 
 def timed(fn, *args) -> tuple[float, float, object]:
@@ -62,9 +61,7 @@ def async_round(run: Run, writer: AsyncCheckpointer, directory: str, iteration: 
                 n_steps: int) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()
-    stall, stall_cpu, _ = timed(writer.save, directory, iteration, run.model, run.optimizer,
-                                run.scheduler, run.state, run.config,
-                                TrainState(iteration, iteration))
+    stall, stall_cpu, _ = timed(writer.save, directory, iteration, run.checkpoint(iteration))
     writer.waited_s = 0.0
     step_s = steps(run, n_steps)  # beside the writer
     writer.finalize(blocking=True)

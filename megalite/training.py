@@ -9,7 +9,6 @@ import dataclasses
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from megalite.checkpointing.local import load_newest
 from megalite.checkpointing.save_guard import (RunRecord, check_save_directory,
                                                resumes_from_save)
 from megalite.checkpointing.saver import CheckpointSaver
+from megalite.checkpointing.state import CheckpointState, TrainState
 from megalite.host_memory import keep_freed_host_memory
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
@@ -56,15 +56,6 @@ from megalite.train_step import StepRunner
 from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
                                    num_floating_point_operations, validation_lines)
 from megalite.validation import validate_args
-
-
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    run: RunRecord = field(default_factory=RunRecord)
-    """This launch, as its checkpoints record it (checkpointing/save_guard.py)."""
 
 
 def pretrain(argv=None) -> int:
@@ -176,16 +167,36 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     return optimizer, grad_buffer
 
 
-def load_any_format(load: str, chunks: nn.ModuleList, optimizer, scheduler,
-                    state: ParallelState, config: Config, rng_tracker=None,
-                    compressor=None) -> dict | None:
+def load_any_format(ckpt: CheckpointState) -> dict | None:
     """--load: a megalite checkpoint (checkpointing/), or Megatron-LM's own directory read
     without conversion (megatron_checkpoint/; PowerSGD then starts afresh); the same return
     either way."""
+    load = ckpt.config.checkpoint.load
     if is_megatron_checkpoint(load):
-        return load_megatron_checkpoint(load, chunks, optimizer, scheduler, state, config)
-    return load_checkpoint(load, chunks, optimizer, scheduler, state, config, rng_tracker,
-                           compressor)
+        return load_megatron_checkpoint(load, ckpt)
+    return load_checkpoint(load, ckpt)
+
+
+def resume(ckpt: CheckpointState, device: torch.device) -> bool:
+    """--load's checkpoint, or the newer local one every rank has (checkpointing/local.py),
+    into `ckpt`, its progress included. Returns whether there was one."""
+    flags = ckpt.config.checkpoint
+    if flags.load is None and flags.non_persistent_local_ckpt_dir is None:
+        return False
+    if flags.non_persistent_local_ckpt_dir is None:
+        loaded, source = load_any_format(ckpt), flags.load
+    else:
+        loaded, source = load_newest(ckpt, device, lambda: load_any_format(ckpt))
+        if ckpt.compressor is not None and loaded is not None and source != flags.load:
+            # A fresh compressor is a restarted one; say so, as a layout change does.
+            print_rank_0(" > restarting PowerSGD from uncompressed steps: a "
+                         "non-persistent local checkpoint does not hold its state")
+    if loaded is not None:
+        ckpt.progress = TrainState(**loaded, run=RunRecord(
+            resumed_at=loaded["iteration"] if resumes_from_save(flags) else None))
+    print_rank_0(f" > resuming from {source} at iteration {ckpt.progress.iteration}"
+                 if loaded else f" > no checkpoint in {source}: starting from scratch")
+    return loaded is not None
 
 
 def run_training(config: Config, state: ParallelState, device: torch.device,
@@ -208,31 +219,11 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
     runner = StepRunner(model, optimizer, config, state, device, grad_buffer, timers)
     compressor = grad_buffer.compressor if grad_buffer is not None else None
     scheduler = LRScheduler(optimizer, config.scheduler)
-    progress = TrainState()
-    ckpt = config.checkpoint
-    if ckpt.load is not None or ckpt.non_persistent_local_ckpt_dir is not None:
-        def load_persistent():
-            return load_any_format(ckpt.load, model, optimizer, scheduler, state, config,
-                                   rng_tracker, compressor)
-        if ckpt.non_persistent_local_ckpt_dir is None:
-            loaded, source = load_persistent(), ckpt.load
-        else:  # the newer of --load's and a local one every rank has (checkpointing/local.py)
-            loaded, source = load_newest(ckpt.non_persistent_local_ckpt_dir, ckpt.load, model,
-                                         optimizer, scheduler, state, device, rng_tracker,
-                                         load_persistent)
-            if compressor is not None and loaded is not None and source != ckpt.load:
-                # A fresh compressor is a restarted one; say so, as a layout change does.
-                print_rank_0(" > restarting PowerSGD from uncompressed steps: a "
-                             "non-persistent local checkpoint does not hold its state")
-        if loaded is not None:
-            progress = TrainState(**loaded, run=RunRecord(
-                resumed_at=loaded["iteration"] if resumes_from_save(ckpt) else None))
-            monitor.resumed = True
-        print_rank_0(f" > resuming from {source} at iteration {progress.iteration}"
-                     if loaded else f" > no checkpoint in {source}: starting from scratch")
-
-    saver = (CheckpointSaver(config, device, model, optimizer, scheduler, state, progress,
-                             rng_tracker, run_file, compressor) if config.checkpoint.save else None)
+    ckpt = CheckpointState(model, optimizer, scheduler, state, config, TrainState(),
+                           rng_tracker, compressor, run_file)
+    monitor.resumed = resume(ckpt, device)
+    progress = ckpt.progress
+    saver = CheckpointSaver(ckpt, device) if config.checkpoint.save else None
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1

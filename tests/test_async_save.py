@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from megalite.checkpointing.async_save import TEST_HOOK, HostBuffers, _Pending
 from megalite.arguments import parse_args
 from megalite.checkpointing.saving import model_file, rank_files
+from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import find_checkpoint_to_load
 from megalite.memory_estimate import estimate_memory
 from megalite.parallel_state import ParallelState, RankGrid
@@ -109,7 +110,8 @@ def test_a_rank_copies_to_host_only_what_it_writes(tmp_path):
             state.dp_rank = dp_rank
             buffers = HostBuffers(torch.device("cpu"))
             buffers.start()
-            files = rank_files(model, optimizer, state, config, None, buffers.copy)
+            files = rank_files(CheckpointState(model, optimizer, None, state, config),
+                               buffers.copy)
             assert (model_file(0, 0) in files) == (dp_rank == 0)
             assert buffers.nbytes == tensor_bytes(files) > 0, dp_rank
     finally:

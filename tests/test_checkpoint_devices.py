@@ -5,7 +5,6 @@ shows up as such), and as save -> load -> step, bit-exact, on each available dev
 states written on another kind of device (issue #39) leave the device's generators as
 seeded."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,13 +12,14 @@ import torch.distributed as dist
 from megalite.arguments import parse_args
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.checkpointing.saving import rng_file
+from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import load_tensor_file, save_tensor_file
 from megalite.validation import validate_args
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
-from megalite.training import TrainState, build_model, build_optimizer
+from megalite.training import build_model, build_optimizer
 
 from tests.helpers import flags_with
 
@@ -68,9 +68,9 @@ def train(config, state, device, built, steps, seed):
 
 def save(config, state, built, iteration, rng_tracker=None):
     model, optimizer, _, scheduler = built
-    progress = TrainState()
-    save_checkpoint(config.checkpoint.save, iteration, model, optimizer, scheduler, state,
-                    config, progress, rng_tracker)
+    save_checkpoint(config.checkpoint.save, iteration,
+                    CheckpointState(model, optimizer, scheduler, state, config,
+                                    rng_tracker=rng_tracker))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -85,7 +85,8 @@ def test_loaded_adam_state_lies_where_torch_puts_it(tmp_path, state, kind):
         s.main.grad = torch.zeros_like(s.main)
     reference.adam.step()
     model, loaded, _, scheduler = build(config, state, "meta")
-    load_checkpoint(config.checkpoint.load, model, loaded, scheduler, state, config)
+    load_checkpoint(config.checkpoint.load,
+                    CheckpointState(model, loaded, scheduler, state, config))
     assert len(loaded.segments) == len(reference.segments) > 0
     for s, r in zip(loaded.segments, reference.segments):
         got, want = loaded.adam.state[s.main], reference.adam.state[r.main]
@@ -107,7 +108,8 @@ def test_save_load_step_is_bit_exact(tmp_path, state, kind, device):
     train(config, state, device, straight, 1, seed=1)
     resumed = build(config, state, device)
     model, optimizer, _, scheduler = resumed
-    load_checkpoint(config.checkpoint.load, model, optimizer, scheduler, state, config)
+    load_checkpoint(config.checkpoint.load,
+                    CheckpointState(model, optimizer, scheduler, state, config))
     train(config, state, device, resumed, 1, seed=1)
     for a, b in zip(straight[0].parameters(), resumed[0].parameters()):
         assert a.device.type == device and torch.equal(a, b)
@@ -136,8 +138,8 @@ def test_rng_states_of_another_device_kind_resume_as_seeded(tmp_path, state, cap
     torch.manual_seed(7)
     tracker, seeded = build_rng_tracker(1, 0, "cpu"), build_rng_tracker(1, 0, "cpu")
     model, optimizer, _, scheduler = build(config, state, "cpu")
-    load_checkpoint(config.checkpoint.load, model, optimizer, scheduler, state, config,
-                    tracker)
+    load_checkpoint(config.checkpoint.load, CheckpointState(model, optimizer, scheduler, state,
+                                                            config, rng_tracker=tracker))
     assert torch.equal(torch.get_rng_state(), record["torch"])
     draws = []
     for t in (tracker, seeded):

@@ -139,6 +139,7 @@ def _tp2_logits(rank, world_size, loads):
     from megalite.model.gpt import build_model_chunks
     from megalite.optimizer.optimizer import Optimizer
     from megalite.parallel_state import ParallelState, RankGrid
+    from megalite.checkpointing.state import CheckpointState
     from megalite.training import load_any_format
     from megalite.validation import validate_model_args
     state = ParallelState(RankGrid(world_size, 2, 1), rank)
@@ -152,7 +153,7 @@ def _tp2_logits(rank, world_size, loads):
         optimizer = Optimizer(chunks, OptimizerConfig(lr=1e-3), None, state.tp_group,
                               state.mp_group)
         scheduler = argparse.Namespace(load_state_dict=lambda s: None)
-        loaded = load_any_format(load, chunks, optimizer, scheduler, state, config)
+        loaded = load_any_format(CheckpointState(chunks, optimizer, scheduler, state, config))
         adam = {n.split(".", 1)[1]: optimizer.adam.state.get(s.main, {})
                 for s in optimizer.segments for n, p in chunks.named_parameters()
                 if p is s.param}

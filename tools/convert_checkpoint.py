@@ -43,6 +43,7 @@ from torch import nn
 import megalite
 from megalite.checkpointing import saving
 from megalite.checkpointing.loading import SavedCheckpoint
+from megalite.checkpointing.state import saved_params
 from megalite.checkpointing.storage import (TRACKER_FILENAME, checkpoint_dir,
                                             commit, find_checkpoint_to_load, prepare_staging,
                                             read_metadata, save_tensor_file)
@@ -138,7 +139,7 @@ def saved_shard_layout(config: GPTConfig) -> tuple[list[str], dict]:
                                  **{f: 2 for f in ("moe_ffn_hidden_size",
                                                    "moe_shared_expert_intermediate_size")
                                     if getattr(config, f, None)})
-    params = saving.saved_params(nn.ModuleList([GPTModel(narrow, seed=0)]))
+    params = saved_params(nn.ModuleList([GPTModel(narrow, seed=0)]))
     return list(params), saving.shard_layout(params)
 
 

@@ -10,11 +10,12 @@ import torch.distributed as dist
 
 from megalite.arguments import parse_args
 from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing.state import CheckpointState, TrainState
 from megalite.initialize import free_port
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.parallel_state import ParallelState
 from megalite.train_step import StepRunner
-from megalite.training import TrainState, build_model, build_optimizer
+from megalite.training import build_model, build_optimizer
 from megalite.validation import validate_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,12 +41,14 @@ class Run:
         self.scheduler.step(t.global_batch_size)
 
     def save(self, directory: str, iteration: int) -> Path:
-        return save_checkpoint(directory, iteration, self.model, self.optimizer, self.scheduler,
-                               self.state, self.config, TrainState(iteration, iteration))
+        return save_checkpoint(directory, iteration, self.checkpoint(iteration))
 
     def load(self, directory: str):
-        load_checkpoint(directory, self.model, self.optimizer, self.scheduler, self.state,
-                        self.config)
+        load_checkpoint(directory, self.checkpoint(0))
+
+    def checkpoint(self, iteration: int) -> CheckpointState:
+        return CheckpointState(self.model, self.optimizer, self.scheduler, self.state,
+                               self.config, TrainState(iteration, iteration))
 
 
 def build_config(args, save_dir: str):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megalite.checkpointing.saving import (begin_save, checkpoint_metadata, publish,
                                            rank_files)
+from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import save_tensor_file
 from megalite.errors import CheckpointError
 from megalite.parallel_state import all_reduce_anywhere
@@ -151,25 +152,21 @@ class AsyncCheckpointer:
             pending.copied.wait()
             self.waited_s += time.perf_counter() - start
 
-    def save(self, save: str, iteration: int, chunks, optimizer, scheduler, state, config,
-             train_state, rng_tracker=None, run_file: str | None = None,
-             compressor=None) -> float:
+    def save(self, save: str, iteration: int, ckpt: CheckpointState) -> float:
         """Every rank at the same iteration: waits for a pending save, snapshots, starts
         the writer. Returns the seconds training was blocked (the stall)."""
         self.finalize(blocking=True)
         requested = time.perf_counter()
         staging = begin_save(save, iteration)
         self.buffers.start()
-        files = rank_files(chunks, optimizer, state, config, rng_tracker, self.buffers.copy,
-                           compressor)
-        metadata = (checkpoint_metadata(chunks, optimizer, scheduler, state, config,
-                                        train_state, run_file)
-                    if dist.get_rank() == 0 else None)
-        if id(optimizer.adam) not in self._hooked:  # AdamW updates params, main and moments
-            optimizer.adam.register_step_pre_hook(self._before_step)
-            self._hooked.add(id(optimizer.adam))
+        files = rank_files(ckpt, self.buffers.copy)
+        metadata = checkpoint_metadata(ckpt) if dist.get_rank() == 0 else None
+        adam = ckpt.optimizer.adam
+        if id(adam) not in self._hooked:  # AdamW updates params, main and moments
+            adam.register_step_pre_hook(self._before_step)
+            self._hooked.add(id(adam))
         self.buffers.values_made()
-        pending = _Pending(save, iteration, metadata, config, requested)
+        pending = _Pending(save, iteration, metadata, ckpt.config, requested)
         pending.thread = threading.Thread(target=pending.write,
                                           args=(files, staging, self.buffers),
                                           name=f"async-save-{iteration}", daemon=True)

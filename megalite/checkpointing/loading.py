@@ -1,35 +1,30 @@
-"""Loading a checkpoint (saving.py's files) into this rank's model chunks and optimizer.
+"""Loading a checkpoint (saving.py's files) into a CheckpointState (state.py): this rank's
+model chunks, optimizer, scheduler, RNG and PowerSGD state.
 
 At any (TP, PP, v, DP, CP, EP) layout, no converter: every parameter and each of its optimizer
 tensors (fp32 main copy, Adam moments) is reassembled into the full single-process tensor
 from the saved shards (TP pieces joined along their partition dim by params.tp_unshard, DP
 segments placed at their ranges) and cut again for this rank (its experts, then its TP
-shard). Vocabulary padding, which
-depends on TP, is zero in weights and Adam moments alike, so it is dropped or added as
-zeros. Files are memory-mapped, so a rank reads only the pieces it touches. RNG states only
-mean something at the same layout; at another they are left as seeded. The device's own
-and the tracker's also need the same kind of device (`_set_rng_state`).
+shard: CheckpointState.load_params and load_optimizer). Vocabulary padding, which depends on
+TP, is zero in weights and Adam moments alike, so it is dropped or added as zeros. Files
+are memory-mapped, so a rank reads only the pieces it touches. RNG states only mean
+something at the same layout; at another they are left as seeded. The device's own and the
+tracker's also need the same kind of device (CheckpointState.load_rng_state).
 """
 
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megalite.checkpointing.compression_state import load_compression_state
-from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, model_fields,
-                                           model_file, optim_file, optimizer_shards, rng_device,
-                                           rng_file, saved_layout, state_buffers)
+from megalite.checkpointing.saving import (model_fields, model_file, optim_file,
+                                           optimizer_shards, rng_file, saved_layout)
+from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import (check_model_compatible, find_checkpoint_to_load,
                                             load_tensor_file, read_metadata)
-from megalite.distributed.fsdp import copy_into
 from megalite.errors import CheckpointError
-from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.params import ep_shard, local_shard, tp_unshard
-from megalite.tensor_parallel.random import set_device_rng_state
+from megalite.tensor_parallel.params import tp_unshard
 
 # Before SwiGLU's gate and up were fused into linear_fc1 = [gate; up], the gate was saved
 # as its own parameter; such checkpoints still load (SavedCheckpoint._with_legacy_gate).
@@ -128,105 +123,39 @@ class SavedCheckpoint:
         return int(self._file(optim_file(0, 0, 0))["step"])
 
 
-def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
-                    state: ParallelState, config, rng_tracker=None,
-                    compressor=None) -> dict | None:
-    """Restore everything a checkpoint holds that the flags ask for (and `compressor`'s,
-    the gradient buffer's PowerSGD, state). Returns the iteration and consumed samples to
-    continue from, or None when `load` holds no checkpoint at all (a fresh start)."""
+def load_checkpoint(load: str, ckpt: CheckpointState) -> dict | None:
+    """Restore everything a checkpoint holds that the flags ask for into `ckpt`. Returns
+    the iteration and consumed samples to continue from, or None when `load` holds no
+    checkpoint at all (a fresh start)."""
     found = find_checkpoint_to_load(load)
-    ckpt = config.checkpoint
+    flags = ckpt.config.checkpoint
     if found is None:
-        if ckpt.finetune:
+        if flags.finetune:
             raise CheckpointError(f"--finetune: no checkpoint in --load {load}")
         return None
     iteration, directory = found
     meta = read_metadata(directory)
-    check_model_compatible(meta["model"], model_fields(config.model), checkpoint=directory)
+    check_model_compatible(meta["model"], model_fields(ckpt.config.model), checkpoint=directory)
     saved = SavedCheckpoint(directory, meta)
-    load_params(chunks, state, saved.param)
-    optimizer.reload_main_params()
-    if ckpt.load_optim and not ckpt.finetune:
+    ckpt.load_params(saved.param)
+    if flags.load_optim and not flags.finetune:
         if meta["has_optimizer"]:
-            load_optimizer(optimizer, chunks, state, saved.optimizer_step(),
-                           saved.optimizer_tensor)
-            if optimizer.grad_scaler is not None and meta["grad_scaler"] is not None:
-                optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+            ckpt.load_optimizer(saved.optimizer_step(), saved.optimizer_tensor)
+            ckpt.load_grad_scaler_state(meta["grad_scaler"])
         elif dist.get_rank() == 0:
             print(f" > {directory} holds no optimizer state (saved with --no-save-optim): "
                   "Adam starts afresh", flush=True)
-    if ckpt.finetune:
+    if flags.finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    scheduler.load_state_dict(meta["scheduler"])
-    if ckpt.load_rng and meta.get("has_rng", True):
-        current = layout_of(state.grid, len(chunks), optimizer.sharded)
-        if saved_layout(meta["layout"]) == current:
-            _set_rng_state(load_tensor_file(directory / rng_file(dist.get_rank())), rng_tracker)
+    ckpt.scheduler.load_state_dict(meta["scheduler"])
+    if flags.load_rng and meta.get("has_rng", True):
+        if saved_layout(meta["layout"]) == ckpt.layout:
+            ckpt.load_rng_state(load_tensor_file(directory / rng_file(dist.get_rank())))
         elif dist.get_rank() == 0:
             print(f" > not restoring RNG states: saved at layout {meta['layout']}, running "
-                  f"at {current}", flush=True)
-    if compressor is not None:
-        load_compression_state(directory, compressor,
-                               layout_of(state.grid, len(chunks), optimizer.sharded),
-                               next(chunks.parameters()).device)
-    return {"iteration": iteration,
-            "consumed_train_samples": meta["consumed_train_samples"],
-            "consumed_valid_samples": meta["consumed_valid_samples"]}
-
-
-@torch.no_grad()
-def load_params(chunks: nn.ModuleList, state: ParallelState, full) -> None:
-    """Every chunk parameter set to this rank's TP shard (of its EP block of experts) of
-    `full(name)`, the parameter's single-process tensor."""
-    for name, param in chunks.named_parameters():
-        name = canonical_name(name, param)
-        copy_into(param, rank_block(full(name), param, name, state))
-    for name, buffer in state_buffers(chunks, chunk_prefix=False).items():
-        buffer.copy_(full(name))  # whole on every rank (a MoE router's expert bias)
-
-
-@torch.no_grad()
-def load_optimizer(optimizer, chunks: nn.ModuleList, state: ParallelState, step: int,
-                   full) -> None:
-    """Each segment this rank's optimizer owns: its fp32 main copy and Adam moments cut
-    from `full(name, key)`, the single-process tensors, and Adam's `step`."""
-    names = {id(p): canonical_name(n, p) for n, p in chunks.named_parameters()}
-    for s in optimizer.segments:
-        name = names[id(s.param)]
-        values = {k: rank_block(full(name, k), s.param, name, state).reshape(-1)[s.start:s.end]
-                  for k in ("main", *MOMENTS)}
-        s.main.copy_(values.pop("main").view_as(s.main))
-        optimizer.restore_state(s, step, values)  # on the main tensor's device
-
-
-def rank_block(full: torch.Tensor, param: nn.Parameter, name: str,
-               state: ParallelState) -> torch.Tensor:
-    """This rank's block of a single-process tensor: its experts (EP), then its TP shard."""
-    return local_shard(ep_shard(full, param, state.ep_rank, state.ep_size), param, name,
-                       state.tp_rank, state.tp_size)
-
-
-def _set_rng_state(state: dict, rng_tracker):
-    """The host's generators always; the device's own and the tracker's only when saved on
-    this kind of device (a CPU generator state does not fit a GPU's, nor the reverse):
-    otherwise they stay as seeded and the run resumes with other dropout masks."""
-    version, words, gauss = state["python"]
-    random.setstate((version, tuple(words), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    device = rng_device(rng_tracker)
-    # Records before "device" hold a "cuda" generator when saved on a CUDA machine.
-    saved = state.get("device", "cuda" if "cuda" in state else "cpu")
-    if saved != device.type:  # gpu_check: save_paths
-        if dist.get_rank() == 0:
-            print(f" > RNG states saved on {saved}, running on {device.type}: restoring the "
-                  f"host's generators (python, numpy, torch) only; the others stay as seeded",
-                  flush=True)
-        return
-    if saved in state:
-        set_device_rng_state(state[saved], device)  # gpu_check: checkpoint_resume
-    if rng_tracker is not None and state["tracker"]:
-        rng_tracker.set_states(state["tracker"])
-
-
+                  f"at {ckpt.layout}", flush=True)
+    if ckpt.compressor is not None:
+        load_compression_state(directory, ckpt.compressor, ckpt.layout,
+                               next(ckpt.chunks.parameters()).device)
+    return {"iteration": iteration, **{k: meta[k] for k in ("consumed_train_samples",
+                                                            "consumed_valid_samples")}}

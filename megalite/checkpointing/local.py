@@ -2,15 +2,15 @@
 --non-persistent-ckpt-type local, into --non-persistent-local-ckpt-dir, a directory on each
 node's own disk.
 
-Each rank writes one file, `iter_0000100/rank_00003.pt`, of what it holds itself (its
-chunks' parameters by their own names, its optimizer segments, its RNG and the run's
-position), written whole or not at all (storage.save_tensor_file). So a local checkpoint
-loads only at the layout that wrote it, and only if every rank still has its file: on
-restart a MIN all-reduce over all ranks finds the newest iteration every rank holds
-(`newest_common`), and it is used only when newer than the persistent checkpoint;
-otherwise training resumes from --load. A rank keeps its two newest local saves (a crash
-between two ranks' writes still leaves a common one) and drops those a published
-persistent save makes stale.
+Each rank writes one file, `iter_0000100/rank_00003.pt`, of what it holds itself
+(CheckpointState.state_dict: its chunks' parameters by their own names, its optimizer
+segments, its RNG and the run's position), written whole or not at all
+(storage.save_tensor_file). So a local checkpoint loads only at the layout that wrote it,
+and only if every rank still has its file: on restart a MIN all-reduce over all ranks
+finds the newest iteration every rank holds (`newest_common`), and it is used only when
+newer than the persistent checkpoint; otherwise training resumes from --load. A rank keeps
+its two newest local saves (a crash between two ranks' writes still leaves a common one)
+and drops those a published persistent save makes stale.
 """
 
 import re
@@ -19,12 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.checkpointing.loading import _set_rng_state
-from megalite.checkpointing.saving import (MOMENTS, _cpu_copy, _rng_state, layout_of,
-                                          state_buffers)
+from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
                                            load_tensor_file, save_tensor_file)
-from megalite.distributed.fsdp import copy_into, full_tensor
 
 KEEP = 2
 _ITER = re.compile(r"iter_(\d{7,})")
@@ -43,30 +40,11 @@ def _own_iterations(root: str | Path, rank: int) -> list[int]:
     return sorted(i for i in found if rank_path(root, i, rank).is_file())
 
 
-def save_local(root: str, iteration: int, chunks, optimizer, scheduler, state, train_state,
-               rng_tracker=None) -> Path:
+def save_local(root: str, iteration: int, ckpt: CheckpointState) -> Path:
     """Every rank at the same iteration (FSDP2 gathers each parameter): this rank's file."""
-    optimizer.finish_param_gather()
-    step, segments = 0, []
-    for s in optimizer.segments:
-        adam = optimizer.adam.state.get(s.main, {})
-        step = int(adam["step"].item()) if "step" in adam else step
-        segments.append({"main": _cpu_copy(s.main), **{k: _cpu_copy(adam[k])
-                                                      for k in MOMENTS if k in adam}})
-    scaler = optimizer.grad_scaler
-    record = {"iteration": iteration,
-              "layout": layout_of(state.grid, len(chunks), optimizer.sharded),
-              "params": {n: _cpu_copy(full_tensor(p.detach()))
-                         for n, p in [*chunks.named_parameters(),
-                                      *state_buffers(chunks).items()]},
-              "optimizer": {"step": step, "segments": segments},
-              "rng": _rng_state(rng_tracker), "scheduler": scheduler.state_dict(),
-              "grad_scaler": scaler.state_dict() if scaler is not None else None,
-              "consumed_train_samples": train_state.consumed_train_samples,
-              "consumed_valid_samples": train_state.consumed_valid_samples}
     rank = dist.get_rank()
     path = rank_path(root, iteration, rank)
-    save_tensor_file(record, path)
+    save_tensor_file(ckpt.state_dict(iteration), path)
     for old in _own_iterations(root, rank)[:-KEEP]:
         _drop(root, old, rank)
     return path
@@ -104,38 +82,17 @@ def newest_common(root: str, layout: dict, device: torch.device) -> int | None:
     return candidate if has.item() else None
 
 
-@torch.no_grad()
-def load_local(root: str, iteration: int, chunks, optimizer, scheduler, rng_tracker=None
-               ) -> dict:
-    """This rank's file of `iteration` into its chunks, optimizer, scheduler and RNG."""
-    record = load_tensor_file(rank_path(root, iteration, dist.get_rank()))
-    for name, param in chunks.named_parameters():
-        copy_into(param, record["params"][name])
-    for name, buffer in state_buffers(chunks).items():
-        buffer.copy_(record["params"][name])
-    optimizer.reload_main_params()
-    opt = record["optimizer"]
-    for s, saved in zip(optimizer.segments, opt["segments"], strict=True):
-        s.main.copy_(saved["main"].view_as(s.main))
-        moments = {k: v for k, v in saved.items() if k != "main"}
-        if moments:
-            optimizer.restore_state(s, opt["step"], moments)
-    if optimizer.grad_scaler is not None and record["grad_scaler"] is not None:
-        optimizer.grad_scaler.load_state_dict(record["grad_scaler"])
-    scheduler.load_state_dict(record["scheduler"])
-    _set_rng_state(record["rng"], rng_tracker)
-    return {k: record[k] for k in ("iteration", "consumed_train_samples",
-                                   "consumed_valid_samples")}
-
-
-def load_newest(root: str, load: str | None, chunks, optimizer, scheduler, state, device,
-                rng_tracker, load_persistent) -> tuple[dict | None, str]:
-    """Every rank: the local checkpoint when every rank has one newer than --load's,
-    else `load_persistent()`. Returns what was loaded and where from."""
+def load_newest(ckpt: CheckpointState, device: torch.device, load_persistent
+                ) -> tuple[dict | None, str]:
+    """Every rank: the local checkpoint (in --non-persistent-local-ckpt-dir) when every rank
+    has one newer than --load's, else `load_persistent()`. Returns what was loaded and
+    where from."""
+    flags = ckpt.config.checkpoint
+    root, load = flags.non_persistent_local_ckpt_dir, flags.load
     found = find_checkpoint_to_load(load) if load is not None else None
     persistent = found[0] if found is not None else -1
-    layout = layout_of(state.grid, len(chunks), optimizer.sharded)
-    local = newest_common(root, layout, device)
+    local = newest_common(root, ckpt.layout, device)
     if local is not None and local > persistent:
-        return load_local(root, local, chunks, optimizer, scheduler, rng_tracker), root
+        record = load_tensor_file(rank_path(root, local, dist.get_rank()))
+        return ckpt.load_state_dict(record), root
     return (load_persistent() if load is not None else None), load

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megalite.checkpointing.async_save import AsyncCheckpointer
 from megalite.checkpointing.local import drop_stale, save_local
 from megalite.checkpointing.saving import save_checkpoint
+from megalite.checkpointing.state import CheckpointState
 
 
 def _print_rank_0(message: str) -> None:
@@ -26,31 +27,25 @@ def _print_rank_0(message: str) -> None:
 
 
 class CheckpointSaver:
-    """Saves `model`, `optimizer`, ... (training.run_training's) to --save."""
+    """Saves `ckpt` (training.run_training's) to --save."""
 
-    def __init__(self, config, device, model, optimizer, scheduler, state, progress,
-                 rng_tracker=None, run_file: str | None = None, compressor=None):
-        self.directory = config.checkpoint.save
-        self.config, self.progress, self.run_file = config, progress, run_file
-        self.parts = (model, optimizer, scheduler, state)
-        self.rng_tracker, self.compressor = rng_tracker, compressor
+    def __init__(self, ckpt: CheckpointState, device):
+        self.ckpt, self.flags = ckpt, ckpt.config.checkpoint
+        self.directory = self.flags.save
         self.writer = (AsyncCheckpointer(device, dist.group.WORLD)
-                       if config.checkpoint.async_save else None)
+                       if self.flags.async_save else None)
         self.stall_s: list[float] = []
         """Seconds each save blocked training, in order (benchmarks read them)."""
 
     def save(self, iteration: int) -> None:
-        model, optimizer, scheduler, state = self.parts
-        args = (self.directory, iteration, model, optimizer, scheduler, state, self.config,
-                self.progress, self.rng_tracker, self.run_file, self.compressor)
         start = time.perf_counter()
         if self.writer is None:
-            save_checkpoint(*args)
+            save_checkpoint(self.directory, iteration, self.ckpt)
             self._finished(iteration, time.perf_counter() - start)
             self.stall_s.append(time.perf_counter() - start)
             return
         self._report(self.writer.finalize(blocking=True))  # a save still pending: its line
-        stall = self.writer.save(*args)
+        stall = self.writer.save(self.directory, iteration, self.ckpt)
         self.stall_s.append(time.perf_counter() - start)  # with a wait for the last save
         _print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
                       f"blocked {stall * 1e3:.1f} ms (snapshot queued; copied to host memory "
@@ -60,17 +55,15 @@ class CheckpointSaver:
     def save_non_persistent(self, iteration: int) -> None:
         """Every rank, at an iteration without a persistent save: a node-local save if
         --non-persistent-save-interval says so (synchronous: a local disk is fast)."""
-        ckpt = self.config.checkpoint
-        interval = ckpt.non_persistent_save_interval
+        interval, local = (self.flags.non_persistent_save_interval,
+                           self.flags.non_persistent_local_ckpt_dir)
         if not interval or iteration % interval:
             return
-        model, optimizer, scheduler, state = self.parts
         start = time.perf_counter()
-        save_local(ckpt.non_persistent_local_ckpt_dir, iteration, model, optimizer, scheduler,
-                   state, self.progress, self.rng_tracker)
+        save_local(local, iteration, self.ckpt)
         dist.barrier()  # for the time and the log: every rank's file is written
         _print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
-                      f"{ckpt.non_persistent_local_ckpt_dir} ({time.perf_counter() - start:.2f} s)")
+                      f"{local} ({time.perf_counter() - start:.2f} s)")
 
     def poll(self) -> None:
         """Every rank, every iteration: publish the pending save if every rank wrote it."""
@@ -91,7 +84,7 @@ class CheckpointSaver:
         self._finished(*published)
 
     def _finished(self, iteration: int, seconds: float) -> None:
-        local = self.config.checkpoint.non_persistent_local_ckpt_dir
+        local = self.flags.non_persistent_local_ckpt_dir
         if local is not None:
             drop_stale(local, iteration)
         _print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "

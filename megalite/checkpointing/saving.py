@@ -26,11 +26,9 @@ the experts' main copies and moments are gathered over EP like the parameters.
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,17 +36,17 @@ from torch import nn
 import megalite
 from megalite.checkpointing.compression_state import compression_file, compression_record
 from megalite.checkpointing.save_guard import RunRecord, newer_tracked
+from megalite.checkpointing.state import (CheckpointState, cpu_copy, layout_of, saved_params,
+                                          state_buffers)
 from megalite.checkpointing.storage import (MOE_FIELDS, RECORDED_FIELDS, apply_retention,
                                            checkpoint_dir, commit, prepare_staging,
                                            save_tensor_file, staging_dir)
 from megalite.distributed.fsdp import full_tensor, is_fully_sharded
-from megalite.parallel_state import ParallelState, RankGrid, all_gather_first_dim, group_rank
+from megalite.parallel_state import RankGrid, all_gather_first_dim, group_rank
 from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
                                              partition_dim, partition_stride)
-from megalite.tensor_parallel.random import get_device_rng_state
 
 FORMAT_VERSION = 1
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def model_file(tp: int, pp: int) -> str:
@@ -63,32 +61,6 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.pt"
 
 
-def canonical_name(name: str, param: nn.Parameter) -> str:
-    """Chunk parameters are "<chunk>.<single-process name>"; a tied output layer on the
-    last stage is a copy of the word embeddings."""
-    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name.split(".", 1)[1]
-
-
-def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
-    """The parameters, and the buffers that are model state (a MoE router's expert bias),
-    by single-process name."""
-    params = {canonical_name(n, p): p for n, p in chunks.named_parameters()
-              if not is_embedding_copy(p)}
-    return {**params, **state_buffers(chunks, chunk_prefix=False)}
-
-
-def state_buffers(chunks: nn.ModuleList, chunk_prefix: bool = True) -> dict[str, torch.Tensor]:
-    """The persistent buffers of `chunks` (those a state_dict holds; masks and per-step
-    counters are not persistent), by name with or without the "<chunk>." prefix."""
-    out = {}
-    for module_name, module in chunks.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                full = f"{module_name}.{name}"
-                out[full if chunk_prefix else full.split(".", 1)[1]] = buffer
-    return out
-
-
 def shard_layout(params: dict[str, nn.Parameter]) -> dict:
     """How the TP shards of a model file join into full tensors: the partition dim of each
     split parameter, and the stride of each stacked one (params.mark_stacked; files
@@ -97,17 +69,6 @@ def shard_layout(params: dict[str, nn.Parameter]) -> dict:
                                if partition_dim(p) is not None},
             "partition_strides": {n: partition_stride(p) for n, p in params.items()
                                   if partition_stride(p) > 1}}
-
-
-def layout_of(grid: RankGrid, num_chunks: int, zero: bool) -> dict:
-    """The layout a checkpoint records: the grid, model chunks per rank, ZeRO-1 or not."""
-    return {"tensor_model_parallel_size": grid.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": grid.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": num_chunks,
-            "data_parallel_size": grid.data_parallel_size, "world_size": grid.world_size,
-            "use_distributed_optimizer": zero,
-            "context_parallel_size": grid.context_parallel_size,
-            "expert_model_parallel_size": grid.expert_model_parallel_size}
 
 
 SINGLE_PROCESS_LAYOUT = layout_of(RankGrid(1), 1, zero=False)
@@ -141,21 +102,15 @@ def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> lis
 
 # --- saving --------------------------------------------------------------------------------
 
-def save_checkpoint(save: str, iteration: int, chunks: nn.ModuleList, optimizer, scheduler,
-                    state: ParallelState, config, train_state, rng_tracker=None,
-                    run_file: str | None = None, compressor=None) -> Path:
+def save_checkpoint(save: str, iteration: int, ckpt: CheckpointState) -> Path:
     """Every rank calls this at the same iteration; returns the published directory.
-    `run_file`: the run's flags as YAML (megalite/run_file.py), kept in the metadata.
-    `compressor`: the gradient buffer's PowerSGD, whose state each rank saves.
     async_save.py writes the same `rank_files` from a background thread instead."""
     staging = begin_save(save, iteration)
-    for name, obj in rank_files(chunks, optimizer, state, config, rng_tracker,
-                                compressor=compressor).items():
+    for name, obj in rank_files(ckpt).items():
         save_tensor_file(obj, staging / name)
     dist.barrier()
     if dist.get_rank() == 0:
-        publish(save, iteration, checkpoint_metadata(chunks, optimizer, scheduler, state,
-                                                     config, train_state, run_file), config)
+        publish(save, iteration, checkpoint_metadata(ckpt), ckpt.config)
     dist.barrier()
     return checkpoint_dir(save, iteration)
 
@@ -168,41 +123,39 @@ def begin_save(save: str, iteration: int) -> Path:
     return staging_dir(save, iteration)
 
 
-def rank_files(chunks: nn.ModuleList, optimizer, state: ParallelState, config, rng_tracker,
-               copy: Callable | None = None, compressor=None) -> dict[str, dict]:
+def rank_files(ckpt: CheckpointState, copy: Callable = cpu_copy) -> dict[str, dict]:
     """file name -> what this rank writes into it, every tensor a host copy made by
     `copy(tensor, dtype)` (default: a fresh CPU tensor; --async-save's is made later, but
     before the next optimizer step). Every rank calls it at once: under FSDP2 each whole
-    value is gathered. `compressor`: PowerSGD, whose state is per rank."""
-    copy = copy or _cpu_copy
+    value is gathered."""
+    optimizer, state = ckpt.optimizer, ckpt.parallel
     optimizer.finish_param_gather()
-    params = saved_params(chunks)
+    params = saved_params(ckpt.chunks)
     owns_model_file = state.dp_rank == 0 and state.cp_rank == 0
     files = {}
     # Every EP rank takes part in gathering the experts (each rank's block is dim 0's, in
     # EP rank order).
     experts = {n: all_gather_first_dim(p.detach(), state.ep_group) for n, p in params.items()
                if state.ep_size > 1 and is_expert_parallel(p)}
-    if owns_model_file or is_fully_sharded(chunks):
-        values = _model_values(params, experts, state_buffers(chunks, chunk_prefix=False),
+    if owns_model_file or is_fully_sharded(ckpt.chunks):
+        values = _model_values(params, experts, state_buffers(ckpt.chunks, chunk_prefix=False),
                                copy if owns_model_file else None)
     if owns_model_file:
         files[model_file(state.tp_rank, state.pp_rank)] = {"params": values,
                                                            **shard_layout(params)}
-    if config.checkpoint.save_optim:
+    if ckpt.config.checkpoint.save_optim:
         names = {id(p): n for n, p in params.items()}
-        shard = _optimizer_shard(optimizer, names, copy, state,
-                                 write=optimizer.sharded or owns_model_file)
+        shard = _optimizer_shard(ckpt, names, copy, write=optimizer.sharded or owns_model_file)
         if optimizer.sharded or owns_model_file:
             # ZeRO-1's shard index: this rank's place in the DP x CP group.
             files[optim_file(state.tp_rank, state.pp_rank,
                               group_rank(state.dp_cp_group))] = shard
-    files[rng_file(dist.get_rank())] = _rng_state(rng_tracker)
-    if compressor is not None:
+    files[rng_file(dist.get_rank())] = ckpt.rng_state()
+    if ckpt.compressor is not None:
         # Copied now, not by `copy`: --async-save's copies wait for the next optimizer
         # step, and the next step's gradient reduction changes the error and Q before it.
-        files[compression_file(dist.get_rank())] = compression_record(
-            compressor, layout_of(state.grid, len(chunks), optimizer.sharded), _cpu_copy)
+        files[compression_file(dist.get_rank())] = compression_record(ckpt.compressor,
+                                                                      ckpt.layout, cpu_copy)
     return files
 
 
@@ -225,22 +178,17 @@ def _model_values(params: dict, experts: dict, buffers: dict, copy: Callable | N
     return values
 
 
-def checkpoint_metadata(chunks: nn.ModuleList, optimizer, scheduler, state: ParallelState,
-                        config, train_state, run_file: str | None) -> dict:
+def checkpoint_metadata(ckpt: CheckpointState) -> dict:
     """What rank 0 records in metadata.json, as of now (taken when the save starts)."""
-    scaler = optimizer.grad_scaler
+    config = ckpt.config
     return {"format_version": FORMAT_VERSION, "megalite_version": megalite.__version__,
-            "torch_version": torch.__version__,
-            "layout": layout_of(state.grid, len(chunks), optimizer.sharded),
+            "torch_version": torch.__version__, "layout": ckpt.layout,
             "model": model_fields(config.model), "has_optimizer": config.checkpoint.save_optim,
-            "has_rng": True,
-            "consumed_train_samples": train_state.consumed_train_samples,
-            "consumed_valid_samples": train_state.consumed_valid_samples,
-            "scheduler": scheduler.state_dict(),
-            "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "has_rng": True, **ckpt.position(), "scheduler": ckpt.scheduler.state_dict(),
+            "grad_scaler": ckpt.grad_scaler_state(),
             # What JSON cannot hold (dtypes, enums) as its str().
             "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
-            "run_file": run_file, "run": dataclasses.asdict(train_state.run)}
+            "run_file": ckpt.run_file, "run": dataclasses.asdict(ckpt.progress.run)}
 
 
 def publish(save: str, iteration: int, metadata: dict, config) -> Path:
@@ -258,22 +206,22 @@ def publish(save: str, iteration: int, metadata: dict, config) -> Path:
     return final
 
 
-def _optimizer_shard(optimizer, names: dict[int, str], copy: Callable, state: ParallelState,
+def _optimizer_shard(ckpt: CheckpointState, names: dict[int, str], copy: Callable,
                      write: bool) -> dict:
     """This rank's optimizer file (module docstring), built when `write`; every rank calls
     it, as the experts' state of an unsharded optimizer is gathered over EP."""
+    optimizer, state = ckpt.optimizer, ckpt.parallel
     segments, step = {}, 0
     for s in optimizer.segments:
         expert = state.ep_size > 1 and is_expert_parallel(s.param)
         gather = expert and not optimizer.sharded  # a whole EP block: gather all experts
         if is_embedding_copy(s.param) or not (write or gather):
             continue
-        adam = optimizer.adam.state.get(s.main, {})
+        values, adam = ckpt.adam_state(s)
         if "step" in adam:
             step = int(adam["step"].item())
         # An EP block's place in the flattened all-experts tensor (docstring).
         shift = state.ep_rank * s.param.numel() if expert and not gather else 0
-        values = {"main": s.main, **{m: adam[m] for m in MOMENTS if m in adam}}
         if gather:
             values = {k: all_gather_first_dim(v.detach().reshape(s.param.shape), state.ep_group)
                       for k, v in values.items()}
@@ -284,35 +232,6 @@ def _optimizer_shard(optimizer, names: dict[int, str], copy: Callable, state: Pa
             segments[names[id(s.param)]] = {"range": torch.tensor([s.start + shift, end]),
                                             **entry}
     return {"step": step, "segments": segments}
-
-
-def _cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return tensor.detach().to("cpu", dtype=dtype, copy=True)
-
-
-def rng_device(rng_tracker) -> torch.device:
-    """The device whose generators an RNG record holds besides the host's: the run's (the
-    tracker's), else the accelerator if there is one."""
-    if rng_tracker is not None:
-        return rng_tracker.device
-    return torch.accelerator.current_accelerator() or torch.device("cpu")
-
-
-def _rng_state(rng_tracker) -> dict:
-    """The host's generators (python, numpy, torch), and under "device" the kind of device
-    whose own generator (under that kind's name, none on a CPU) and tracker states follow:
-    a generator state fits only the kind of generator that made it."""
-    version, words, gauss = random.getstate()
-    np_state = np.random.get_state()
-    device = rng_device(rng_tracker)
-    state = {"python": [version, list(words), gauss],
-             "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
-                       int(np_state[2]), int(np_state[3]), float(np_state[4])],
-             "torch": torch.get_rng_state(), "device": device.type,
-             "tracker": rng_tracker.get_states() if rng_tracker is not None else {}}
-    if device.type != "cpu":
-        state[device.type] = get_device_rng_state(device)  # gpu_check: checkpoint_resume
-    return state
 
 
 def model_fields(model_config) -> dict:

@@ -10,7 +10,8 @@ import time
 import torch.distributed as dist
 
 from megalite.arguments import parse_args
-from megalite.checkpointing import load_checkpoint, save_checkpoint
+from megalite.checkpointing import CheckpointState, load_checkpoint, save_checkpoint
+from megalite.checkpointing.state import TrainState
 from megalite.cluster_check.report import Section, table
 from megalite.cluster_check.shared import ROOT, TARGETS, batch_flags, gathered
 from megalite.errors import ConfigError
@@ -18,7 +19,6 @@ from megalite.layout_check import build_run
 from megalite.memory_estimate import num_model_parameters
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.timers import synchronize
-from megalite.training import TrainState
 from megalite.validation import validate_model_args
 
 
@@ -43,16 +43,16 @@ def check_checkpoint(model: list[str], args, rank: int, world: int, device) -> S
     flags = model + batch_flags(max(4, 2 * world)) + ["--use-distributed-optimizer"]
     config, state, chunks, optimizer, runner, batches = build_run(flags, world, rank, device)
     runner.train_step([next(batches) for _ in range(config.training.num_microbatches)])
-    scheduler = LRScheduler(optimizer, config.scheduler)
+    ckpt = CheckpointState(chunks, optimizer, LRScheduler(optimizer, config.scheduler), state,
+                           config, TrainState(1, config.training.global_batch_size))
     timings = {}
     for what in ("save", "load"):
         dist.barrier()
         start = time.perf_counter()
         if what == "save":
-            published = save_checkpoint(directory, 1, chunks, optimizer, scheduler, state,
-                                        config, TrainState(1, config.training.global_batch_size))
+            published = save_checkpoint(directory, 1, ckpt)
         else:
-            load_checkpoint(directory, chunks, optimizer, scheduler, state, config)
+            load_checkpoint(directory, ckpt)
         synchronize(device)
         dist.barrier()
         timings[what] = time.perf_counter() - start

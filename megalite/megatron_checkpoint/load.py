@@ -11,15 +11,13 @@ otherwise a message says the optimizer starts fresh.
 """
 
 import torch.distributed as dist
-from torch import nn
 
-from megalite.checkpointing.loading import load_optimizer, load_params
-from megalite.checkpointing.saving import canonical_name, model_fields, state_buffers
+from megalite.checkpointing.saving import model_fields
+from megalite.checkpointing.state import CheckpointState, canonical_name, state_buffers
 from megalite.checkpointing.storage import MODEL_FIELDS, check_model_compatible
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint.optimizer_state import adam_state
 from megalite.megatron_checkpoint.reader import MegatronCheckpoint, read_checkpoint
-from megalite.parallel_state import ParallelState
 
 
 def check_compatible(ckpt: MegatronCheckpoint, model_config) -> None:
@@ -38,35 +36,32 @@ def check_compatible(ckpt: MegatronCheckpoint, model_config) -> None:
                            checkpoint=ckpt.directory)
 
 
-def load_megatron_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
-                             state: ParallelState, config) -> dict:
+def load_megatron_checkpoint(load: str, ckpt: CheckpointState) -> dict:
     """loading.load_checkpoint's counterpart for a Megatron directory: same return."""
-    finetune = config.checkpoint.finetune
-    load_optim = config.checkpoint.load_optim and not finetune
+    finetune = ckpt.config.checkpoint.finetune
+    load_optim = ckpt.config.checkpoint.load_optim and not finetune
     # Only this rank's parameters (its stages' layers) and, if it keeps them, Adam's.
-    names = {canonical_name(n, p) for n, p in chunks.named_parameters()}
-    names |= set(state_buffers(chunks, chunk_prefix=False))  # a MoE router's expert bias
-    ckpt = read_checkpoint(load, names=names, optimizer=load_optim)
-    check_compatible(ckpt, config.model)
-    load_params(chunks, state, lambda name: ckpt.state[name])
-    optimizer.reload_main_params()
+    names = {canonical_name(n, p) for n, p in ckpt.chunks.named_parameters()}
+    names |= set(state_buffers(ckpt.chunks, chunk_prefix=False))  # a MoE router's expert bias
+    megatron = read_checkpoint(load, names=names, optimizer=load_optim)
+    check_compatible(megatron, ckpt.config.model)
+    ckpt.load_params(lambda name: megatron.state[name])
     if load_optim:
-        _load_optimizer(ckpt, optimizer, chunks, state)
+        _load_optimizer(megatron, ckpt)
     if finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
-    scheduler.load_state_dict({"num_steps": ckpt.scheduler_steps})
-    return {"iteration": ckpt.iteration, "consumed_train_samples": ckpt.consumed("train"),
-            "consumed_valid_samples": ckpt.consumed("valid")}
+    ckpt.scheduler.load_state_dict({"num_steps": megatron.scheduler_steps})
+    return {"iteration": megatron.iteration, "consumed_train_samples": megatron.consumed("train"),
+            "consumed_valid_samples": megatron.consumed("valid")}
 
 
-def _load_optimizer(ckpt: MegatronCheckpoint, optimizer, chunks: nn.ModuleList,
-                    state: ParallelState) -> None:
-    adam, reason = adam_state(ckpt)
+def _load_optimizer(megatron: MegatronCheckpoint, ckpt: CheckpointState) -> None:
+    adam, reason = adam_state(megatron)
     if adam is None:
         if dist.get_rank() == 0:
-            print(f" > {ckpt.directory}: {reason}; the optimizer starts fresh (Adam moments "
-                  f"zero, step 0)", flush=True)
+            print(f" > {megatron.directory}: {reason}; the optimizer starts fresh (Adam "
+                  f"moments zero, step 0)", flush=True)
         return
-    load_optimizer(optimizer, chunks, state, adam.step, lambda name, k: adam.tensors[name][k])
+    ckpt.load_optimizer(adam.step, lambda name, k: adam.tensors[name][k])
     if dist.get_rank() == 0:
-        print(f" > {ckpt.directory}: Adam state carried over (step {adam.step})", flush=True)
+        print(f" > {megatron.directory}: Adam state carried over (step {adam.step})", flush=True)

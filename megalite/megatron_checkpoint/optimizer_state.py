@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.checkpointing.saving import MOMENTS
+from megalite.checkpointing.state import MOMENTS
 from megalite.megatron_checkpoint import layout
 from megalite.tensor_parallel.params import partition_dim, partition_stride, tp_unshard
 

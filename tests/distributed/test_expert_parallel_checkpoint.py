@@ -11,13 +11,13 @@ import torch
 
 from megalite.checkpointing.loading import load_checkpoint
 from megalite.checkpointing.saving import save_checkpoint
+from megalite.checkpointing.state import CheckpointState, TrainState
 from megalite.layout_check import build_run, step_problems
 from megalite.memory_estimate.weights import grad_buckets, rank_parameters, weights_and_optimizer
 from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.replica_check import ReplicaMismatchError, check_all_replicas
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.spawn import run_distributed
-from megalite.training import TrainState
 
 from tests.distributed.test_expert_parallel_layouts import BASE
 from tests.test_memory_estimate import built_buckets
@@ -38,7 +38,7 @@ def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=
         return None
     scheduler = LRScheduler(optimizer, config.scheduler)  # constant: never stepped here
     if load is not None:
-        load_checkpoint(load, model, optimizer, scheduler, state, config)
+        load_checkpoint(load, CheckpointState(model, optimizer, scheduler, state, config))
     m = config.training.num_microbatches
     for _ in range((steps.start - 1) * m):  # the data position of the checkpoint
         next(batches)
@@ -47,8 +47,9 @@ def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=
         result = runner.train_step([next(batches) for _ in range(m)])
         results.append((result.loss, result.grad_norm))
         if iteration == save_at:
-            save_checkpoint(save, iteration, model, optimizer, scheduler, state, config,
-                            TrainState(iteration, iteration * config.training.global_batch_size))
+            progress = TrainState(iteration, iteration * config.training.global_batch_size)
+            save_checkpoint(save, iteration, CheckpointState(model, optimizer, scheduler, state,
+                                                             config, progress))
     return results, model, state, config, runner
 
 

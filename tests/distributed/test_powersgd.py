@@ -30,7 +30,7 @@ from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.distributed.powersgd import initial_q, single_process_names
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.spawn import run_distributed
-from megalite.training import TrainState
+from megalite.checkpointing.state import CheckpointState, TrainState
 from megalite.layout_check import build_run, first_difference, run_layout
 from tests.helpers import flags_with
 
@@ -194,11 +194,13 @@ def checkpoints(rank, straight) -> tuple[dict[str, str | None], list[int]]:
     losses, values = [loss for loss, _ in straight.steps[:6]], straight.values[5]
     first = Run(rank, 4)
     first.steps(4)
-    save_checkpoint(where[0], 4, first.model, first.optimizer, first.scheduler, first.state,
-                    first.config, TrainState(4, 32), compressor=first.compressor)
+    save_checkpoint(where[0], 4, CheckpointState(
+        first.model, first.optimizer, first.scheduler, first.state, first.config,
+        TrainState(4, 32), compressor=first.compressor))
     second = Run(rank, 4)
-    load_checkpoint(where[0], second.model, second.optimizer, second.scheduler, second.state,
-                    second.config, compressor=second.compressor)
+    load_checkpoint(where[0], CheckpointState(second.model, second.optimizer, second.scheduler,
+                                              second.state, second.config,
+                                              compressor=second.compressor))
     for _ in range(4 * second.config.training.num_microbatches):
         next(second.batches)  # past the data the first run consumed
     out = {"same-layout resume": None}
@@ -209,8 +211,9 @@ def checkpoints(rank, straight) -> tuple[dict[str, str | None], list[int]]:
     with contextlib.redirect_stdout(printed):
         other = Run(rank, 2)
         if other.model is not None:
-            load_checkpoint(where[0], other.model, other.optimizer, other.scheduler,
-                            other.state, other.config, compressor=other.compressor)
+            load_checkpoint(where[0], CheckpointState(
+                other.model, other.optimizer, other.scheduler, other.state, other.config,
+                compressor=other.compressor))
     if rank == 0:
         restarted = other.compressor.steps == 0 and not other.compressor.errors
         out["DP 4 -> 2 restarts"] = None if restarted and \

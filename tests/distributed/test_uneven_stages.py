@@ -12,6 +12,7 @@ import torch
 
 from megalite.checkpointing.loading import load_checkpoint
 from megalite.checkpointing.saving import save_checkpoint
+from megalite.checkpointing.state import CheckpointState, TrainState
 from megalite.config import OptimizerConfig, SchedulerConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.model.gpt import GPTModel, build_model_chunks
@@ -21,7 +22,6 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.stages import stage_layer_counts
 from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
-from megalite.training import TrainState
 from megalite.validation import pad_vocab_size
 
 from tests.helpers import (random_batches, reference_name, step_problems, tensor_problem,
@@ -69,8 +69,9 @@ def run(config, chunks, state=None, schedule="1f1b", save=None):
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in chunks.named_parameters()}
     if save is not None:
-        save_checkpoint(save, STEPS, chunks, optimizer, scheduler, state, run_config,
-                        TrainState(STEPS, STEPS * MICRO * NUM_MICRO))
+        save_checkpoint(save, STEPS, CheckpointState(chunks, optimizer, scheduler, state,
+                                                     run_config,
+                                                     TrainState(STEPS, STEPS * MICRO * NUM_MICRO)))
     return steps, first_grads, {n: p.detach().clone() for n, p in chunks.named_parameters()}
 
 
@@ -91,8 +92,8 @@ def compare_layout(rank, tp, pp, v, dp, schedule, split, ref, save=None,
     if load is not None:  # the saved layout's final parameters, here: the reference's
         loaded = build()
         optimizer, scheduler = make_optimizer(loaded, state)
-        load_checkpoint(load, loaded, optimizer, scheduler, state,
-                        step_config(config, MICRO, NUM_MICRO // dp))
+        load_checkpoint(load, CheckpointState(loaded, optimizer, scheduler, state,
+                                              step_config(config, MICRO, NUM_MICRO // dp)))
         for name, param in loaded.named_parameters():
             problems += tensor_problem(f"loaded {name}", param.detach(), param,
                                        ref_params["0." + reference_name(name, param)],
