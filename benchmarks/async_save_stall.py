@@ -19,23 +19,27 @@ fraction of the sync save (the target: <= 10%).
 
     python benchmarks/async_save_stall.py [--num-layers 8 --hidden-size 768 --repeat 3]
 
-SMOKE=1 (benchmarks/smoke.py): a 2-layer hidden-64 model, two rounds, under $TMPDIR.
+SMOKE=1 (benchmarks/common/smoke.py): a 2-layer hidden-64 model, two rounds, under $TMPDIR.
 """
 
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import torch
 import torch.distributed as dist
 
-from checkpoint_throughput import Run, add_run_args, build_config, init_one_rank
+from benchmarks.common.checkpoint_run import Run, add_run_args, build_config, init_one_rank
+from benchmarks.common.smoke import shrink
 from megalite.checkpointing.async_save import AsyncCheckpointer
 from megalite.parallel_state import ParallelState
-from smoke import shrink
 
 
 def timed(fn, *args) -> tuple[float, float, object]:

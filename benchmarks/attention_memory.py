@@ -20,7 +20,7 @@ torch.cuda.max_memory_allocated minus the memory allocated before the call.
     python benchmarks/attention_memory.py [--seqs 512 1024 2048 4096] [--repeats 3]
     python benchmarks/attention_memory.py --device cuda     # the GPU rows only
 
-SMOKE=1 (benchmarks/smoke.py): seqs 128 and 256, one run each, not a measurement.
+SMOKE=1 (benchmarks/common/smoke.py): seqs 128 and 256, one run each, not a measurement.
 """
 
 import argparse
@@ -29,11 +29,15 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.smoke import shrink
 from megalite.attention_backends import core_attention, flash_attn_available
-from smoke import shrink
 
 HEADS, HEAD_DIM = 8, 64
 MiB = 2**20

@@ -22,39 +22,29 @@ copies back: what a training job pays.
     python benchmarks/checkpoint_throughput.py [--dir DIR --num-layers 8 --hidden-size 768]
     python benchmarks/checkpoint_throughput.py --device cpu
 
-SMOKE=1 (benchmarks/smoke.py): a 2-layer hidden-64 model, one round, under $TMPDIR.
+SMOKE=1 (benchmarks/common/smoke.py): a 2-layer hidden-64 model, one round, under $TMPDIR.
 """
 
 import argparse
 import mmap
 import os
 import shutil
-import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import torch
 import torch.distributed as dist
 
-from megalite.arguments import parse_args
-from megalite.checkpointing import load_checkpoint, save_checkpoint
-from megalite.checkpointing.state import CheckpointState, TrainState
-from megalite.optimizer.lr_scheduler import LRScheduler
+from benchmarks.common.checkpoint_run import Run, add_run_args, build_config, init_one_rank
+from benchmarks.common.smoke import shrink
 from megalite.parallel_state import ParallelState
-from megalite.train_step import StepRunner
-from megalite.training import build_model, build_optimizer
-from megalite.validation import validate_args
-from smoke import shrink
 
 CHUNK = 64 * 2 ** 20
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def drop_page_cache(path: Path):
@@ -107,51 +97,12 @@ def fill_fresh_memory(nbytes: int):
     torch.empty(nbytes, dtype=torch.uint8).fill_(1)
 
 
-class Run:
-    """A model, its optimizer and scheduler, built from the flags as pretrain() builds them."""
-
-    def __init__(self, config, state: ParallelState, device: torch.device):
-        self.config, self.state, self.device = config, state, device
-        self.model = build_model(config, state, device, None)
-        self.optimizer, self.grad_buffer = build_optimizer(self.model, config, state)
-        self.scheduler = LRScheduler(self.optimizer, config.scheduler)
-
-    def train_step(self):
-        m, t = self.config.model, self.config.training
-        runner = StepRunner(self.model, self.optimizer, self.config, self.state, self.device,
-                            self.grad_buffer)
-        shape, device = (t.micro_batch_size, m.seq_length), self.device
-        runner.train_step([{"tokens": torch.randint(0, m.vocab_size, shape, device=device),
-                            "labels": torch.randint(0, m.vocab_size, shape, device=device),
-                            "loss_mask": torch.ones(shape, device=device)}])
-        self.scheduler.step(t.global_batch_size)
-
-    def save(self, directory: str, iteration: int) -> Path:
-        return save_checkpoint(directory, iteration, self.checkpoint(iteration))
-
-    def load(self, directory: str):
-        load_checkpoint(directory, self.checkpoint(0))
-
-    def checkpoint(self, iteration: int) -> CheckpointState:
-        return CheckpointState(self.model, self.optimizer, self.scheduler, self.state,
-                               self.config, TrainState(iteration, iteration))
-
-
 def check_restored(saved: Run, loaded: Run):
     for (name, p), q in zip(saved.model.named_parameters(), loaded.model.parameters()):
         assert torch.equal(p, q), f"parameter {name} differs after loading"
     for p, q in zip(saved.optimizer.params, loaded.optimizer.params):
         a, b = saved.optimizer.adam.state[p], loaded.optimizer.adam.state[q]
         assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
-
-
-def build_config(args, save_dir: str):
-    h = args.hidden_size
-    return validate_args(parse_args([
-        "--mock-data", "--vocab-size", str(args.vocab_size), "--num-layers", str(args.num_layers),
-        "--hidden-size", str(h), "--num-attention-heads", str(h // 64),
-        "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "1",
-        "--train-iters", "1", "--lr", "1e-4", "--save", save_dir, "--load", save_dir]), 1)
 
 
 class Clock:
@@ -237,29 +188,6 @@ def print_table(clock: Clock, nbytes: int):
         ratio = f"{clock.best[ref][0] / wall:.2f} × {ref}" if ref else ""
         print(f"| {what} | {nbytes:,} | {wall:.2f} | {cpu:.2f} | {nbytes / wall / 1e9:.2f} "
               f"| {ratio} |")
-
-
-def add_run_args(p: argparse.ArgumentParser):
-    """The model, device and directory flags (benchmarks/async_save_stall.py shares them)."""
-    p.add_argument("--dir", default=str(REPO),
-                   help="Where the temporary directory goes (default: the repo's disk).")
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--hidden-size", type=int, default=768)
-    p.add_argument("--vocab-size", type=int, default=16384)
-    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
-                   help="Where the model and optimizer live (default cuda:0 when a GPU is "
-                        "visible).")
-
-
-def init_one_rank(name: str) -> torch.device:
-    """A one-rank process group on `name`'s device (NCCL on CUDA, else gloo)."""
-    device = torch.device(name)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
-    return device
 
 
 def main():

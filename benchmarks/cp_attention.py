@@ -23,14 +23,19 @@ d=8, the same CP degrees, comm types and kv-head ratio.
 
 import argparse
 import functools
+import sys
 from collections import Counter
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.common.rank_setup import launch
+from benchmarks.common.smoke import shrink
 from megalite.context_parallel import COMM_TYPES, context_parallel_attention, cp_comm_bytes
-from rank_setup import launch
-from smoke import shrink
 
 ALL_GATHER = ("all_gather_single", "all_gather_into_tensor")          # new, old torch names
 REDUCE_SCATTER = ("reduce_scatter_single", "reduce_scatter_tensor")

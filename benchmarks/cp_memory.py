@@ -24,9 +24,16 @@ non-zero. SMOKE=1: sequences 64 and 128 against a 2 MiB budget (the CP ranks for
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.rank_setup import launch
+from benchmarks.common.smoke import shrink
 import megalite.memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.memory_estimate.activations import layer_activation_bytes
@@ -34,8 +41,6 @@ from megalite.monitoring.memory import SavedActivations
 from megalite.parallel_state import ParallelState
 from megalite.training import build_model
 from megalite.validation import validate_args
-from rank_setup import launch
-from smoke import shrink
 
 MiB = 2 ** 20
 MODEL = ["--mock-data", "--vocab-size", "512", "--num-layers", "1", "--hidden-size", "256",

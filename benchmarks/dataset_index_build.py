@@ -9,22 +9,27 @@ size of the indices. The blending loop is timed next to an empty Python loop.
     python benchmarks/dataset_index_build.py [--documents 2000000] [--seq-length 2048]
         [--epochs 1 10] [--blend-samples 10000000]
 
-SMOKE=1 (benchmarks/smoke.py): 2,000 documents, 1,000 blend samples. An index size off its
+SMOKE=1 (benchmarks/common/smoke.py): 2,000 documents, 1,000 blend samples. An index size off its
 closed form, or a blend share more than one sample off its weight, exits non-zero.
 """
 
 import argparse
 import os
 import resource
+import sys
 import tempfile
 import time
 import tracemalloc
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 
+from benchmarks.common.smoke import shrink
 from megalite.data.blended_dataset import build_blending_indices
 from megalite.data.gpt_dataset import GPTDataset, build_gpt_indices
-from smoke import shrink
 
 
 class LengthsOnly:

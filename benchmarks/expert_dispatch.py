@@ -18,20 +18,25 @@ The all-to-all's bytes do not grow with EP; the all-gather's do, linearly.
 
     python benchmarks/expert_dispatch.py [--tokens 2048 --hidden 256 --experts 8 --topk 2 --ep 4 --steps 10]
 
-Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/smoke.py): T=64, h=32, 3 steps.
+Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/common/smoke.py): T=64, h=32, 3 steps.
 """
 
 import argparse
 import functools
+import sys
 import time
 from collections import Counter
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.common.rank_setup import launch
+from benchmarks.common.smoke import shrink
 from megalite.expert_parallel.dispatch import TokenDispatcher
-from rank_setup import launch
-from smoke import shrink
 
 COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single",
                "reduce_scatter_tensor", "reduce_scatter_single")

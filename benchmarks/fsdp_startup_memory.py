@@ -12,20 +12,25 @@ the CPU over gloo; the figure is the rise of its peak RSS (getrusage) across bui
 
 Peak RSS moves by tens of MiB between runs (allocator, gloo's threads), so the figures
 are measurements to read next to the closed forms, not checked against them.
-SMOKE=1 (benchmarks/smoke.py): 4 layers, hidden 512, vocabulary 1024, DP 2 only.
+SMOKE=1 (benchmarks/common/smoke.py): 4 layers, hidden 512, vocabulary 1024, DP 2 only.
 """
 
 import argparse
 import resource
+import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.smoke import shrink
 from megalite.arguments import parse_args
 from megalite.parallel_state import ParallelState
 from megalite.spawn import run_distributed
 from megalite.training import build_model
 from megalite.validation import validate_args
-from smoke import shrink
 
 MiB = 2 ** 20
 

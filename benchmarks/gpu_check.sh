@@ -44,7 +44,7 @@ export REPO=$PWD
 export PY=${PYTHON:-python3} SMOKE=${SMOKE:-0} PEAK=${PEAK_TFLOPS:-989}
 export EXTRA_PERF_FLAGS=${EXTRA_PERF_FLAGS:-}
 export HELPERS=$REPO/benchmarks/gpu
-export PYTHONPATH="$REPO:$HELPERS${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 STEPS=${STEPS:-}
 T0=$(date +%s)
@@ -186,7 +186,7 @@ gpu_tests() {  # the tests that skip without a GPU: a skip reason naming a GPU o
     files=$(grep -rlE --include='test_*.py' 'skipif' tests | xargs -r grep -lE 'GPU|CUDA')
     [ -n "$files" ] || skip "no test says it needs a GPU"
     # shellcheck disable=SC2086
-    "$PY" -m pytest -q -rs -p no:cacheprovider -p gpu_only_tests $files >"$LOG/pytest.txt" 2>&1
+    "$PY" -m pytest -q -rs -p no:cacheprovider -p benchmarks.gpu.gpu_only_tests $files >"$LOG/pytest.txt" 2>&1
     local rc=$?
     cat "$LOG/pytest.txt"
     grep -aE "^(SKIPPED|FAILED|ERROR)|[0-9]+ (passed|failed|skipped)" "$LOG/pytest.txt" \

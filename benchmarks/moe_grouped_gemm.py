@@ -14,18 +14,24 @@ otherwise).
 
 Each round times the matmul and both paths, one after the other; the best round of each
 is printed.
-SMOKE=1 (benchmarks/smoke.py): 64 tokens, hidden 32, one repeat; not a measurement.
+SMOKE=1 (benchmarks/common/smoke.py): 64 tokens, hidden 32, one repeat; not a measurement.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.smoke import shrink
 from megalite.config import GPTConfig
 from megalite.expert_parallel.grouped_gemm import check_grouped_gemm_device
 from megalite.model.moe import GroupedExperts
-from smoke import shrink
+from megalite.monitoring.peak_flops import mfu_percent
 
 
 def matmul_flops(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
@@ -115,7 +121,7 @@ def main(argv=None):
     print(f"reference: dense matmul {n}^3 {peak / 1e9:10.1f} GFLOP/s (best of {args.rounds})")
     for name, seconds in best.items():
         print(f"{name:16s} {args.tokens / seconds:12.0f} tokens/s  {flops / seconds / 1e9:10.1f}"
-              f" GFLOP/s = {100 * flops / seconds / peak:5.1f}% of the matmul peak (best of "
+              f" GFLOP/s = {mfu_percent(flops / seconds, peak):5.1f}% of the matmul peak (best of "
               f"{args.rounds} rounds)")
     loop, grouped = results.values()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2

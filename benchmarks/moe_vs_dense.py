@@ -12,7 +12,7 @@ parameters in total, plus the 8 x 128 router per layer), aux-loss coefficient 1e
 
     python benchmarks/moe_vs_dense.py [--iters 600] [--eval-interval 100]
 
-Prints a table of both validation curves. SMOKE=1 (benchmarks/smoke.py): --mock-data
+Prints a table of both validation curves. SMOKE=1 (benchmarks/common/smoke.py): --mock-data
 instead of the corpus, 2 steps; not a measurement.
 """
 
@@ -26,9 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common.smoke import ON as SMOKE, shrink
 from megalite.training import pretrain
 from megalite.training_log import parse_validation_line
-from smoke import ON as SMOKE, shrink
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,8 @@ slows both alike; each reports its mean time per iteration after the first log i
 
 Prints each run's tokens/s, each round's megalite / plain, the median of each side and their
 ratio, and the median of the rounds' ratios (rounds pair runs close in time).
-SMOKE=1 (benchmarks/smoke.py): one round of 4 iterations per side, 1 thread, not a measurement.
+SMOKE=1 (benchmarks/common/smoke.py): one round of 4 iterations per side, 1 thread, not a
+measurement.
 """
 
 import argparse
@@ -26,13 +27,16 @@ import sys
 import time
 from pathlib import Path
 
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common.smoke import shrink
 from megalite.host_memory import MMAP_THRESHOLD, NEVER_TRIM
 from megalite.training_log import parse_log
-from smoke import shrink
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, HEADS, WIDTH, BLOCK, BATCH, VOCAB = 4, 4, 128, 64, 12, 65

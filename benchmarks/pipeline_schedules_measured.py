@@ -20,11 +20,18 @@ SMOKE=1: one timed round per schedule and one timed pass each of F, B, W (CPU ra
 
 import argparse
 import contextlib
+import sys
 import time
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.common.rank_setup import add_device_flag, describe, launch, rank_device
+from benchmarks.common.smoke import shrink
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainingConfig)
@@ -36,8 +43,6 @@ from megalite.pipeline_parallel.schedules import SCHEDULES, build_schedule
 from megalite.pipeline_parallel.simulate import simulate
 from megalite.tensor_parallel.weight_grad import WeightGradStore
 from megalite.train_step import StepRunner
-from rank_setup import add_device_flag, describe, launch, rank_device
-from smoke import shrink
 
 PP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 4, 256, 128, 4, 8, 512
 

@@ -15,22 +15,27 @@ validation loss against bytes sent per step when matplotlib (the `plot` extra) i
 
     python benchmarks/powersgd_convergence.py [--iters 600] [--ranks 1 2 4 8] [--png FILE]
 
-SMOKE=1 (benchmarks/smoke.py): 3 iterations, compression from iteration 2, rank 2 only,
+SMOKE=1 (benchmarks/common/smoke.py): 3 iterations, compression from iteration 2, rank 2 only,
 not a measurement.
 """
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.smoke import shrink
 from megalite.data.datasets import build_datasets
 from megalite.data.loader import microbatches
 from megalite.layout_check import build_run
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.spawn import run_distributed
-from smoke import shrink
 
 DP = 4
 MODEL = ["--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "128",

@@ -14,14 +14,21 @@ by v at the price of v times the boundaries (Narayanan et al. 2021, §2.2).
 On GPUs (--device cuda, the default when one is visible) each rank drives its own GPU over
 NCCL (NCCL refuses two ranks on one GPU), so a row needs p GPUs; rows needing more than
 the visible GPUs are skipped with a note. On the CPU the ranks run over gloo.
-Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/smoke.py): p = 2 only.
+Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/common/smoke.py): p = 2 only.
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.common.rank_setup import add_device_flag, describe, launch, rank_device
+from benchmarks.common.smoke import shrink
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainingConfig)
@@ -29,8 +36,6 @@ from megalite.model.gpt import build_model_chunks
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
-from rank_setup import add_device_flag, describe, launch, rank_device
-from smoke import shrink
 
 SEQ, MICRO, HIDDEN, NUM_MICRO = 64, 2, 64, 8
 

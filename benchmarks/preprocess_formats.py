@@ -12,7 +12,7 @@ NullTokenizer, and the peak RSS of the largest process is printed next to the in
     python benchmarks/preprocess_formats.py [--workers 1 2] [--repeat 1]
         [--tokenizer-model tok.model] [--max-documents N] [--memory-input-mb 1024]
 
-SMOKE=1 (benchmarks/smoke.py): 30 documents, a 500-piece tokenizer, 1 worker, 8 MB of
+SMOKE=1 (benchmarks/common/smoke.py): 30 documents, a 500-piece tokenizer, 1 worker, 8 MB of
 memory input.
 """
 
@@ -20,14 +20,16 @@ import argparse
 import gzip
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
 
-from preprocess_throughput import (BUILD_CORPUS, PREPROCESS, RUSAGE, TRAIN_TOKENIZER,
-                                   corpus_flags, run_tool)
-from smoke import shrink
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common.preprocess_runs import (PREPROCESS, build_corpus, corpus_flags, measured,
+                                               run_tool, tokenizer)
+from benchmarks.common.smoke import shrink
 
 
 def write_formats(corpus, work):
@@ -93,12 +95,10 @@ def memory(args, work):
     cmd = [sys.executable, PREPROCESS, "--input", path, "--output-prefix",
            os.path.join(work, "big"), "--tokenizer-type", "NullTokenizer", "--vocab-size",
            "10", "--workers", "2", "--log-interval", "1000000"]
-    start = time.perf_counter()
-    rss, _ = subprocess.run([sys.executable, "-c", RUSAGE, *cmd], check=True,
-                            capture_output=True, text=True).stdout.split()
+    wall, _, rss = measured(cmd)
     print(f"memory: {rows * size / 2**20:.0f} MiB of text ({rows} documents; "
           f"{os.path.getsize(path) / 2**20:.2f} MiB of Parquet), --workers 2: peak RSS "
-          f"{int(rss) / 1024:.0f} MiB per process, {time.perf_counter() - start:.1f} s")
+          f"{rss:.0f} MiB per process, {wall:.1f} s")
 
 
 def main():
@@ -108,17 +108,8 @@ def main():
     args = shrink(parser.parse_args(), max_documents=30, vocab_size=500, repeat=1,
                   memory_input_mb=8, workers=[1])
     with tempfile.TemporaryDirectory() as work:
-        corpus = os.path.join(work, "stdlib.jsonl")
-        subprocess.run([sys.executable, BUILD_CORPUS, "--output", corpus,
-                        *([] if args.max_documents is None else
-                          ["--max-documents", str(args.max_documents)])],
-                       check=True, capture_output=True)
-        model = args.tokenizer_model
-        if model is None:
-            subprocess.run([sys.executable, TRAIN_TOKENIZER, "--input", corpus, "--model-prefix",
-                            os.path.join(work, "tok"), "--vocab-size", str(args.vocab_size)],
-                           check=True, capture_output=True)
-            model = os.path.join(work, "tok.model")
+        corpus = build_corpus(args, work)
+        model = tokenizer(args, corpus, work)
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
               f"corpus {os.path.getsize(corpus) / 2**20:.1f} MiB of JSONL")
         same = throughput(args, work, corpus, model)

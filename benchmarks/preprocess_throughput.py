@@ -11,7 +11,7 @@ worker does, without the reading, ordering and writing around it.
     python benchmarks/preprocess_throughput.py [--workers 1 2] [--repeat 2]
         [--tokenizer-model tok.model] [--vocab-size 8000] [--workdir DIR] [--max-documents N]
 
-SMOKE=1 (benchmarks/smoke.py): 50 documents, a 500-piece tokenizer, one run each.
+SMOKE=1 (benchmarks/common/smoke.py): 50 documents, a 500-piece tokenizer, one run each.
 Outputs that differ between worker counts exit non-zero.
 """
 
@@ -19,25 +19,16 @@ import argparse
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from smoke import shrink
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-PREPROCESS = os.path.join(ROOT, "tools", "preprocess_data.py")
-TRAIN_TOKENIZER = os.path.join(ROOT, "tools", "train_tokenizer.py")
-BUILD_CORPUS = os.path.join(ROOT, "tools", "build_stdlib_corpus.py")
-
-# Runs a command, then prints the peak RSS (KiB) of the largest process it started (the
-# tool's parent or one of its workers) and the CPU seconds of all of them together:
-# RUSAGE_CHILDREN covers every waited-for descendant.
-RUSAGE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
-          "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
-          "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
-          "print(r.ru_maxrss, r.ru_utime + r.ru_stime)")
+from benchmarks.common.preprocess_runs import build_corpus, corpus_flags, run_tool, tokenizer
+from benchmarks.common.smoke import shrink
 
 
 def read_speed(path):
@@ -78,28 +69,6 @@ def _spin(seconds_of_work):
     return sum(i * i for i in range(n))
 
 
-def run_tool(corpus, model, prefix, workers):
-    """(wall seconds, CPU seconds, peak RSS in MiB) of one preprocess_data.py run."""
-    cmd = [sys.executable, PREPROCESS, "--input", corpus, "--output-prefix", prefix,
-           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
-           "--append-eod", "--workers", str(workers), "--log-interval", "100000"]
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", RUSAGE, *cmd], check=True,
-                         capture_output=True, text=True).stdout
-    rss, cpu = out.split()
-    return time.perf_counter() - start, float(cpu), int(rss) / 1024
-
-
-def corpus_flags(parser, repeat):
-    """The flags of the preprocess benchmarks (this one, preprocess_formats.py)."""
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeat", type=int, default=repeat,
-                        help="runs per setting; best is kept")
-    parser.add_argument("--tokenizer-model", help="skip training; use this SentencePiece model")
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--max-documents", type=int, help="the first N (default: all)")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     corpus_flags(parser, repeat=2)
@@ -112,22 +81,14 @@ def main():
 
 
 def report(args, work):
-    corpus = os.path.join(work, "stdlib.jsonl")
-    subprocess.run([sys.executable, BUILD_CORPUS, "--output", corpus,
-                    *([] if args.max_documents is None else
-                      ["--max-documents", str(args.max_documents)])],
-                   check=True, capture_output=True)
+    corpus = build_corpus(args, work)
     with open(corpus) as f:
         docs = sum(1 for _ in f)  # one JSON document a line
     mb = os.path.getsize(corpus) / 2**20
     print(f"corpus: {docs} documents, {mb:.1f} MiB ({sys.version.split()[0]} stdlib)")
-    model = args.tokenizer_model
-    if model is None:
-        start = time.perf_counter()
-        subprocess.run([sys.executable, TRAIN_TOKENIZER, "--input", corpus, "--model-prefix",
-                        os.path.join(work, "tok"), "--vocab-size", str(args.vocab_size)],
-                       check=True, capture_output=True)
-        model = os.path.join(work, "tok.model")
+    start = time.perf_counter()
+    model = tokenizer(args, corpus, work)
+    if args.tokenizer_model is None:
         print(f"tokenizer: trained BPE {args.vocab_size} in {time.perf_counter() - start:.1f} s")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           + ", ".join(f"{n} busy processes run {cpu_scaling(n):.2f}x one"

@@ -34,12 +34,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
-from megalite.parallel_state import RankGrid
+from benchmarks.common.smoke import shrink
+from megalite.parallel_state import RankGrid, num_microbatches
+from megalite.spawn import torchrun_command
 from megalite.training_log import parse_log
-from smoke import shrink
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
@@ -146,8 +151,7 @@ def matmul_rate(nproc: int, n: int, seconds: float) -> float:
 # One training run.
 
 def pretrain_command(grid: RankGrid, args, global_batch: int) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(grid.world_size), PRETRAIN,
+    cmd = torchrun_command(grid.world_size, PRETRAIN, [
            "--mock-data", "--vocab-size", str(args.vocab_size),
            "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
            "--num-attention-heads", str(args.num_attention_heads),
@@ -160,7 +164,7 @@ def pretrain_command(grid: RankGrid, args, global_batch: int) -> list[str]:
            "--log-interval", "1", "--log-throughput", "--eval-iters", "0",
            "--num-workers", "0",
            "--tensor-model-parallel-size", str(grid.tensor_model_parallel_size),
-           "--pipeline-model-parallel-size", str(grid.pipeline_model_parallel_size)]
+           "--pipeline-model-parallel-size", str(grid.pipeline_model_parallel_size)])
     if grid.tensor_model_parallel_size > 1:
         cmd.append("--sequence-parallel")
     if args.bf16:
@@ -298,7 +302,7 @@ def print_table(rows, matmul, args, dtype):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, grid, global_batch, r, tokens_per_s in rows:
         n = grid.world_size
-        micro = global_batch // (args.micro_batch_size * grid.data_parallel_size)
+        micro = num_microbatches(global_batch, args.micro_batch_size, grid.data_parallel_size)
         fastest = global_batch * args.seq_length / (r.ms_fastest / 1e3)
         efficiency = tokens_per_s / (n * base)
         print(f"| {name} | {n} | {micro} | {r.ms_per_iter:,.0f} ± {r.ms_stdev:,.0f} "

@@ -18,9 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.common.smoke import shrink
+from megalite.spawn import torchrun_command
 from megalite.timers import COMMUNICATION, PHASES
 from megalite.training_log import parse_log
-from smoke import shrink
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,10 +44,9 @@ def main():
     parser.add_argument("--nproc", type=int, default=8)
     # All 8 ranks even in smoke mode: at DP 1 ZeRO-1 has no params-all-gather to time.
     args = shrink(parser.parse_args(), iters=3)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(args.nproc), "pretrain_gpt.py", *MODEL, *LAYOUT,
-               "--train-iters", str(args.iters), "--log-interval", str(args.iters // 3),
-               "--timing-log-level", "2", "--timing-log-option", "all"]
+    command = torchrun_command(args.nproc, "pretrain_gpt.py", [
+        *MODEL, *LAYOUT, "--train-iters", str(args.iters), "--log-interval", str(args.iters // 3),
+        "--timing-log-level", "2", "--timing-log-option", "all"])
     print("load average before:", os.getloadavg())
     out = subprocess.run(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          capture_output=True, text=True, check=True).stdout

@@ -22,22 +22,27 @@ Closed form per layer per step:
 
     python benchmarks/tp_communication.py [--batch 2 --seq 64 --hidden 64 --heads 8 --tp 2 4]
 
-Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/smoke.py): b=1, s=16, h=32.
+Bytes off the closed form exit non-zero. SMOKE=1 (benchmarks/common/smoke.py): b=1, s=16, h=32.
 """
 
 import argparse
 import functools
 import math
+import sys
 from collections import Counter
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common.rank_setup import launch
+from benchmarks.common.smoke import shrink
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from rank_setup import launch
-from smoke import shrink
 
 # torch >= 2.13 names the last two all_gather_single / reduce_scatter_single (the old names
 # are deprecated aliases); the mappings call whichever exists, so both are wrapped.

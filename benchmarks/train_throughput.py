@@ -10,20 +10,26 @@ pretrain_gpt.py (megalite.initialize.allow_tf32), and every timing ends in a syn
     python benchmarks/train_throughput.py [--hidden-size 256 --num-layers 4 ...]
     python benchmarks/train_throughput.py --device cpu
 
-SMOKE=1 (benchmarks/smoke.py): a tiny model, two steps and 0.1 s matmuls, not a measurement.
+SMOKE=1 (benchmarks/common/smoke.py): a tiny model, two steps and 0.1 s matmuls, not a measurement.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.common.smoke import shrink
 from megalite.config import GPTConfig, OptimizerConfig
 from megalite.initialize import allow_tf32
 from megalite.model.gpt import GPTModel
+from megalite.monitoring.peak_flops import mfu_percent
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training_log import num_floating_point_operations
-from smoke import shrink
 
 
 # Defaults per device: small enough for a 2-core CPU; a GPU-sized model on GPUs.
@@ -129,7 +135,7 @@ def main():
     for name, bf16, peak in runs:
         tps, flops = train_flops(config, args.micro_batch_size, args.steps, bf16, device)
         print(f"megalite train step, {name:13s}: {tps:9.0f} tokens/s  {flops / 1e9:8.1f} "
-              f"GFLOP/s  = {100 * flops / peak:5.1f}% of the {name.split()[0]} matmul peak")
+              f"GFLOP/s  = {mfu_percent(flops, peak):5.1f}% of the {name.split()[0]} matmul peak")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,18 @@ SMOKE=1: one step per phase (CPU ranks forked).
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.common.rank_setup import (add_device_flag, describe, launch, rank_device,
+                                          require_ranks, slow_down, synced_clock)
+from benchmarks.common.smoke import shrink
 from megalite.config import (DEFAULT_BUCKET_SIZE, CheckpointConfig, Config,
                              DistributedConfig, GPTConfig, LoggingConfig, OptimizerConfig,
                              ParallelConfig, PrecisionConfig, TrainingConfig)
@@ -32,9 +40,6 @@ from megalite.timers import COMPUTE, Timers
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
-from rank_setup import (add_device_flag, describe, launch, rank_device, require_ranks,
-                        slow_down, synced_clock)
-from smoke import shrink
 
 DP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 2, 128, 128, 2, 16, 1024
 SLOW_RANK = 1

@@ -19,10 +19,18 @@ SMOKE=1: one timed round per split (CPU ranks forked).
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.common.rank_setup import (add_device_flag, describe, launch, rank_device,
+                                          require_ranks, slow_down, synced_clock)
+from benchmarks.common.smoke import shrink
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainingConfig)
@@ -33,9 +41,6 @@ from megalite.pipeline_parallel.schedules import build_schedule
 from megalite.pipeline_parallel.simulate import simulate, stage_work
 from megalite.pipeline_parallel.stages import stage_layer_counts
 from megalite.train_step import StepRunner
-from rank_setup import (add_device_flag, describe, launch, rank_device, require_ranks,
-                        slow_down, synced_clock)
-from smoke import shrink
 
 PP, LAYERS, HIDDEN, SEQ, MICRO, NUM_MICRO, VOCAB = 2, 6, 128, 64, 2, 8, 8192
 LOSS_LAYERS = VOCAB / (12 * HIDDEN + 2 * SEQ)

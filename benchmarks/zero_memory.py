@@ -33,11 +33,17 @@ skipped with a note. On the CPU the ranks run over gloo.
 """
 
 import argparse
+import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from benchmarks.common.rank_setup import add_device_flag, describe, launch, rank_device
 from megalite.arguments import parse_args
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
@@ -51,7 +57,6 @@ from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.train_step import StepRunner
 from megalite.validation import validate_model_args
-from rank_setup import add_device_flag, describe, launch, rank_device
 
 CONFIG = GPTConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                    num_query_groups=4, kv_channels=32, seq_length=64, max_position_embeddings=64,

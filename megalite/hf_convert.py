@@ -250,12 +250,6 @@ def _save_hub_files(config, hf: dict[str, torch.Tensor], output_dir: Path) -> Pa
     return output_dir
 
 
-def _refuse(name: str, value, want) -> None:
-    if value != want:
-        raise ConfigError(f"HF config {name}={value!r} is not supported (megalite needs "
-                          f"{want!r})")
-
-
 def _gpt2_fields(hf, allow_gelu_approximation: bool) -> dict:
     """The fields no table holds, once what megalite would compute differently is refused."""
     act = hf.activation_function
@@ -263,10 +257,10 @@ def _gpt2_fields(hf, allow_gelu_approximation: bool) -> dict:
         warnings.warn(f"HF config activation_function={act!r} is the tanh approximation of "
                       "GeLU; megalite computes exact GeLU, so logits will differ slightly")
     else:
-        _refuse("activation_function", act, "gelu")
+        hf_moe.refuse("activation_function", act, "gelu")
     for name, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                        ("add_cross_attention", False), ("tie_word_embeddings", True)):
-        _refuse(name, getattr(hf, name, want), want)
+        hf_moe.refuse(name, getattr(hf, name, want), want)
     return dict(rotary_base=10000)
 
 
@@ -274,11 +268,11 @@ def _llama_fields(hf) -> dict:
     """As _gpt2_fields."""
     # transformers 5 keeps rope_theta in rope_parameters; 4.x in rope_theta / rope_scaling.
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    _refuse("rope_type", rope.get("rope_type", rope.get("type", "default")), "default")
-    _refuse("partial_rotary_factor", rope.get(
+    hf_moe.refuse("rope_type", rope.get("rope_type", rope.get("type", "default")), "default")
+    hf_moe.refuse("partial_rotary_factor", rope.get(
         "partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)), 1.0)
     for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        _refuse(name, getattr(hf, name, want), want)
+        hf_moe.refuse(name, getattr(hf, name, want), want)
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000))
     return dict(untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
                 rotary_base=int(theta) if float(theta).is_integer() else theta)

@@ -162,7 +162,8 @@ def hub_state_dict(model_type: str, sd: dict[str, torch.Tensor],
     return out
 
 
-def _refuse(name: str, value, want) -> None:
+def refuse(name: str, value, want) -> None:
+    """A HF config's `name` must be `want`: megalite would compute something else."""
     if value != want:
         raise ConfigError(f"HF config {name}={value!r} is not supported (megalite needs "
                           f"{want!r})")
@@ -175,13 +176,13 @@ def moe_fields(hf) -> dict:
     layers = hf.num_hidden_layers
     fields = dict(moe_router_topk=hf.num_experts_per_tok, moe_router_score_function="softmax")
     if style == "Mixtral":
-        _refuse("sliding_window", getattr(hf, "sliding_window", None), None)
-        _refuse("router_jitter_noise", getattr(hf, "router_jitter_noise", 0.0) or 0.0, 0.0)
+        refuse("sliding_window", getattr(hf, "sliding_window", None), None)
+        refuse("router_jitter_noise", getattr(hf, "router_jitter_noise", 0.0) or 0.0, 0.0)
         return dict(fields, num_experts=hf.num_local_experts, moe_layer_pattern=(True,) * layers,
                     moe_ffn_hidden_size=hf.intermediate_size,
                     ffn_hidden_size=hf.intermediate_size, moe_router_pre_softmax=False)
-    _refuse("qkv_bias", getattr(hf, "qkv_bias", True), False)
-    _refuse("use_sliding_window", getattr(hf, "use_sliding_window", False), False)
+    refuse("qkv_bias", getattr(hf, "qkv_bias", True), False)
+    refuse("use_sliding_window", getattr(hf, "use_sliding_window", False), False)
     skipped = set(hf.mlp_only_layers or ())
     pattern = tuple(i not in skipped and (i + 1) % hf.decoder_sparse_step == 0
                     for i in range(layers))

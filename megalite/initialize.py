@@ -17,7 +17,8 @@ from megalite.config import DistributedConfig
 from megalite.errors import ConfigError
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,7 +48,7 @@ def initialize_distributed(config: DistributedConfig) -> tuple[int, int, torch.d
         timeout = datetime.timedelta(minutes=config.timeout_minutes)
         # Without torchrun's environment, a one-rank group on a free loopback port.
         where = _restarted_store(timeout) or ({} if "RANK" in os.environ else dict(
-            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1))
+            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1))
         dist.init_process_group(backend, timeout=timeout,
                                 device_id=device if backend == "nccl" else None, **where)
     return dist.get_rank(), dist.get_world_size(), device

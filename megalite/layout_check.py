@@ -24,8 +24,8 @@ from megalite.data.loader import microbatches
 from megalite.distributed.fsdp import full_tensor
 from megalite.initialize import set_seed
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
-                                             partition_dim, partition_stride)
+from megalite.tensor_parallel.params import (is_expert_parallel, partition_dim,
+                                             partition_stride, single_process_name)
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
@@ -69,10 +69,8 @@ def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
 
 
 def reference_name(name: str, param) -> str:
-    """A chunk parameter's name ("<chunk>.<name>") in the single-process model; a tied
-    output layer on the last stage is a copy of the word embeddings."""
-    name = name.split(".", 1)[1]
-    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name
+    """A chunk parameter's name ("<chunk>.<name>") in the single-process model."""
+    return single_process_name(name.split(".", 1)[1], param)
 
 
 def step_problems(steps, ref_steps, last_stage: bool,

@@ -138,6 +138,28 @@ class RankGrid:
         return [sorted({ranks[0], ranks[-1]}) for ranks in self.pipeline_groups()]
 
 
+def print_rank_0(message: str):
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str):
+    """Megatron prints training logs from the last rank, which holds the loss under PP."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(message, flush=True)
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int,
+                     data_parallel_size: int = 1) -> int:
+    """Micro-batches per step of each of `data_parallel_size` ranks sharing the global batch
+    evenly (of the whole global batch at the default 1)."""
+    if global_batch_size % (micro_batch_size * data_parallel_size):
+        dp = f" x data-parallel size {data_parallel_size}" if data_parallel_size > 1 else ""
+        raise ConfigError(f"--global-batch-size={global_batch_size} is not divisible by "
+                          f"--micro-batch-size={micro_batch_size}{dp}")
+    return global_batch_size // (micro_batch_size * data_parallel_size)
+
+
 def group_size(group) -> int:
     """Size of a process group; None stands for "no group" (a single process)."""
     return 1 if group is None else dist.get_world_size(group)

@@ -22,7 +22,7 @@ from megalite.errors import NumericalError
 from megalite.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import (ParallelState, all_gather_into, all_reduce_anywhere,
-                                     group_size)
+                                     group_size, num_microbatches)
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
@@ -92,8 +92,8 @@ class StepRunner:
         self.pipeline_schedule = config.parallel.pipeline_schedule
         # Each micro-batch's MoE auxiliary losses weigh 1 / (micro-batches per global
         # batch), a number DP does not change (model/moe.py).
-        self.microbatches_per_global_batch = (config.training.global_batch_size
-                                              // config.training.micro_batch_size)
+        self.microbatches_per_global_batch = num_microbatches(
+            config.training.global_batch_size, config.training.micro_batch_size)
         self._plan(m)
         self.comm = None
         if state.pp_size > 1:

@@ -46,7 +46,7 @@ from megalite.optimizer.grad_scaler import build_grad_scaler
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
-from megalite.parallel_state import ParallelState
+from megalite.parallel_state import ParallelState, print_rank_0, print_rank_last
 from megalite.run_file import dump_run_file, write_run_file
 from megalite.tensor_parallel.fp8 import check_fp8_device
 from megalite.tensor_parallel.random import build_rng_tracker
@@ -54,17 +54,6 @@ from megalite.step_report import StepReporter, evaluate_and_print
 from megalite.train_step import StepRunner
 from megalite.training_log import IntervalStats, TensorBoardLogger
 from megalite.validation import validate_args
-
-
-def print_rank_last(message: str):
-    """Megatron prints training logs from the last rank, which holds the loss under PP."""
-    if dist.get_rank() == dist.get_world_size() - 1:
-        print(message, flush=True)
-
-
-def print_rank_0(message: str):
-    if dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 def pretrain(argv=None) -> int:

@@ -82,102 +82,83 @@ def significant(value: float, digits: int = 4) -> str:
     return f"{value:.{decimals}f}"
 
 
-def log_line(*, iteration: int, train_iters: int, consumed_samples: int,
-             elapsed_ms: float, tflops_per_gpu: float | None, learning_rate: float,
-             global_batch_size: int, lm_loss: float, loss_scale: float,
-             grad_norm: float | None, skipped_iters: int, nan_iters: int,
-             tokens_per_second: float, mfu_percent: float | None = None,
-             num_zeros: float | None = None, params_norm: float | None = None,
-             memory_mib: dict[str, float] | None = None,
-             scaling_efficiency_percent: float | None = None,
-             compression_ratio: float | None = None,
-             moe_losses: dict[str, float] | None = None,
-             expert_load: float | None = None) -> str:
-    """Megatron's training log line, field for field, then tokens per second; megalite's
-    MFU after the throughput, the scaling efficiency after the tokens per second, with
-    --grad-compression the last step's DP bytes uncompressed / sent, and the memory (MiB,
-    max over ranks) at the end. With MoE layers Megatron's auxiliary losses follow the lm
-    loss ("load_balancing_loss: ...", "z_loss: ..."), and megalite's expert load (most
-    tokens of an expert over the mean, worst layer) follows them."""
-    line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
-    line += f" iteration {iteration:8d}/{train_iters:8d} |"
-    line += f" consumed samples: {consumed_samples:12d} |"
-    line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-    if tflops_per_gpu is not None:
-        # Four significant digits rather than Megatron's one decimal: a CPU run is far
-        # below 1 TFLOP/s and would print 0.0.
-        line += f" throughput per GPU (TFLOP/s/GPU): {significant(tflops_per_gpu)} |"
-    if mfu_percent is not None:
-        line += f" MFU (%): {significant(mfu_percent)} |"
-    line += f" learning rate: {learning_rate:.6E} |"
-    line += f" global batch size: {global_batch_size:5d} |"
-    line += f" lm loss: {lm_loss:.6E} |"
-    for name, value in (moe_losses or {}).items():
-        line += f" {name}: {value:.6E} |"
-    if expert_load is not None:
-        line += f" expert load max/mean: {expert_load:.3f} |"
-    line += f" loss scale: {loss_scale:.1f} |"
-    if grad_norm is not None:
-        line += f" grad norm: {grad_norm:.3f} |"
-    if num_zeros is not None:
-        line += f" num zeros: {num_zeros:.1f} |"
-    if params_norm is not None:
-        line += f" params norm: {params_norm:.3f} |"
-    line += f" number of skipped iterations: {skipped_iters:3d} |"
-    line += f" number of nan iterations: {nan_iters:3d} |"
-    line += f" tokens per second: {tokens_per_second:.1f} |"
-    if scaling_efficiency_percent is not None:
-        line += f" scaling efficiency (%): {scaling_efficiency_percent:.1f} |"
-    if compression_ratio is not None:
-        line += f" grad compression ratio: {compression_ratio:.1f} |"
-    for name, mib in (memory_mib or {}).items():
-        line += f" mem {name} (MiB): {mib:.1f} |"
+# The log line after its timestamp and iteration, in order: (log_line's argument, Megatron's
+# label, format). A field whose value is None is left out; a dict prints an item per key,
+# the key in place of the label's {}. TFLOP/s and MFU have four significant digits rather
+# than Megatron's one decimal: a CPU run is far below 1 TFLOP/s and would print 0.0.
+FIELDS = (
+    ("consumed_samples", "consumed samples", "12d"),
+    ("elapsed_ms", "elapsed time per iteration (ms)", ".1f"),
+    ("tflops_per_gpu", "throughput per GPU (TFLOP/s/GPU)", "significant"),
+    ("mfu_percent", "MFU (%)", "significant"),  # megalite's
+    ("learning_rate", "learning rate", ".6E"),
+    ("global_batch_size", "global batch size", "5d"),
+    ("lm_loss", "lm loss", ".6E"),
+    ("moe_losses", "{}", ".6E"),  # Megatron's auxiliary losses, "load_balancing_loss: ..."
+    ("expert_load", "expert load max/mean", ".3f"),  # megalite's: worst layer's max / mean
+    ("loss_scale", "loss scale", ".1f"),
+    ("grad_norm", "grad norm", ".3f"),
+    ("num_zeros", "num zeros", ".1f"),
+    ("params_norm", "params norm", ".3f"),
+    ("skipped_iters", "number of skipped iterations", "3d"),
+    ("nan_iters", "number of nan iterations", "3d"),
+    ("tokens_per_second", "tokens per second", ".1f"),
+    ("scaling_efficiency_percent", "scaling efficiency (%)", ".1f"),  # megalite's from here
+    ("compression_ratio", "grad compression ratio", ".1f"),  # DP bytes uncompressed / sent
+    ("memory_mib", "mem {} (MiB)", ".1f"),  # max over ranks
+)
+_E = r"-?(?:\d\.\d{6}E[+-]\d\d|NAN|INF)"  # what .6E prints
+
+
+def log_line(*, iteration: int, train_iters: int, **fields) -> str:
+    """Megatron's training log line: the iteration, then FIELDS, each of `fields` not None."""
+    if unknown := fields.keys() - {name for name, _, _ in FIELDS}:
+        raise TypeError(f"log_line got fields it does not print: {sorted(unknown)}")
+    line = f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{train_iters:8d} |"
+    for name, label, fmt in FIELDS:
+        value = fields.get(name)
+        items = (value or {}).items() if "{}" in label else [(None, value)]
+        for key, v in items:
+            if v is not None:
+                number = significant(v) if fmt == "significant" else format(v, fmt)
+                line += f" {label.format(key)}: {number} |"
     return line
 
 
-# log_line's format read back: each field a named group, named as log_line's argument.
-_E, _F = r"-?(?:\d\.\d{6}E[+-]\d\d|NAN|INF)", r"-?(?:[\d.]+|nan|inf)"  # .6E, .1f/.3f
+def _item(label: str, fmt: str, group: str) -> str:
+    """A regex of one item log_line prints for a field, its number inside `group` (a
+    pattern holding {}); a dict field's key, in place of the label's {}, a group before it."""
+    number = {"d": r"\d+", "E": _E}.get(fmt[-1], r"-?(?:[\d.]+|nan|inf)")
+    label = r"([\w ]+)".join(re.escape(part) for part in label.split("{}"))
+    return rf" {label}: *{group.format(number)} \|"
+
+
+# log_line read back from FIELDS: each field optional, a dict's items one group.
 _LOG_LINE = re.compile(
     r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<iteration>\d+)/ +(?P<train_iters>\d+) \|"
-    r" consumed samples: +(?P<consumed_samples>\d+) \|"
-    rf" elapsed time per iteration \(ms\): (?P<elapsed_ms>{_F}) \|"
-    rf"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<tflops_per_gpu>{_F}) \|)?"
-    rf"(?: MFU \(%\): (?P<mfu_percent>{_F}) \|)?"
-    rf" learning rate: (?P<learning_rate>{_E}) \|"
-    r" global batch size: +(?P<global_batch_size>\d+) \|"
-    rf" lm loss: (?P<lm_loss>{_E}) \|"
-    rf"(?P<moe_losses>(?: \w+_loss: {_E} \|)*)"
-    rf"(?: expert load max/mean: (?P<expert_load>{_F}) \|)?"
-    rf" loss scale: (?P<loss_scale>{_F}) \|"
-    rf"(?: grad norm: (?P<grad_norm>{_F}) \|)?"
-    rf"(?: num zeros: (?P<num_zeros>{_F}) \|)?"
-    rf"(?: params norm: (?P<params_norm>{_F}) \|)?"
-    r" number of skipped iterations: +(?P<skipped_iters>\d+) \|"
-    r" number of nan iterations: +(?P<nan_iters>\d+) \|"
-    rf" tokens per second: (?P<tokens_per_second>{_F}) \|"
-    rf"(?: scaling efficiency \(%\): (?P<scaling_efficiency_percent>{_F}) \|)?"
-    rf"(?: grad compression ratio: (?P<compression_ratio>{_F}) \|)?"
-    rf"(?P<memory_mib>(?: mem [\w ]+ \(MiB\): {_F} \|)*)$")
-_MEMORY = re.compile(rf" mem ([\w ]+) \(MiB\): ({_F}) \|")
-_MOE_LOSS = re.compile(rf" (\w+_loss): ({_E}) \|")
+    + "".join(rf"(?P<{name}>(?:{_item(label, fmt, '{}')})*)" if "{}" in label
+              else rf"(?:{_item(label, fmt, f'(?P<{name}>{{}})')})?"
+              for name, label, fmt in FIELDS) + "$")
+_ITEMS = {name: re.compile(_item(label, fmt, "({})")) for name, label, fmt in FIELDS
+          if "{}" in label}
 _VALIDATION_LINE = re.compile(rf" validation loss at (?P<prefix>.*) \| lm loss value: "
                               rf"(?P<loss>{_E}) \| lm loss PPL: {_E} \|")
 
 
 def parse_log_line(line: str) -> dict | None:
-    """The fields of a log_line as log_line's keyword arguments (ints, floats; an optional
-    field absent from the line is None, memory_mib a dict of MiB by name), or None if
-    `line` is no log line. A prefix before the line (a launcher's) is skipped."""
+    """The fields of a log_line as log_line's keyword arguments (ints, floats, a dict of
+    floats by key; a field absent from the line None), or None if `line` is no log line. A
+    prefix before the line (a launcher's) is skipped."""
     match = _LOG_LINE.search(line)
     if match is None:
         return None
-    fields = {name: None if text is None else int(text) if text.isdigit() else float(text)
-              for name, text in match.groupdict().items()
-              if name not in ("memory_mib", "moe_losses")}
-    fields["memory_mib"] = {name: float(mib) for name, mib in
-                            _MEMORY.findall(match["memory_mib"])} or None
-    fields["moe_losses"] = {name: float(value) for name, value in
-                            _MOE_LOSS.findall(match["moe_losses"])} or None
+    fields = {"iteration": int(match["iteration"]), "train_iters": int(match["train_iters"])}
+    for name, _, fmt in FIELDS:
+        text = match[name]
+        if name in _ITEMS:
+            fields[name] = {key: float(v) for key, v in _ITEMS[name].findall(text)} or None
+        else:
+            fields[name] = None if text is None else int(text) if fmt[-1] == "d" else float(text)
     return fields
 
 

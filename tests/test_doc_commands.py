@@ -4,7 +4,7 @@ guide.md and troubleshooting.md: tests/test_docs.py runs their commands and chec
 they print (quoted errors, planner totals, equal losses). The ```bash blocks of every other
 page (benchmarks.md, architecture.md, ...) run here, each line as written, in the
 checkout, with SMOKE=1 in the environment: every benchmark then runs all its steps at a
-tiny size (benchmarks/smoke.py) and stops non-zero when a measured figure breaks the
+tiny size (benchmarks/common/smoke.py) and stops non-zero when a measured figure breaks the
 closed form it is printed next to. A command passes when it exits 0 and leaves nothing
 behind in the checkout. Every fenced block of docs/ is labelled `bash` or `text`, so a
 command cannot hide in an unlabelled block.

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel, initial_value
 from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
+from megalite.pipeline_parallel.stages import Stage
+from megalite.tensor_parallel.params import single_process_name
 
 from tests.helpers import tiny_gpt_config
 
@@ -128,6 +130,18 @@ def test_tied_output_layer_is_the_embedding():
     expected = F.cross_entropy(logits.reshape(-1, 128), tokens.reshape(-1), reduction="none")
     torch.testing.assert_close(losses, expected.view(2, 16))
     assert model.output_weight() is model.embedding.word_embeddings.weight
+
+
+def test_a_later_stages_tied_output_layer_is_named_and_starts_as_the_embedding():
+    """PP 2: the last stage's output layer is a copy of the first stage's word embeddings,
+    under their single-process name and with their initial values (the one-stage model's)."""
+    whole = GPTModel(make_config(num_layers=2), seed=1)
+    last = GPTModel(make_config(num_layers=2), seed=1,
+                    stage=Stage(chunk=0, pp_rank=1, pp_size=2, num_chunks=1))
+    names = {single_process_name(n, p): p for n, p in last.named_parameters()}
+    assert "output_layer.weight" not in names
+    torch.testing.assert_close(names["embedding.word_embeddings.weight"],
+                               whole.embedding.word_embeddings.weight, rtol=0, atol=0)
 
 
 def test_causality():

@@ -110,6 +110,12 @@ def test_a_variant_is_not_shadowed_by_its_family():
         assert table_peak(name, dtype) == peak, name
 
 
+def test_mfu_percent_by_hand():
+    # 400 TFLOP/s on an H100 SXM's dense bf16 989.4: 40.43%, as PaLM's appendix B divides.
+    assert peak_flops.mfu_percent(400.0, 989.4) == pytest.approx(40.4285, abs=1e-4)
+    assert peak_flops.mfu_percent(0.001, 0.002) == 50.0
+
+
 def test_mfu_is_throughput_over_the_peak(level_1, level_2):
     # fp32 on a device whose float32 matmul precision is "highest" runs at the FP32 rate.
     for (_, logs, *_), peak in ((level_1, 66.9), (level_2, 0.002)):

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from megalite.errors import ConfigError
-from megalite.parallel_state import ParallelState, RankGrid
+from megalite.parallel_state import ParallelState, RankGrid, num_microbatches
 
 
 def layouts(max_world=64):
@@ -146,3 +146,13 @@ def test_expert_groups_megatron_example():
 def test_expert_parallel_size_not_dividing_is_named():
     with pytest.raises(ConfigError, match="--expert-model-parallel-size=3 must divide.*= 4"):
         RankGrid(8, 2, 1, 1, 3)
+
+
+def test_num_microbatches_splits_the_global_batch():
+    # 32 samples, micro-batches of 2: 16 in all, 4 for each of 4 DP ranks.
+    assert (num_microbatches(32, 2), num_microbatches(32, 2, 4)) == (16, 4)
+    with pytest.raises(ConfigError, match=r"--global-batch-size=30 is not divisible by "
+                                          r"--micro-batch-size=4 x data-parallel size 2"):
+        num_microbatches(30, 4, 2)
+    with pytest.raises(ConfigError, match=r"by --micro-batch-size=4$"):
+        num_microbatches(30, 4)

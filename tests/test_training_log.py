@@ -3,6 +3,7 @@ validation_lines write, with every optional field on and off."""
 
 import itertools
 import math
+import re
 
 import pytest
 
@@ -28,6 +29,21 @@ def test_parse_log_line_reads_back_every_field(present):
     fields = {**REQUIRED, **{name: value if on else None
                              for (name, value), on in zip(OPTIONAL.items(), present)}}
     assert parse_log_line(log_line(**fields)) == fields
+
+
+def test_log_line_is_megatrons_field_for_field():
+    """The line written out by hand from Megatron's training_log (widths, labels, .6E),
+    with megalite's four significant TFLOP/s, a MoE loss and the memory."""
+    line = log_line(**{**REQUIRED, "moe_losses": {"load_balancing_loss": 1.25}},
+                    tflops_per_gpu=0.0001234, grad_norm=1.125, memory_mib={"max allocated": 150.5})
+    assert re.fullmatch(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]", line[:22]), line
+    assert line[22:] == (
+        " iteration       30/     100 | consumed samples:          240 |"
+        " elapsed time per iteration (ms): 812.5 | throughput per GPU (TFLOP/s/GPU): 0.0001234 |"
+        " learning rate: 3.000000E-04 | global batch size:     8 | lm loss: 2.531250E+00 |"
+        " load_balancing_loss: 1.250000E+00 | loss scale: 65536.0 | grad norm: 1.125 |"
+        " number of skipped iterations:   1 | number of nan iterations:   0 |"
+        " tokens per second: 31500.5 | mem max allocated (MiB): 150.5 |")
 
 
 def test_parse_log_line_reads_a_nan_loss_and_cpu_memory():

@@ -15,12 +15,17 @@ paths, each against the same run with eager layers (losses within bf16's round-o
 
 import os
 import re
-import subprocess
 import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 
-from runs import GPU, HELPERS, REPO, Checks, log_rows, relative, run_all, tail
+from benchmarks.gpu.runs import GPU, Checks, relative, run_all, run_pretrain, tail
+from megalite.training_log import parse_log
+
 
 LAYERS = ["--num-layers", "8"]
 ZERO1 = ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce",
@@ -32,14 +37,8 @@ GRAPH_BREAK = re.compile(r"Graph break", re.IGNORECASE)
 
 def launch(log: str, flags: list[str], backend: str | None, nproc: int = 1) -> tuple[int, str]:
     """run_pretrain.py under torchrun with `nproc` ranks and dynamo's logs on."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), os.path.join(HELPERS, "run_pretrain.py"),
-           *(["--compile-backend", backend] if backend else []), "--", *flags]
-    env = dict(os.environ, TORCH_LOGS="recompiles,graph_breaks")
-    with open(log, "w") as out:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL).returncode
-    return rc, open(log, errors="replace").read()
+    return run_pretrain(log, flags, nproc=nproc, env={"TORCH_LOGS": "recompiles,graph_breaks"},
+                        instruments=("--compile-backend", backend) if backend else ())
 
 
 def no_recompiles(check: Checks, name: str, output: str):
@@ -86,7 +85,7 @@ def paths(check: Checks, log_dir: str, flags: list[str], backend: str | None):
             continue
         compiled, eager = done[f"{name}.compiled"][1], done[f"{name}.eager"][1]
         no_recompiles(check, name, compiled)
-        pairs = list(zip(log_rows(compiled), log_rows(eager)))
+        pairs = list(zip(parse_log(compiled), parse_log(eager)))
         worst = max((relative(a["lm_loss"], b["lm_loss"]) for a, b in pairs), default=1.0)
         check(f"{name}: compiled vs eager", bool(pairs) and worst <= LOSS,
               f"{len(pairs)} iterations, max relative loss difference {worst:.1e} "

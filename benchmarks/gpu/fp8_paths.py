@@ -14,10 +14,16 @@ Hopper, Blackwell); on a CPU the same code runs on torch's CPU kernels under SMO
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 
-from runs import GPU, HELPERS, Checks, log_rows, relative, run_all, run_pretrain, tail
+from benchmarks.gpu.runs import GPU, HELPERS, Checks, relative, run_all, run_pretrain, tail
+from megalite.training_log import parse_log
+
 
 CASES = {"rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
          "eager": ["--fp8-format", "hybrid", "--no-compile-layers", "--micro-batch-size", "1"],
@@ -45,11 +51,11 @@ def main():
         if not check(f"run {name}", rc == 0, "finished" if rc == 0 else f"exit {rc}"):
             print(tail(output))
     if done["bf16"][0] == 0:
-        reference = log_rows(done["bf16"][1])
+        reference = parse_log(done["bf16"][1])
         for name in CASES:
             if done[name][0]:
                 continue
-            pairs = list(zip(log_rows(done[name][1]), reference))
+            pairs = list(zip(parse_log(done[name][1]), reference))
             worst = max((relative(a["lm_loss"], b["lm_loss"]) for a, b in pairs), default=1.0)
             check(f"{name} vs bf16", bool(pairs) and worst <= LOSS,
                   f"{len(pairs)} iterations, max relative loss difference {worst:.1e} "

@@ -21,14 +21,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import numpy as np
 import torch
 
+from benchmarks.gpu.runs import planned_bytes
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megalite.training_log import parse_log
 
-from planner import planned_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FP8 = ["--fp8-format", "hybrid"]

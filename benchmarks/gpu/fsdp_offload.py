@@ -18,11 +18,16 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from benchmarks.gpu.runs import (GPU, HELPERS, Checks, peak_gib, relative, reports, run_all,
+                                 run_pretrain, tail)
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
+from megalite.training_log import parse_log
 
-from runs import (GPU, HELPERS, Checks, log_rows, peak_gib, relative, reports, run_all,
-                  run_pretrain, tail)
 
 STRATEGIES = ("optim_grads", "optim_grads_params")
 LOGGING = ["--log-params-norm", "--log-num-zeros-in-grad", "--log-interval", "1",
@@ -50,7 +55,7 @@ def runs(log_dir: str, flags: list[str]) -> dict:
 
     def job(name, extra):
         return lambda: run_pretrain(os.path.join(log_dir, f"fsdp_offload.{name}.log"),
-                                    flags + LOGGING + extra, torchrun=True)
+                                    flags + LOGGING + extra, nproc=1)
     first = {"zero1": job("zero1", ["--use-distributed-optimizer"]),
              "zero1_offload": job("zero1_offload", ["--use-distributed-optimizer", *OFFLOAD])}
     for s in STRATEGIES:
@@ -117,10 +122,10 @@ def main():
             print(tail(output))
     if done["zero1"][0] != 0:
         check.exit()
-    ref = log_rows(done["zero1"][1])
+    ref = parse_log(done["zero1"][1])
     for name in ("zero1_offload", *STRATEGIES, *(f"{s}_offload" for s in STRATEGIES)):
         if done[name][0] == 0:
-            against_zero1(check, name, log_rows(done[name][1]), ref)
+            against_zero1(check, name, parse_log(done[name][1]), ref)
     if done["zero1_offload"][0] == 0:
         offloaded(check, "zero1_offload", done["zero1_offload"][1], done["zero1"][1])
     for s in STRATEGIES:

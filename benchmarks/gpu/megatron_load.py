@@ -17,15 +17,19 @@ parameter's device (the host under offload).
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 
+from benchmarks.gpu.runs import GPU, REPO, Checks, relative, reports, run_all, run_pretrain, tail
 from megalite.atomic_write import atomic_path
 from megalite.megatron_checkpoint.optimizer_state import megatron_param_groups
 from megalite.megatron_checkpoint.reader import LEGACY_FILE, iteration_dir, legacy_rank_dir
 from megalite.megatron_checkpoint.safe_pickle import torch_load
-from runs import (GPU, REPO, Checks, log_rows, relative, reports, run_all, run_pretrain,
-                  tail)
+from megalite.training_log import parse_log
 
 BF16_STEP = 2 ** -7  # bf16's relative rounding step (8 significant bits)
 SAME_WEIGHTS = 1e-5  # bf16 loads against each other: the order of fp32 sums at most
@@ -65,7 +69,7 @@ def source(log_dir: str, flags: list[str], check: Checks) -> tuple[str, list[flo
     rc, out = run_pretrain(os.path.join(log_dir, "megatron_load.source.log"), flags + [
         "--bf16", "--lr", "1e-2", "--train-iters", str(SOURCE_ITERS), "--log-interval", "1",
         "--save", ckpt])
-    if not check("source run", rc == 0 and bool(log_rows(out)), f"exit {rc}"):
+    if not check("source run", rc == 0 and bool(parse_log(out)), f"exit {rc}"):
         print(tail(out))
         return None
     export = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--load", ckpt,
@@ -76,7 +80,7 @@ def source(log_dir: str, flags: list[str], check: Checks) -> tuple[str, list[flo
         print(tail(export.stdout + export.stderr))
         return None
     add_adam_state(megatron)
-    return megatron, [row["lm_loss"] for row in log_rows(out)]
+    return megatron, [row["lm_loss"] for row in parse_log(out)]
 
 
 def main():
@@ -92,7 +96,7 @@ def main():
             "1"])) for name, extra in LOADS.items()})
     first = {}
     for name, (rc, out) in done.items():
-        rows = log_rows(out)
+        rows = parse_log(out)
         if not check(f"{name}: load and one iteration", rc == 0 and bool(rows)
                      and rows[0]["iteration"] == SOURCE_ITERS + 1
                      and "Adam state carried over (step 1)" in out,

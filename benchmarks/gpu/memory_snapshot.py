@@ -7,8 +7,13 @@ recording started before the model and optimizer were built)."""
 import os
 import pickle
 import sys
+from pathlib import Path
 
-from runs import Checks
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from benchmarks.gpu.runs import Checks
+
 
 BUILT_BY = ("build_model", "build_optimizer")  # megalite/training.py
 

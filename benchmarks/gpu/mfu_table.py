@@ -11,11 +11,16 @@ against a bf16 matmul measured on it.
 """
 
 import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 
-from megalite.monitoring.peak_flops import device_key, device_name, peak_tflops
-from runs import GPU, Checks, log_rows
+from benchmarks.gpu.runs import GPU, Checks, relative
+from megalite.monitoring.peak_flops import device_key, device_name, mfu_percent, peak_tflops
+from megalite.training_log import parse_log
 
 PRINTED = 1e-3  # two values each rounded to 4 significant digits
 MATMUL_RANGE = (0.6, 1.0)
@@ -30,9 +35,9 @@ def main():
     if not check("table entry", peak is not None, f"{name}: "
                  f"{device_key(name) if GPU else 'override'} -> {peak} TFLOP/s dense bf16"):
         check.exit()
-    rows = [r for r in log_rows(open(log, errors="replace").read())
+    rows = [r for r in parse_log(open(log, errors="replace").read())
             if r["tflops_per_gpu"] is not None]
-    worst = max((abs(r["mfu_percent"] - 100 * r["tflops_per_gpu"] / peak) / r["mfu_percent"]
+    worst = max((relative(mfu_percent(r["tflops_per_gpu"], peak), r["mfu_percent"])
                  for r in rows if r["mfu_percent"]), default=None)
     check("log line MFU = TFLOP/s / table peak", bool(rows) and all(
         r["mfu_percent"] for r in rows) and worst <= PRINTED,
@@ -43,7 +48,7 @@ def main():
     low, high = (f * peak for f in MATMUL_RANGE)
     if GPU:
         check("measured matmul within the table's peak", low <= measured <= high,
-              f"{measured:.1f} TFLOP/s = {100 * measured / peak:.1f}% of {peak} "
+              f"{measured:.1f} TFLOP/s = {mfu_percent(measured, peak):.1f}% of {peak} "
               f"(expected {MATMUL_RANGE[0]:.0%}-{MATMUL_RANGE[1]:.0%})")
     else:
         print(f">> matmul {measured:.3g} TFLOP/s on the CPU: range not checked")

@@ -14,8 +14,14 @@ on a GPU); every run must finish.
 
 import os
 import sys
+from pathlib import Path
 
-from runs import Checks, log_rows, relative, run_all, run_pretrain, tail
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from benchmarks.gpu.runs import Checks, relative, run_all, run_pretrain, tail
+from megalite.training_log import parse_log
+
 
 EXPERTS = ["--disable-bias-linear", "--num-experts"]  # experts have no biases
 MOE = [*EXPERTS, "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2"]
@@ -35,11 +41,11 @@ def main():
              "expert_bias_fsdp_offload": BIAS + FSDP_OFFLOAD}
     jobs = {}
     for name, extra in cases.items():
-        torchrun = "--use-torch-fsdp2" in extra
+        nproc = 1 if "--use-torch-fsdp2" in extra else 0
         for kind, more in (("grouped", GROUPED), ("loop", [])):
             log = os.path.join(log_dir, f"moe_paths.{name}.{kind}.log")
-            jobs[f"{name}.{kind}"] = (lambda log=log, f=flags + extra + more, t=torchrun:
-                                      run_pretrain(log, f, torchrun=t))
+            jobs[f"{name}.{kind}"] = (lambda log=log, f=flags + extra + more, n=nproc:
+                                      run_pretrain(log, f, nproc=n))
     done = run_all(jobs)
     for name, (rc, output) in done.items():
         if not check(f"run {name}", rc == 0, "finished" if rc == 0 else f"exit {rc}"):
@@ -48,7 +54,7 @@ def main():
         (rc_g, grouped), (rc_l, loop) = done[f"{name}.grouped"], done[f"{name}.loop"]
         if rc_g or rc_l:
             continue
-        pairs = list(zip(log_rows(grouped), log_rows(loop)))
+        pairs = list(zip(parse_log(grouped), parse_log(loop)))
         worst = {k: max((relative(a[k], b[k]) for a, b in pairs), default=1.0)
                  for k in ("lm_loss", "grad_norm")}
         check(f"{name}: grouped GEMM vs the loop", bool(pairs) and worst["lm_loss"] <= LOSS

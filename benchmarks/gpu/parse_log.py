@@ -4,6 +4,7 @@ Fails on no line, a non-finite loss, or (unless nofall) a loss that did not fall
 import math
 import sys
 
+from megalite.monitoring.peak_flops import mfu_percent
 from megalite.training_log import parse_log_line
 
 logs = []
@@ -23,7 +24,7 @@ if tflops is not None:
     msg += f", {tflops:.1f} TFLOP/s/GPU"
     for name, peak in zip(("dense bf16 peak", "measured bf16 matmul"), numbers):
         if peak > 0:
-            msg += f"; MFU {100 * tflops / peak:.1f}% of the {name} {peak:.4g}"
+            msg += f"; MFU {mfu_percent(tflops, peak):.1f}% of the {name} {peak:.4g}"
 print(msg)
 losses = [log["lm_loss"] for log in logs]
 if not all(math.isfinite(x) for x in losses):

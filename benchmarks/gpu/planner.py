@@ -1,14 +1,12 @@
-"""The memory planner's per-rank total for pretrain_gpt.py flags."""
+"""planner.py FRACTION FLAGS...: the largest micro-batch whose plan (the memory planner's
+most loaded rank for pretrain_gpt.py FLAGS) fits in FRACTION of this GPU's memory."""
 import sys
+from pathlib import Path
 
-from megalite.arguments import parse_args
-from megalite.memory_estimate import most_loaded_rank
-from megalite.validation import validate_args
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-
-def planned_bytes(flags: list[str], world_size: int = 1) -> int:
-    """Bytes of the most loaded rank under CUDA's kernels."""
-    return most_loaded_rank(validate_args(parse_args(flags), world_size), "cuda").total
+from benchmarks.gpu.runs import planned_bytes
 
 
 def pick_micro_batch(fraction: float, flags: list[str], choices, gib: float) -> tuple[int, float]:

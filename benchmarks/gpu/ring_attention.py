@@ -13,17 +13,22 @@ the device's own whole-sequence SDPA in the input dtype, or the dtype's rounding
 """
 
 import contextlib
+import sys
+from pathlib import Path
+
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.gpu.runs import GPU, Checks
 from megalite.context_parallel import fused_blocks
 from megalite.context_parallel.blocks import merge
 from megalite.context_parallel.ring import block_kernels, ring_attention, ring_blocks
 from megalite.context_split import load_balanced_chunks
-from runs import GPU, Checks
 
 DEVICE = torch.device("cuda", 0) if GPU else torch.device("cpu")
 DTYPE = torch.bfloat16 if GPU else torch.float32

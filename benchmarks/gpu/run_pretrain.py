@@ -21,8 +21,11 @@ import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 START = time.perf_counter()  # before the imports: the time to the first step counts them
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch  # noqa: E402
 
@@ -72,7 +75,7 @@ def profiled(runner, original, microbatches, trace):
     """One step under torch.profiler; a profiler that cannot start or export is reported
     and the step still runs (the run's numbers matter more than its profile)."""
     from torch.profiler import ProfilerActivity, profile, record_function
-    import profile_summary
+    from benchmarks.gpu import profile_summary
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
@@ -134,8 +137,8 @@ def optimizer_report(optimizer) -> dict:
 
 def report_memory(flags: list[str]):
     try:
-        import planner
-        plan = f"{planner.planned_bytes(flags) / 2**30:.3g} GiB"
+        from benchmarks.gpu.runs import planned_bytes  # after the run: its imports not timed
+        plan = f"{planned_bytes(flags) / 2**30:.3g} GiB"
     except Exception as error:  # noqa: BLE001 (a planner refusal must not fail the run)
         plan = f"unavailable ({type(error).__name__}: {error})"
     if torch.cuda.is_available():

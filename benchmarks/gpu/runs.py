@@ -1,6 +1,7 @@
-"""What the checks of gpu_check.sh share: launching pretrain runs (one process, or torchrun
-with one rank), reading what they print (the log line, run_pretrain.py's ">>" reports), and
-collecting the checks' verdicts. Results are printed as ">> ok  | BAD  name: detail" lines."""
+"""What the checks of gpu_check.sh share: launching pretrain runs (one process, or under
+torchrun), reading what they print (run_pretrain.py's ">>" reports), the memory planner's
+figure for a run's flags, and collecting the checks' verdicts. Results are printed as
+">> ok  | BAD  name: detail" lines."""
 
 import json
 import os
@@ -10,7 +11,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from megalite.training_log import parse_log_line
+
+from megalite.arguments import parse_args
+from megalite.memory_estimate import most_loaded_rank
+from megalite.spawn import torchrun_command
+from megalite.validation import validate_args
 
 HELPERS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HELPERS))
@@ -37,18 +42,17 @@ class Checks:
         sys.exit(1 if self.failed else 0)
 
 
-def run_pretrain(log: str, flags: list[str], *, torchrun: bool = False,
+def run_pretrain(log: str, flags: list[str], *, nproc: int = 0,
                  instruments: tuple[str, ...] = ("--deterministic", "--report-optimizer"),
                  env: dict | None = None) -> tuple[int, str]:
     """run_pretrain.py (megalite's pretrain() with instruments) on `flags`, under torchrun
-    with one process when asked; its output goes to `log`. Returns (exit code, output)."""
-    script = [os.path.join(HELPERS, "run_pretrain.py"), *instruments, "--", *flags]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "1"] if torchrun else [sys.executable])
+    with `nproc` processes if not 0; its output goes to `log`. Returns (exit code, output)."""
+    script, args = os.path.join(HELPERS, "run_pretrain.py"), [*instruments, "--", *flags]
+    command = torchrun_command(nproc, script, args) if nproc else [sys.executable, script, *args]
     # Deterministic cuBLAS (run_pretrain --deterministic): its workspace must be fixed.
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", **(env or {}))
     with open(log, "w") as out:
-        rc = subprocess.run(launcher + script, cwd=REPO, env=env, stdout=out,
+        rc = subprocess.run(command, cwd=REPO, env=env, stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     return rc, open(log, errors="replace").read()
 
@@ -58,11 +62,6 @@ def run_all(jobs: dict, parallel: int = PARALLEL_RUNS) -> dict:
     with ThreadPoolExecutor(parallel) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
-
-
-def log_rows(text: str) -> list[dict]:
-    """The Megatron log lines of a run's output, each as a dict of its fields."""
-    return [row for row in map(parse_log_line, text.splitlines()) if row]
 
 
 def reports(text: str, what: str) -> list[dict]:
@@ -75,6 +74,11 @@ def peak_gib(text: str) -> float | None:
     """The peak GPU memory allocated that run_pretrain.py reports (None on a CPU)."""
     m = re.search(r"max_memory_allocated\): ([\d.]+) GiB", text)
     return float(m.group(1)) if m else None
+
+
+def planned_bytes(flags: list[str], world_size: int = 1) -> int:
+    """The memory planner's bytes for the most loaded rank under CUDA's kernels."""
+    return most_loaded_rank(validate_args(parse_args(flags), world_size), "cuda").total
 
 
 def relative(a: float, b: float) -> float:

@@ -17,10 +17,15 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from benchmarks.gpu.runs import GPU, HELPERS, Checks, relative, run_all, run_pretrain, tail
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
+from megalite.training_log import parse_log
 
-from runs import GPU, HELPERS, Checks, log_rows, relative, run_all, run_pretrain, tail
 
 MOE = ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
@@ -56,17 +61,17 @@ def main():
                          "cpu_written")}
     log = {}
 
-    def job(name, extra, torchrun=False, env=None, die_at=None):
+    def job(name, extra, nproc=0, env=None, die_at=None):
         log[name] = os.path.join(log_dir, f"save_paths.{name}.log")
         instruments = ("--deterministic", *(("--die-at-step", str(die_at)) if die_at else ()))
-        return lambda: run_pretrain(log[name], flags + extra, torchrun=torchrun, env=env,
+        return lambda: run_pretrain(log[name], flags + extra, nproc=nproc, env=env,
                                     instruments=instruments)
 
     halves = ["--save-interval", str(half)]
     extras = {"async": ASYNC, "async_offload": ASYNC + FSDP_OFFLOAD,
               "async_zero1_offload": ASYNC + ZERO1_OFFLOAD, "async_moe": ASYNC + MOE}
     first = {f"{n}.straight": job(f"{n}.straight", e + halves + ["--save", f"{ckpt[n]}/straight"],
-                                  torchrun=n == "async_offload") for n, e in extras.items()}
+                                  nproc=int(n == "async_offload")) for n, e in extras.items()}
     local = ["--non-persistent-save-interval", "1", "--non-persistent-ckpt-type",
              "local", "--non-persistent-local-ckpt-dir", f"{ckpt['local']}/local"]
     first["local.straight"] = job("local.straight", ["--save", f"{ckpt['local']}/straight"])
@@ -85,7 +90,7 @@ def main():
             resume_from(f"{ckpt[n]}/straight", half, f"{ckpt[n]}/resumed")
             second[f"{n}.resumed"] = job(f"{n}.resumed", e + [
                 "--save", f"{ckpt[n]}/resumed", "--load", f"{ckpt[n]}/resumed"],
-                torchrun=n == "async_offload")
+                nproc=int(n == "async_offload"))
     rc, output = done["local.first"]  # killed (137): its local saves are all it left
     done["local.first"] = (0 if rc == 137 else rc or "0, not killed", output)
     if rc == 137:
@@ -104,8 +109,9 @@ def main():
         print(">> cpu_written: a CPU-written checkpoint resumed on a GPU needs a GPU")
     elif done.get("cpu_written.resumed", (1,))[0] == 0:
         output = done["cpu_written.resumed"][1]
-        straight = {r["iteration"]: r["lm_loss"] for r in log_rows(done["cpu_written.straight"][1])}
-        resumed = {r["iteration"]: r["lm_loss"] for r in log_rows(output)}
+        straight = {r["iteration"]: r["lm_loss"]
+                    for r in parse_log(done["cpu_written.straight"][1])}
+        resumed = {r["iteration"]: r["lm_loss"] for r in parse_log(output)}
         common = sorted(set(straight) & set(resumed))
         worst = max((relative(resumed[i], straight[i]) for i in common), default=1.0)
         check("cpu_written: resumed on the GPU", "resuming from" in output and common

@@ -14,12 +14,16 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.gpu.runs import GPU, Checks  # noqa: E402
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.distributed.grad_buffer import GradBuffer  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
@@ -28,7 +32,6 @@ from megalite.tensor_parallel.weight_grad import LinearStep, WeightGradStore  # 
 from megalite.train_step import autocast  # noqa: E402
 from megalite.training import build_model  # noqa: E402
 from megalite.validation import validate_args  # noqa: E402
-from runs import GPU, Checks  # noqa: E402
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
 # 24 layers, as the count of W-pass autograd calls; TinyLlama's layer kinds.

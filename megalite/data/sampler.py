@@ -17,6 +17,7 @@ import torch
 
 from megalite.context_split import shard_batch
 from megalite.errors import ConfigError
+from megalite.parallel_state import num_microbatches
 
 
 class MicroBatchSampler:
@@ -40,10 +41,6 @@ class MicroBatchSampler:
                               f"rank) x --micro-batch-size {micro_batch_size} do not make "
                               f"--global-batch-size {global_batch_size} over "
                               f"{data_parallel_size} ranks")
-        if shares is None and global_batch_size % (micro_batch_size * data_parallel_size) != 0:
-            raise ConfigError(f"--global-batch-size {global_batch_size} is not a multiple of "
-                              f"--micro-batch-size {micro_batch_size} x data-parallel size "
-                              f"{data_parallel_size}")
         if not 0 <= data_parallel_rank < data_parallel_size:
             raise ConfigError(f"data-parallel rank {data_parallel_rank} not in "
                               f"[0, {data_parallel_size})")
@@ -57,8 +54,8 @@ class MicroBatchSampler:
                               f"the {total_samples} samples of the dataset")
         self.total_samples, self.consumed_samples = total_samples, consumed_samples
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
-        shares = shares or (global_batch_size // (micro_batch_size * data_parallel_size),) \
-            * data_parallel_size
+        shares = shares or (num_microbatches(global_batch_size, micro_batch_size,
+                                             data_parallel_size),) * data_parallel_size
         # This rank's samples follow those of the ranks before it (uneven shares or not).
         self.local_batch_size = shares[data_parallel_rank] * micro_batch_size
         self.local_start = sum(shares[:data_parallel_rank]) * micro_batch_size

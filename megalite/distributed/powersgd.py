@@ -47,15 +47,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (_orthogon
 from megalite.config import GradCompressionConfig
 from megalite.timers import NO_TIMERS, Timers
 from megalite.parallel_state import group_rank, group_size
-from megalite.tensor_parallel.params import is_shared_embedding, partition_dim
-
-SHARED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+from megalite.tensor_parallel.params import partition_dim, single_process_name
 
 
 def single_process_names(chunks: nn.ModuleList) -> dict[int, str]:
     """id(param) -> its name in the single-process model (a chunk's names are already
-    global; a tied embedding's two copies share the word embeddings' name)."""
-    return {id(p): SHARED_EMBEDDING_NAME if is_shared_embedding(p) else name
+    global)."""
+    return {id(p): single_process_name(name, p)
             for chunk in chunks for name, p in chunk.named_parameters()}
 
 

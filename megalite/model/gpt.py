@@ -28,9 +28,9 @@ from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallel
 from megalite.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
                                                scatter_to_sequence_parallel_region)
 from megalite.tensor_parallel.params import (VOCAB_PARAMS, is_expert_parallel,
-                                             is_shared_embedding, mark_shared_embedding,
-                                             pad_vocab_rows, partition_dim, partition_stride,
-                                             tp_shard)
+                                             mark_shared_embedding, pad_vocab_rows,
+                                             partition_dim, partition_stride,
+                                             single_process_name, tp_shard)
 from megalite.tensor_parallel.random import checkpoint
 from megalite.tensor_parallel.weight_grad import LinearStep
 
@@ -370,8 +370,7 @@ def initialize_parameters(model: nn.Module, config: GPTConfig, seed: int, tp_ran
     for name, param in model.named_parameters():
         if param.is_meta:
             continue
-        if is_shared_embedding(param):
-            name = "embedding.word_embeddings.weight"  # a tied output layer starts equal
+        name = single_process_name(name, param)  # a tied output layer starts equal
         full = full_initial_value(name, param, config, seed, tp_size, device, ep_rank)
         assign(param, tp_shard(full, param, name, tp_rank, tp_size))
 

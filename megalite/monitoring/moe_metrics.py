@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megalite.config import Config
 from megalite.model.moe import MoELayer
+from megalite.parallel_state import num_microbatches
 
 
 def loss_names(config: Config) -> list[str]:
@@ -52,7 +53,8 @@ def moe_report(chunks, config: Config, tp_size: int, iterations: int,
         dist.all_reduce(table)
     table /= tp_size
     moe = torch.tensor(c.moe_layer_pattern, device=device)
-    microbatches = iterations * config.training.global_batch_size // config.training.micro_batch_size
+    microbatches = iterations * num_microbatches(config.training.global_batch_size,
+                                                 config.training.micro_batch_size)
     losses = {name: (table[moe, j].mean() / microbatches / _coefficient(config, name)).item()
               for j, name in enumerate(names)}
     load = table[moe, len(names):]

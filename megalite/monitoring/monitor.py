@@ -17,7 +17,7 @@ from torch import nn
 
 from megalite.config import Config
 from megalite.monitoring.memory import memory_stats
-from megalite.monitoring.peak_flops import compute_dtype, peak_tflops
+from megalite.monitoring.peak_flops import compute_dtype, mfu_percent, peak_tflops
 from megalite.monitoring.profiling import Profiler
 from megalite.monitoring.replica_check import check_all_replicas
 from megalite.monitoring.statistics import params_norm
@@ -128,7 +128,7 @@ class Monitor:
         table = table.view(self.world_size, -1).cpu()
         report = IntervalReport()
         if self.peak_tflops:
-            report.mfu_percent = 100.0 * tflops_per_gpu / self.peak_tflops
+            report.mfu_percent = mfu_percent(tflops_per_gpu, self.peak_tflops)
             report.scalars["mfu-percent"] = report.mfu_percent
         for i, name in enumerate(memory):
             top = table[:, i].max().item()

@@ -81,6 +81,12 @@ def is_embedding_copy(param: nn.Parameter) -> bool:
     return getattr(param, "embedding_copy", False)
 
 
+def single_process_name(name: str, param: nn.Parameter) -> str:
+    """`param`'s name in the single-process model, from `name`, its name in its model chunk:
+    a tied output layer on a later pipeline stage is a copy of the word embeddings."""
+    return VOCAB_PARAMS[0] if is_embedding_copy(param) else name
+
+
 def copy_tags(tags: dict, param: nn.Parameter):
     """Set on `param` the tags (and any other attributes) in `tags`, another parameter
     object's `vars()`: FSDP2 replaces each parameter by a new DTensor one."""

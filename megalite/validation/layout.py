@@ -8,7 +8,7 @@ from megalite.config import DEFAULT_BUCKET_SIZE, ParallelConfig
 from megalite.config.flags import flag, from_flags
 from megalite.context_parallel import cp_backend_check
 from megalite.errors import ConfigError
-from megalite.parallel_state import RankGrid
+from megalite.parallel_state import RankGrid, num_microbatches
 from megalite.pipeline_parallel.schedules import validate_schedule_args
 from megalite.validation.checks import check_positive
 from megalite.validation.uneven import is_uneven_split, pipeline_split
@@ -137,11 +137,7 @@ def batch(args, parallel: ParallelConfig) -> tuple[int, int, int]:
     batch is one micro-batch per DP rank, as in Megatron."""
     micro, dp = args.micro_batch_size or 1, parallel.data_parallel_size
     global_batch = args.global_batch_size or micro * dp
-    if global_batch % (micro * dp):
-        raise ConfigError(
-            f"--global-batch-size={global_batch} is not divisible by --micro-batch-size={micro} "
-            f"x data-parallel size {dp}")
-    num_microbatches = global_batch // (micro * dp)
-    validate_schedule_args(parallel.pipeline_model_parallel_size, num_microbatches,
+    micro_batches = num_microbatches(global_batch, micro, dp)
+    validate_schedule_args(parallel.pipeline_model_parallel_size, micro_batches,
                            parallel.virtual_pipeline_model_parallel_size or 1)
-    return micro, global_batch, num_microbatches
+    return micro, global_batch, micro_batches

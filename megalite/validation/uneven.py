@@ -8,6 +8,7 @@ from megalite.config import ParallelConfig
 from megalite.config.flags import flag
 from megalite.data.shares import parse_weights, share_unit, split_microbatches
 from megalite.errors import ConfigError
+from megalite.parallel_state import num_microbatches
 from megalite.pipeline_parallel.schedules import validate_schedule_args
 from megalite.pipeline_parallel.stages import stage_layer_counts
 
@@ -110,12 +111,10 @@ def shares_batch(args, parallel: ParallelConfig) -> tuple[int, int, tuple[int, .
                           f"micro-batch); use --use-distributed-optimizer (ZeRO-1)")
     micro = args.micro_batch_size or 1
     global_batch = args.global_batch_size or micro * dp
-    if global_batch % micro:
-        raise ConfigError(f"--global-batch-size={global_batch} is not divisible by "
-                          f"--micro-batch-size={micro}")
     v = parallel.virtual_pipeline_model_parallel_size or 1
     weights = parse_weights(text, dp) or [1.0] * dp
-    shares = split_microbatches(weights, global_batch // micro, share_unit(parallel))
+    shares = split_microbatches(weights, num_microbatches(global_batch, micro),
+                                share_unit(parallel))
     for m in set(shares):
         validate_schedule_args(pp, m, v)
     return micro, global_batch, shares

@@ -46,7 +46,7 @@ def test_global_batch_is_the_same_samples_in_the_same_order_for_any_dp():
     (dict(consumed=5), "consumed samples 5"),
     (dict(consumed=-8), "consumed samples"),
     (dict(consumed=104), "exceed"),
-    (dict(gbs=6), "--global-batch-size 6"),
+    (dict(gbs=6), "--global-batch-size=6"),
     (dict(rank=2), "rank 2"),
     (dict(mbs=0), "--micro-batch-size"),
 ])

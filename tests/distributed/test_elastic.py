@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir, read_metadata
+from megalite.initialize import free_port
 from megalite.training_log import parse_log
 
 from tests.helpers import flags_with
@@ -32,12 +32,6 @@ FLAGS = flags_with("--log-interval", "1", "--eval-iters", "0", "--num-workers", 
                    "--distributed-backend", "gloo", vocab_size=61,
                    make_vocab_size_divisible_by=None, hidden_size=32, seq_length=16,
                    micro_batch_size=1, global_batch_size=4, train_iters=80)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_agent(port: int, save: Path, host_store: bool) -> subprocess.Popen:

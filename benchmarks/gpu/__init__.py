@@ -1,0 +1,1 @@
+"""The checks of benchmarks/gpu_check.sh; what they share is runs.py."""
