@@ -6,7 +6,6 @@ evaluations, exit conditions, the log line and TensorBoard.
 """
 
 import dataclasses
-import math
 import sys
 import time
 
@@ -18,7 +17,7 @@ from megalite.arguments import build_parser, parse_args
 from megalite.attention_backends import resolve_backend
 from megalite.config import Config, OptimizerKind
 from megalite.data.datasets import build_datasets
-from megalite.data.shares import configured_shares, share_balancer
+from megalite.data.shares import share_balancer
 from megalite.data.loader import microbatches
 from megalite.data.tokenizer import build_tokenizer
 from megalite.distributed.fsdp import copy_into, fully_shard_model
@@ -38,7 +37,6 @@ from megalite.initialize import initialize_distributed, set_seed, world_size_fro
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
 from megalite.model.gpt import build_model_chunks, initialize_buffers, initialize_parameters
-from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
 from megalite.timers import COMPUTE, NO_TIMERS, Timers, synchronize
@@ -52,9 +50,9 @@ from megalite.parallel_state import ParallelState, print_rank_0, print_rank_last
 from megalite.run_file import dump_run_file, write_run_file
 from megalite.tensor_parallel.fp8 import check_fp8_device
 from megalite.tensor_parallel.random import build_rng_tracker
+from megalite.step_report import StepReporter, evaluate_and_print
 from megalite.train_step import StepRunner
-from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
-                                   num_floating_point_operations, validation_lines)
+from megalite.training_log import IntervalStats, TensorBoardLogger
 from megalite.validation import validate_args
 
 
@@ -248,13 +246,13 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
         if valid is not None:
             # The loop may have just written this iteration's validation scalars.
             evaluated = progress.iteration % config.training.eval_interval == 0
-            _evaluate_and_print(f"iteration {progress.iteration} on validation set", runner,
-                                valid, config, tensorboard,
-                                None if evaluated else progress.iteration)
+            evaluate_and_print(f"iteration {progress.iteration} on validation set", runner,
+                               valid, config, tensorboard,
+                               None if evaluated else progress.iteration)
         if evaluating and test_ds is not None:
-            _evaluate_and_print(f"iteration {progress.iteration} on test set", runner,
-                                microbatches(test_ds, 0, config, state, device), config,
-                                tensorboard, None)
+            evaluate_and_print(f"iteration {progress.iteration} on test set", runner,
+                               microbatches(test_ds, 0, config, state, device), config,
+                               tensorboard, None)
     finally:
         monitor.close(progress.iteration)
         tensorboard.close()
@@ -267,12 +265,12 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
     """Train from `progress` on (updating it); `save` writes checkpoints (None: no --save);
     every exit waits for its pending write. Returns whether a signal or
     --exit-duration-in-mins stopped the run."""
-    t, log = config.training, config.logging
+    t = config.training
     exits = ExitConditions(config.checkpoint, device)
     saved_at = progress.iteration
     stats = IntervalStats()
-    flops_per_step = num_floating_point_operations(config.model, t.global_batch_size)
     shares = share_balancer(config, state, monitor.timers)
+    reporter = StepReporter(config, state, runner, tensorboard, monitor, shares)
     batches = microbatches(train_ds, progress.consumed_train_samples, config, state, device,
                            shares.shares)
     while progress.iteration < t.train_iters:
@@ -303,101 +301,41 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         if shares.after_step(progress.iteration):  # new shares from the next global batch
             batches = microbatches(train_ds, progress.consumed_train_samples, config, state,
                                    device, shares.shares)
-        logging = progress.iteration % log.log_interval == 0
-        # Decided alike on every rank (the statistics are collectives), and only where
-        # events are written: --log-params-norm must not cost a norm every iteration
-        # without TensorBoard.
-        scalars = ((log.tensorboard_dir is not None or log.wandb_project is not None)
-                   and progress.iteration % log.tensorboard_log_interval == 0)
-        extra = monitor.statistics() if logging or scalars else {}
-        if logging and getattr(runner.grad_buffer, "compressor", None) is not None:
-            extra["compression_ratio"] = runner.grad_buffer.compression_ratio
-        if logging and config.model.num_experts is not None:
-            fields, moe_scalars = moe_report(runner.chunks, config, state.tp_size, stats.iters,
-                                             device)
-            extra.update(fields)
-            tensorboard.scalars(progress.iteration, moe_scalars)
-        if scalars:
-            tensorboard.scalars(progress.iteration, {
-                "lm loss": result.loss, "learning-rate": lr, "grad-norm": result.grad_norm,
-                "loss-scale": loss_scale, "batch-size": t.global_batch_size,
-                "num-zeros": extra.get("num_zeros"), "params-norm": extra.get("params_norm")})
-        if logging:
-            _log_interval(config, progress, stats, lr, loss_scale, result.grad_norm, flops_per_step,
-                          tensorboard, monitor, extra)
-            if shares.uneven:
-                print_rank_last(shares.describe())
-            stats = IntervalStats()
+        stats = reporter.after_step(progress, result, lr, loss_scale, stats)
         if valid is not None and progress.iteration % t.eval_interval == 0:
-            _evaluate_and_print(f"iteration {progress.iteration}", runner, valid, config,
-                                tensorboard, progress.iteration)
+            evaluate_and_print(f"iteration {progress.iteration}", runner, valid, config,
+                               tensorboard, progress.iteration)
             progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
-        interval = config.checkpoint.save_interval
         if save:
-            save.poll()
-        if save and interval and progress.iteration % interval == 0:
-            save.save(progress.iteration)
-            saved_at = progress.iteration
-        elif save:
-            save.save_non_persistent(progress.iteration)
+            saved_at = _save_due(save, config.checkpoint.save_interval, progress.iteration,
+                                 saved_at)
         reason = exits.check()
         if reason:
-            if save and saved_at != progress.iteration:
-                save.save(progress.iteration)
-            if save:
-                save.wait()
+            _final_save(save, saved_at, progress.iteration)
             print_rank_0(f"exiting program after iteration {progress.iteration}: {reason}")
             return True
         if t.exit_interval and progress.iteration % t.exit_interval == 0:
             print_rank_last(f"exiting program at iteration {progress.iteration}")
             break
-    if save and saved_at != progress.iteration:
-        save.save(progress.iteration)
-    if save:
-        save.wait()
+    _final_save(save, saved_at, progress.iteration)
     return False
 
 
-def _log_interval(config: Config, progress: TrainState, stats: IntervalStats, lr: float,
-                  loss_scale: float, grad_norm, flops_per_step: float,
-                  tensorboard: TensorBoardLogger, monitor: Monitor, extra: dict):
-    t = config.training
-    seconds_per_iter = stats.elapsed_s / stats.iters
-    world_size = dist.get_world_size()
-    tflops = flops_per_step / (seconds_per_iter * world_size * 1e12)
-    tokens_per_s = t.global_batch_size * config.model.seq_length / seconds_per_iter
-    report = monitor.interval_report(stats.iters, tflops)
-    baseline = config.logging.scaling_baseline_tokens_per_sec
-    efficiency = None if baseline is None else 100 * tokens_per_s / world_size / baseline
-    print_rank_last(log_line(
-        iteration=progress.iteration, train_iters=t.train_iters,
-        consumed_samples=progress.consumed_train_samples, elapsed_ms=seconds_per_iter * 1e3,
-        tflops_per_gpu=tflops if config.logging.log_throughput else None, learning_rate=lr,
-        global_batch_size=t.global_batch_size, lm_loss=stats.mean_loss, loss_scale=loss_scale,
-        grad_norm=grad_norm, skipped_iters=stats.skipped_iters, nan_iters=stats.nan_iters,
-        tokens_per_second=tokens_per_s, mfu_percent=report.mfu_percent,
-        memory_mib=report.memory_mib, scaling_efficiency_percent=efficiency, **extra))
-    for line in report.lines:
-        print_rank_last(line)
-    tensorboard.scalars(progress.iteration, {"throughput": tflops,
-                                             "tokens-per-second": tokens_per_s,
-                                             **report.scalars})
-    monitor.after_log_interval()
+def _save_due(save: CheckpointSaver, interval: int | None, iteration: int,
+              saved_at: int) -> int:
+    """The persistent save --save-interval asks for, else a non-persistent one when due;
+    returns the iteration of the last persistent save."""
+    save.poll()
+    if interval and iteration % interval == 0:
+        save.save(iteration)
+        return iteration
+    save.save_non_persistent(iteration)
+    return saved_at
 
 
-def _evaluate_and_print(prefix: str, runner: StepRunner, batches, config: Config,
-                        tensorboard: TensorBoardLogger, iteration: int | None):
-    """Token-weighted mean loss over --eval-iters global batches drawn from `batches`."""
-    t = config.training
-    # The loader reads the configured shares (auto ones move; evaluation keeps these).
-    local_shares = configured_shares(t, runner.state.dp_size)[runner.state.dp_rank]
-    loss_sum, tokens = 0.0, 0.0
-    for _ in range(t.eval_iters):
-        s, n = runner.evaluate([next(batches) for _ in range(local_shares)])
-        loss_sum, tokens = loss_sum + s, tokens + n
-    loss = loss_sum / max(tokens, 1.0)
-    for line in validation_lines(prefix, loss):
-        print_rank_last(line)
-    if iteration is not None:
-        tensorboard.scalars(iteration, {"lm loss validation": loss,
-                                        "lm loss validation ppl": math.exp(min(20.0, loss))})
+def _final_save(save: CheckpointSaver | None, saved_at: int, iteration: int):
+    """At an exit: this iteration saved unless it just was, every pending write waited for."""
+    if save and saved_at != iteration:
+        save.save(iteration)
+    if save:
+        save.wait()

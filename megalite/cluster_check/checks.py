@@ -8,7 +8,7 @@ from megalite.cluster_check.correctness import check_correctness, checked_config
 from megalite.cluster_check.recovery import check_recovery
 from megalite.cluster_check.scaling import check_scaling
 from megalite.cluster_check.tuning import check_tuning, tune_candidates
-from megalite.training import print_rank_0
+from megalite.parallel_state import print_rank_0
 
 # A GPT small enough for a CPU that still has every axis to split: 8 heads in 4 query
 # groups (TP up to 4), 4 layers (PP up to 4, or 2 x 2 virtual), 32 tokens (CP up to 4

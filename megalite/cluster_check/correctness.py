@@ -15,7 +15,7 @@ from megalite.cluster_check.report import Section, table
 from megalite.cluster_check.shared import batch_flags, gathered
 from megalite.errors import ConfigError
 from megalite.layout_check import BF16, FP32, first_difference, layouts_for, run_layout
-from megalite.training import print_rank_0
+from megalite.parallel_state import print_rank_0
 from megalite.validation import validate_args
 
 

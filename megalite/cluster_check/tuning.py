@@ -17,7 +17,7 @@ from megalite.layout_tune import (Candidate, Estimate, candidates, communication
                                   prune_by_bandwidth)
 from megalite.memory_estimate import GiB, most_loaded_rank
 from megalite.monitoring.peak_flops import compute_dtype, mfu_percent, peak_tflops
-from megalite.training import print_rank_0
+from megalite.parallel_state import print_rank_0
 from megalite.training_log import num_floating_point_operations
 
 
