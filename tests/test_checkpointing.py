@@ -4,8 +4,10 @@ models and pickles, signals and the exit duration (docs/design.md §8)."""
 
 import os
 import signal
+import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,68 @@ def test_finetune_loads_the_model_only_and_needs_a_checkpoint(tmp_path, capsys):
     # 3e-3 x (1 - 1/2)), the checkpoint's weights.
     assert "resuming from" in out and "iteration        1/       2" in out
     assert "learning rate: 1.500000E-03" in out
+
+
+def _flip_a_byte_of_the_largest_record(path: Path) -> None:
+    """One bit of the largest record's bytes (a tensor's data) flipped, as storage rot
+    does: the zip's structure stays whole, so torch.load reads the file without complaint."""
+    with zipfile.ZipFile(path) as archive:
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_flipped_bit_in_a_checkpoint_file_is_refused_naming_it(tmp_path, capsys):
+    """torch.load checks no CRC (nor does a memory-mapped load read one): without the
+    check, the flipped weight or moment was loaded and training went on from it."""
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "1", "--eval-iters", "0"]) == 0
+    for name in (saving.model_file(0, 0), saving.optim_file(0, 0, 0)):
+        path = save / "iter_0000001" / name
+        whole = path.read_bytes()
+        _flip_a_byte_of_the_largest_record(path)
+        capsys.readouterr()
+        assert pretrain([*FLAGS, "--load", str(save), "--eval-iters", "0"]) == 1
+        err = capsys.readouterr().err
+        assert str(path) in err and "CRC" in err, err
+        path.write_bytes(whole)
+
+
+def test_a_changed_value_in_checkpoint_metadata_is_refused_naming_it(tmp_path, capsys):
+    """A digit changed in metadata.json still parses: the consumed samples (where the data
+    resumes) would have been taken as written."""
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "2", "--eval-iters", "0"]) == 0
+    path = save / "iter_0000002" / "metadata.json"
+    text = path.read_text()
+    assert '"consumed_train_samples": 8' in text
+    path.write_text(text.replace('"consumed_train_samples": 8', '"consumed_train_samples": 9'))
+    capsys.readouterr()
+    assert pretrain([*FLAGS, "--load", str(save), "--eval-iters", "0"]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "checksum" in err, err
+
+
+def test_a_lost_tracker_resumes_from_the_only_checkpoint_and_names_itself(tmp_path, capsys):
+    """The first save stopped between publishing iter_0000002 and writing the tracker (or
+    the tracker lost): its one checkpoint is what there is to resume from. With two, the
+    user chooses; a tracker naming no checkpoint is named in the error."""
+    save = tmp_path / "ckpt"
+    flags = [*FLAGS, "--save", str(save), "--eval-iters", "0"]
+    assert pretrain([*flags, "--train-iters", "2"]) == 0
+    tracker = save / TRACKER_FILENAME
+    tracker.unlink()
+    capsys.readouterr()
+    assert pretrain([*flags, "--load", str(save), "--train-iters", "3"]) == 0
+    assert "at iteration 2" in capsys.readouterr().out
+    tracker.unlink()
+    assert pretrain([*flags, "--load", str(save)]) == 1
+    assert f"checkpoint tracker {tracker} is missing" in capsys.readouterr().err
+    tracker.write_text("7")
+    assert pretrain([*flags, "--load", str(save)]) == 1
+    assert f"checkpoint tracker {tracker} names iteration 7" in capsys.readouterr().err

@@ -12,12 +12,18 @@ A save is made visible in three steps, each of which survives a crash at any poi
 A crash before the tracker is replaced leaves the previous checkpoint as the one loaded.
 Loading (`find_checkpoint_to_load`, `read_metadata`, `load_tensor_file`) only reads, so any
 rank may call it. No function here communicates; the caller owns the barriers.
+
+What was written is what is read: torch.save writes a CRC-32 of every record of its zip
+file, which torch.load never checks (a flipped bit in a tensor loads as another value);
+`damaged_file` checks them. metadata.json carries a CRC-32 of its own content.
 """
 
 import json
 import pickle
 import re
 import shutil
+import zipfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Sequence
@@ -156,7 +162,8 @@ def commit(save: str | Path, iteration: int, metadata: dict,
         raise CheckpointError(f"cannot commit checkpoint {final}: {len(missing)} of "
                               f"{len(expected_files)} files missing from {staging}: {missing}")
     record = {**metadata, "iteration": iteration, "files": list(expected_files)}
-    text = json.dumps(record, indent=2, sort_keys=True).encode()  # a non-JSON value fails here
+    record["checksum"] = _checksum(record)  # a non-JSON value fails here
+    text = json.dumps(record, indent=2, sort_keys=True).encode()
     _atomic_write(staging / METADATA_FILENAME, lambda f: f.write(text))
     with _io_errors("publish checkpoint", final):
         swap_in(staging, final, aside)
@@ -183,6 +190,10 @@ def read_metadata(directory: str | Path) -> dict:
     if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
         raise CheckpointError(f"checkpoint metadata {path} is garbled: expected a JSON object "
                               f"with an integer 'iteration' and a 'files' list")
+    checksum = record.pop("checksum", None)  # metadata written before checksums has none
+    if checksum is not None and checksum != _checksum(record):
+        raise CheckpointError(f"checkpoint metadata {path} does not match its checksum: it "
+                              f"changed after it was written (storage corruption?)")
     missing = _missing_files(record.get("files"), f"checkpoint metadata {path}", directory)
     if missing:
         raise CheckpointError(f"incomplete checkpoint {directory}: {len(missing)} of "
@@ -191,6 +202,25 @@ def read_metadata(directory: str | Path) -> dict:
         record["model"] = {k: tuple(v) if isinstance(v, list) else v
                            for k, v in record["model"].items()}
     return record
+
+
+def _checksum(record: dict) -> str:
+    """Of the metadata as parsed, so it reads the same whatever the file's layout."""
+    return f"crc32:{zlib.crc32(json.dumps(record, sort_keys=True).encode()):08x}"
+
+
+def damaged_file(path: Path) -> str | None:
+    """Why checkpoint file `path` is not what torch.save wrote (a record whose bytes do not
+    match its CRC-32, or no zip at all), or None. Reads the whole file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except Exception as error:  # BadZipFile, a truncated read, an I/O error
+        return f"checkpoint file {path} is unreadable: {error!r}"
+    if bad is not None:
+        return (f"checkpoint file {path} is corrupt: its record {bad} does not match the "
+                f"CRC-32 torch.save wrote")
+    return None
 
 
 def _read_tracker(save: Path) -> int | str:
@@ -241,16 +271,31 @@ def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
         return None
     if not load.is_dir():
         raise CheckpointError(f"checkpoint path {load} is not a directory")
-    if not (load / TRACKER_FILENAME).exists():
-        found = sorted(d.name for d in _iteration_dirs(load).values()) + (
+    tracker = load / TRACKER_FILENAME
+    if not tracker.exists():
+        dirs = _iteration_dirs(load)
+        found = sorted(d.name for d in dirs.values()) + (
             [RELEASE] if (load / RELEASE).is_dir() else [])
         if not found:
             return None
+        # The first save of a run stopped between publishing its directory and writing the
+        # tracker (commit's last step) leaves one whole checkpoint and no tracker: the only
+        # one there is to resume from. Several are the user's to choose between.
+        if len(found) == 1 and dirs and _is_complete(next(iter(dirs.values()))):
+            return _checked_iteration(*next(iter(dirs.items())))
         raise CheckpointError(
-            f"checkpoint tracker {load / TRACKER_FILENAME} is missing but {load} holds "
+            f"checkpoint tracker {tracker} is missing but {load} holds "
             f"checkpoint directories {found}; write the iteration to resume from into it, "
             f"or point --load elsewhere")
     iteration, directory = tracked_checkpoint(load)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint tracker {tracker} names iteration {iteration}, but "
+                              f"{directory} does not exist; write the iteration of a "
+                              f"checkpoint {load} holds into it")
+    return _checked_iteration(iteration, directory)
+
+
+def _checked_iteration(iteration: int, directory: Path) -> tuple[int, Path]:
     record = read_metadata(directory)
     # A release checkpoint's metadata has no iteration to check: Megatron's is 0.
     if directory.name != RELEASE and record["iteration"] != iteration:
