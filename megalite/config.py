@@ -402,8 +402,8 @@ class LoggingConfig:
 class DistributedConfig:
     backend: str | None = None
     """nccl or gloo; None: nccl when an accelerator is visible (--distributed-backend)."""
-    timeout_minutes: int = 10
-    """Collective timeout in minutes (--distributed-timeout-minutes)."""
+    timeout_minutes: float = 10
+    """Collective timeout in minutes, fractions allowed (--distributed-timeout-minutes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
