@@ -168,3 +168,19 @@ def test_a_campaign_seed_is_its_schedule():
     random.seed(0)  # the global generator plays no part
     assert first == [(r.policy, [f.kind.name for f in r.faults])
                      for r in faults.schedule(46, 12, 4)]
+
+
+def test_the_steps_before_a_fault_are_counted_since_its_restart(tmp_path):
+    """An earlier attempt logged up to iteration 7, then the job resumed at 4: a fault
+    after iteration 5 of the resumed job has lost 1 step, not 3."""
+    data = tmp_path / "data" / "x"
+    data.parent.mkdir()
+    for suffix in (".bin", ".idx"):
+        data.with_suffix(suffix).write_bytes(b"")
+    driver = campaign.RunDriver(faults.RunPlan(0, "requeue", False, False), tmp_path / "run",
+                                data, campaign.Settings(), {})
+    driver.starts = [(0.0, 0), (10.0, 4)]
+    driver.iterations = [(1.0, 1), (2.0, 5), (3.0, 7), (11.0, 5), (12.0, 6)]
+    assert driver._last_iteration_before(11.5) == 5
+    assert driver._last_iteration_before(10.5) == 4
+    assert driver._last_iteration_before(9.0) == 7

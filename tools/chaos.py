@@ -1,4 +1,4 @@
-"""A fault campaign (docs/design.md §26): a tiny pretrain_gpt.py job (2 layers, 2 ranks, DP 2
+"""A fault campaign (docs/design.md §24): a tiny pretrain_gpt.py job (2 layers, 2 ranks, DP 2
 with ZeRO-1, gloo on the CPU) trained under its restart policy, with faults injected from a
 seeded schedule, several per run; every run's final checkpoint compared value for value
 with the fault-free run's.

@@ -1,4 +1,4 @@
-"""A fault campaign (docs/design.md §26): tools/chaos.py trains a tiny job under a restart
+"""A fault campaign (docs/design.md §24): tools/chaos.py trains a tiny job under a restart
 policy and injects faults from a seeded schedule; each ends as "survived" (the final
 weights and optimizer state bit-identical to the fault-free run's), "clear-error" (stopped
 by an error naming the fault) or "silent" (neither: must never happen).

@@ -104,7 +104,7 @@ class RunDriver:
         self.faults = plan.faults
         self.records = [Record(f.id, f.kind.name, f.kind.group, plan.policy, plan.index,
                                f.rank) for f in plan.faults]
-        self.i, self.iterations, self.signal_at = 0, [], None
+        self.i, self.iterations, self.starts, self.signal_at = 0, [], [], None
         self.save = directory / "ckpt"
         (directory / "data").mkdir(parents=True)
         self.data = data
@@ -127,9 +127,14 @@ class RunDriver:
                 break
         for record in self.records:
             if record.fired_at is not None:
-                record.iteration = max((k for t, k in self.iterations
-                                        if t <= record.fired_at), default=0)
+                record.iteration = self._last_iteration_before(record.fired_at)
         return self.records
+
+    def _last_iteration_before(self, moment: float) -> int:
+        """The last iteration logged before `moment` since the (re)start it happened in
+        (an earlier attempt's iterations were repeated or lost before it)."""
+        since, start = max(((t, k) for t, k in self.starts if t <= moment), default=(0.0, 0))
+        return max((k for t, k in self.iterations if since <= t <= moment), default=start)
 
     def finished(self) -> bool:
         try:
@@ -166,6 +171,7 @@ class RunDriver:
         start = _START.search(line)
         if start:
             resumed = int(start[1] or 0)
+            self.starts.append((stamp, resumed))
             if record is not None and record.state in ("fired", "resumed"):
                 record.resumed, record.state = resumed, "resumed"
             elif record is not None and record.state == "waiting":
