@@ -4,10 +4,8 @@ models and pickles, signals and the exit duration (docs/design.md §8)."""
 
 import os
 import signal
-import struct
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,8 @@ from megalite.checkpointing import saving
 from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_load
 from megalite.training import pretrain
 
-from tests.helpers import assert_identical, checkpoint_tensors, flags_with, scalars
+from tests.helpers import (assert_identical, checkpoint_tensors, flags_with,
+                           flip_a_bit_of_the_largest_record, scalars)
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
@@ -189,20 +188,6 @@ def test_finetune_loads_the_model_only_and_needs_a_checkpoint(tmp_path, capsys):
     assert "learning rate: 1.500000E-03" in out
 
 
-def _flip_a_byte_of_the_largest_record(path: Path) -> None:
-    """One bit of the largest record's bytes (a tensor's data) flipped, as storage rot
-    does: the zip's structure stays whole, so torch.load reads the file without complaint."""
-    with zipfile.ZipFile(path) as archive:
-        record = max(archive.infolist(), key=lambda info: info.file_size)
-    with open(path, "r+b") as f:
-        f.seek(record.header_offset + 26)
-        name_length, extra_length = struct.unpack("<HH", f.read(4))
-        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, 1)
-        f.write(bytes([byte ^ 0x10]))
-
-
 def test_a_flipped_bit_in_a_checkpoint_file_is_refused_naming_it(tmp_path, capsys):
     """torch.load checks no CRC (nor does a memory-mapped load read one): without the
     check, the flipped weight or moment was loaded and training went on from it."""
@@ -211,7 +196,7 @@ def test_a_flipped_bit_in_a_checkpoint_file_is_refused_naming_it(tmp_path, capsy
     for name in (saving.model_file(0, 0), saving.optim_file(0, 0, 0)):
         path = save / "iter_0000001" / name
         whole = path.read_bytes()
-        _flip_a_byte_of_the_largest_record(path)
+        flip_a_bit_of_the_largest_record(path)
         capsys.readouterr()
         assert pretrain([*FLAGS, "--load", str(save), "--eval-iters", "0"]) == 1
         err = capsys.readouterr().err

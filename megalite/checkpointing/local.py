@@ -8,7 +8,8 @@ position), written whole or not at all (storage.save_tensor_file). So a local ch
 loads only at the layout that wrote it, and only if every rank still has its file: on
 restart a MIN all-reduce over all ranks finds the newest iteration every rank holds
 (`newest_common`), and it is used only when newer than the persistent checkpoint;
-otherwise training resumes from --load. A rank keeps its two newest local saves (a crash
+otherwise training resumes from --load (so also when a rank's file is damaged: its zip
+records against their CRC-32s). A rank keeps its two newest local saves (a crash
 between two ranks' writes still leaves a common one) and drops those a published
 persistent save makes stale.
 """
@@ -22,8 +23,9 @@ import torch.distributed as dist
 from megalite.checkpointing.loading import _set_rng_state
 from megalite.checkpointing.saving import (MOMENTS, _cpu_copy, _rng_state, layout_of,
                                           state_buffers)
-from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
-                                           load_tensor_file, save_tensor_file)
+from megalite.checkpointing.storage import (checkpoint_dir, damaged_file,
+                                           find_checkpoint_to_load, load_tensor_file,
+                                           save_tensor_file)
 from megalite.distributed.fsdp import copy_into, full_tensor
 
 KEEP = 2
@@ -98,8 +100,14 @@ def newest_common(root: str, layout: dict, device: torch.device) -> int | None:
     candidate = int(newest.item())
     has = torch.tensor([candidate >= 0 and candidate in own], device=device, dtype=torch.int32)
     if has.item():
-        saved = load_tensor_file(rank_path(root, candidate, rank), mmap=True)["layout"]
-        has.fill_(int(saved == layout))
+        path = rank_path(root, candidate, rank)
+        damage = damaged_file(path)
+        if damage is not None:  # then --load's checkpoint, on every rank
+            print(f" > rank {rank}: {damage}: not resuming from the local checkpoints of "
+                  f"iteration {candidate}", flush=True)
+            has.fill_(0)
+        else:
+            has.fill_(int(load_tensor_file(path, mmap=True)["layout"] == layout))
     dist.all_reduce(has, op=dist.ReduceOp.MIN)
     return candidate if has.item() else None
 
