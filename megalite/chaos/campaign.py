@@ -176,8 +176,8 @@ class RunDriver:
                 record.resumed, record.state = resumed, "resumed"
             elif record is not None and record.state == "waiting":
                 self._arm(record, resumed)
-        elif record is not None and record.fired_at is not None and \
-                (line.startswith("error") or "Error" in line) and len(record.errors) < 40:
+        elif record is not None and record.fired_at is not None and len(record.errors) < 40 \
+                and (line.startswith(("error", " > rank")) or "Error" in line):
             record.errors.append(line.strip()[:2000])
 
     def current(self) -> Record | None:
@@ -252,7 +252,7 @@ class RunDriver:
             record.state = "prelude"
             return
         self._fired(record, stamp)
-        record.hit = damage(fault, self.save, self.dir / "data" / DATA_NAME)
+        record.hit = damage(fault, self.save, self.dir / "data" / DATA_NAME, self.dir / "local")
 
     def _fired(self, record: Record, stamp: float) -> None:
         record.fired_at, record.state = stamp, "fired"
@@ -281,9 +281,9 @@ class RunDriver:
         return True
 
 
-def damage(fault: Fault, save: Path, data: Path) -> str:
-    """Corrupt, truncate or delete a file of the tracked checkpoint, the tracker, or a
-    dataset file; returns its path."""
+def damage(fault: Fault, save: Path, data: Path, local: Path | None = None) -> str | None:
+    """Corrupt, truncate or delete a file of the tracked checkpoint, the tracker, a dataset
+    file, or flip a bit of the newest local checkpoint's; returns its path."""
     rng = random.Random(fault.pick)
     name = fault.kind.name
     if fault.kind.where in ("bin", "idx"):
@@ -291,7 +291,11 @@ def damage(fault: Fault, save: Path, data: Path) -> str:
     elif fault.kind.where == "tracker":
         path = save / TRACKER_FILENAME
     else:
-        files = sorted(tracked_checkpoint(save)[1].iterdir())
+        newest = (max(local.glob("iter_*"), default=None) if fault.kind.where == "local"
+                  else tracked_checkpoint(save)[1])
+        files = sorted(newest.iterdir()) if newest is not None else []
+        if not files:
+            return None  # no local checkpoint yet: nothing to damage
         path = files[int(fault.pick * len(files))]
     size = path.stat().st_size
     if name.startswith("delete"):

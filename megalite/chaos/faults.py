@@ -6,8 +6,9 @@ A kind is injected one of three ways:
            iteration's log line (SIGKILL, SIGTERM/SIGUSR1 with --exit-signal-handler,
            SIGSTOP for a hung rank);
   between  to the files, after a SIGKILL of a random rank and before the restart loads
-           (a checkpoint file or the tracker corrupted, truncated or deleted; the dataset's
-           .bin or .idx truncated).
+           (a checkpoint file or the tracker corrupted, truncated or deleted; a bit of a
+           rank's non-persistent local checkpoint flipped; the dataset's .bin or .idx
+           truncated).
 `recovers`: the restart policy alone must end the run bit-identical to the fault-free one.
 Otherwise the job must stop with an error naming the fault, and the fix docs/
 troubleshooting.md gives (campaign.py applies it) must then end it bit-identical.
@@ -57,6 +58,7 @@ KINDS = [
     Kind("corrupt_file", "checkpoint file or tracker", "between", "file", False, True),
     Kind("truncate_file", "checkpoint file or tracker", "between", "file", False, True),
     Kind("delete_file", "checkpoint file or tracker", "between", "file", False, True),
+    Kind("corrupt_local", "checkpoint file or tracker", "between", "local", mode="local"),
     Kind("garble_tracker", "checkpoint file or tracker", "between", "tracker", False, True),
     Kind("delete_tracker", "checkpoint file or tracker", "between", "tracker", False, True),
     Kind("disk_full", "full disk in a save", "hook", "disk_full", names=True),
