@@ -31,7 +31,7 @@ RUN_ELSEWHERE = {"BUDGET_S=480 bash benchmarks/gpu_check.sh": "tests/test_gpu_ch
                  'STEPS="env_info gpu_tests matmul_peak mfu_llama_1b mfu_llama_1b_eager" bash '
                  'benchmarks/gpu_check.sh': "tests/test_gpu_check_smoke.py",
                  # SMOKE=1 makes it the 12-fault campaign, whose outcomes that test checks
-                 "python tools/chaos.py --faults 216 --seed 46 --output-dir /tmp/chaos-46":
+                 "python tools/chaos.py --faults 225 --seed 46 --output-dir /tmp/chaos-46":
                      "tests/test_chaos.py"}
 
 
