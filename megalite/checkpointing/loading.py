@@ -23,9 +23,8 @@ from megalite.checkpointing.compression_state import load_compression_state
 from megalite.checkpointing.saving import (MOMENTS, canonical_name, layout_of, model_fields,
                                            model_file, optim_file, optimizer_shards, rng_device,
                                            rng_file, saved_layout, state_buffers)
-from megalite.checkpointing.storage import (check_model_compatible, damaged_file,
-                                            find_checkpoint_to_load, load_tensor_file,
-                                            read_metadata)
+from megalite.checkpointing.storage import (check_model_compatible, find_checkpoint_to_load,
+                                            load_tensor_file, read_metadata)
 from megalite.distributed.fsdp import copy_into
 from megalite.errors import CheckpointError
 from megalite.parallel_state import ParallelState
@@ -144,7 +143,6 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     iteration, directory = found
     meta = read_metadata(directory)
     check_model_compatible(meta["model"], model_fields(config.model), checkpoint=directory)
-    check_files(directory)
     saved = SavedCheckpoint(directory, meta)
     load_params(chunks, state, saved.param)
     optimizer.reload_main_params()
@@ -174,21 +172,6 @@ def load_checkpoint(load: str, chunks: nn.ModuleList, optimizer, scheduler,
     return {"iteration": iteration,
             "consumed_train_samples": meta["consumed_train_samples"],
             "consumed_valid_samples": meta["consumed_valid_samples"]}
-
-
-def check_files(directory: Path) -> None:
-    """Every rank: each checkpoint file's records against their CRC-32s, each file read by
-    one rank (its share of the sorted names), and every rank learns of any damage, so all
-    stop together naming the files."""
-    names = sorted(p.name for p in directory.glob("*.pt"))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    found = [why for name in names[rank::world] if (why := damaged_file(directory / name))]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, found)
-    damage = [why for share in everyone for why in share]
-    if damage:
-        raise CheckpointError("; ".join(damage) + ". Point the tracker at an older "
-                              "checkpoint, or restore this one (docs/troubleshooting.md)")
 
 
 @torch.no_grad()

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from megalite.checkpointing.loading import _set_rng_state
 from megalite.checkpointing.saving import (MOMENTS, _cpu_copy, _rng_state, layout_of,
                                           state_buffers)
-from megalite.checkpointing.storage import (checkpoint_dir, damaged_file,
-                                           find_checkpoint_to_load, load_tensor_file,
-                                           save_tensor_file)
+from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
+                                           load_tensor_file, save_tensor_file)
 from megalite.distributed.fsdp import copy_into, full_tensor
+from megalite.errors import CheckpointError
 
 KEEP = 2
 _ITER = re.compile(r"iter_(\d{7,})")
@@ -100,14 +100,13 @@ def newest_common(root: str, layout: dict, device: torch.device) -> int | None:
     candidate = int(newest.item())
     has = torch.tensor([candidate >= 0 and candidate in own], device=device, dtype=torch.int32)
     if has.item():
-        path = rank_path(root, candidate, rank)
-        damage = damaged_file(path)
-        if damage is not None:  # then --load's checkpoint, on every rank
-            print(f" > rank {rank}: {damage}: not resuming from the local checkpoints of "
+        try:
+            saved = load_tensor_file(rank_path(root, candidate, rank), mmap=True)["layout"]
+            has.fill_(int(saved == layout))
+        except CheckpointError as damage:  # then --load's checkpoint, on every rank
+            print(f" > rank {rank}: {damage}; not resuming from the local checkpoints of "
                   f"iteration {candidate}", flush=True)
             has.fill_(0)
-        else:
-            has.fill_(int(load_tensor_file(path, mmap=True)["layout"] == layout))
     dist.all_reduce(has, op=dist.ReduceOp.MIN)
     return candidate if has.item() else None
 

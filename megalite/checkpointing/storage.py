@@ -15,7 +15,8 @@ rank may call it. No function here communicates; the caller owns the barriers.
 
 What was written is what is read: torch.save writes a CRC-32 of every record of its zip
 file, which torch.load never checks (a flipped bit in a tensor loads as another value);
-`damaged_file` checks them. metadata.json carries a CRC-32 of its own content.
+`load_tensor_file` checks them first (`damaged_file`). metadata.json carries a CRC-32 of
+its own content.
 """
 
 import json
@@ -105,8 +106,13 @@ def save_tensor_file(obj: Any, path: str | Path) -> None:
 
 
 def load_tensor_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """A checkpoint file, by `guarded_load`. With `mmap` tensors are read from disk only
+    """A checkpoint file, by `guarded_load`, once its records match their CRC-32s
+    (`damaged_file`: one read of the file). With `mmap` tensors are read from disk only
     when touched (resharding reads pieces)."""
+    damage = damaged_file(Path(path)) if Path(path).is_file() else None
+    if damage is not None:
+        raise CheckpointError(f"{damage}: it changed after it was written; restore it, or "
+                              f"resume from an older checkpoint (docs/troubleshooting.md)")
     return guarded_load(Path(path), f"checkpoint file {path}", map_location=map_location,
                         mmap=mmap)
 
