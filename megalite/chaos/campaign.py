@@ -72,7 +72,8 @@ class Record:
     policy: str
     run: int
     rank: int
-    state: str = "waiting"  # armed, fired, resumed, recovered, skipped
+    state: str = "waiting"  # armed, prelude (stopped for a load fault), fired, resumed,
+    #                         recovered, skipped (the run ended first)
     target: int | None = None  # the iteration it is armed at
     fired_at: float | None = None
     hook_iteration: int | None = None
