@@ -184,3 +184,18 @@ def test_the_steps_before_a_fault_are_counted_since_its_restart(tmp_path):
     assert driver._last_iteration_before(11.5) == 5
     assert driver._last_iteration_before(10.5) == 4
     assert driver._last_iteration_before(9.0) == 7
+
+
+def test_a_local_save_cut_short_is_not_what_is_damaged(tmp_path):
+    """The SIGKILL before a damage may leave a local save's `.tmp`: the bit is flipped in
+    a whole file, the one a restart would read."""
+    local = tmp_path / "local" / "iter_0000006"
+    local.mkdir(parents=True)
+    storage.save_tensor_file({"w": torch.arange(100.0)}, local / "rank_00000.pt")
+    (local / "rank_00001.pt.tmp").write_bytes(b"")
+    whole = (local / "rank_00000.pt").read_bytes()
+    for pick in (0.1, 0.9):
+        fault = faults.Fault(0, faults.BY_NAME["corrupt_local"], 0, 1, 1, 0.0, pick)
+        assert campaign.damage(fault, tmp_path / "ckpt", tmp_path / "data",
+                               tmp_path / "local") == str(local / "rank_00000.pt")
+    assert (local / "rank_00000.pt").read_bytes() != whole

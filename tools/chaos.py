@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from megalite.chaos.campaign import RunDriver, Settings
@@ -97,11 +98,17 @@ def run_campaign(out: Path, seed: int, n_faults: int, per_run: int, settings: Se
     records = []
     for plan in schedule(seed, n_faults, per_run, kinds, policies):
         driver = RunDriver(plan, out / f"run_{plan.index:03d}", data, settings, env)
-        done = driver.run()
-        finished = driver.finished()
-        different = (differences(reference, checkpoint_values(driver.save)) if finished
-                     else [])
-        classify(done, plan.faults, finished, different)
+        try:
+            done = driver.run()
+            finished = driver.finished()
+            different = (differences(reference, checkpoint_values(driver.save)) if finished
+                         else [])
+            classify(done, plan.faults, finished, different)
+        except Exception:  # the campaign's own bug: reported, and the next run goes on
+            say(traceback.format_exc())
+            done, different = driver.records, []
+            for record in done:
+                record.outcome = "tool-error"
         records += done
         say(f"run {plan.index} ({plan.policy}, async {plan.async_save}, local "
             f"{plan.local}): " + ", ".join(f"{r.kind} -> {r.outcome}" for r in done)

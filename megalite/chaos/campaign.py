@@ -294,11 +294,15 @@ def damage(fault: Fault, save: Path, data: Path, local: Path | None = None) -> s
     else:
         newest = (max(local.glob("iter_*"), default=None) if fault.kind.where == "local"
                   else tracked_checkpoint(save)[1])
-        files = sorted(newest.iterdir()) if newest is not None else []
+        # Whole files only: a local save the SIGKILL cut short left a `.tmp`, never read.
+        files = sorted(f for f in newest.iterdir() if not f.name.endswith(".tmp")) \
+            if newest is not None else []
         if not files:
             return None  # no local checkpoint yet: nothing to damage
         path = files[int(fault.pick * len(files))]
     size = path.stat().st_size
+    if size == 0 and not name.startswith("delete"):
+        return None  # an empty tracker: nothing to truncate or flip
     if name.startswith("delete"):
         path.unlink()
     elif name.startswith("truncate"):

@@ -14,6 +14,7 @@ Outcomes:
   unrecovered   a kind that recovers did not: the run never finished
   incomplete    fired and recovered, but a later fault of its run kept it from finishing
   not-injected  the run ended before the fault's turn
+  tool-error    the campaign itself failed in the fault's run (its traceback is printed)
 """
 
 import json
@@ -29,7 +30,7 @@ from megalite.checkpointing.storage import (METADATA_FILENAME, load_tensor_file,
                                            tracked_checkpoint)
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 
-FAILURES = ("silent", "unclear", "lost-data", "unrecovered", "incomplete")
+FAILURES = ("silent", "unclear", "lost-data", "unrecovered", "incomplete", "tool-error")
 _RUN_SPECIFIC = ("config", "run_file", "checksum")  # the flags (and a checksum over them)
 
 
