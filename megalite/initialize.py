@@ -8,6 +8,8 @@ import datetime
 import os
 import random
 import socket
+import time
+import uuid
 
 import numpy as np
 import torch
@@ -47,7 +49,7 @@ def initialize_distributed(config: DistributedConfig) -> tuple[int, int, torch.d
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=config.timeout_minutes)
         # Without torchrun's environment, a one-rank group on a free loopback port.
-        where = _restarted_store(timeout) or ({} if "RANK" in os.environ else dict(
+        where = _round_store(timeout) or ({} if "RANK" in os.environ else dict(
             init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1))
         dist.init_process_group(backend, timeout=timeout,
                                 device_id=device if backend == "nccl" else None, **where)
@@ -64,21 +66,56 @@ def allow_tf32(device: torch.device):
         torch.set_float32_matmul_precision("high")
 
 
-def _restarted_store(timeout: datetime.timedelta) -> dict | None:
-    """After a torchrun --max-restarts restart, the store of the previous round, with
-    this round's keys under their own prefix. The store outlives the round, and without
-    the prefix a new worker reads the address a dead worker published and fails to
-    connect (gloo "connectFullMesh failed ... Connection refused")."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart == 0:
+_ROUND_STORE, _NONCE = "megalite/round_store", "megalite/nonce"
+
+
+def _round_store(timeout: datetime.timedelta) -> dict | None:
+    """Under torchrun: a store of this round's own. When the agent hosts torchrun's store
+    it outlives a round (a restart, an elastic membership change): a new worker would read
+    the address a dead worker published there and fail to connect (gloo "connectFullMesh
+    failed ... Connection refused"), and no number the workers are given tells them which
+    round they are in (TORCHELASTIC_RESTART_COUNT is the agent's: an agent that restarts
+    its workers for another node's failure keeps its count). So rank 0 hosts a new store
+    and publishes its port and a nonce there; a stale entry names a store that died with
+    its round (or another one on that port), and the others read again. When rank 0 hosts
+    torchrun's store, it is new with the round already."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return None
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host = os.environ["MASTER_ADDR"]
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          world_size, is_master=not agent_hosts_store and rank == 0,
-                          timeout=timeout)
-    return dict(store=dist.PrefixStore(f"megalite/restart_{restart}", store), rank=rank,
-                world_size=world_size)
+    launcher = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world_size,
+                             is_master=not agent_hosts_store and rank == 0, timeout=timeout)
+    if not agent_hosts_store:
+        store = launcher
+    elif rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        store.set(_NONCE, nonce)
+        launcher.set(_ROUND_STORE, f"{store.port} {nonce}")
+    else:
+        store = _join_round_store(launcher, host, world_size, timeout)
+    return dict(store=dist.PrefixStore("megalite", store), rank=rank, world_size=world_size)
+
+
+def _join_round_store(launcher, host: str, world_size: int,
+                      timeout: datetime.timedelta) -> dist.TCPStore:
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, nonce = launcher.get(_ROUND_STORE).decode().split()
+        try:
+            store = dist.TCPStore(host, int(port), world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=2))
+            if store.check([_NONCE]) and store.get(_NONCE).decode() == nonce:
+                store.set_timeout(timeout)
+                return store
+        except RuntimeError:  # refused: the store of a round that has ended
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {os.environ['RANK']}: rank 0 of this torchrun round "
+                               f"published no live store on {host} within {timeout}")
+        time.sleep(0.2)
 
 
 def set_seed(seed: int):

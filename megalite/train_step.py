@@ -82,6 +82,8 @@ class StepRunner:
             grad_buffer.linear_step = self.linear_step
         # fp16's loss scaler skips the steps whose gradients overflow instead.
         self.check_for_nan = config.checkpoint.check_for_nan and not config.precision.fp16
+        if grad_buffer is not None:
+            grad_buffer.check_finite = self.check_for_nan
         self.num_microbatches = m = config.training.num_microbatches
         fsdp = is_fully_sharded(chunks)
         self.fsdp_defer_grad_reduce = (fsdp and
@@ -156,21 +158,28 @@ class StepRunner:
 
     def _stop_on_nonfinite(self, loss: torch.Tensor, squares: torch.Tensor):
         """Inside the optimizer step, before any parameter changes, so a NaN never reaches
-        the weights: every rank learns which ranks saw a non-finite loss (where a NaN
-        starts) or gradient, and all raise. The gradients are judged by this rank's share
-        of the squared grad norm, computed anyway (Megatron checks the norm likewise): an
-        inf or NaN in any gradient it counts makes it non-finite, with no pass of its own."""
+        the weights: every rank learns which ranks saw a non-finite loss, a non-finite
+        gradient of their own before the data-parallel reduction (the grad buffer's note:
+        after it an all-reduce spreads a NaN to every rank, ZeRO-1's reduce-scatter to the
+        shard's owner) or a non-finite reduced gradient, and all raise naming the first:
+        where the NaN starts. Reduced gradients are judged by this rank's share of the
+        squared grad norm, computed anyway (Megatron checks the norm likewise)."""
+        own = getattr(self.grad_buffer, "local_nonfinite", None)
         local = torch.stack([~torch.isfinite(loss).all(),
+                             own.to(loss.device) if own is not None else torch.tensor(
+                                 False, device=loss.device),
                              ~torch.isfinite(squares.to(loss.device))]).float()
         flags = local[None]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flags = torch.empty(dist.get_world_size(), 2, device=loss.device)
+            flags = torch.empty(dist.get_world_size(), 3, device=loss.device)
             all_gather_into(flags.view(-1), local, dist.group.WORLD)
-        for column, what in ((0, "lm loss"), (1, "a gradient")):
+        for column, what, when in ((0, "lm loss", ""),
+                                   (1, "a gradient", " before the data-parallel reduction"),
+                                   (2, "a gradient", "")):
             ranks = flags[:, column].nonzero().view(-1).tolist()
             if ranks:
-                raise NumericalError(f"{what} is NaN or infinite on rank(s) {ranks}; stopped "
-                                     "before the optimizer step")
+                raise NumericalError(f"{what} is NaN or infinite on rank(s) {ranks}{when}; "
+                                     "stopped before the optimizer step")
 
     def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
         """Summed over DP x CP: the ranks holding other samples or other chunks of them."""

@@ -10,6 +10,7 @@ should not import each other).
 - scalars / checkpoint_tensors / assert_identical: comparing two runs' records bit for bit;
 - hold_first_snapshot: --async-save's first snapshot copied as late as it may be;
   saved_files / tensor_bytes: a checkpoint's files, and the bytes a snapshot copies of them;
+  flip_a_bit_of_the_largest_record: a checkpoint file rotted where torch.load cannot tell;
 - gather_tensor_parallel, reference_name, step_problems, tensor_problem: the layout
   comparisons, from megalite/layout_check.py (tools/check_cluster.py runs the same ones);
 - random_batches: a layout's slice of a global batch;
@@ -23,9 +24,11 @@ import contextlib
 import importlib.util
 import io
 import json
+import struct
 import subprocess
 import threading
 import types
+import zipfile
 from pathlib import Path
 
 import torch
@@ -204,17 +207,31 @@ def tensor_bytes(files: dict[str, dict]) -> int:
     return sum(walk(value) for name, value in files.items() if not name.startswith("rng_"))
 
 
+def flip_a_bit_of_the_largest_record(path: Path) -> None:
+    """One bit of the largest record's bytes (a tensor's data) flipped, as storage rot
+    does: the zip's structure stays whole, so torch.load reads the file without complaint."""
+    with zipfile.ZipFile(path) as archive:
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x10]))
+
+
 def assert_same_files(a: Path, b: Path):
     """Two checkpoint directories: every .pt file byte for byte, the metadata equal but for
-    the flags ("config", "run_file") and the launch ("run"), which differ between the runs
-    compared."""
+    the flags ("config", "run_file", and the checksum over them) and the launch ("run"),
+    which differ between the runs compared."""
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
     for name in names:
         if name.endswith(".json"):
             ma, mb = (json.loads((d / name).read_text()) for d in (a, b))
             for m in (ma, mb):
-                del m["config"], m["run_file"], m["run"]
+                del m["config"], m["run_file"], m["run"], m["checksum"]
             assert ma == mb
         else:
             assert (a / name).read_bytes() == (b / name).read_bytes(), name

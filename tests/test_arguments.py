@@ -31,6 +31,13 @@ def test_megatron_defaults():
     assert a.distributed_timeout_minutes == 10
 
 
+def test_a_collective_timeout_may_be_a_fraction_of_a_minute():
+    """A hung rank ends the job in seconds where a restart is cheap (tools/chaos.py runs
+    its campaign at 0.25); Megatron-LM's flag takes whole minutes."""
+    assert parse_args(["--distributed-timeout-minutes", "0.25"]).distributed_timeout_minutes \
+        == 0.25
+
+
 def test_help_is_grouped():
     text = build_parser().format_help()
     for group in ("model:", "parallelism:", "training:", "learning rate:", "mixed precision:",

@@ -35,6 +35,7 @@ def test_round_trip_layout_and_metadata(tmp_path):
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_bytes() == b"100"
     assert sorted(p.name for p in final.iterdir()) == sorted(SHARDS + ["metadata.json"])
     on_disk = json.loads((final / "metadata.json").read_text())
+    assert on_disk.pop("checksum").startswith("crc32:")
     assert on_disk == {"consumed_samples": 800, "tp": 1, "iteration": 100, "files": SHARDS}
 
     assert cs.find_checkpoint_to_load(tmp_path) == (100, final)
@@ -126,10 +127,13 @@ def test_fresh_start(tmp_path):
 
 
 def test_missing_tracker_with_checkpoints_is_an_error(tmp_path):
+    """With one checkpoint it is the one to resume from (the first save stopped before
+    its tracker: test_checkpointing.py); with several the user chooses."""
     save_checkpoint(tmp_path, 100)
+    save_checkpoint(tmp_path, 200)
     tracker = tmp_path / cs.TRACKER_FILENAME
     tracker.unlink()
-    with pytest.raises(CheckpointError, match="iter_0000100") as info:
+    with pytest.raises(CheckpointError, match="iter_0000100', 'iter_0000200") as info:
         cs.find_checkpoint_to_load(tmp_path)
     assert str(tracker) in str(info.value) and "missing" in str(info.value)
 

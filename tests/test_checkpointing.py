@@ -15,7 +15,8 @@ from megalite.checkpointing import saving
 from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_load
 from megalite.training import pretrain
 
-from tests.helpers import assert_identical, checkpoint_tensors, flags_with, scalars
+from tests.helpers import (assert_identical, checkpoint_tensors, flags_with,
+                           flip_a_bit_of_the_largest_record, scalars)
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
@@ -185,3 +186,54 @@ def test_finetune_loads_the_model_only_and_needs_a_checkpoint(tmp_path, capsys):
     # 3e-3 x (1 - 1/2)), the checkpoint's weights.
     assert "resuming from" in out and "iteration        1/       2" in out
     assert "learning rate: 1.500000E-03" in out
+
+
+def test_a_flipped_bit_in_a_checkpoint_file_is_refused_naming_it(tmp_path, capsys):
+    """torch.load checks no CRC (nor does a memory-mapped load read one): without the
+    check, the flipped weight or moment was loaded and training went on from it."""
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "1", "--eval-iters", "0"]) == 0
+    for name in (saving.model_file(0, 0), saving.optim_file(0, 0, 0)):
+        path = save / "iter_0000001" / name
+        whole = path.read_bytes()
+        flip_a_bit_of_the_largest_record(path)
+        capsys.readouterr()
+        assert pretrain([*FLAGS, "--load", str(save), "--eval-iters", "0"]) == 1
+        err = capsys.readouterr().err
+        assert str(path) in err and "CRC" in err, err
+        path.write_bytes(whole)
+
+
+def test_a_changed_value_in_checkpoint_metadata_is_refused_naming_it(tmp_path, capsys):
+    """A digit changed in metadata.json still parses: the consumed samples (where the data
+    resumes) would have been taken as written."""
+    save = tmp_path / "ckpt"
+    assert pretrain([*FLAGS, "--save", str(save), "--train-iters", "2", "--eval-iters", "0"]) == 0
+    path = save / "iter_0000002" / "metadata.json"
+    text = path.read_text()
+    assert '"consumed_train_samples": 8' in text
+    path.write_text(text.replace('"consumed_train_samples": 8', '"consumed_train_samples": 9'))
+    capsys.readouterr()
+    assert pretrain([*FLAGS, "--load", str(save), "--eval-iters", "0"]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "checksum" in err, err
+
+
+def test_a_lost_tracker_resumes_from_the_only_checkpoint_and_names_itself(tmp_path, capsys):
+    """The first save stopped between publishing iter_0000002 and writing the tracker (or
+    the tracker lost): its one checkpoint is what there is to resume from. With two, the
+    user chooses; a tracker naming no checkpoint is named in the error."""
+    save = tmp_path / "ckpt"
+    flags = [*FLAGS, "--save", str(save), "--eval-iters", "0"]
+    assert pretrain([*flags, "--train-iters", "2"]) == 0
+    tracker = save / TRACKER_FILENAME
+    tracker.unlink()
+    capsys.readouterr()
+    assert pretrain([*flags, "--load", str(save), "--train-iters", "3"]) == 0
+    assert "at iteration 2" in capsys.readouterr().out
+    tracker.unlink()
+    assert pretrain([*flags, "--load", str(save)]) == 1
+    assert f"checkpoint tracker {tracker} is missing" in capsys.readouterr().err
+    tracker.write_text("7")
+    assert pretrain([*flags, "--load", str(save)]) == 1
+    assert f"checkpoint tracker {tracker} names iteration 7" in capsys.readouterr().err

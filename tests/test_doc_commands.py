@@ -31,7 +31,10 @@ RUN_ELSEWHERE = {"TIER=all bash benchmarks/gpu_check.sh": "tests/test_gpu_check_
                  "STEPS=fp8 FP8_MAX_LAYERS=8 bash benchmarks/gpu_check.sh":
                      "tests/test_gpu_check_smoke.py",
                  'STEPS="env_info gpu_tests matmul_peak mfu_llama_1b mfu_llama_1b_eager" bash '
-                 'benchmarks/gpu_check.sh': "tests/test_gpu_check_smoke.py"}
+                 'benchmarks/gpu_check.sh': "tests/test_gpu_check_smoke.py",
+                 # SMOKE=1 makes it the 12-fault campaign, whose outcomes that test checks
+                 "python tools/chaos.py --faults 225 --seed 46 --output-dir /tmp/chaos-46":
+                     "tests/test_chaos.py"}
 
 
 def fenced(text: str) -> list[tuple[str, str]]:

@@ -1,8 +1,14 @@
 """Process start-up choices that do not need a GPU to check."""
 
-import torch
+import multiprocessing as mp
+import os
 
-from megalite.initialize import allow_tf32
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.config import DistributedConfig
+from megalite.initialize import allow_tf32, initialize_distributed
 
 
 def test_tf32_only_for_cuda_devices():
@@ -16,3 +22,35 @@ def test_tf32_only_for_cuda_devices():
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def _torchrun_worker(rank: int, restart_count: int, port: int, results):
+    """What torchrun gives a worker whose agent hosts the store (the default), then a sum."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT=str(restart_count))
+    initialize_distributed(DistributedConfig(backend="gloo", timeout_minutes=0.1))
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    results.put(total.item())
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_torchrun_round_meets_whatever_the_restart_counts_and_the_store_holds():
+    """Two rounds on one agent store, as torchrun keeps it: the second round's workers
+    must not read the first's addresses, and they meet although their agents' restart
+    counts differ (elastic: one agent restarted for its worker's failure, the other for
+    the membership change, which counts no restart). Before, the second round timed out."""
+    agent_store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    for counts in ((0, 0), (1, 0)):
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_torchrun_worker, args=(r, counts[r], agent_store.port,
+                                                             results)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=120)
+        assert [proc.exitcode for proc in procs] == [0, 0], counts
+        assert sorted(results.get(timeout=5) for _ in procs) == [3.0, 3.0]

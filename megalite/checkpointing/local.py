@@ -8,7 +8,8 @@ segments, its RNG and the run's position), written whole or not at all
 (storage.save_tensor_file). So a local checkpoint loads only at the layout that wrote it,
 and only if every rank still has its file: on restart a MIN all-reduce over all ranks
 finds the newest iteration every rank holds (`newest_common`), and it is used only when
-newer than the persistent checkpoint; otherwise training resumes from --load. A rank keeps
+newer than the persistent checkpoint; otherwise training resumes from --load (so also when
+a rank's file is damaged: its zip records against their CRC-32s). A rank keeps
 its two newest local saves (a crash between two ranks' writes still leaves a common one)
 and drops those a published persistent save makes stale.
 """
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
                                            load_tensor_file, save_tensor_file)
+from megalite.errors import CheckpointError
 
 KEEP = 2
 _ITER = re.compile(r"iter_(\d{7,})")
@@ -76,8 +78,13 @@ def newest_common(root: str, layout: dict, device: torch.device) -> int | None:
     candidate = int(newest.item())
     has = torch.tensor([candidate >= 0 and candidate in own], device=device, dtype=torch.int32)
     if has.item():
-        saved = load_tensor_file(rank_path(root, candidate, rank), mmap=True)["layout"]
-        has.fill_(int(saved == layout))
+        try:
+            saved = load_tensor_file(rank_path(root, candidate, rank), mmap=True)["layout"]
+            has.fill_(int(saved == layout))
+        except CheckpointError as damage:  # then --load's checkpoint, on every rank
+            print(f" > rank {rank}: {damage}; not resuming from the local checkpoints of "
+                  f"iteration {candidate}", flush=True)
+            has.fill_(0)
     dist.all_reduce(has, op=dist.ReduceOp.MIN)
     return candidate if has.item() else None
 

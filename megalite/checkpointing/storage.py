@@ -12,12 +12,19 @@ A save is made visible in three steps, each of which survives a crash at any poi
 A crash before the tracker is replaced leaves the previous checkpoint as the one loaded.
 Loading (`find_checkpoint_to_load`, `read_metadata`, `load_tensor_file`) only reads, so any
 rank may call it. No function here communicates; the caller owns the barriers.
+
+What was written is what is read: torch.save writes a CRC-32 of every record of its zip
+file, which torch.load never checks (a flipped bit in a tensor loads as another value);
+`load_tensor_file` checks them first (`damaged_file`). metadata.json carries a CRC-32 of
+its own content.
 """
 
 import json
 import pickle
 import re
 import shutil
+import zipfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Sequence
@@ -99,8 +106,13 @@ def save_tensor_file(obj: Any, path: str | Path) -> None:
 
 
 def load_tensor_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """A checkpoint file, by `guarded_load`. With `mmap` tensors are read from disk only
+    """A checkpoint file, by `guarded_load`, once its records match their CRC-32s
+    (`damaged_file`: one read of the file). With `mmap` tensors are read from disk only
     when touched (resharding reads pieces)."""
+    damage = damaged_file(Path(path)) if Path(path).is_file() else None
+    if damage is not None:
+        raise CheckpointError(f"{damage}: it changed after it was written; restore it, or "
+                              f"resume from an older checkpoint (docs/troubleshooting.md)")
     return guarded_load(Path(path), f"checkpoint file {path}", map_location=map_location,
                         mmap=mmap)
 
@@ -158,7 +170,8 @@ def commit(save: str | Path, iteration: int, metadata: dict,
         raise CheckpointError(f"cannot commit checkpoint {final}: {len(missing)} of "
                               f"{len(expected_files)} files missing from {staging}: {missing}")
     record = {**metadata, "iteration": iteration, "files": list(expected_files)}
-    text = json.dumps(record, indent=2, sort_keys=True).encode()  # a non-JSON value fails here
+    record["checksum"] = _checksum(record)  # a non-JSON value fails here
+    text = json.dumps(record, indent=2, sort_keys=True).encode()
     _atomic_write(staging / METADATA_FILENAME, lambda f: f.write(text))
     with _io_errors("publish checkpoint", final):
         swap_in(staging, final, aside)
@@ -186,6 +199,10 @@ def read_metadata(directory: str | Path) -> dict:
     if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
         raise CheckpointError(f"checkpoint metadata {path} is garbled: expected a JSON object "
                               f"with an integer 'iteration' and a 'files' list")
+    checksum = record.pop("checksum", None)  # metadata written before checksums has none
+    if checksum is not None and checksum != _checksum(record):
+        raise CheckpointError(f"checkpoint metadata {path} does not match its checksum: it "
+                              f"changed after it was written (storage corruption?)")
     missing = _missing_files(record.get("files"), f"checkpoint metadata {path}", directory)
     if missing:
         raise CheckpointError(f"incomplete checkpoint {directory}: {len(missing)} of "
@@ -194,6 +211,25 @@ def read_metadata(directory: str | Path) -> dict:
         record["model"] = {k: tuple(v) if isinstance(v, list) else v
                            for k, v in record["model"].items()}
     return record
+
+
+def _checksum(record: dict) -> str:
+    """Of the metadata as parsed, so it reads the same whatever the file's layout."""
+    return f"crc32:{zlib.crc32(json.dumps(record, sort_keys=True).encode()):08x}"
+
+
+def damaged_file(path: Path) -> str | None:
+    """Why checkpoint file `path` is not what torch.save wrote (a record whose bytes do not
+    match its CRC-32, or no zip at all), or None. Reads the whole file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except Exception as error:  # BadZipFile, a truncated read, an I/O error
+        return f"checkpoint file {path} is unreadable: {error!r}"
+    if bad is not None:
+        return (f"checkpoint file {path} is corrupt: its record {bad} does not match the "
+                f"CRC-32 torch.save wrote")
+    return None
 
 
 def _read_tracker(save: Path) -> int | str:
@@ -251,15 +287,30 @@ def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
         return None
     if not load.is_dir():
         raise CheckpointError(f"checkpoint path {load} is not a directory")
-    if not (load / TRACKER_FILENAME).exists():
+    tracker = load / TRACKER_FILENAME
+    if not tracker.exists():
+        dirs = _iteration_dirs(load)
         found = checkpoint_names(load)
         if not found:
             return None
+        # The first save of a run stopped between publishing its directory and writing the
+        # tracker (commit's last step) leaves one whole checkpoint and no tracker: the only
+        # one there is to resume from. Several are the user's to choose between.
+        if len(found) == 1 and dirs and _complete_metadata(next(iter(dirs.values()))):
+            return _checked_iteration(*next(iter(dirs.items())))
         raise CheckpointError(
-            f"checkpoint tracker {load / TRACKER_FILENAME} is missing but {load} holds "
+            f"checkpoint tracker {tracker} is missing but {load} holds "
             f"checkpoint directories {found}; write the iteration to resume from into it, "
             f"or point --load elsewhere")
     iteration, directory = tracked_checkpoint(load)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint tracker {tracker} names iteration {iteration}, but "
+                              f"{directory} does not exist; write the iteration of a "
+                              f"checkpoint {load} holds into it")
+    return _checked_iteration(iteration, directory)
+
+
+def _checked_iteration(iteration: int, directory: Path) -> tuple[int, Path]:
     record = read_metadata(directory)
     # A release checkpoint's metadata has no iteration to check: Megatron's is 0.
     if directory.name != RELEASE and record["iteration"] != iteration:

@@ -99,8 +99,11 @@ class DistributedConfig:
     backend: str | None = flag(
         None, "--distributed-backend", choices=["nccl", "gloo"],
         help="Default: nccl when an accelerator is visible, else gloo.")
-    timeout_minutes: int = flag(10, "--distributed-timeout-minutes",
-                                help="Collective timeout in minutes.")
+    timeout_minutes: float = flag(
+        10, "--distributed-timeout-minutes",
+        help="How long a collective (and the start-up rendezvous) waits for the other ranks "
+             "before it fails. megalite takes fractions (0.25: 15 s), where Megatron-LM takes "
+             "whole minutes.")
 
 
 @dataclass(frozen=True, kw_only=True)

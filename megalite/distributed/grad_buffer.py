@@ -116,6 +116,11 @@ class GradBuffer:
         self.linear_step: LinearStep | None = None
         """The model's LinearStep (weight_grad.py), set by the step that owns it
         (train_step.StepRunner): a gradient its B pass deferred is counted in the W pass."""
+        self.check_finite = False
+        """Note whether this rank's own gradients are finite before a reduction mixes them
+        with the other ranks' (`local_nonfinite`): the NaN check then names the rank where
+        a NaN starts, as Megatron's does (set by the StepRunner that checks)."""
+        self.local_nonfinite: torch.Tensor | None = None
         self._where = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
@@ -136,6 +141,7 @@ class GradBuffer:
             bucket.work = None
             for p in bucket.params:
                 p.grad = p.main_grad if self._in_place else None
+        self.local_nonfinite = None
         self._ready = {id(b): 0 for b in self.buckets}
         self._counts = {id(p): 0 for b in self.buckets for p in b.params}
         self.launched_during_backward = 0
@@ -183,9 +189,16 @@ class GradBuffer:
             param.main_grad.add_(param.grad)
             param.grad = None
 
+    def _note_nonfinite(self, bucket: Bucket):
+        if self.check_finite and bucket.dp > 1:
+            bad = ~torch.isfinite(bucket.flat).all()  # stays on the device: no sync
+            self.local_nonfinite = bad if self.local_nonfinite is None \
+                else self.local_nonfinite | bad
+
     def _launch(self, bucket: Bucket):
         if bucket.dp == 1:
             return
+        self._note_nonfinite(bucket)
         self._count(bucket.flat)
         if self.shard:
             bucket.work = reduce_scatter_into(bucket.shard(bucket.flat, bucket.dp_rank),
@@ -208,6 +221,8 @@ class GradBuffer:
                 bucket.work.wait()
                 bucket.work = None
         if compressing:
+            for bucket in self.buckets:
+                self._note_nonfinite(bucket)
             self.compressor.reduce(self.buckets, self._count)
         if self.compressor is not None:
             self.compressor.steps += 1

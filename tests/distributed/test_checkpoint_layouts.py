@@ -19,6 +19,7 @@ from megalite.config import OptimizerConfig
 from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.model.gpt import GPTModel
+from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.spawn import run_distributed, torchrun_workers
@@ -162,30 +163,53 @@ CONFIG = tiny_gpt_config()
 
 
 def nan_on_rank_one(rank, world_size):
+    """A NaN loss on rank 1 (a weight set to NaN), then, with ZeRO-1 and with a plain
+    all-reduce, a NaN in one gradient element of rank 1 only: the message of each, and
+    whether every parameter was left as it was."""
     state = ParallelState(RankGrid(world_size), rank)
-    model = GPTModel(CONFIG, seed=1)
-    buffer = GradBuffer(list(model.parameters()), state.dp_group, 10 ** 9)
-    runner = StepRunner(torch.nn.ModuleList([model]), Optimizer(model, OptimizerConfig(lr=1e-3)),
-                        step_config(CONFIG, 2, check_for_nan=True), state, torch.device("cpu"),
-                        buffer)
     batch = {"tokens": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8)),
              "loss_mask": torch.ones(2, 8)}
-    runner.train_step([batch])
-    if rank == 1:
-        with torch.no_grad():
-            model.decoder.final_layernorm.weight[0] = float("nan")
-    before = [p.detach().clone() for p in model.parameters()]
-    try:
+    results = []
+    for case in ("loss", "zero1", "all-reduce"):
+        model = GPTModel(CONFIG, seed=1)
+        buffer = GradBuffer(list(model.parameters()), state.dp_group, 10 ** 9,
+                            shard=case == "zero1")
+        optimizer = (MixedPrecisionOptimizer(model, OptimizerConfig(lr=1e-3), None, None, None,
+                                             buffer) if case == "zero1"
+                     else Optimizer(model, OptimizerConfig(lr=1e-3)))
+        runner = StepRunner(torch.nn.ModuleList([model]), optimizer,
+                            step_config(CONFIG, 2, check_for_nan=True), state,
+                            torch.device("cpu"), buffer)
         runner.train_step([batch])
-    except NumericalError as error:
-        unchanged = all(torch.allclose(p, b, rtol=0, atol=0, equal_nan=True)
-                        for p, b in zip(model.parameters(), before))
-        return str(error), unchanged
-    return None, False
+        if rank == 1 and case == "loss":
+            with torch.no_grad():
+                model.decoder.final_layernorm.weight[0] = float("nan")
+        elif rank == 1:  # the last element of the first parameter: rank 0's ZeRO-1 shard
+            model.embedding.word_embeddings.weight.register_hook(
+                lambda grad: grad.index_put((torch.tensor(0), torch.tensor(0)),
+                                            torch.tensor(float("nan"))))
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            runner.train_step([batch])
+        except NumericalError as error:
+            unchanged = all(torch.allclose(p, b, rtol=0, atol=0, equal_nan=True)
+                            for p, b in zip(model.parameters(), before))
+            results.append((str(error), unchanged))
+            continue
+        results.append((None, False))
+    return results
 
 
 def test_nan_on_one_rank_stops_every_rank_naming_it():
-    results = run_distributed(2, nan_on_rank_one)
-    for message, unchanged in results:
-        assert message is not None and "lm loss is NaN or infinite on rank(s) [1]" in message
-        assert unchanged  # no optimizer step was taken
+    """Named where the NaN starts: a gradient's before the data-parallel reduction mixes
+    the ranks' (after it, a plain all-reduce puts the NaN on every rank, ZeRO-1's
+    reduce-scatter on the rank whose shard holds the element)."""
+    for results in run_distributed(2, nan_on_rank_one):
+        (loss, loss_unchanged), *grads = results
+        assert loss is not None and "lm loss is NaN or infinite on rank(s) [1]" in loss
+        assert loss_unchanged  # no optimizer step was taken
+        for message, unchanged in grads:
+            assert message is not None and \
+                "a gradient is NaN or infinite on rank(s) [1] before the data-parallel " \
+                "reduction" in message, message
+            assert unchanged

@@ -3,7 +3,8 @@
 the log lines it printed then (the fields that do not measure time or memory) and writes
 the same checkpoint bytes: every .pt file and the tracker byte for byte; metadata.json
 equal but for its echo of the configuration (`config`, `run_file`: a new flag adds a line
-there, by design) and the launch that wrote it (`run`: a new one each launch). tests/data/golden_runs.json holds those outputs;
+there, by design, and its checksum over them) and the launch that wrote it (`run`: a new
+one each launch). tests/data/golden_runs.json holds those outputs;
 GOLDEN_REGENERATE=1 rewrites it (only when an output is meant to change: say why in the
 commit). Two launches: one process, and eight ranks running the four layouts in turn."""
 
@@ -55,7 +56,7 @@ def checkpoint(root: Path) -> dict[str, str]:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         data = path.read_bytes()
         if path.name == "metadata.json":
-            meta = {k: v for k, v in json.loads(data).items() if k not in ("config", "run_file", "run")}
+            meta = {k: v for k, v in json.loads(data).items() if k not in ("config", "run_file", "run", "checksum")}
             data = json.dumps(meta, sort_keys=True).encode()
         out[str(path.relative_to(root))] = hashlib.sha256(data).hexdigest()
     return out

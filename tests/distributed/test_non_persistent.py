@@ -1,8 +1,9 @@
 """Non-persistent (node-local) checkpoints, --non-persistent-ckpt-type local (docs/design.md
 §16), at DP 2 with ZeRO-1: a run that dies after a local save newer than its last
 persistent one resumes from the local save, and from the persistent one when one rank's
-local file is missing; either way it ends with the uninterrupted run's checkpoint, byte for
-byte. One launch of 2 ranks."""
+local file is missing or damaged (a flipped bit, which the CRC-32s of its zip records
+reveal); every way it ends with the uninterrupted run's checkpoint, byte for byte. One
+launch of 2 ranks."""
 
 import shutil
 
@@ -13,7 +14,8 @@ from megalite.checkpointing.local import rank_path
 from megalite.checkpointing.saver import CheckpointSaver
 from megalite.spawn import run_distributed
 
-from tests.helpers import assert_same_files, flags_with, train_in_rank
+from tests.helpers import (assert_same_files, flags_with, flip_a_bit_of_the_largest_record,
+                           train_in_rank)
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -55,12 +57,14 @@ def runs(rank, world_size, root):
     train(rank, world_size, "--save", f"{root}/straight")
     die_at_persistent_save_4(rank, world_size, f"{root}/a", f"{root}/a_local")
     if rank == 0:
-        shutil.copytree(f"{root}/a", f"{root}/b")
-        shutil.copytree(f"{root}/a_local", f"{root}/b_local")
+        for name in ("b", "c"):
+            shutil.copytree(f"{root}/a", f"{root}/{name}")
+            shutil.copytree(f"{root}/a_local", f"{root}/{name}_local")
         rank_path(f"{root}/b_local", 3, 1).unlink()  # rank 1's node lost its disk
+        flip_a_bit_of_the_largest_record(rank_path(f"{root}/c_local", 3, 1))  # or rotted
     torch.distributed.barrier()
     printed = {}
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):
         printed[name] = train(rank, world_size, "--save", f"{root}/{name}", "--load",
                               f"{root}/{name}", "--non-persistent-save-interval", "1",
                               "--non-persistent-ckpt-type", "local",
@@ -71,8 +75,9 @@ def runs(rank, world_size, root):
 def test_restart_prefers_a_newer_local_save_every_rank_has(tmp_path):
     printed = run_distributed(2, runs, str(tmp_path), timeout=600)[0]
     assert f"resuming from {tmp_path}/a_local at iteration 3" in printed["a"], printed["a"]
-    assert f"resuming from {tmp_path}/b at iteration 2" in printed["b"], printed["b"]
-    for name in ("a", "b"):
+    for name in ("b", "c"):
+        assert f"resuming from {tmp_path}/{name} at iteration 2" in printed[name], printed[name]
+    for name in ("a", "b", "c"):
         assert_same_files(tmp_path / "straight" / "iter_0000006",
                           tmp_path / name / "iter_0000006")
         # Kept only until the next persistent save: none left after iteration 6's.
