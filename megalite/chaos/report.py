@@ -31,7 +31,8 @@ from megalite.checkpointing.storage import (METADATA_FILENAME, load_tensor_file,
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 
 FAILURES = ("silent", "unclear", "lost-data", "unrecovered", "incomplete", "tool-error")
-_RUN_SPECIFIC = ("config", "run_file", "checksum")  # the flags (and a checksum over them)
+# The flags, a checksum over them, and the launch: they differ between the runs compared.
+_RUN_SPECIFIC = ("config", "run_file", "checksum", "run")
 
 
 def build_dataset(prefix: Path, seed: int = 0, documents: int = 300) -> Path:
