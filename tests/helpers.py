@@ -35,7 +35,8 @@ import torch
 
 from megalite import memory_estimate as me
 from megalite.checkpointing.async_save import AsyncCheckpointer, HostBuffers
-from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file
+from megalite.checkpointing.storage import (checkpoint_values, find_checkpoint_to_load,
+                                           load_tensor_file)
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
 # The layout comparisons live in the package, shared with tools/check_cluster.py.
@@ -150,21 +151,7 @@ def scalars(tensorboard_dir) -> dict[str, dict[int, float]]:
 
 def checkpoint_tensors(save) -> dict[str, object]:
     """Every value of every file of the newest checkpoint, by file and key path."""
-    _, directory = find_checkpoint_to_load(save)
-    flat = {}
-
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}/{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(f"{prefix}/{i}", item)
-        else:
-            flat[prefix] = value
-    for path in sorted(directory.glob("*.pt")):
-        walk(path.name, load_tensor_file(path))
-    return flat
+    return checkpoint_values(find_checkpoint_to_load(save)[1])
 
 
 def hold_first_snapshot(monkeypatch) -> None:

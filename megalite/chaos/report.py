@@ -26,8 +26,8 @@ import torch
 
 from megalite.chaos.campaign import Record, names_fault
 from megalite.chaos.faults import Fault, KINDS
-from megalite.checkpointing.storage import (METADATA_FILENAME, load_tensor_file,
-                                           tracked_checkpoint)
+from megalite.checkpointing.storage import METADATA_FILENAME, flatten, tracked_checkpoint
+from megalite.checkpointing.storage import checkpoint_values as storage_values
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 
 FAILURES = ("silent", "unclear", "lost-data", "unrecovered", "incomplete", "tool-error")
@@ -50,22 +50,9 @@ def checkpoint_values(save: Path) -> dict:
     """Every value of every file of the tracked checkpoint, by file and key path; the
     metadata's too, less the flags."""
     _, directory = tracked_checkpoint(save)
-    flat = {}
-
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}/{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(f"{prefix}/{i}", item)
-        else:
-            flat[prefix] = value
-    for path in sorted(directory.glob("*.pt")):
-        walk(path.name, load_tensor_file(path))
     metadata = json.loads((directory / METADATA_FILENAME).read_text())
-    walk(METADATA_FILENAME, {k: v for k, v in metadata.items() if k not in _RUN_SPECIFIC})
-    return flat
+    return {**storage_values(directory), **flatten(
+        {k: v for k, v in metadata.items() if k not in _RUN_SPECIFIC}, METADATA_FILENAME)}
 
 
 def differences(a: dict, b: dict) -> list[str]:

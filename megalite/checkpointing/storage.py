@@ -276,6 +276,24 @@ def checkpoint_names(directory: Path) -> list[str]:
         [RELEASE] if (directory / RELEASE).is_dir() else [])
 
 
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested record's leaves by key path ("model_tp00_pp000.pt/model/0/weight")."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in
+                flatten(item, f"{prefix}/{key}").items()}
+    if isinstance(value, (list, tuple)):
+        return {k: v for i, item in enumerate(value) for k, v in
+                flatten(item, f"{prefix}/{i}").items()}
+    return {prefix: value}
+
+
+def checkpoint_values(directory: Path) -> dict[str, Any]:
+    """Every value of every .pt file of a checkpoint directory, by file and key path: what
+    two runs' checkpoints are compared by."""
+    return {k: v for path in sorted(Path(directory).glob("*.pt"))
+            for k, v in flatten(load_tensor_file(path), path.name).items()}
+
+
 def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
     """The (iteration, directory) the tracker names, checked complete; None on a fresh start.
 
