@@ -377,8 +377,10 @@ def _distributed(parser):
                    help="Default: nccl when an accelerator is visible, else gloo.")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10,
                    help="How long a collective (and the start-up rendezvous) waits for "
-                        "the other ranks before it fails. megalite takes fractions (0.25: "
-                        "15 s), where Megatron-LM takes whole minutes.")
+                        "the other ranks before it fails; a rank whose training made no "
+                        "progress for twice this is ended (megalite's watchdog). megalite "
+                        "takes fractions (0.25: 15 s), where Megatron-LM takes whole "
+                        "minutes.")
 
 
 def _add_uneven_work_args(parser):
