@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import os
+import socket
 
 import pytest
 import torch
@@ -38,19 +39,24 @@ def _torchrun_worker(rank: int, restart_count: int, port: int, results):
 
 @pytest.mark.slow
 def test_a_torchrun_round_meets_whatever_the_restart_counts_and_the_store_holds():
-    """Two rounds on one agent store, as torchrun keeps it: the second round's workers
-    must not read the first's addresses, and they meet although their agents' restart
+    """Workers on an agent store that outlived an earlier round, as torchrun keeps it
+    (here holding that round's entry: a store that died with it), whose agents' restart
     counts differ (elastic: one agent restarted for its worker's failure, the other for
-    the membership change, which counts no restart). Before, the second round timed out."""
+    the membership change, which counts no restart). They meet and sum; before, they
+    waited for each other under different prefixes until the timeout."""
     agent_store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    with socket.socket() as s:  # a port nothing listens on any more
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    agent_store.set("megalite/round_store", f"{dead_port} 0123456789abcdef")
     ctx = mp.get_context("spawn")
-    for counts in ((0, 0), (1, 0)):
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_torchrun_worker, args=(r, counts[r], agent_store.port,
-                                                             results)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(timeout=120)
-        assert [proc.exitcode for proc in procs] == [0, 0], counts
-        assert sorted(results.get(timeout=5) for _ in procs) == [3.0, 3.0]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_torchrun_worker, args=(rank, count, agent_store.port,
+                                                        results))
+             for rank, count in ((0, 1), (1, 0))]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert sorted(results.get(timeout=5) for _ in procs) == [3.0, 3.0]

@@ -6,8 +6,13 @@ ranks, stragglers, replica hashes) are in tests/distributed/test_monitoring_layo
 import contextlib
 import io
 import json
+import os
 import re
 import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +32,7 @@ from tests.helpers import BASE_FLAGS, checkpoint_tensors, tiny_gpt_config
 FLAGS = [*BASE_FLAGS, "--eval-iters", "0", "--num-workers", "0", "--train-iters", "4",
          "--log-interval", "2"]  # global batch 8 of micro-batches of 4: 2 per step
 MIB = 2 ** 20
+ROOT = Path(__file__).resolve().parents[1]
 
 # Megatron's timer names, by the level that first prints them (single process, fp32).
 LEVEL_1 = {"batch-generator", "loss-all-reduce", "forward-backward", "all-grads-sync",
@@ -308,3 +314,36 @@ def test_memory_snapshot_on_gpu(tmp_path):
     with open(path, "rb") as f:
         snapshot = pickle.load(f)
     assert snapshot["segments"] and snapshot["device_traces"]
+
+
+# A step that never returns, as a collective whose peer stopped can on gloo: the main
+# thread waits and nothing raises.
+_HUNG_STEP = """
+import sys, threading
+from megalite.train_step import StepRunner
+from megalite.training import pretrain
+step, calls = StepRunner.train_step, []
+def train_step(self, batches):
+    calls.append(1)
+    if len(calls) == 3:
+        threading.Event().wait()
+    return step(self, batches)
+StepRunner.train_step = train_step
+sys.exit(pretrain(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_step_that_never_returns_ends_the_process_after_twice_the_timeout():
+    """With --distributed-timeout-minutes 0.05 (3 s) the watchdog ends the process 6 s
+    after the last progress, naming itself, so a restart policy can run; before, the
+    process waited forever (here: until the test's 120 s)."""
+    flags = [*FLAGS, "--train-iters", "10", "--distributed-timeout-minutes", "0.05"]
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _HUNG_STEP, *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "error (rank 0): no training progress for 6 s (twice " \
+           "--distributed-timeout-minutes)" in done.stderr, done.stderr[-2000:]
+    assert "iteration        2/" in done.stdout and time.monotonic() - start < 110

@@ -102,8 +102,9 @@ class DistributedConfig:
     timeout_minutes: float = flag(
         10, "--distributed-timeout-minutes",
         help="How long a collective (and the start-up rendezvous) waits for the other ranks "
-             "before it fails. megalite takes fractions (0.25: 15 s), where Megatron-LM takes "
-             "whole minutes.")
+             "before it fails; a rank whose training made no progress for twice this is "
+             "ended (megalite's watchdog). megalite takes fractions (0.25: 15 s), where "
+             "Megatron-LM takes whole minutes.")
 
 
 @dataclass(frozen=True, kw_only=True)

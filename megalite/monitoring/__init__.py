@@ -8,5 +8,6 @@ slow, whether data-parallel replicas still agree, profiler traces, recovery time
 - statistics.py: params norm, zeros in the gradients;
 - replica_check.py: DP replicas hash their parameters and compare;
 - profiling.py: torch.profiler traces and CUDA memory snapshots;
+- watchdog.py: ends a rank whose training stopped progressing (a hung collective);
 - monitor.py: the one object the training loop talks to.
 """

@@ -1,6 +1,7 @@
 """The one object the training loop talks to about monitoring (issue 17).
 
-Per step: the profiler window, the replica check, the recovery time of a resumed run.
+Per step: the profiler window, the replica check, the recovery time of a resumed run, the
+watchdog that ends a rank whose step stopped progressing (watchdog.py).
 Per log interval, in one all-gather over every rank: memory (the log line prints the
 maximum over ranks), the straggler measure and the phase timers, which the logging rank
 turns into the extra fields and lines of the log and into TensorBoard scalars.
@@ -22,6 +23,7 @@ from megalite.monitoring.profiling import Profiler
 from megalite.monitoring.replica_check import check_all_replicas
 from megalite.monitoring.statistics import params_norm
 from megalite.timers import COMPUTE, PHASES, Timers, timers_report
+from megalite.monitoring.watchdog import Watchdog
 from megalite.parallel_state import ParallelState, all_gather_into
 
 MIB = 2 ** 20
@@ -67,16 +69,19 @@ class Monitor:
             self.hosts = [None] * self.world_size
             dist.all_gather_object(self.hosts, socket.gethostname())
         self.profiler = Profiler(self.m, self.rank, self.world_size, device, self.timers)
+        self.watchdog = Watchdog(config.distributed.timeout_minutes * 60, self.rank)
         self.resumed = False
         """Set when a checkpoint was loaded: the first iteration then logs the recovery time."""
 
     # ------------------------------------------------------------------------ per step
 
     def before_step(self, done: int):
+        self.watchdog.beat()
         self.profiler.before_step(done)
 
     def after_step(self, iteration: int):
         """Every rank, after each training iteration."""
+        self.watchdog.beat()
         self.profiler.after_step(iteration)
         interval = self.m.check_weight_hash_across_dp_replicas_interval
         if interval and iteration % interval == 0 and self.state.dp_cp_size > 1:
@@ -109,6 +114,7 @@ class Monitor:
         self.profiler.dump_memory_snapshot()
 
     def close(self, done: int):
+        self.watchdog.close()
         self.profiler.close(done)
 
     # ------------------------------------------------------------------- per interval

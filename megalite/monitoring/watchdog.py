@@ -1,0 +1,45 @@
+"""A watchdog that ends a rank whose training stopped progressing, so the restart policy
+(torchrun --max-restarts, a requeue) can run.
+
+A rank hung or stopped (SIGSTOP, a wedged driver) holds the others in their next
+collective. NCCL's watchdog aborts them after --distributed-timeout-minutes; gloo's timeout
+should raise, but a wait on a gloo collective whose peer stopped at the wrong moment can
+block forever (torch 2.13: the reduce-scatter of the gradients, the all-gather of the
+parameters, even a synchronous all-reduce; found by tools/chaos.py). So the monitor notes
+progress at each step's start and end, and a thread ends the process when none came for
+twice the collective timeout: a collective that works has given up by then. It watches
+the training loop only (armed by the first step): loading and building come before.
+"""
+
+import os
+import sys
+import threading
+import time
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, rank: int):
+        self.limit_s, self.rank = 2.0 * timeout_s, rank
+        self.last: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="megalite-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        """Training progressed (a step starts or ends)."""
+        self.last = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(5.0, self.limit_s / 10)):
+            last = self.last
+            stalled = 0.0 if last is None else time.monotonic() - last
+            if stalled > self.limit_s:
+                print(f"error (rank {self.rank}): no training progress for {self.limit_s:g} "
+                      f"s (twice --distributed-timeout-minutes): a collective waits for a "
+                      f"rank that hung or is gone; ending this process so the job restarts",
+                      file=sys.stderr, flush=True)
+                os._exit(1)  # the hung collective holds the main thread: no unwinding
