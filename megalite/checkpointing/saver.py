@@ -19,11 +19,7 @@ from megalite.checkpointing.async_save import AsyncCheckpointer
 from megalite.checkpointing.local import drop_stale, save_local
 from megalite.checkpointing.saving import save_checkpoint
 from megalite.checkpointing.state import CheckpointState
-
-
-def _print_rank_0(message: str) -> None:
-    if dist.get_rank() == 0:
-        print(message, flush=True)
+from megalite.parallel_state import print_rank_0
 
 
 class CheckpointSaver:
@@ -47,7 +43,7 @@ class CheckpointSaver:
         self._report(self.writer.finalize(blocking=True))  # a save still pending: its line
         stall = self.writer.save(self.directory, iteration, self.ckpt)
         self.stall_s.append(time.perf_counter() - start)  # with a wait for the last save
-        _print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
+        print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
                       f"blocked {stall * 1e3:.1f} ms (snapshot queued; copied to host memory "
                       f"before the next optimizer step); writing in the background "
                       f"(--async-save)")
@@ -62,7 +58,7 @@ class CheckpointSaver:
         start = time.perf_counter()
         save_local(local, iteration, self.ckpt)
         dist.barrier()  # for the time and the log: every rank's file is written
-        _print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
+        print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
                       f"{local} ({time.perf_counter() - start:.2f} s)")
 
     def poll(self) -> None:
@@ -78,7 +74,7 @@ class CheckpointSaver:
     def _report(self, published) -> None:
         if published is None:
             return
-        _print_rank_0(f"  optimizer steps waited {self.writer.waited_s * 1e3:.1f} ms for the "
+        print_rank_0(f"  optimizer steps waited {self.writer.waited_s * 1e3:.1f} ms for the "
                       f"snapshot's copies to host memory")
         self.writer.waited_s = 0.0
         self._finished(*published)
@@ -87,5 +83,5 @@ class CheckpointSaver:
         local = self.flags.non_persistent_local_ckpt_dir
         if local is not None:
             drop_stale(local, iteration)
-        _print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
+        print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
                       f"{self.directory} ({seconds:.2f} s after the save was requested)")

@@ -20,7 +20,8 @@ from torch import nn
 from megalite.checkpointing.save_guard import RunRecord
 from megalite.distributed.fsdp import copy_into, full_tensor
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel.params import ep_shard, is_embedding_copy, local_shard
+from megalite.tensor_parallel.params import (ep_shard, is_embedding_copy, local_shard,
+                                             single_process_name)
 from megalite.tensor_parallel.random import get_device_rng_state, set_device_rng_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -39,7 +40,7 @@ class TrainState:
 def canonical_name(name: str, param: nn.Parameter) -> str:
     """Chunk parameters are "<chunk>.<single-process name>"; a tied output layer on the
     last stage is a copy of the word embeddings."""
-    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name.split(".", 1)[1]
+    return single_process_name(name.split(".", 1)[1], param)
 
 
 def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
