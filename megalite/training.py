@@ -221,7 +221,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                            rng_tracker, compressor, run_file)
     monitor.resumed = resume(ckpt, device)
     progress = ckpt.progress
-    saver = CheckpointSaver(ckpt, device) if config.checkpoint.save else None
+    saver = (CheckpointSaver(ckpt, device, monitor.watchdog.suspended)
+             if config.checkpoint.save else None)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
@@ -248,11 +249,12 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
             evaluated = progress.iteration % config.training.eval_interval == 0
             evaluate_and_print(f"iteration {progress.iteration} on validation set", runner,
                                valid, config, tensorboard,
-                               None if evaluated else progress.iteration)
+                               None if evaluated else progress.iteration,
+                               monitor.watchdog.beat)
         if evaluating and test_ds is not None:
             evaluate_and_print(f"iteration {progress.iteration} on test set", runner,
                                microbatches(test_ds, 0, config, state, device), config,
-                               tensorboard, None)
+                               tensorboard, None, monitor.watchdog.beat)
     finally:
         monitor.close(progress.iteration)
         tensorboard.close()
@@ -304,7 +306,7 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         stats = reporter.after_step(progress, result, lr, loss_scale, stats)
         if valid is not None and progress.iteration % t.eval_interval == 0:
             evaluate_and_print(f"iteration {progress.iteration}", runner, valid, config,
-                               tensorboard, progress.iteration)
+                               tensorboard, progress.iteration, monitor.watchdog.beat)
             progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
         if save:
             saved_at = _save_due(save, config.checkpoint.save_interval, progress.iteration,

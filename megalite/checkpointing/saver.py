@@ -12,6 +12,8 @@ collective that publishes a finished asynchronous save) and `wait` before it ret
 """
 
 import time
+from contextlib import nullcontext
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -25,10 +27,12 @@ from megalite.parallel_state import print_rank_0
 class CheckpointSaver:
     """Saves `ckpt` (training.run_training's) to --save."""
 
-    def __init__(self, ckpt: CheckpointState, device):
-        self.ckpt, self.flags = ckpt, ckpt.config.checkpoint
+    def __init__(self, ckpt: CheckpointState, device, writing: Callable = nullcontext):
+        """`writing()`: the context of the file writes and of waits for them (the
+        monitor's watchdog suspended, monitoring/watchdog.py)."""
+        self.ckpt, self.flags, self.writing = ckpt, ckpt.config.checkpoint, writing
         self.directory = self.flags.save
-        self.writer = (AsyncCheckpointer(device, dist.group.WORLD)
+        self.writer = (AsyncCheckpointer(device, dist.group.WORLD, writing)
                        if self.flags.async_save else None)
         self.stall_s: list[float] = []
         """Seconds each save blocked training, in order (benchmarks read them)."""
@@ -36,7 +40,7 @@ class CheckpointSaver:
     def save(self, iteration: int) -> None:
         start = time.perf_counter()
         if self.writer is None:
-            save_checkpoint(self.directory, iteration, self.ckpt)
+            save_checkpoint(self.directory, iteration, self.ckpt, self.writing)
             self._finished(iteration, time.perf_counter() - start)
             self.stall_s.append(time.perf_counter() - start)
             return
@@ -56,7 +60,7 @@ class CheckpointSaver:
         if not interval or iteration % interval:
             return
         start = time.perf_counter()
-        save_local(local, iteration, self.ckpt)
+        save_local(local, iteration, self.ckpt, self.writing)
         dist.barrier()  # for the time and the log: every rank's file is written
         print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
                       f"{local} ({time.perf_counter() - start:.2f} s)")

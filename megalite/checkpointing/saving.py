@@ -26,6 +26,7 @@ the experts' main copies and moments are gathered over EP like the parameters.
 
 import dataclasses
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -102,12 +103,16 @@ def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> lis
 
 # --- saving --------------------------------------------------------------------------------
 
-def save_checkpoint(save: str, iteration: int, ckpt: CheckpointState) -> Path:
+def save_checkpoint(save: str, iteration: int, ckpt: CheckpointState,
+                    writing: Callable = nullcontext) -> Path:
     """Every rank calls this at the same iteration; returns the published directory.
-    async_save.py writes the same `rank_files` from a background thread instead."""
+    async_save.py writes the same `rank_files` from a background thread instead.
+    `writing()`: the context of the file writes alone (the watchdog suspended)."""
     staging = begin_save(save, iteration)
-    for name, obj in rank_files(ckpt).items():
-        save_tensor_file(obj, staging / name)
+    files = rank_files(ckpt)
+    with writing():
+        for name, obj in files.items():
+            save_tensor_file(obj, staging / name)
     dist.barrier()
     if dist.get_rank() == 0:
         publish(save, iteration, checkpoint_metadata(ckpt), ckpt.config)
