@@ -4,18 +4,26 @@ and FSDP2 with expert parallelism against one process (fp32, dropout 0): ZeRO-1 
 FSDP2 x EP 2 x TP 2 + SP, FSDP2 x EP 2 with N = 2 and FSDP2 with MoE at EP 1: the same
 initial values, per-step losses and grad norms, and values after each update; each layout
 shards over the groups it should (a shard group of DP / N ranks, a 2-D mesh, the experts
-over expert-DP). One launch of 8 ranks."""
+over expert-DP). And a run handed on through checkpoints at 8 ranks, HSDP x EP 2 x TP 2 ->
+ZeRO-1 -> FSDP2 x EP 2 -> ZeRO-1 with N = 4 -> HSDP, logs the uninterrupted run's losses and
+ends with the tensors a one-process load reads of it. One launch of 8 ranks."""
+
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from megalite.checkpointing.loading import SavedCheckpoint
+from megalite.checkpointing.storage import find_checkpoint_to_load, read_metadata
 from megalite.distributed.fsdp import is_fully_sharded
-from megalite.layout_check import build_run, first_difference, run_layout
+from megalite.layout_check import FP32, build_run, first_difference, run_layout
 from megalite.parallel_state import group_size
 from megalite.spawn import run_distributed
 from megalite.tensor_parallel.params import is_dtensor, is_expert_parallel
+from megalite.training_log import parse_log
 
-from tests.helpers import flags_with
+from tests.helpers import flags_with, train_in_rank
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -79,6 +87,71 @@ def _compare(rank, world_size):
     return problems
 
 
-def test_hybrid_sharding_and_fsdp_experts_match_one_process():
-    failures = dict(enumerate(run_distributed(8, _compare, timeout=600)))  # rank: layouts
+# pretrain_gpt.py's runs of the MoE model at 8 ranks (the log line's 7 digits compared).
+RUN = [*MOE, "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo",
+       "--lr-decay-iters", "5", "--train-iters"]
+CHAIN = [FSDP + EP2 + TP2 + N2, ["--use-distributed-optimizer"], FSDP + EP2,
+         ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "4"],
+         FSDP + N2]
+
+
+def _chain(rank, world_size, root) -> dict[str, dict[int, str]]:
+    """The losses logged by the uninterrupted run (ZeRO-1, N 1) and by each link of CHAIN,
+    the i-th training to iteration i from the (i-1)-th's checkpoint."""
+    def losses(flags):
+        return {log["iteration"]: log["lm_loss"]
+                for log in parse_log(train_in_rank(rank, world_size, flags))}
+    out = {"straight": losses([*RUN, str(len(CHAIN)), "--use-distributed-optimizer",
+                               "--save", f"{root}/straight"])}
+    for i, flags in enumerate(CHAIN, start=1):
+        load = ["--load", f"{root}/chain"] if i > 1 else []
+        out[" ".join(flags)] = losses([*RUN, str(i), *flags, "--save", f"{root}/chain", *load])
+        dist.barrier()  # the checkpoint is whole before the next link reads it
+    return out
+
+
+def _launch(rank, world_size, root):
+    return _compare(rank, world_size), _chain(rank, world_size, root)
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_sharding")
+    return root, run_distributed(8, _launch, str(root), timeout=600)
+
+
+def test_hybrid_sharding_and_fsdp_experts_match_one_process(launch):
+    failures = {rank: problems for rank, (problems, _) in enumerate(launch[1])}
     assert not any(failures.values()), failures
+
+
+def _saved(save: Path) -> SavedCheckpoint:
+    directory = find_checkpoint_to_load(save)[1]
+    return SavedCheckpoint(directory, read_metadata(directory))
+
+
+def test_checkpoints_hand_a_run_on_across_hsdp_fsdp2_zero1_and_ep(launch):
+    """Each link resumes at another layout with the uninterrupted run's loss; the last
+    checkpoint (HSDP: one replica's files) holds, assembled as one process loads it, the
+    uninterrupted run's weights, main copies and Adam moments."""
+    root, results = launch
+    runs = results[-1][1]
+    links = {i: loss for name, logged in runs.items() if name != "straight"
+             for i, loss in logged.items()}
+    assert [sorted(runs[" ".join(flags)]) for flags in CHAIN] == [[i] for i in range(1, 6)]
+    for i, loss in runs["straight"].items():
+        assert abs(float(links[i]) - float(loss)) <= 2e-6 * float(loss), (i, runs)
+    straight, chained = _saved(root / "straight"), _saved(root / "chain")
+    assert chained.layout["num_distributed_optimizer_instances"] == 2
+    assert sorted(straight.names) == sorted(chained.names)
+    for name in straight.names:
+        # fp32 round-off of other summation orders, grown by 5 Adam steps: the contract's
+        # tolerance for values (layout_check.FP32); a moment to 1e-4 of its largest element.
+        values = [(straight.param(name), chained.param(name))] + [
+            (straight.optimizer_tensor(name, key), chained.optimizer_tensor(name, key))
+            for key in ("main", "exp_avg", "exp_avg_sq")]
+        values, moments = values[:2], values[2:]
+        for (a, b), atol in [*((v, FP32.value_atol) for v in values),
+                             *((m, 1e-4 * m[0].abs().max().item()) for m in moments)]:
+            assert torch.allclose(a, b, rtol=FP32.value_rtol, atol=atol), \
+                (name, (a - b).abs().max().item())
