@@ -82,6 +82,11 @@ class RankGrid:
         """DP x CP / N: the ranks one replica's sharded state is spread over."""
         return self.dp_cp_size // self.num_distributed_optimizer_instances
 
+    @property
+    def expert_shard_size(self) -> int:
+        """Expert-DP / N: the ranks one replica's expert state is spread over."""
+        return self.expert_data_parallel_size // self.num_distributed_optimizer_instances
+
     def replica_rank(self, rank: int) -> int:
         """Which of the N replicas (shard groups) a global rank belongs to."""
         return self._dp_cp_index(rank) // self.shard_size

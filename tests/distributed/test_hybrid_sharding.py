@@ -4,7 +4,7 @@ and FSDP2 with expert parallelism against one process (fp32, dropout 0): ZeRO-1 
 FSDP2 x EP 2 x TP 2 + SP, FSDP2 x EP 2 with N = 2 and FSDP2 with MoE at EP 1: the same
 initial values, per-step losses and grad norms, and values after each update; each layout
 shards over the groups it should (a shard group of DP / N ranks, a 2-D mesh, the experts
-over expert-DP). And a run handed on through checkpoints at 8 ranks, HSDP x EP 2 x TP 2 ->
+over expert-DP), and rank 0 steps the elements the memory planner counts. And a run handed on through checkpoints at 8 ranks, HSDP x EP 2 x TP 2 ->
 ZeRO-1 -> FSDP2 x EP 2 -> ZeRO-1 with N = 4 -> HSDP, logs the uninterrupted run's losses and
 ends with the tensors a one-process load reads of it. One launch of 8 ranks."""
 
@@ -18,6 +18,7 @@ from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.storage import find_checkpoint_to_load, read_metadata
 from megalite.distributed.fsdp import is_fully_sharded
 from megalite.layout_check import FP32, build_run, first_difference, run_layout
+from megalite.memory_estimate.weights import weights_and_optimizer
 from megalite.parallel_state import group_size
 from megalite.spawn import run_distributed
 from megalite.tensor_parallel.params import is_dtensor, is_expert_parallel
@@ -54,10 +55,15 @@ LAYOUTS = {
 
 
 def sharding(flags, ranks, rank) -> tuple[tuple, tuple | None]:
-    """(replicas, shard size) of the dense parameters and of the experts, as built."""
-    _, _, model, optimizer, _, _ = build_run(flags, ranks, rank, torch.device("cpu"))
+    """(replicas, shard size) of the dense parameters and of the experts, as built; on
+    rank 0 (the planner's) also the elements its optimizer steps against the planner's."""
+    config, _, model, optimizer, _, _ = build_run(flags, ranks, rank, torch.device("cpu"))
     if model is None:
         return None
+    owned = sum(s.main.numel() for s in optimizer.segments)
+    planned = weights_and_optimizer(config, 0)["owned"]
+    if rank == 0 and owned != planned:
+        return f"rank 0 steps {owned} elements, the planner says {planned}"
     dense, experts = set(), set()
     for p in model.parameters():
         if is_fully_sharded(model):
@@ -78,7 +84,9 @@ def _compare(rank, world_size):
     problems = {}
     for name, (model, ranks, flags, dense, experts) in LAYOUTS.items():
         built = sharding(model + flags, ranks, rank)
-        if built is not None and built != (dense, experts):
+        if isinstance(built, str):
+            problems[name] = built
+        elif built is not None and built != (dense, experts):
             problems[name] = f"sharded as {built}, expected {(dense, experts)}"
         run = run_layout(model + flags, ranks, rank, cpu, STEPS)
         difference = run and first_difference(run, references[id(model)])
