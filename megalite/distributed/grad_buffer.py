@@ -34,8 +34,7 @@ Hybrid sharding (--num-distributed-optimizer-instances N, docs/design.md "Hybrid
 `group` is then a shard group of DP x CP / N consecutive ranks (and `expert_group` one of
 expert-DP / N), and a sharded bucket is reduced in two steps: a reduce-scatter within the
 shard group, then an all-reduce of this rank's shard over its replica group, the ranks
-holding the same shard in the other replicas. Only the second crosses replicas (nodes):
-`replica_bytes_sent` counts it.
+holding the same shard in the other replicas. Only the second crosses replicas (nodes).
 
 With --grad-compression powersgd a `compressor` (distributed/powersgd.py) takes over the
 reduction once it is active: every bucket is reduced, compressed, in `finish`, on whole
@@ -159,7 +158,6 @@ class GradBuffer:
         self._counts = {id(p): 0 for b in self.buckets for p in b.params}
         self.launched_during_backward = 0
         self.bytes_sent = 0
-        self.replica_bytes_sent = 0
 
     @property
     def compressing(self) -> bool:
@@ -227,7 +225,6 @@ class GradBuffer:
             return None
         shard = bucket.shard(bucket.flat, bucket.dp_rank)
         self._count(shard)
-        self.replica_bytes_sent += shard.numel() * shard.element_size()
         return dist.all_reduce(shard, group=bucket.replica_group, async_op=True)
 
     def finish(self):
