@@ -130,14 +130,15 @@ def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
         copy_into(param, block.to(dtype).float())
     for chunk in chunks:
         initialize_parameters(chunk, chunk.config, seed, state.tp_rank, state.tp_size, device,
-                              assign)
+                              assign, ep_rank=state.ep_rank)
         initialize_buffers(chunk, device)
 
 
 def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
                     timers: Timers = NO_TIMERS) -> tuple[Optimizer, GradBuffer | None]:
     """The gradient buffer (reduced over DP x CP: all-reduce, or reduce-scatter for ZeRO-1,
-    whose shards are laid over DP x CP as Megatron's are; expert parameters over expert-DP;
+    whose shards are laid over DP x CP as Megatron's are, or over a shard group of it under
+    hybrid sharding, then all-reduced across replicas; expert parameters over expert-DP;
     none under FSDP2, which reduces its own gradients) and the optimizer reading it: ZeRO-1
     with --use-distributed-optimizer; fp32 main parameters (unsharded) for bf16/fp16 model
     parameters; plain AdamW otherwise."""
@@ -147,9 +148,12 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
         return FullyShardedOptimizer(model, config.optimizer, scaler, state.tp_group,
                                      state.mp_group, p.optimizer_cpu_offload, timers), None
     params = [q for q in model.parameters() if q.requires_grad]
-    grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
+    # Over the shard groups: DP x CP and expert-DP themselves with one replica.
+    grad_buffer = GradBuffer(params, state.shard_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
-                             grad_dtype=config.grad_dtype, expert_group=state.expert_dp_group)
+                             grad_dtype=config.grad_dtype, expert_group=state.expert_shard_group,
+                             replica_group=state.replica_group,
+                             expert_replica_group=state.expert_replica_group)
     if config.grad_compression.enabled:
         grad_buffer.compressor = PowerSGD(grad_buffer.buckets, single_process_names(model),
                                           config.grad_compression, state.dp_cp_group,

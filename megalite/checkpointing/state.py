@@ -64,14 +64,18 @@ def state_buffers(chunks: nn.ModuleList, chunk_prefix: bool = True) -> dict[str,
 
 
 def layout_of(grid: RankGrid, num_chunks: int, zero: bool) -> dict:
-    """The layout a checkpoint records: the grid, model chunks per rank, ZeRO-1 or not."""
+    """The layout a checkpoint records: the grid, model chunks per rank, ZeRO-1 or not, and
+    the replicas of hybrid sharding when there are several."""
     return {"tensor_model_parallel_size": grid.tensor_model_parallel_size,
             "pipeline_model_parallel_size": grid.pipeline_model_parallel_size,
             "virtual_pipeline_model_parallel_size": num_chunks,
             "data_parallel_size": grid.data_parallel_size, "world_size": grid.world_size,
             "use_distributed_optimizer": zero,
             "context_parallel_size": grid.context_parallel_size,
-            "expert_model_parallel_size": grid.expert_model_parallel_size}
+            "expert_model_parallel_size": grid.expert_model_parallel_size,
+            # Only when hybrid sharding: a layout of one replica reads as it did before.
+            **({"num_distributed_optimizer_instances": grid.num_distributed_optimizer_instances}
+               if grid.num_distributed_optimizer_instances > 1 else {})}
 
 
 def cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
