@@ -12,9 +12,9 @@
 
 Documents (megalite/documents.py, --reset-attention-mask): attention is block-causal, and no
 [s, s] mask is built where the kernel takes boundaries: flash runs flash_attn_varlen_func on
-the documents' cu_seqlens, sdpa one causal call per document (so its cost is that of the
-documents, about L/S of causal attention for documents of mean length L in a sequence of
-S), flex a block mask; only unfused builds the [b, s, s] mask.
+the documents' cu_seqlens, sdpa causal calls on the documents as padded batches, one per
+length bucket (so its cost is that of the documents, about L/S of causal attention for
+documents of mean length L in a sequence of S), flex a block mask; only unfused builds the [b, s, s] mask.
 
 Grouped-query attention (GQA, Ainslie et al. 2023): query head i reads K/V head
 i // (num_heads / num_kv_heads). flash and sdpa take the grouped K/V as they are; only
@@ -32,7 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megalite.documents import Documents
+from megalite.documents import Documents, gather_rows
 from megalite.errors import ConfigError
 
 BACKENDS = ("auto", "flash", "flex", "sdpa", "unfused")
@@ -150,17 +150,23 @@ def _document_attention(q, k, v, documents: Documents, backend: str, dropout_p: 
         return _flash_varlen(q, k, v, documents, dropout_p, scale)
     if backend == "flex":
         return _flex(q, k, v, documents, dropout_p, scale)
-    return _by_document(_sdpa, q, k, v, documents, dropout_p, scale)
+    return _padded_documents(q, k, v, documents, dropout_p, scale)
 
 
-def _by_document(kernel, q, k, v, documents: Documents, dropout_p, scale):
-    """One causal call per document of each sample: each sees only its own keys."""
-    samples = []
-    for i, runs in enumerate(documents.runs()):
-        samples.append(torch.cat([
-            kernel(q[i:i + 1, r.row_begin:r.row_end], k[i:i + 1, r.key_begin:r.key_end],
-                   v[i:i + 1, r.key_begin:r.key_end], dropout_p, scale) for r in runs], dim=1))
-    return torch.cat(samples)
+def _padded_documents(q, k, v, documents: Documents, dropout_p, scale):
+    """SDPA over the documents as padded batches, one causal call per length bucket
+    (Documents.padded_batches): the work is that of the documents, padded by at most a
+    third a side; one call per document would cost a kernel's overhead per document, more
+    than its work at CPU sizes of a few hundred rows."""
+    b, s_q, heads, d = q.shape
+    plan = documents.padded_batches(k.shape[1])
+    sizes = [n * length for n, length in plan.shapes]
+    q_all = gather_rows(q.flatten(0, 1), plan.queries).split(sizes)
+    k_all, v_all = (gather_rows(t.flatten(0, 1), plan.keys).split(sizes) for t in (k, v))
+    outs = [_sdpa(*(t.view(n, length, *t.shape[1:]) for t in batch), dropout_p, scale)
+            for (n, length), *batch in zip(plan.shapes, q_all, k_all, v_all)]
+    out = gather_rows(torch.cat([o.flatten(0, 1) for o in outs]), plan.outputs)
+    return out.view(b, s_q, heads, d)
 
 
 # gpu_check: document_attention

@@ -13,8 +13,10 @@ a fixed shape and follows the sequence wherever context parallelism sends its to
   take boundaries are fed instead of an [s, s] mask (attention_backends.py).
 """
 
+from collections import defaultdict
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -95,6 +97,96 @@ class Documents:
                            for r0, r1 in zip(e, e[1:] + [n])] for i, e in enumerate(edges)]
         return self._runs
 
+    def padded_batches(self, s_k: int) -> "PaddedBatches":
+        """The runs as padded batches for a kernel with an upper-left causal mask (SDPA's
+        is_causal), one per length bucket: a run's keys fill the first rows of its padded
+        sequence and its queries end where its keys end, so each sees exactly its causal
+        keys and never the padding after them (whose rows are zeros, outputs dropped)."""
+        key = ("padded", s_k)
+        if key not in self.cache:
+            self.cache[key] = _padded_batches(self.runs(), self.starts.shape[1], s_k,
+                                              self.starts.device)
+        return self.cache[key]
+
     def first_visible_key(self, rows: slice) -> int:
         """The smallest global key position any of these rows sees (over the batch)."""
         return min(runs[0].key_begin for runs in self.rows(rows).runs())
+
+
+class PaddedBatches(NamedTuple):
+    """Documents.padded_batches: the buckets' (sequences, padded length), in order, and the
+    one-to-one gathers between the flat rows (sample x row) and the buckets' padded rows,
+    laid end to end (`gather_rows`): queries and keys into the batches, outputs back."""
+    shapes: list[tuple[int, int]]
+    queries: tuple[torch.Tensor, torch.Tensor]
+    keys: tuple[torch.Tensor, torch.Tensor]
+    outputs: tuple[torch.Tensor, torch.Tensor]
+
+
+def _padded_batches(runs: list[list[Run]], n: int, s_k: int, device) -> PaddedBatches:
+    buckets = defaultdict(list)
+    for sample, sample_runs in enumerate(runs):
+        for r in sample_runs:
+            buckets[bucket_length(r.key_end - r.key_begin)].append((sample, r))
+    shapes, queries, keys = [], [], []
+    for length, members in sorted(buckets.items()):
+        q = np.full((len(members), length), -1, dtype=np.int64)  # -1: padding
+        k = np.full_like(q, -1)
+        for m, (sample, r) in enumerate(members):
+            num_keys, num_rows = r.key_end - r.key_begin, r.row_end - r.row_begin
+            q[m, num_keys - num_rows:num_keys] = sample * n + np.arange(r.row_begin, r.row_end)
+            k[m, :num_keys] = sample * s_k + np.arange(r.key_begin, r.key_end)
+        shapes.append(q.shape)
+        queries.append(q.ravel())
+        keys.append(k.ravel())
+    q, k = np.concatenate(queries), np.concatenate(keys)
+    q_gather = _gather_pair(q, len(runs) * n, device)
+    return PaddedBatches(shapes, q_gather, _gather_pair(k, len(runs) * s_k, device),
+                         q_gather[::-1])
+
+
+def _gather_pair(index: np.ndarray, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, inverse) for gather_rows: `index` [m] takes row index[i] (-1: a zero row)
+    from `rows` rows, each at most once; `inverse` [rows] says where each row went (m for
+    nowhere: its gradient is zero)."""
+    taken = index >= 0
+    if np.unique(index[taken]).size != taken.sum():
+        raise ValueError("documents' key ranges overlap; a run takes each key at most once")
+    inverse = np.full(rows, index.size, dtype=np.int64)
+    inverse[index[taken]] = np.nonzero(taken)[0]
+    forward = np.where(taken, index, rows)
+    return (torch.from_numpy(forward).to(device), torch.from_numpy(inverse).to(device))
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[index] along dim 0, with row len(x) a zero row; each row taken at most once, so the
+    backward is the gather of the gradient by `inverse`, never a scatter-add (torch's
+    index_select backward), which costs more than the attention on CPUs."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return _with_zero_row(x).index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return _with_zero_row(grad).index_select(0, inverse), None, None
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+
+def gather_rows(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [rows, ...] gathered by one of PaddedBatches' (index, inverse) pairs."""
+    return _GatherRows.apply(x, *pair)
+
+
+def bucket_length(n: int) -> int:
+    """The padded length of a run of n keys: the next of 16, 24, 32, 48, ... (2^k and
+    3·2^(k-1)), so at most a third of a padded side is padding."""
+    length = 16
+    while length < n:
+        length = length * 3 // 2 if length & (length - 1) == 0 else length * 4 // 3
+    return length

@@ -61,7 +61,7 @@ class GPTConfig:
         False, group="data",
         help="Block-causal attention: a token sees the earlier tokens of its own document only "
              "(a document ends with the end-of-document token). The kernel takes the documents' "
-             "boundaries (flash: varlen; sdpa: one call per document; flex: a block mask); "
+             "boundaries (flash: varlen; sdpa: padded batches of documents; flex: a block mask); "
              "only --attention-backend unfused builds an [s, s] mask.")
     dataloader_inter_document_masking: bool = flag(
         False, group="data",
