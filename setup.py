@@ -22,8 +22,9 @@ setup(
         "zstd": ["zstandard"],
         "datasets": ["datasets"],
         "wandb": ["wandb"],  # --wandb-project
+        "ray": ["ray>=2.9"],  # tools/ray_launch.py (megalite/ray_launch.py)
         # dev holds every optional dependency a test exercises, so CI runs them all.
         "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45", "pyarrow>=14",
-                "zstandard", "datasets", "wandb"],
+                "zstandard", "datasets", "wandb", "ray>=2.9"],
     },
 )
