@@ -190,6 +190,8 @@ def test_planned_save_is_the_files_written_and_warns_past_the_notice(tmp_path, c
     assert pretrain([*flags, "--preemption-notice-seconds", "60", "--load", str(save),
                      "--train-iters", "2"]) == 0
     assert "WARNING: the planned save" not in capsys.readouterr().out
+    assert pretrain([*FLAGS, "--preemption-notice-seconds", "30"]) == 2
+    assert "--preemption-notice-seconds=30.0 needs --save" in capsys.readouterr().err
 
 
 def test_exit_duration_saves_and_exits_zero(tmp_path, capsys):
