@@ -150,6 +150,8 @@ def test_bad_input_is_an_error_naming_the_flag(tmp_path, capsys):
         assert f"--mfu must be in (0, 1], a fraction of the peak, got {mfu}" in error(
             capsys, "--gpu", "A100", "--mfu", mfu, *base)
     assert "no price for H200 in" in error(capsys, "--gpu", "H200", "--mfu", "0.4", *base)
+    assert "no price for MI355X in" in error(capsys, "--gpu", "MI355X", "--peak-tflops",
+                                             "2500", "--mfu", "0.4", *base)
     assert "give --mfu" in error(capsys, "--gpu", "A100", *base)
     write_report(str(tmp_path), [], {}, ["launch"])  # no tuning table: no MFU
     assert "has none" in error(capsys, "--gpu", "A100", "--cluster-report",

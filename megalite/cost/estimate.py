@@ -32,7 +32,12 @@ class Inputs:
 def resolve(config: Config, args) -> Inputs:
     """`args`: tools/estimate_cost.py's flags. Raises ConfigError naming the flag."""
     measured = read_cluster_report(args.cluster_report) if args.cluster_report else None
-    gpu = args.gpu if config.monitoring.peak_tflops else gpu_kind(args.gpu)
+    try:
+        gpu = gpu_kind(args.gpu)
+    except ConfigError:
+        if config.monitoring.peak_tflops is None:
+            raise
+        gpu = args.gpu  # a device the peak table lacks: --peak-tflops gives its peak
     peak = config.monitoring.peak_tflops or _table_peak(gpu, config)
     mfu = args.mfu if args.mfu is not None else measured.mfu if measured else None
     if mfu is None:
