@@ -56,7 +56,7 @@ class Rank:
         os.environ.update(env)
         if os.path.isdir(cwd):  # the driver's directory, where relative paths point
             os.chdir(cwd)
-        from megalite.training import run_pretrain  # after the environment is this rank's
+        from megalite.training import run_pretrain  # the rank's: the driver needs none of it
         outcome = run_pretrain(argv)
         sys.stdout.flush()
         return outcome.exit_code, outcome.signalled
@@ -88,10 +88,11 @@ def launch(argv: list[str], settings: Launch, address: str | None = None) -> int
     ray = import_ray()
     ray.init(address=address)
     failures, round_ = 0, 0
+    limit = settings.max_failures if settings.max_failures >= 0 else "no limit"
     try:
         while True:
             status, why = run_round(ray, argv, settings, round_)
-            if status in (0, 2) and why is None:
+            if why is None:
                 return status
             failures += 1
             if 0 <= settings.max_failures < failures:
@@ -99,7 +100,7 @@ def launch(argv: list[str], settings: Launch, address: str | None = None) -> int
                       flush=True)
                 return 1
             print(f"ray launch: {why}; restarting the group from the newest checkpoint "
-                  f"(failure {failures} of {settings.max_failures})", flush=True)
+                  f"(failure {failures} of {limit})", flush=True)
             round_ += 1
     finally:
         time.sleep(LOG_GRACE_S)
@@ -128,7 +129,11 @@ def run_round(ray, argv: list[str], settings: Launch, round_: int) -> tuple[int,
                                scheduling_strategy=PlacementGroupSchedulingStrategy(
                                    group, placement_group_bundle_index=i)).remote()
                   for i in range(settings.num_workers)]
-        return _train(ray, actors, ray.get([a.where.remote() for a in actors]), argv, round_)
+        try:
+            places = ray.get([a.where.remote() for a in actors])
+        except ray.exceptions.RayError as e:
+            return 1, f"a worker was lost while starting ({type(e).__name__})"
+        return _train(ray, actors, places, argv, round_)
     finally:
         for actor in actors:
             ray.kill(actor)
