@@ -5,7 +5,8 @@ Megatron-LM once printed "saved checkpoint" with the time of a save that was onl
   requested: how long training was blocked (the whole save when synchronous, the snapshot
              when asynchronous);
   finished:  "successfully saved checkpoint at iteration N", printed once the tracker
-             names it, with the seconds from the request.
+             names it, with the seconds from the request (and their share of
+             --preemption-notice-seconds).
 The loop calls `save` at a save iteration (else `save_non_persistent`, which saves at
 --non-persistent-save-interval), `poll` every iteration (every rank: it may run the
 collective that publishes a finished asynchronous save) and `wait` before it returns.
@@ -62,8 +63,9 @@ class CheckpointSaver:
         start = time.perf_counter()
         save_local(local, iteration, self.ckpt, self.writing)
         dist.barrier()  # for the time and the log: every rank's file is written
+        seconds = time.perf_counter() - start
         print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
-                      f"{local} ({time.perf_counter() - start:.2f} s)")
+                      f"{local} ({seconds:.2f} s{self._against_notice(seconds)})")
 
     def poll(self) -> None:
         """Every rank, every iteration: publish the pending save if every rank wrote it."""
@@ -88,4 +90,14 @@ class CheckpointSaver:
         if local is not None:
             drop_stale(local, iteration)
         print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
-                      f"{self.directory} ({seconds:.2f} s after the save was requested)")
+                      f"{self.directory} ({seconds:.2f} s after the save was requested"
+                      f"{self._against_notice(seconds)})")
+
+    def _against_notice(self, seconds: float) -> str:
+        """The save's time against --preemption-notice-seconds: a save on the notice that
+        outlasts it is cut off when the node goes."""
+        notice = self.flags.preemption_notice_seconds
+        if notice is None:
+            return ""
+        verdict = "within" if seconds <= notice else "LONGER THAN"
+        return f"; {verdict} the {notice:g} s preemption notice: {100 * seconds / notice:.0f}%"
