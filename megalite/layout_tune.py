@@ -26,6 +26,7 @@ from megalite.arguments import parse_args
 from megalite.config import Config, OptimizerKind
 from megalite.context_parallel.attention import cp_comm_bytes
 from megalite.distributed.fsdp import ZERO3, fsdp_units
+from megalite.distributed.hybrid_bytes import algorithm_factor
 from megalite.errors import ConfigError
 from megalite.layout_check import axes_name, grid_flags, grids
 from megalite.memory_estimate import most_loaded_rank
@@ -35,11 +36,6 @@ from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_args
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "p2p")
-
-
-def algorithm_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw for `op` over n ranks."""
-    return {"all-reduce": 2 * (n - 1) / n, "p2p": 1.0}.get(op, (n - 1) / n)
 
 
 @dataclass(frozen=True)
