@@ -87,15 +87,13 @@ def sharding(flags, ranks, rank) -> tuple[tuple, tuple | None]:
 
 def replica_bytes(config, state, runner, batches) -> str | None:
     """What the log line's cross-replica bytes per step differs from the bytes counted at
-    the collectives over the replica groups in a step (the second: FSDP2 initialises in the
-    first), if it does."""
+    the collectives over the replica groups in a step, if it does."""
     logged = cross_replica_bytes(config, state, runner)
     if state.num_replicas == 1:
         return None if logged is None else f"cross-replica bytes {logged} at one replica"
     counted = {}
-    for i in range(2):
-        with counting_wire_bytes(counted if i else {}):
-            runner.train_step([next(batches) for _ in range(config.training.num_microbatches)])
+    with counting_wire_bytes(counted):
+        runner.train_step([next(batches) for _ in range(config.training.num_microbatches)])
     groups = {state.replica_group, state.expert_replica_group} - {None}
     crossed = sum(counted.get(group, 0.0) for group in groups)
     return None if logged == crossed > 0 else \
