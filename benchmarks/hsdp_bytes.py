@@ -3,7 +3,8 @@ and FSDP2 (ZeRO-3) at DP 8 with --num-distributed-optimizer-instances N = 1, 2, 
 next to their closed forms (docs/design.md "Hybrid sharding").
 
 With N replicas of S = DP / N ranks (a shard group: a node, or a few), Ψ parameters and b
-bytes per gradient element, ring wire bytes per rank per step (benchmarks/common/wire_bytes.py):
+bytes per gradient element, ring wire bytes per rank per step (benchmarks/common/wire_bytes.py),
+the closed forms of megalite/distributed/hybrid_bytes.py (the log line's and the tuner's):
 
     within the shard group   ZeRO-1: (S-1)/S x Ψ_S (b + b_param)   reduce-scatter + all-gather
                              ZeRO-3: 3 (S-1)/S x Ψ_S b             2 all-gathers + reduce-scatter
@@ -33,6 +34,8 @@ from benchmarks.common import smoke
 from benchmarks.common.rank_setup import launch
 from benchmarks.common.wire_bytes import counting_wire_bytes
 from megalite.distributed.grad_buffer import padded_size
+from megalite.distributed.hybrid_bytes import (cross_replica_bytes, fsdp_padded_numel,
+                                               shard_group_bytes)
 from megalite.layout_check import build_run
 
 FLAGS = ["--mock-data", "--vocab-size", "1024", "--make-vocab-size-divisible-by", "64",
@@ -72,14 +75,14 @@ def padded_parameters(kind: str, shapes: list[tuple], s: int) -> int:
     multiple of S; FSDP2's parameters each padded to a multiple of S rows."""
     if kind == "ZeRO-1":
         return padded_size(sum(torch.Size(shape).numel() for shape in shapes), s)
-    return sum(-(-shape[0] // s) * s * torch.Size(shape[1:]).numel() for shape in shapes)
+    return sum(fsdp_padded_numel(shape, s) for shape in shapes)
 
 
 def closed_forms(kind: str, psi_s: int, s: int, n: int, b: int = 4) -> tuple[float, float]:
     """(within the shard group, across replicas): the module docstring's formulas, with
     fp32 gradients and parameters (b = b_param = 4)."""
-    within = (s - 1) / s * psi_s * (2 * b if kind == "ZeRO-1" else 3 * b)
-    return within, 2 * (n - 1) / n * psi_s / s * b
+    return (shard_group_bytes(psi_s, s, b, b, 1 if kind == "ZeRO-1" else 2),
+            cross_replica_bytes(psi_s // s, n, b))
 
 
 def main():

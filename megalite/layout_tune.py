@@ -26,6 +26,7 @@ from megalite.arguments import parse_args
 from megalite.config import Config, OptimizerKind
 from megalite.context_parallel.attention import cp_comm_bytes
 from megalite.distributed.fsdp import ZERO3, fsdp_units
+from megalite.distributed.hybrid_bytes import algorithm_factor
 from megalite.errors import ConfigError
 from megalite.layout_check import axes_name, grid_flags, grids
 from megalite.memory_estimate import most_loaded_rank
@@ -35,11 +36,6 @@ from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_args
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "p2p")
-
-
-def algorithm_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw for `op` over n ranks."""
-    return {"all-reduce": 2 * (n - 1) / n, "p2p": 1.0}.get(op, (n - 1) / n)
 
 
 @dataclass(frozen=True)
@@ -85,11 +81,14 @@ def step_traffic(config: Config) -> list[Message]:
 def _data_parallel_traffic(config: Config) -> list[Message]:
     """Gradient reduction and parameter gathers over DP x CP: the buckets (all-reduce, or
     ZeRO-1's reduce-scatter + all-gather), or FSDP2's units (all-gathered once per forward
-    and, resharded after it, again in backward; gradients reduce-scattered)."""
-    n = config.parallel.grid.dp_cp_size
-    if n == 1:
+    and, resharded after it, again in backward; gradients reduce-scattered). Under hybrid
+    sharding (N replicas) the sharded ones stay within a shard group of DP x CP / N ranks
+    and each rank's gradient shard is all-reduced across the replicas
+    (distributed/hybrid_bytes.py's closed forms)."""
+    grid = config.parallel.grid
+    if grid.dp_cp_size == 1:
         return []
-    kind, pbytes = config.optimizer_kind, config.precision.params_bytes
+    kind, pbytes, gbytes = config.optimizer_kind, config.precision.params_bytes, config.grad_bytes
     if kind is OptimizerKind.FULLY_SHARDED:
         par = config.parallel
         with torch.device("meta"):
@@ -97,19 +96,35 @@ def _data_parallel_traffic(config: Config) -> list[Message]:
                                         par.virtual_pipeline_model_parallel_size or 1,
                                         layer_counts=par.pipeline_layer_counts)
         units = [_unit_numels(config, chunk) for chunk in chunks]
-        unit, units = max(max(u) for u in units), sum(len(u) for u in units)
+        unit, count = max(max(u) for u in units), sum(len(u) for u in units)
         gathers = 2 if par.data_parallel_sharding_strategy == ZERO3 else 1
-        return [Message("FSDP2 unit gather", "all-gather", unit * pbytes, gathers * units, n),
-                Message("FSDP2 unit gradients", "reduce-scatter", unit * config.grad_bytes,
-                        units, n)]
+        return _sharded([Message("FSDP2 unit gather", "all-gather", unit * pbytes,
+                                 gathers * count, grid.shard_size),
+                         Message("FSDP2 unit gradients", "reduce-scatter", unit * gbytes,
+                                 count, grid.shard_size)], "FSDP2 unit", unit, count, config)
     buckets = grad_buckets(config, rank_parameters(config, 0))
     size = max(padded for _, padded in buckets)
     if not kind.sharded:
-        return [Message("DP gradient buckets", "all-reduce", size * config.grad_bytes,
-                        len(buckets), n)]
-    return [Message("ZeRO-1 gradient buckets", "reduce-scatter", size * config.grad_bytes,
-                    len(buckets), n),
-            Message("ZeRO-1 parameter gather", "all-gather", size * pbytes, len(buckets), n)]
+        return [Message("DP gradient buckets", "all-reduce", size * gbytes, len(buckets),
+                        grid.dp_cp_size)]
+    return _sharded([Message("ZeRO-1 gradient buckets", "reduce-scatter", size * gbytes,
+                             len(buckets), grid.shard_size),
+                     Message("ZeRO-1 parameter gather", "all-gather", size * pbytes,
+                             len(buckets), grid.shard_size)], "ZeRO-1 bucket", size,
+                    len(buckets), config)
+
+
+def _sharded(within: list[Message], what: str, numel: int, count: int,
+             config: Config) -> list[Message]:
+    """A sharded optimizer's messages within its shard group (none if that is one rank),
+    and across N > 1 replicas the all-reduce of each `numel`-element message's shard."""
+    grid = config.parallel.grid
+    s, n = grid.shard_size, grid.num_distributed_optimizer_instances
+    out = within if s > 1 else []
+    if n > 1:
+        out.append(Message(f"{what} gradient shards across replicas", "all-reduce",
+                           -(-numel // s) * config.grad_bytes, count, n))
+    return out
 
 
 def _unit_numels(config: Config, chunk) -> list[int]:
@@ -139,13 +154,25 @@ RECOMPUTE = {"": (), " selective": ("--recompute-granularity", "selective"),
                        "--recompute-num-layers", "1")}
 
 
+def hybrid_sharding(nodes: int, dp_cp: int) -> dict[str, tuple[str, ...]]:
+    """SHARDING, and on more than one node each sharded optimizer over N = `nodes` replicas
+    (--num-distributed-optimizer-instances = nodes, when a shard group keeps >= 2 ranks)."""
+    if nodes == 1 or dp_cp % nodes or dp_cp // nodes < 2:
+        return SHARDING
+    replicas = ("--num-distributed-optimizer-instances", str(nodes))
+    return {**SHARDING, **{f"{name.replace(' FSDP2', ' HSDP')} N {nodes}": (*flags, *replicas)
+                           for name, flags in SHARDING.items() if name}}
+
+
 def candidates(model: list[str], world: int, global_batch: int, fits,
-               micro_batches=(1, 2, 4), max_degree: int = 4) -> tuple[list[Candidate], int]:
-    """The layouts of `model` (pretrain_gpt.py flags) at `world` ranks that validate_args
-    accepts and `fits(config)` says fit: TP (with SP), PP with 1 or 2 virtual stages, CP,
-    DP over the rest, each sharding (plain DP, ZeRO-1, FSDP2 in both strategies) and
-    micro-batch size, each with the least recompute (none, selective, full) that fits:
-    recompute only buys memory with compute. And how many layouts validate_args took."""
+               micro_batches=(1, 2, 4), max_degree: int = 4,
+               nodes: int = 1) -> tuple[list[Candidate], int]:
+    """The layouts of `model` (pretrain_gpt.py flags) at `world` ranks on `nodes` nodes that
+    validate_args accepts and `fits(config)` says fit: TP (with SP), PP with 1 or 2 virtual
+    stages, CP, DP over the rest, each sharding (plain DP, ZeRO-1, FSDP2 in both strategies;
+    past one node also each sharded one over N = `nodes` replicas) and micro-batch size, each
+    with the least recompute (none, selective, full) that fits: recompute only buys memory
+    with compute. And how many layouts validate_args took."""
     num_layers = parse_args(model).num_layers
     out, valid = [], 0
     for tp, pp, cp, dp in grids(world, max_degree):
@@ -154,7 +181,7 @@ def candidates(model: list[str], world: int, global_batch: int, fits,
             virtual = f" (v{vp})" if vp > 1 else ""
             where = axes_name(("TP", tp), ("PP", pp), ("CP", cp)) + virtual
             where = " x ".join(filter(None, [where, f"DP{dp}" if dp > 1 else ""]))
-            for shard, shard_flags in SHARDING.items():
+            for shard, shard_flags in hybrid_sharding(nodes, dp * cp).items():
                 if shard and dp * cp == 1:
                     continue  # nothing to shard over
                 for micro in micro_batches:

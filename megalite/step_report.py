@@ -11,6 +11,7 @@ from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.monitor import Monitor
 from megalite.parallel_state import ParallelState, print_rank_last
 from megalite.data.shares import configured_shares
+from megalite.distributed.fsdp import fsdp_cross_replica_bytes
 from megalite.train_step import StepRunner
 from megalite.training_log import (IntervalStats, TensorBoardLogger, log_line,
                                    num_floating_point_operations, validation_lines)
@@ -25,6 +26,7 @@ class StepReporter:
         self.tensorboard, self.monitor, self.shares = tensorboard, monitor, shares
         self.flops_per_step = num_floating_point_operations(
             config.model, config.training.global_batch_size)
+        self.cross_replica_bytes = cross_replica_bytes(config, state, runner)
 
     def after_step(self, progress, result, lr: float, loss_scale: float,
                    stats: IntervalStats) -> IntervalStats:
@@ -42,6 +44,8 @@ class StepReporter:
         compressor = getattr(self.runner.grad_buffer, "compressor", None)
         if logging and compressor is not None:
             extra["compression_ratio"] = self.runner.grad_buffer.compression_ratio
+        if logging:
+            extra["cross_replica_bytes"] = self.cross_replica_bytes
         if logging and self.config.model.num_experts is not None:
             fields, moe_scalars = moe_report(self.runner.chunks, self.config,
                                              self.state.tp_size, stats.iters,
@@ -85,6 +89,21 @@ class StepReporter:
                                              "tokens-per-second": tokens_per_s,
                                              **report.scalars})
         self.monitor.after_log_interval()
+
+
+def cross_replica_bytes(config: Config, state: ParallelState, runner: StepRunner) -> float | None:
+    """Bytes this rank sends across replicas per step (docs/design.md §27), None with one
+    replica: the closed form of distributed/hybrid_bytes.py on the buckets or FSDP2 shards
+    as built."""
+    if state.num_replicas == 1:
+        return None
+    if runner.grad_buffer is not None:
+        return runner.grad_buffer.cross_replica_bytes
+    # FSDP2 all-reduces across replicas after each reduce-scatter
+    reductions = (config.training.num_microbatches
+                  if config.parallel.fsdp_grad_reduce_every_micro_batch else 1)
+    return reductions * fsdp_cross_replica_bytes(
+        (p for chunk in runner.chunks for p in chunk.parameters()), config.grad_bytes)
 
 
 def evaluate_and_print(prefix: str, runner: StepRunner, batches, config: Config,

@@ -107,6 +107,8 @@ FIELDS = (
     ("tokens_per_second", "tokens per second", ".1f"),
     ("scaling_efficiency_percent", "scaling efficiency (%)", ".1f"),  # megalite's from here
     ("compression_ratio", "grad compression ratio", ".1f"),  # DP bytes uncompressed / sent
+    # Bytes a rank sends across replicas per step under hybrid sharding (N > 1)
+    ("cross_replica_bytes", "cross-replica bytes per step", ".1f"),
     ("memory_mib", "mem {} (MiB)", ".1f"),  # max over ranks
 )
 _E = r"-?(?:\d\.\d{6}E[+-]\d\d|NAN|INF)"  # what .6E prints

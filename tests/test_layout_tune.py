@@ -160,3 +160,48 @@ def test_tune_plans_against_a_fraction_of_each_ranks_memory(monkeypatch):
                            f"got {bad}"):
             tool.check_flags(tool.build_parser().parse_args(["--output-dir", "out",
                                                               "--memory-fraction", bad]), 1)
+
+
+def _wire_bytes(cfg, across: bool) -> float:
+    """Ring bytes a rank sends per step in the data-parallel messages within its shard
+    group, or across replicas."""
+    return sum(msg.count * msg.size * algorithm_factor(msg.op, msg.group)
+               for msg in step_traffic(cfg)
+               if ("across replicas" in msg.what) == across and "activations" not in msg.what)
+
+
+def test_hybrid_sharding_sends_the_closed_forms_within_the_shard_group_and_across():
+    # ZeRO-1 at DP 8 with N = 2 (S = 4), untied: one bucket of Ψ = 4 layers, the final norm,
+    # the embedding and the output layer, padded to a multiple of S (docs/design.md §27):
+    # (S-1)/S Ψ_S (b + b) within, 2(N-1)/N Ψ_S/S b across, b = 4.
+    flags = ["--use-distributed-optimizer", "--untie-embeddings-and-output-weights"]
+    psi = -(-(4 * LAYER + H + 2 * V * H) // 4) * 4
+    hybrid = config(8, *flags, "--num-distributed-optimizer-instances", "2")
+    assert _wire_bytes(hybrid, across=False) == pytest.approx(3 / 4 * psi * 8)
+    assert _wire_bytes(hybrid, across=True) == pytest.approx(2 * 1 / 2 * psi / 4 * 4)
+    # One replica: all 2 (8-1)/8 Ψ b over the 8 ranks, nothing across.
+    plain = config(8, *flags)
+    assert _wire_bytes(plain, across=False) == pytest.approx(7 / 8 * -(-psi // 8) * 8 * 8)
+    assert _wire_bytes(plain, across=True) == 0
+    # HSDP (FSDP2, ZeRO-3) at DP 8, N = 4 (S = 2): each unit (the largest a layer) gathered
+    # twice and reduce-scattered within the pair, its half-shard all-reduced over 4 replicas.
+    msgs = by_what(config(8, "--use-torch-fsdp2", "--num-distributed-optimizer-instances",
+                          "4"))
+    assert {(m.op, m.group) for m in msgs.values()} == {
+        ("all-gather", 2), ("reduce-scatter", 2), ("all-reduce", 4)}
+    across = msgs["FSDP2 unit gradient shards across replicas"]
+    assert (across.size, across.count) == (LAYER // 2 * 4, 5)
+
+
+def test_the_tuner_adds_hybrid_sharding_past_one_node():
+    def names(nodes):
+        lean, _ = candidates(MODEL, 4, 16, lambda cfg: True, micro_batches=(1,),
+                             max_degree=1, nodes=nodes)
+        return {c.name: c.config.parallel.grid.num_distributed_optimizer_instances
+                for c in lean}
+    assert names(1) == {f"DP4{shard}, micro-batch 1": 1
+                        for shard in ("", " ZeRO-1", " FSDP2 optim_grads_params",
+                                      " FSDP2 optim_grads")}
+    assert names(2) == {**names(1), **{f"DP4{shard} N 2, micro-batch 1": 2
+                                       for shard in (" ZeRO-1", " HSDP optim_grads_params",
+                                                     " HSDP optim_grads")}}

@@ -19,6 +19,7 @@ REQUIRED = dict(iteration=30, train_iters=100, consumed_samples=240, elapsed_ms=
                 moe_losses=None, expert_load=None)
 OPTIONAL = dict(tflops_per_gpu=12.5, mfu_percent=41.25, grad_norm=1.125, num_zeros=7.0,
                 params_norm=10.5, scaling_efficiency_percent=92.5, compression_ratio=105.5,
+                cross_replica_bytes=167936.5,
                 memory_mib={"allocated": 100.5, "reserved": 200.0,
                             "max allocated": 150.5})
 

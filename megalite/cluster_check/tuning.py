@@ -46,13 +46,17 @@ def tune_candidates(model: list[str], args, world: int, device) -> tuple[list[Ca
     result = [None]
     if dist.get_rank() == 0:
         capacity = device_capacity(device, world, args.memory_fraction)
+        nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
         lean, valid = candidates(model, world, tune_global_batch(world),
                                  lambda config: planned_bytes(config, planner(device))
                                  <= capacity,
-                                 args.tune_micro_batch_sizes)
+                                 args.tune_micro_batch_sizes, nodes=nodes)
         result[0] = lean, [
             f"{valid} layouts validate_args accepts (TP with SP, PP with 1 or 2 virtual "
-            "stages, CP, DP; plain DP, ZeRO-1 or FSDP2 in either strategy; micro-batch "
+            "stages, CP, DP; plain DP, ZeRO-1 or FSDP2 in either strategy"
+            + (f", each sharded one also over N = the nodes replicas (HSDP, "
+               f"--num-distributed-optimizer-instances {nodes})" if nodes > 1 else "")
+            + "; micro-batch "
             f"{' / '.join(map(str, args.tune_micro_batch_sizes))}); {len(lean)} fit "
             f"{capacity / GiB:.1f} GiB a rank by the memory planner (--memory-fraction "
             f"{args.memory_fraction:g} of the rank's memory), each with the least recompute "

@@ -38,6 +38,7 @@ import warnings
 import torch
 from torch import nn
 
+from megalite.distributed.hybrid_bytes import cross_replica_bytes, fsdp_padded_numel
 from megalite.parallel_state import to_collective_device
 from megalite.tensor_parallel.params import copy_tags, is_dtensor, is_expert_parallel
 
@@ -179,6 +180,19 @@ def shard_group(params):
     (apply_fsdp's; under HSDP one replica's shard group): their shards are disjoint there."""
     param = next(p for p in params if is_dtensor(p) and not is_expert_parallel(p))
     return param.device_mesh.get_group(_shard_dim(param))
+
+
+def fsdp_cross_replica_bytes(params, grad_bytes: int) -> float:
+    """Bytes this rank sends across replicas per gradient reduction under HSDP
+    (hybrid_bytes' closed form): each parameter's padded shard all-reduced over the
+    replicate dimension of its 2-D mesh; 0 with one replica."""
+    total = 0.0
+    for p in params:
+        if is_dtensor(p) and p.device_mesh.ndim == 2:
+            s = p.device_mesh.size(_shard_dim(p))
+            total += cross_replica_bytes(fsdp_padded_numel(tuple(p.shape), s) // s,
+                                         p.device_mesh.size(1 - _shard_dim(p)), grad_bytes)
+    return total
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:

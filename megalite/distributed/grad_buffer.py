@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.distributed.hybrid_bytes import cross_replica_bytes
 from megalite.parallel_state import group_rank, group_size, reduce_scatter_into
 from megalite.tensor_parallel.params import is_expert_parallel, is_shared_embedding
 from megalite.tensor_parallel.weight_grad import LinearStep
@@ -169,6 +170,15 @@ class GradBuffer:
         """The step's DP bytes uncompressed (every bucket whole) / the bytes sent."""
         whole = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
         return whole / self.bytes_sent if self.bytes_sent else None
+
+    @property
+    def cross_replica_bytes(self) -> float:
+        """Bytes this rank sends per step across replicas (hybrid_bytes' closed form): each
+        sharded bucket's shard all-reduced over its replica group."""
+        if not self.shard:
+            return 0.0
+        return sum(cross_replica_bytes(b.shard_size, group_size(b.replica_group),
+                                       b.flat.element_size()) for b in self.buckets)
 
     def _count(self, tensor: torch.Tensor):
         self.bytes_sent += tensor.numel() * tensor.element_size()

@@ -4,9 +4,11 @@ and FSDP2 with expert parallelism against one process (fp32, dropout 0): ZeRO-1 
 FSDP2 x EP 2 x TP 2 + SP, FSDP2 x EP 2 with N = 2 and FSDP2 with MoE at EP 1: the same
 initial values, per-step losses and grad norms, and values after each update; each layout
 shards over the groups it should (a shard group of DP / N ranks, a 2-D mesh, the experts
-over expert-DP), and rank 0 steps the elements the memory planner counts. And a run handed on through checkpoints at 8 ranks, HSDP x EP 2 x TP 2 ->
+over expert-DP), rank 0 steps the elements the memory planner counts, and the log line's
+cross-replica bytes per step are those counted at the replica groups' collectives. And a run handed on through checkpoints at 8 ranks, HSDP x EP 2 x TP 2 ->
 ZeRO-1 -> FSDP2 x EP 2 -> ZeRO-1 with N = 4 -> HSDP, logs the uninterrupted run's losses and
-ends with the tensors a one-process load reads of it. One launch of 8 ranks."""
+ends with the tensors a one-process load reads of it (its log lines carry the cross-replica
+bytes where N > 1). One launch of 8 ranks."""
 
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.common.wire_bytes import counting_wire_bytes
 from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.storage import find_checkpoint_to_load, read_metadata
 from megalite.distributed.fsdp import is_fully_sharded
@@ -21,6 +24,7 @@ from megalite.layout_check import FP32, build_run, first_difference, run_layout
 from megalite.memory_estimate.weights import weights_and_optimizer
 from megalite.parallel_state import group_size
 from megalite.spawn import run_distributed
+from megalite.step_report import cross_replica_bytes
 from megalite.tensor_parallel.params import is_dtensor, is_expert_parallel
 from megalite.training_log import parse_log
 
@@ -57,13 +61,16 @@ LAYOUTS = {
 def sharding(flags, ranks, rank) -> tuple[tuple, tuple | None]:
     """(replicas, shard size) of the dense parameters and of the experts, as built; on
     rank 0 (the planner's) also the elements its optimizer steps against the planner's."""
-    config, _, model, optimizer, _, _ = build_run(flags, ranks, rank, torch.device("cpu"))
+    config, state, model, optimizer, runner, batches = build_run(flags, ranks, rank,
+                                                                 torch.device("cpu"))
     if model is None:
         return None
     owned = sum(s.main.numel() for s in optimizer.segments)
     planned = weights_and_optimizer(config, 0)["owned"]
     if rank == 0 and owned != planned:
         return f"rank 0 steps {owned} elements, the planner says {planned}"
+    if (crossed := replica_bytes(config, state, runner, batches)) is not None:
+        return crossed
     dense, experts = set(), set()
     for p in model.parameters():
         if is_fully_sharded(model):
@@ -76,6 +83,21 @@ def sharding(flags, ranks, rank) -> tuple[tuple, tuple | None]:
         (experts if is_expert_parallel(p) else dense).add(shape)
     assert len(dense) == 1 and len(experts) <= 1, (dense, experts)
     return dense.pop(), experts.pop() if experts else None
+
+
+def replica_bytes(config, state, runner, batches) -> str | None:
+    """What the log line's cross-replica bytes per step differs from the bytes counted at
+    the collectives over the replica groups in a step, if it does."""
+    logged = cross_replica_bytes(config, state, runner)
+    if state.num_replicas == 1:
+        return None if logged is None else f"cross-replica bytes {logged} at one replica"
+    counted = {}
+    with counting_wire_bytes(counted):
+        runner.train_step([next(batches) for _ in range(config.training.num_microbatches)])
+    groups = {state.replica_group, state.expert_replica_group} - {None}
+    crossed = sum(counted.get(group, 0.0) for group in groups)
+    return None if logged == crossed > 0 else \
+        f"cross-replica bytes per step: log line {logged}, counted {crossed}"
 
 
 def _compare(rank, world_size):
@@ -107,8 +129,11 @@ def _chain(rank, world_size, root) -> dict[str, dict[int, str]]:
     """The losses logged by the uninterrupted run (ZeRO-1, N 1) and by each link of CHAIN,
     the i-th training to iteration i from the (i-1)-th's checkpoint."""
     def losses(flags):
-        return {log["iteration"]: log["lm_loss"]
-                for log in parse_log(train_in_rank(rank, world_size, flags))}
+        logs = parse_log(train_in_rank(rank, world_size, flags))
+        crossing = {log["cross_replica_bytes"] is not None for log in logs}
+        if logs and crossing != {"--num-distributed-optimizer-instances" in flags}:
+            return f"cross-replica bytes logged {crossing} with flags {flags}"
+        return {log["iteration"]: log["lm_loss"] for log in logs}
     out = {"straight": losses([*RUN, str(len(CHAIN)), "--use-distributed-optimizer",
                                "--save", f"{root}/straight"])}
     for i, flags in enumerate(CHAIN, start=1):
