@@ -52,6 +52,7 @@ from megalite.data.document_sources import (FORMATS, ShardError, check_dependenc
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megalite.errors import ConfigError, DataError, MegaliteError
+from megalite.object_storage.paths import check_storage_path
 
 CHUNK_LINES = 64
 
@@ -115,6 +116,7 @@ def _validate(args):
                           f"{args.input} is {len(args.sources)} {args.sources[0].format} "
                           "file(s): use --workers alone")
     _check_output_names(args)
+    check_storage_path("--output-prefix", args.output_prefix)
     out_dir = os.path.dirname(args.output_prefix) or "."
     if not os.path.isdir(out_dir):
         raise DataError(f"--output-prefix {args.output_prefix}: directory {out_dir} not found")
