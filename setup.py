@@ -21,8 +21,9 @@ setup(
         "zstd": ["zstandard"],
         "datasets": ["datasets"],
         "wandb": ["wandb"],  # --wandb-project
+        "s3": ["boto3"],  # s3:// --save, --load, --data-path (megalite/object_storage/)
         # dev holds every optional dependency a test exercises, so CI runs them all.
         "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45", "pyarrow>=14",
-                "zstandard", "datasets", "wandb"],
+                "zstandard", "datasets", "wandb", "boto3", "moto[server]"],
     },
 )

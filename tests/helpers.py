@@ -224,6 +224,21 @@ def assert_same_files(a: Path, b: Path):
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
+def download_objects(url: str, dest: Path) -> Path:
+    """Every object under `url` (s3://bucket/prefix) into `dest` by its key below the
+    prefix, by boto3 itself (not megalite's client): what a bucket holds, as files."""
+    import boto3
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client = boto3.client("s3")
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                 Prefix=prefix + "/"):
+        for item in page.get("Contents", []):
+            path = dest / item["Key"][len(prefix) + 1:]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, item["Key"], str(path))
+    return dest
+
+
 def train_in_rank(rank: int, world_size: int, flags: list[str]) -> str:
     """pretrain_gpt.py's run of `flags` on this rank of a spawn.run_distributed launch
     (megalite.training.run_training, on the CPU); what it printed."""

@@ -5,10 +5,12 @@ that `--save gs://b/run` is never taken for a local directory `gs:/b/run` (what 
 makes of it)."""
 
 import re
+import tempfile
+from pathlib import Path
 
 from megalite.errors import ConfigError
 
-SUPPORTED_SCHEMES: tuple[str, ...] = ()
+SUPPORTED_SCHEMES: tuple[str, ...] = ("s3",)
 """The URL schemes megalite's storage clients speak."""
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -30,3 +32,22 @@ def check_storage_path(flag: str, path: str | None, local_only: bool = False) ->
     accepted = "a local path" + "".join(f" or {s}://bucket/prefix" for s in supported)
     raise ConfigError(f"{flag} {path}: {scheme}:// is not supported here (expected {accepted}); "
                       f"it is not taken as a local path")
+
+
+def is_object_url(path) -> bool:
+    """Whether `path` names objects in a store megalite speaks, not a local path."""
+    return url_scheme(str(path)) in SUPPORTED_SCHEMES
+
+
+def cache_root(cache_path: str | None) -> Path:
+    """The node-local directory object-storage reads and writes pass through
+    (--object-storage-cache-path; default: under the system's temporary directory, one for
+    every process of the node)."""
+    return Path(cache_path) if cache_path else Path(tempfile.gettempdir()) / "megalite-objects"
+
+
+def mirror_path(url: str, cache_path: str | None) -> Path:
+    """Where `url`'s objects are staged and cached on this node: the cache, then the
+    scheme, bucket and key as directories."""
+    scheme, rest = str(url).split("://", 1)
+    return cache_root(cache_path) / scheme / rest.strip("/")
