@@ -175,7 +175,10 @@ class S3Store:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path, f".{os.getpid()}.part") as tmp:
             try:
-                self.client.download_file(url.bucket, url.key, str(tmp), Config=self.transfer)
+                # download_fileobj, not download_file: that one names its temporary file from
+                # Python's global `random`, whose state a checkpoint saves.
+                with open(tmp, "wb") as f:
+                    self.client.download_fileobj(url.bucket, url.key, f, Config=self.transfer)
             except self._errors as error:
                 raise self._failed("download", url, error) from error
             got = file_record(tmp)
