@@ -6,6 +6,7 @@ reach over HTTP through the same client code that talks to AWS.
         os.environ.update(env)
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -30,11 +31,14 @@ def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 30.0) ->
 
 
 @contextmanager
-def s3_server(port: int) -> Iterator[dict[str, str]]:
-    """moto's server on 127.0.0.1:`port` for the block; yields the environment that points
-    boto3 at it."""
+def s3_server(port: int, server_env: dict[str, str] | None = None
+              ) -> Iterator[dict[str, str]]:
+    """moto's server on 127.0.0.1:`port` for the block (`server_env` added to its
+    environment: INITIAL_NO_AUTH_ACTION_COUNT=0 makes it check credentials); yields the
+    environment that points boto3 at it."""
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                                str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                str(port)], env={**os.environ, **(server_env or {})},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_for_http(f"{endpoint}/moto-api/", process)

@@ -90,9 +90,10 @@ class S3Store:
         boto3, botocore = _boto3()
         self._errors = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
                         boto3.exceptions.Boto3Error)
-        config = botocore.config.Config(retries={"max_attempts": MAX_ATTEMPTS,
-                                                 "mode": "standard"},
-                                        max_pool_connections=2 * CONCURRENCY)
+        # AWS_MAX_ATTEMPTS / AWS_RETRY_MODE, where set, as for any AWS client.
+        retries = {"max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", MAX_ATTEMPTS)),
+                   "mode": os.environ.get("AWS_RETRY_MODE", "standard")}
+        config = botocore.config.Config(retries=retries, max_pool_connections=2 * CONCURRENCY)
         self.client = boto3.session.Session().client("s3", config=config)
         self.transfer = boto3.s3.transfer.TransferConfig(
             multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES,
