@@ -30,7 +30,7 @@ from megalite.checkpointing.storage import (METADATA_FILENAME, RELEASE, TRACKER_
                                            checkpoint_dir, metadata_bytes, parse_metadata,
                                            parse_tracker, retired, staging_dir)
 from megalite.errors import CheckpointError, StorageError
-from megalite.object_storage.paths import is_object_url, mirror_path
+from megalite.object_storage.paths import is_object_url, mirror_path, node_share
 from megalite.object_storage.s3 import CONCURRENCY, ObjectRecord, S3Store, S3Url, file_record
 
 is_remote = is_object_url
@@ -235,8 +235,7 @@ def _write(path: Path, data: bytes) -> None:
 def fetch_for_ranks(load: str, cache: str | None) -> Path | None:
     """Every rank: `fetch` split among the ranks of each node (torchrun's LOCAL_RANK and
     LOCAL_WORLD_SIZE; without them one node), then a barrier."""
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    local_rank, local_size = node_share(dist.get_rank(), dist.get_world_size())
     root = fetch(load, cache, part=local_rank, parts=local_size)
     dist.barrier()
     return root

@@ -4,6 +4,7 @@ A leaf: which schemes megalite reads and writes, and the refusal of the others b
 that `--save gs://b/run` is never taken for a local directory `gs:/b/run` (what pathlib
 makes of it)."""
 
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -51,3 +52,11 @@ def mirror_path(url: str, cache_path: str | None) -> Path:
     scheme, bucket and key as directories."""
     scheme, rest = str(url).split("://", 1)
     return cache_root(cache_path) / scheme / rest.strip("/")
+
+
+def node_share(rank: int, world_size: int) -> tuple[int, int]:
+    """(this process's place among its node's processes, how many there are): torchrun's
+    LOCAL_RANK and LOCAL_WORLD_SIZE; without them, one node of `world_size`. How a node's
+    processes split the downloads into its cache."""
+    return (int(os.environ.get("LOCAL_RANK", rank)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))

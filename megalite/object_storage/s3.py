@@ -140,6 +140,16 @@ class S3Store:
             raise self._failed("read", url, error) from error
         return ObjectRecord(reply["ContentLength"], reply.get("Metadata", {}).get(_CRC, ""))
 
+    def version(self, url: S3Url) -> str:
+        """What identifies the object's current bytes (size, ETag, recorded CRC-32): a
+        cached copy whose version matches needs no download."""
+        try:
+            reply = self.client.head_object(Bucket=url.bucket, Key=url.key)
+        except self._errors as error:
+            raise self._failed("read", url, error) from error
+        return f"{reply['ContentLength']} {reply.get('ETag', '')} " \
+               f"{reply.get('Metadata', {}).get(_CRC, '')}"
+
     def get(self, url: S3Url) -> bytes | None:
         """A small object's bytes, checked against its CRC-32; None if absent."""
         try:
