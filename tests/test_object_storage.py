@@ -1,10 +1,13 @@
 """Object-storage paths (docs/design.md, "Checkpoints and data in object storage"): a URL
 whose scheme megalite does not speak is refused by name, never taken as a local path."""
 
+import sys
+
 import pytest
 
 from megalite.arguments import parse_args
 from megalite.errors import ConfigError
+from megalite.object_storage.s3 import S3Store
 from megalite.training import pretrain
 from megalite.validation import validate_args
 
@@ -48,3 +51,9 @@ def test_preprocess_refuses_an_unsupported_output_url(tmp_path):
                                           "supported"):
         preprocess.get_args(["--input", str(source), "--output-prefix", "gs://b/corpus",
                              "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"])
+
+
+def test_without_boto3_an_s3_path_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "boto3", None)  # what `import boto3` then raises
+    with pytest.raises(ConfigError, match=r"pip install megalite\[s3\]"):
+        S3Store()

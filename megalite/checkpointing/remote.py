@@ -211,10 +211,14 @@ def fetch(load: str, cache: str | None, iteration: int | None = None, part: int 
                               f"save did not finish); it is never loaded")
     files = parse_metadata(data, directory.join(METADATA_FILENAME)).get("files")
     local = root / _dir_name(iteration)
-    if not isinstance(files, list):
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         files = []  # storage.read_metadata names the problem
+    escaping = [f for f in files if Path(f).is_absolute() or ".." in Path(f).parts]
+    if escaping:  # never written outside the cache
+        raise CheckpointError(f"checkpoint metadata {directory.join(METADATA_FILENAME)}: file "
+                              f"names must be relative to the checkpoint, got {escaping}")
     for name in files[part::parts]:
-        _download(store, directory.join(str(name)), local / str(name))
+        _download(store, directory.join(name), local / name)
     _write(local / METADATA_FILENAME, data)
     return root
 
