@@ -32,7 +32,6 @@ if __spec__ is None:  # run as a file: benchmarks.* and megalite from this check
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.common.smoke import shrink
-from megalite.initialize import free_port
 from megalite.object_storage.local_server import s3_server
 from megalite.object_storage.s3 import S3Store, S3Url
 
@@ -115,7 +114,7 @@ def main(argv=None) -> int:
     args = shrink(parser.parse_args(argv), mib=2, repeat=1, samples=20)
     with contextlib.ExitStack() as stack:
         if "AWS_ENDPOINT_URL" not in os.environ:
-            os.environ.update(stack.enter_context(s3_server(free_port())))
+            os.environ.update(stack.enter_context(s3_server()))
             S3Store.shared().client.create_bucket(Bucket=args.bucket)
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir)))
         print_table(measure(args, S3Store.shared(), directory), args)

@@ -11,7 +11,6 @@ import uuid
 
 import pytest
 
-from megalite.initialize import free_port
 from megalite.object_storage.local_server import s3_server
 
 from tests.helpers import BASE_FLAGS, tiny_gpt_config
@@ -56,7 +55,7 @@ def s3_server_env():
     """moto's S3 server, a process on 127.0.0.1 for the session: the environment (endpoint,
     dummy credentials) that points boto3 at it."""
     pytest.importorskip("moto", reason="the S3 tests need moto[server]: pip install -e .[dev]")
-    with s3_server(free_port()) as env:
+    with s3_server() as env:
         yield env
 
 

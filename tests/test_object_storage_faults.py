@@ -132,8 +132,7 @@ def test_missing_or_wrong_credentials_stop_the_run_before_training(tmp_path, s3_
             monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
             hint = "no credentials"
         else:  # a server that checks them, and knows none
-            env = stack.enter_context(s3_server(free_port(),
-                                                {"INITIAL_NO_AUTH_ACTION_COUNT": "0"}))
+            env = stack.enter_context(s3_server({"INITIAL_NO_AUTH_ACTION_COUNT": "0"}))
             monkeypatch.setenv("AWS_ENDPOINT_URL", env["AWS_ENDPOINT_URL"])
             hint = "InvalidAccessKeyId"
         code, out, err = run(capsys, "--save", url)

@@ -2,11 +2,14 @@
 (`pip install megalite[dev]`), which the tests and benchmarks/object_storage_throughput.py
 reach over HTTP through the same client code that talks to AWS.
 
-    with s3_server(port) as env:      # env: AWS_ENDPOINT_URL and dummy credentials
+    with s3_server() as env:      # env: AWS_ENDPOINT_URL and dummy credentials
         os.environ.update(env)
+
+Imports neither torch nor boto3: a benchmark's smoke run starts in a second.
 """
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -31,11 +34,13 @@ def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 30.0) ->
 
 
 @contextmanager
-def s3_server(port: int, server_env: dict[str, str] | None = None
-              ) -> Iterator[dict[str, str]]:
-    """moto's server on 127.0.0.1:`port` for the block (`server_env` added to its
+def s3_server(server_env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """moto's server on a free port of 127.0.0.1 for the block (`server_env` added to its
     environment: INITIAL_NO_AUTH_ACTION_COUNT=0 makes it check credentials); yields the
     environment that points boto3 at it."""
+    with socket.socket() as s:  # as initialize.free_port, which would import torch
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                                 str(port)], env={**os.environ, **(server_env or {})},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
