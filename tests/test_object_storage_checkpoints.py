@@ -1,8 +1,9 @@
 """Checkpoints in a bucket, one process (docs/design.md §27), against moto's S3 server run
 as a process (tests/conftest.py), some requests failed by a proxy: saved synchronously and
 with --async-save, every object's bytes those of the same run's local save, resumed from the
-bucket bit-exactly, retention and HF export as on disk. tests/distributed/test_async_save_layouts.py does the same at
-TP 2 x PP 2 x DP 2 with ZeRO-1, and resumes at another layout."""
+bucket bit-exactly, retention and HF export as on disk.
+tests/distributed/test_async_save_layouts.py does the same at TP 2 x PP 2 x DP 2 with ZeRO-1,
+and resumes at another layout."""
 
 import contextlib
 import io

@@ -6,7 +6,6 @@ wrong credentials stop the run before it trains. (Transient faults, retried:
 tests/test_object_storage_checkpoints.py saves through the proxy.)"""
 
 import contextlib
-import io
 import os
 import signal
 import subprocess
@@ -60,8 +59,9 @@ def test_an_upload_that_keeps_failing_names_the_object_and_keeps_the_last_checkp
     with fault_proxy(s3_server_env["AWS_ENDPOINT_URL"], f"PUT:iter_0000002/{OPTIM}:503:*",
                      log=tmp_path / "faults.log") as endpoint:
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        async_save = ["--async-save"] if mode == "async" else []
         code, out, err = run(capsys, "--save", url, "--object-storage-cache-path",
-                             str(tmp_path / "cache"), *(["--async-save"] if mode == "async" else []))
+                             str(tmp_path / "cache"), *async_save)
     assert code == 1 and "iteration        2/" in out
     assert f"cannot upload to {url}/iter_0000002/{OPTIM}" in err and "SlowDown" in err
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server_env["AWS_ENDPOINT_URL"])

@@ -124,10 +124,10 @@ def apply_retention(save: str, keep: int, owns) -> list[str]:
     """storage.apply_retention in a bucket: the same checkpoints kept (storage.retired).
     Incomplete ones (no metadata.json) are left alone, as on disk."""
     store, url = S3Store.shared(), S3Url.parse(save)
-    tracked = tracked_iteration(save, store)
+    tracked = tracked_iteration(save)
     if keep <= 0 or tracked is None:
         return []
-    complete = {i: meta for i in checkpoint_iterations(save, store)
+    complete = {i: meta for i in checkpoint_iterations(save)
                 if (meta := _metadata(store, url.join(_dir_name(i)))) is not None}
     deleted = [url.join(_dir_name(i)) for i in retired(complete, tracked, keep, owns)]
     for directory in deleted:
@@ -135,9 +135,9 @@ def apply_retention(save: str, keep: int, owns) -> list[str]:
     return [str(d) for d in deleted]
 
 
-def checkpoint_iterations(save: str, store: S3Store | None = None) -> list[int]:
+def checkpoint_iterations(save: str) -> list[int]:
     """The iterations of `iter_*` "directories" under `save`, complete or not."""
-    names = (store or S3Store.shared()).list_names(S3Url.parse(save), directories=True)
+    names = S3Store.shared().list_names(S3Url.parse(save), directories=True)
     return sorted(int(n[5:]) for n in names if n.startswith("iter_") and n[5:].isdigit())
 
 
@@ -149,7 +149,8 @@ def checkpoint_names(save: str) -> list[str]:
 def unwritable(save: str) -> str | None:
     """Why this process cannot write objects under `save` (credentials, bucket, endpoint),
     or None: an empty object is written and deleted, before any work."""
-    store, probe = S3Store.shared(), S3Url.parse(save).join(f".megalite-write-probe-{uuid.uuid4().hex}")
+    probe = S3Url.parse(save).join(f".megalite-write-probe-{uuid.uuid4().hex}")
+    store = S3Store.shared()
     try:
         store.put(probe, b"")
         store.delete(probe)
@@ -158,10 +159,10 @@ def unwritable(save: str) -> str | None:
     return None
 
 
-def tracked_iteration(save: str, store: S3Store | None = None) -> int | str | None:
+def tracked_iteration(save: str) -> int | str | None:
     """The iteration the tracker names (RELEASE for Megatron's), or None without one."""
     tracker = S3Url.parse(save).join(TRACKER_FILENAME)
-    data = (store or S3Store.shared()).get(tracker)
+    data = S3Store.shared().get(tracker)
     return None if data is None else parse_tracker(data, tracker)
 
 
@@ -176,7 +177,7 @@ def _metadata(store: S3Store, directory: S3Url) -> dict | None:
 def newer_tracked(save: str, iteration: int) -> int | None:
     """save_guard.newer_tracked in a bucket."""
     store = S3Store.shared()
-    tracked = tracked_iteration(save, store)
+    tracked = tracked_iteration(save)
     if not isinstance(tracked, int) or tracked <= iteration:
         return None
     complete = _metadata(store, S3Url.parse(save).join(_dir_name(tracked))) is not None
@@ -193,9 +194,9 @@ def fetch(load: str, cache: str | None, iteration: int | None = None, part: int 
     downloads its `part` of the files (the caller waits for all of them)."""
     store, url, root = S3Store.shared(), S3Url.parse(load), mirror_path(load, cache)
     if iteration is None:
-        iteration = tracked_iteration(load, store)
+        iteration = tracked_iteration(load)
         if iteration is None:
-            held = checkpoint_iterations(load, store)
+            held = checkpoint_iterations(load)
             if not held:
                 return None
             raise CheckpointError(
