@@ -76,6 +76,10 @@ def upload(save: str, iteration: int, staging: Path, names: list[str]
             lambda name: store.upload(staging / name, directory.join(name)), names)))
     for name in names:
         (staging / name).unlink(missing_ok=True)
+    try:
+        staging.rmdir()  # the node's last uploader; commit removes rank 0's
+    except OSError:
+        pass
     return records
 
 
