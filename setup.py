@@ -8,6 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megalite", "megalite.*"]),
+    package_data={"megalite.cost": ["prices.yaml"]},  # tools/estimate_cost.py's price table
     # torch >= 2.8 for FSDP2's set_gradient_divide_factor / set_force_sum_reduction_for_comms
     # (distributed/fsdp.py sums gradients over DP with them; tests/test_fsdp_flags.py).
     install_requires=["torch>=2.8", "numpy", "sentencepiece", "tensorboard", "PyYAML"],
@@ -21,9 +22,10 @@ setup(
         "zstd": ["zstandard"],
         "datasets": ["datasets"],
         "wandb": ["wandb"],  # --wandb-project
+        "ray": ["ray>=2.9"],  # tools/ray_launch.py (megalite/ray_launch.py)
         "s3": ["boto3"],  # s3:// --save, --load, --data-path (megalite/object_storage/)
         # dev holds every optional dependency a test exercises, so CI runs them all.
         "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45", "pyarrow>=14",
-                "zstandard", "datasets", "wandb", "boto3", "moto[server]"],
+                "zstandard", "datasets", "wandb", "ray>=2.9", "boto3", "moto[server]"],
     },
 )

@@ -1,5 +1,5 @@
 """Object storage against local disk, in the same run: what a save to and a load from a bucket
-cost (docs/design.md §27).
+cost (docs/design.md §30).
 
 Per round, on one file of --mib MiB of random bytes (a checkpoint file's size class):
   disk write      a sequential write in 64 MiB chunks to --dir, fsynced (a local save);

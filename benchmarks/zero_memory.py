@@ -18,9 +18,9 @@ copied into, both alive during the copy) is checked against the planner's, not p
 Data-parallel traffic is counted at the collectives (every all-reduce, reduce-scatter and
 all-gather of more than one element; the scalar loss, token-count and norm reductions
 are left out) as ring wire bytes per rank: 2(N-1)/N x the tensor for an all-reduce,
-(N-1)/N for a reduce-scatter or all-gather. Closed form: 2(N-1)/N x the bf16 gradient
-bytes for plain DP, ZeRO-1 and ZeRO-2, 3(N-1)/N for ZeRO-3 (1.5x: the parameters are
-all-gathered again for the backward).
+(N-1)/N for a reduce-scatter or all-gather (benchmarks/common/wire_bytes.py). Closed form:
+2(N-1)/N x the bf16 gradient bytes for plain DP, ZeRO-1 and ZeRO-2, 3(N-1)/N for ZeRO-3
+(1.5x: the parameters are all-gathered again for the backward).
 
     python benchmarks/zero_memory.py [--device cpu|cuda]
 
@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from benchmarks.common.rank_setup import add_device_flag, describe, launch, rank_device
+from benchmarks.common.wire_bytes import count_wire_bytes
 from megalite.arguments import parse_args
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
@@ -62,31 +63,6 @@ CONFIG = GPTConfig(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_atten
                    num_query_groups=4, kv_channels=32, seq_length=64, max_position_embeddings=64,
                    padded_vocab_size=1024, attention_dropout=0.0, hidden_dropout=0.0,
                    attention_backend="sdpa")
-WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-        "all_gather": lambda n: (n - 1) / n}
-
-
-def count_collectives(counter: dict, world: int):
-    """Wrap torch.distributed's collectives to add their ring wire bytes to counter."""
-    # (position, keyword) of the full-size tensor: FSDP2 passes keywords.
-    names = {"all_reduce": (0, "tensor"), "reduce_scatter_tensor": (1, "input"),
-             "reduce_scatter_single": (1, "input"), "all_gather_into_tensor": (0, "output_tensor"),
-             "all_gather_single": (0, "output_tensor")}
-    for name, full_arg in names.items():
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-        kind = next(k for k in WIRE if name.startswith(k))
-
-        def wrapped(*args, _original=original, _kind=kind, _full=full_arg, **kwargs):
-            position, keyword = _full
-            tensor = args[position] if len(args) > position else kwargs[keyword]
-            if tensor.numel() > 1:
-                counter["bytes"] += WIRE[_kind](world) * tensor.numel() * tensor.element_size()
-            return _original(*args, **kwargs)
-        setattr(dist, name, wrapped)
-
-
 MODES = ["plain", "zero1", "zero2", "zero3", "zero3+offload"]
 PLANNER_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "512",
                  "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "1024",
@@ -162,12 +138,12 @@ def worker(rank, world, mode, device_type):
                  logging=LoggingConfig(), distributed=DistributedConfig(),
                  checkpoint=CheckpointConfig(check_for_nan=False))
     runner = StepRunner(chunks, optimizer, run, state, device, grad_buffer)
-    counter, peak, reduction = {"bytes": 0.0}, {"bytes": 0}, {"bytes": 0}
+    counter, peak, reduction = {}, {"bytes": 0}, {"bytes": 0}
     fsdp = grad_buffer is None
     if fsdp:
         track_gathered(chunks, peak)
         track_reduction(reduction)
-    count_collectives(counter, world)
+    count_wire_bytes(counter)
     batch = {"tokens": torch.randint(0, 1024, (2, 64), device=device),
              "labels": torch.randint(0, 1024, (2, 64), device=device),
              "loss_mask": torch.ones(2, 64, device=device)}
@@ -185,8 +161,8 @@ def worker(rank, world, mode, device_type):
         grad_bytes = sum(b.flat.numel() * b.flat.element_size() for b in grad_buffer.buckets)
         optim_bytes = optimizer.optimizer_state_bytes()
     on_host = mode.endswith("offload")
-    return [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], counter["bytes"], on_host,
-            reduction["bytes"]]
+    return [psi, param_bytes, grad_bytes, optim_bytes, peak["bytes"], sum(counter.values()),
+            on_host, reduction["bytes"]]
 
 
 def paper_bytes(mode: str, psi: int, n: int) -> float:

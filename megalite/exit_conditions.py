@@ -24,6 +24,8 @@ class ExitConditions:
         self.config, self.device = config, device
         self.start = time.monotonic()
         self.received: int | None = None
+        self.signalled = False
+        """Every rank: a signal (on any rank) stopped the run."""
         if config.exit_signal_handler:
             for signum in SIGNALS:
                 signal.signal(signum, self._record)
@@ -42,6 +44,7 @@ class ExitConditions:
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
+            self.signalled = True
             return f"received signal {signal.Signals(int(flags[0])).name}"
         if flags[1] > 0:
             return f"exit duration of {limit} minutes reached"

@@ -14,6 +14,14 @@ consecutive ones, and the expert-data-parallel group is every EP-th one:
     ep_rank = (cp + CP * dp) % EP,   expert_dp_rank = (cp + CP * dp) // EP
 An EP group holds all the experts once; an expert-DP group holds the same experts, and
 sums their gradients and shards their ZeRO-1 state.
+
+Hybrid sharding (--num-distributed-optimizer-instances N, docs/design.md "Hybrid sharding")
+does not add ranks either: each DP x CP group (and each expert-DP group) splits into N
+replicas of S = size / N consecutive ranks, the shard groups (a node, or a few); a replica
+group holds the ranks with the same shard index in every replica:
+    shard group j = g[j*S:(j+1)*S],   replica group i = g[i::S]
+Sharded state lives within a shard group; only the replica groups cross it (Megatron's
+intra- and inter-distributed-optimizer-instance groups).
 """
 
 import math
@@ -32,6 +40,7 @@ class RankGrid:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    num_distributed_optimizer_instances: int = 1
 
     def __post_init__(self):
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
@@ -45,6 +54,13 @@ class RankGrid:
         if ep <= 0 or self.dp_cp_size % ep:
             raise ConfigError(f"--expert-model-parallel-size={ep} must divide data x context "
                               f"parallel = {self.data_parallel_size} x {cp} = {self.dp_cp_size}")
+        n = self.num_distributed_optimizer_instances
+        if n <= 0 or self.dp_cp_size % n or self.expert_data_parallel_size % n:
+            what = (f"expert-data-parallel (DP x CP / EP = {self.expert_data_parallel_size})"
+                    if n > 0 and self.dp_cp_size % n == 0 else
+                    f"data x context parallel = {self.data_parallel_size} x {cp} = "
+                    f"{self.dp_cp_size}")
+            raise ConfigError(f"--num-distributed-optimizer-instances={n} must divide {what}")
 
     @property
     def data_parallel_size(self) -> int:
@@ -60,6 +76,20 @@ class RankGrid:
     def expert_data_parallel_size(self) -> int:
         """(DP x CP) / EP: the ranks holding the same experts."""
         return self.dp_cp_size // self.expert_model_parallel_size
+
+    @property
+    def shard_size(self) -> int:
+        """DP x CP / N: the ranks one replica's sharded state is spread over."""
+        return self.dp_cp_size // self.num_distributed_optimizer_instances
+
+    @property
+    def expert_shard_size(self) -> int:
+        """Expert-DP / N: the ranks one replica's expert state is spread over."""
+        return self.expert_data_parallel_size // self.num_distributed_optimizer_instances
+
+    def replica_rank(self, rank: int) -> int:
+        """Which of the N replicas (shard groups) a global rank belongs to."""
+        return self._dp_cp_index(rank) // self.shard_size
 
     def expert_rank(self, rank: int) -> int:
         """The EP rank of a global rank: which block of experts it holds."""
@@ -128,6 +158,31 @@ class RankGrid:
         ep = self.expert_model_parallel_size
         return sorted(g[i::ep] for g in self.dp_cp_groups() for i in range(ep))
 
+    def shard_groups(self) -> list[list[int]]:
+        """A DP x CP group cut into N runs of consecutive ranks: the ranks ZeRO-1 and FSDP2
+        shard over (the whole DP x CP group when N = 1)."""
+        return _split(self.dp_cp_groups(), self.num_distributed_optimizer_instances)
+
+    def replica_groups(self) -> list[list[int]]:
+        """The ranks holding the same shard in each of the N replicas: the sharded
+        gradients are all-reduced over them (one rank each when N = 1)."""
+        return _strided(self.dp_cp_groups(), self.num_distributed_optimizer_instances)
+
+    def replica_mesh(self, rank: int, expert: bool = False) -> list[list[int]]:
+        """The N x S ranks of the DP x CP group (expert-DP group for `expert`) holding
+        `rank`: row i is replica i's shard group (FSDP2's 2-D DeviceMesh under HSDP)."""
+        whole = self.expert_data_groups() if expert else self.dp_cp_groups()
+        ranks = next(g for g in whole if rank in g)
+        size = len(ranks) // self.num_distributed_optimizer_instances
+        return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+
+    def expert_shard_groups(self) -> list[list[int]]:
+        """An expert-DP group cut the same way: within one dense shard group."""
+        return _split(self.expert_data_groups(), self.num_distributed_optimizer_instances)
+
+    def expert_replica_groups(self) -> list[list[int]]:
+        return _strided(self.expert_data_groups(), self.num_distributed_optimizer_instances)
+
     def model_parallel_groups(self) -> list[list[int]]:
         """TP x PP: every rank holding a piece of one model replica."""
         return self._groups_varying("tp")
@@ -136,6 +191,18 @@ class RankGrid:
         """First and last pipeline stage of each pipeline: they hold the tied input
         embedding and output layer, whose grads must be summed across them."""
         return [sorted({ranks[0], ranks[-1]}) for ranks in self.pipeline_groups()]
+
+
+def _split(groups: list[list[int]], n: int) -> list[list[int]]:
+    """Each group cut into n runs of consecutive members."""
+    size = len(groups[0]) // n
+    return sorted(g[i:i + size] for g in groups for i in range(0, len(g), size))
+
+
+def _strided(groups: list[list[int]], n: int) -> list[list[int]]:
+    """The members at the same place of each of a group's n runs."""
+    size = len(groups[0]) // n
+    return sorted(g[i::size] for g in groups for i in range(size))
 
 
 def print_rank_0(message: str):
@@ -242,6 +309,26 @@ class ParallelState:
         self.ep_group = self._make(grid.expert_groups()) if self.ep_size > 1 else None
         self.expert_dp_group = (self._make(grid.expert_data_groups()) if self.ep_size > 1
                                 else self.dp_cp_group)
+        self._make_shard_groups(grid)
+
+    def _make_shard_groups(self, grid: RankGrid):
+        """The shard and replica groups of hybrid sharding (module docstring); with one
+        replica the shard groups are the DP x CP and expert-DP groups, and no replica
+        group is made."""
+        self.num_replicas = grid.num_distributed_optimizer_instances
+        self.replica_rank = grid.replica_rank(self.rank)
+        self.shard_group, self.expert_shard_group = self.dp_cp_group, self.expert_dp_group
+        self.replica_group = self.expert_replica_group = None
+        if self.num_replicas == 1:
+            return
+        self.shard_group = self._make(grid.shard_groups())
+        self.replica_group = self._make(grid.replica_groups())
+        if self.ep_size > 1:
+            self.expert_shard_group = self._make(grid.expert_shard_groups())
+            self.expert_replica_group = self._make(grid.expert_replica_groups())
+        else:
+            self.expert_shard_group = self.shard_group
+            self.expert_replica_group = self.replica_group
 
     @classmethod
     def single_process(cls) -> "ParallelState":

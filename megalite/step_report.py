@@ -2,6 +2,7 @@
 TensorBoard / W&B scalars, the MoE fields, and the validation and test losses."""
 
 import math
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -87,8 +88,10 @@ class StepReporter:
 
 
 def evaluate_and_print(prefix: str, runner: StepRunner, batches, config: Config,
-                       tensorboard: TensorBoardLogger, iteration: int | None):
-    """Token-weighted mean loss over --eval-iters global batches drawn from `batches`."""
+                       tensorboard: TensorBoardLogger, iteration: int | None,
+                       progressed: Callable[[], None] = lambda: None):
+    """Token-weighted mean loss over --eval-iters global batches drawn from `batches`;
+    `progressed()` after each (the watchdog's beat: a long evaluation is progress)."""
     t = config.training
     # The loader reads the configured shares (auto ones move; evaluation keeps these).
     local_shares = configured_shares(t, runner.state.dp_size)[runner.state.dp_rank]
@@ -96,6 +99,7 @@ def evaluate_and_print(prefix: str, runner: StepRunner, batches, config: Config,
     for _ in range(t.eval_iters):
         s, n = runner.evaluate([next(batches) for _ in range(local_shares)])
         loss_sum, tokens = loss_sum + s, tokens + n
+        progressed()
     loss = loss_sum / max(tokens, 1.0)
     for line in validation_lines(prefix, loss):
         print_rank_last(line)

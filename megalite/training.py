@@ -35,6 +35,7 @@ from megalite.checkpointing.state import CheckpointState, TrainState
 from megalite.host_memory import keep_freed_host_memory
 from megalite.initialize import initialize_distributed, set_seed, world_size_from_env
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
+from megalite.memory_estimate.checkpoint import MEASURED_WRITE_GBPS, planned_save_seconds
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
 from megalite.model.gpt import build_model_chunks, initialize_buffers, initialize_parameters
 from megalite.monitoring.monitor import Monitor
@@ -59,6 +60,20 @@ from megalite.validation import validate_args
 
 def pretrain(argv=None) -> int:
     """Entry point of pretrain_gpt.py. Returns the process exit code."""
+    return run_pretrain(argv).exit_code
+
+
+@dataclasses.dataclass
+class Outcome:
+    exit_code: int
+    signalled: bool = False
+    """A signal stopped training before its last iteration (--exit-signal-handler): the run
+    saved and exited 0, and a launcher that restarts lost workers restarts it too
+    (megalite/ray_launch.py)."""
+
+
+def run_pretrain(argv=None) -> Outcome:
+    """pretrain(), and whether a signal stopped it."""
     keep_freed_host_memory()  # before the run allocates (host_memory.py)
     try:
         args = parse_args(argv)
@@ -73,15 +88,16 @@ def pretrain(argv=None) -> int:
         rank, _, device = initialize_distributed(config.distributed)
     except MegaliteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return Outcome(2)
     try:
         state = ParallelState(config.parallel.grid, rank)
+        exits = ExitConditions(config.checkpoint, device)
         run_training(config, state, device, tokenizer.eod if tokenizer else None,
-                     dump_run_file(args, build_parser()))
-        return 0
+                     dump_run_file(args, build_parser()), exits)
+        return Outcome(0, exits.signalled)
     except MegaliteError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        return 1
+        return Outcome(1)
     finally:
         dist.destroy_process_group()
 
@@ -131,14 +147,15 @@ def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
         copy_into(param, block.to(dtype).float())
     for chunk in chunks:
         initialize_parameters(chunk, chunk.config, seed, state.tp_rank, state.tp_size, device,
-                              assign)
+                              assign, ep_rank=state.ep_rank)
         initialize_buffers(chunk, device)
 
 
 def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
                     timers: Timers = NO_TIMERS) -> tuple[Optimizer, GradBuffer | None]:
     """The gradient buffer (reduced over DP x CP: all-reduce, or reduce-scatter for ZeRO-1,
-    whose shards are laid over DP x CP as Megatron's are; expert parameters over expert-DP;
+    whose shards are laid over DP x CP as Megatron's are, or over a shard group of it under
+    hybrid sharding, then all-reduced across replicas; expert parameters over expert-DP;
     none under FSDP2, which reduces its own gradients) and the optimizer reading it: ZeRO-1
     with --use-distributed-optimizer; fp32 main parameters (unsharded) for bf16/fp16 model
     parameters; plain AdamW otherwise."""
@@ -148,9 +165,12 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
         return FullyShardedOptimizer(model, config.optimizer, scaler, state.tp_group,
                                      state.mp_group, p.optimizer_cpu_offload, timers), None
     params = [q for q in model.parameters() if q.requires_grad]
-    grad_buffer = GradBuffer(params, state.dp_cp_group, p.ddp_bucket_size,
+    # Over the shard groups: DP x CP and expert-DP themselves with one replica.
+    grad_buffer = GradBuffer(params, state.shard_group, p.ddp_bucket_size,
                              shard=config.optimizer_kind.sharded, overlap=p.overlap_grad_reduce,
-                             grad_dtype=config.grad_dtype, expert_group=state.expert_dp_group)
+                             grad_dtype=config.grad_dtype, expert_group=state.expert_shard_group,
+                             replica_group=state.replica_group,
+                             expert_replica_group=state.expert_replica_group)
     if config.grad_compression.enabled:
         grad_buffer.compressor = PowerSGD(grad_buffer.buckets, single_process_names(model),
                                           config.grad_compression, state.dp_cp_group,
@@ -199,10 +219,13 @@ def resume(ckpt: CheckpointState, device: torch.device) -> bool:
 
 
 def run_training(config: Config, state: ParallelState, device: torch.device,
-                 eod: int | None, run_file: str | None = None) -> TrainState:
+                 eod: int | None, run_file: str | None = None,
+                 exits: ExitConditions | None = None) -> TrainState:
     """`run_file`: the run's flags as YAML (run_file.dump_run_file), kept beside the
-    TensorBoard events and in each checkpoint so the run can be repeated from either."""
+    TensorBoard events and in each checkpoint so the run can be repeated from either.
+    `exits`: the caller's, to read why the run stopped (else its own)."""
     start_memory_history(config.monitoring, device)  # before the model's allocations
+    warn_if_save_outlasts_notice(config)
     set_seed(config.training.seed)
     rng_tracker = build_rng_tracker(config.training.seed, state.tp_rank, device,
                                     state.cp_rank, state.tp_size)
@@ -222,7 +245,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
                            rng_tracker, compressor, run_file)
     monitor.resumed = resume(ckpt, device)
     progress = ckpt.progress
-    saver = CheckpointSaver(ckpt, device) if config.checkpoint.save else None
+    saver = (CheckpointSaver(ckpt, device, monitor.watchdog.suspended)
+             if config.checkpoint.save else None)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
     is_last = dist.get_rank() == dist.get_world_size() - 1
@@ -239,7 +263,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
              if evaluating and valid_ds is not None else None)
     try:
         stopped = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device,
-                        progress, saver, monitor)
+                        progress, saver, monitor,
+                        exits or ExitConditions(config.checkpoint, device))
         if stopped:
             # A signal or the time budget: the checkpoint is written; leave at once, within
             # the grace period a scheduler gives before it kills the job.
@@ -249,25 +274,40 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
             evaluated = progress.iteration % config.training.eval_interval == 0
             evaluate_and_print(f"iteration {progress.iteration} on validation set", runner,
                                valid, config, tensorboard,
-                               None if evaluated else progress.iteration)
+                               None if evaluated else progress.iteration,
+                               monitor.watchdog.beat)
         if evaluating and test_ds is not None:
             evaluate_and_print(f"iteration {progress.iteration} on test set", runner,
                                microbatches(test_ds, 0, config, state, device), config,
-                               tensorboard, None)
+                               tensorboard, None, monitor.watchdog.beat)
     finally:
         monitor.close(progress.iteration)
         tensorboard.close()
     return progress
 
 
+def warn_if_save_outlasts_notice(config: Config):
+    """At start: the planned save time of this model and layout against
+    --preemption-notice-seconds (a save on the notice must end before the node goes)."""
+    notice = config.checkpoint.preemption_notice_seconds
+    if notice is None:
+        return
+    seconds, nbytes = planned_save_seconds(config, MEASURED_WRITE_GBPS)
+    if seconds > notice:
+        print_rank_0(f"WARNING: the planned save takes {seconds:.3g} s, longer than the "
+                     f"{notice:g} s --preemption-notice-seconds: the slowest rank writes "
+                     f"{nbytes / 1e9:.3g} GB at {MEASURED_WRITE_GBPS:g} GB/s (a measured floor; "
+                     "tools/estimate_cost.py --save-gbps plans at your storage's rate). A save "
+                     "on the notice would be cut off; checkpoint more often or write faster")
+
+
 def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, train_ds,
           valid, tensorboard: TensorBoardLogger, device: torch.device, progress: TrainState,
-          save: CheckpointSaver | None, monitor: Monitor) -> bool:
+          save: CheckpointSaver | None, monitor: Monitor, exits: ExitConditions) -> bool:
     """Train from `progress` on (updating it); `save` writes checkpoints (None: no --save);
     every exit waits for its pending write. Returns whether a signal or
     --exit-duration-in-mins stopped the run."""
     t = config.training
-    exits = ExitConditions(config.checkpoint, device)
     saved_at = progress.iteration
     stats = IntervalStats()
     shares = share_balancer(config, state, monitor.timers)
@@ -305,7 +345,7 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         stats = reporter.after_step(progress, result, lr, loss_scale, stats)
         if valid is not None and progress.iteration % t.eval_interval == 0:
             evaluate_and_print(f"iteration {progress.iteration}", runner, valid, config,
-                               tensorboard, progress.iteration)
+                               tensorboard, progress.iteration, monitor.watchdog.beat)
             progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
         if save:
             saved_at = _save_due(save, config.checkpoint.save_interval, progress.iteration,

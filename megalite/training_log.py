@@ -25,6 +25,8 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int) -> float:
     The last term is the logit layer. The count is the model's, the same at any layout: a
     context-parallel rank computes only its causal share of the attention core (ring
     attention skips the fully masked blocks), so the log divides it by the world size.
+    Document masks (--reset-attention-mask) leave the count full causal, as Megatron's
+    (docs/design.md §28).
     """
     c = config
     h, s = c.hidden_size, c.seq_length

@@ -3,6 +3,7 @@ process, with dropout), a crash in the middle of a save, retention, refused trac
 models and pickles, signals and the exit duration (docs/design.md §8)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from megalite.arguments import parse_args
 from megalite.checkpointing import saving
 from megalite.checkpointing.storage import TRACKER_FILENAME, find_checkpoint_to_load
+from megalite.memory_estimate.checkpoint import MEASURED_WRITE_GBPS, planned_save_seconds
 from megalite.training import pretrain
+from megalite.validation import validate_args
 
 from tests.helpers import (assert_identical, checkpoint_tensors, flags_with,
-                           flip_a_bit_of_the_largest_record, scalars)
+                           flip_a_bit_of_the_largest_record, saved_files, scalars, tensor_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = flags_with("--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
@@ -147,7 +151,8 @@ def test_sigterm_saves_exits_zero_and_the_run_resumes_exactly(tmp_path):
     long = ["--train-iters", "300", "--eval-iters", "0", "--exit-signal-handler"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run_process(*long, "--save", str(straight), "--tensorboard-dir", str(tmp_path / "tb1"))
-    proc = launch(*long, "--save", str(stopped), "--tensorboard-dir", str(tmp_path / "tb2"))
+    proc = launch(*long, "--save", str(stopped), "--tensorboard-dir", str(tmp_path / "tb2"),
+                  "--preemption-notice-seconds", "120")
     for line in proc.stdout:
         if "iteration        5/" in line:
             proc.send_signal(signal.SIGTERM)
@@ -155,6 +160,9 @@ def test_sigterm_saves_exits_zero_and_the_run_resumes_exactly(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "received signal SIGTERM" in out
+    # The save on the notice reports its time against --preemption-notice-seconds.
+    assert re.search(r"successfully saved checkpoint .*\(([\d.]+) s after the save was "
+                     r"requested; within the 120 s preemption notice: \d+%\)", out), out[-2000:]
     iteration = find_checkpoint_to_load(stopped)[0]
     assert 5 <= iteration < 300
     run_process(*long, "--save", str(stopped), "--load", str(stopped),
@@ -163,6 +171,27 @@ def test_sigterm_saves_exits_zero_and_the_run_resumes_exactly(tmp_path):
     for tag in first:
         assert resumed[tag] == {k: v for k, v in first[tag].items() if k > iteration}, tag
     assert_identical(checkpoint_tensors(straight), checkpoint_tensors(stopped))
+
+
+def test_planned_save_is_the_files_written_and_warns_past_the_notice(tmp_path, capsys):
+    """The planner's bytes of a rank's save against the tensors of the files it wrote, and
+    its warning at start when the save outlasts the notice."""
+    save = tmp_path / "ckpt"
+    flags = [*FLAGS, "--save", str(save), "--train-iters", "1", "--eval-iters", "0"]
+    assert pretrain([*flags, "--preemption-notice-seconds", "1e-9"]) == 0
+    out = capsys.readouterr().out
+    config = validate_args(parse_args(flags))
+    seconds, planned = planned_save_seconds(config, MEASURED_WRITE_GBPS)
+    assert seconds == planned / (MEASURED_WRITE_GBPS * 1e9)
+    assert f"WARNING: the planned save takes {seconds:.3g} s, longer than the 1e-09 s" in out
+    assert "LONGER THAN the 1e-09 s preemption notice" in out
+    assert planned == tensor_bytes(saved_files(save / "iter_0000001"))
+    capsys.readouterr()
+    assert pretrain([*flags, "--preemption-notice-seconds", "60", "--load", str(save),
+                     "--train-iters", "2"]) == 0
+    assert "WARNING: the planned save" not in capsys.readouterr().out
+    assert pretrain([*FLAGS, "--preemption-notice-seconds", "30"]) == 2
+    assert "--preemption-notice-seconds=30.0 needs --save" in capsys.readouterr().err
 
 
 def test_exit_duration_saves_and_exits_zero(tmp_path, capsys):

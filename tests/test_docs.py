@@ -60,7 +60,9 @@ def run(command: str) -> tuple[int, str]:
         env[key] = value
     entry = {("python", "pretrain_gpt.py"): pretrain,
              ("python", "tools/estimate_memory.py"): lambda argv: load_tool(
-                 "estimate_memory").main(argv)}.get(tuple(words[:2]))
+                 "estimate_memory").main(argv),
+             ("python", "tools/estimate_cost.py"): lambda argv: load_tool(
+                 "estimate_cost").main(argv)}.get(tuple(words[:2]))
     if entry is None:
         done = subprocess.run(["bash", "-c", f"TINY={shlex.quote(tiny())}; {command}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -152,7 +154,8 @@ def test_every_section_with_commands_is_tested():
 @pytest.mark.slow
 def test_guide_commands_run_and_print_the_totals_they_state():
     """Every command of docs/guide.md, in order (later ones use what earlier ones wrote);
-    a planner command's `# total X GiB` comment must be what it prints, and a layout run
+    a planner command's `# total X GiB` (or the cost planner's `# on demand $X`) comment
+    must be what it prints, and a layout run
     (torchrun) the losses of the one-process run before it."""
     lines, outputs = commands(GUIDE.read_text()), []
     for command in lines:
@@ -161,6 +164,9 @@ def test_guide_commands_run_and_print_the_totals_they_state():
         stated = re.search(r"# total ([\d.]+) GiB", command)
         if stated:
             assert f"total {stated.group(1)} GiB of" in out, f"{command}\n{out}"
+        cost = re.search(r"# on demand (\$[\d,.]+)$", command)
+        if cost:
+            assert f"= {cost.group(1)}\n" in out, f"{command}\n{out}"
         outputs.append(out)
     pairs = [(outputs[i - 1], out) for i, (command, out) in enumerate(zip(lines, outputs))
              if command.startswith("torchrun") and "pretrain_gpt.py" in command]

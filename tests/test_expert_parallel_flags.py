@@ -30,8 +30,10 @@ def test_expert_parallel_is_carved_out_of_data_times_context_parallel():
       "--sequence-parallel"], 2, r"--expert-model-parallel-size=2 must divide .* = 1"),
     (["--expert-model-parallel-size", "3", "--global-batch-size", "6"], 6,
      r"--num-experts=4 is not divisible by --expert-model-parallel-size=3"),
-    (["--expert-model-parallel-size", "2", "--use-torch-fsdp2"], 4,
-     r"--use-torch-fsdp2 with --expert-model-parallel-size=2 is not built"),
+    (["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+      "--num-distributed-optimizer-instances", "4"], 4,
+     r"--num-distributed-optimizer-instances=4 must divide expert-data-parallel "
+     r"\(DP x CP / EP = 2\)"),
     (["--expert-model-parallel-size", "2", "--data-parallel-shares", "1,1,1,1"], 4,
      r"--data-parallel-shares with --expert-model-parallel-size=2 is not built"),
     (["--expert-model-parallel-size", "2", "--grad-compression", "powersgd"], 4,

@@ -51,6 +51,15 @@ def test_fsdp_defaults_to_zero3_and_shards_the_optimizer():
     # Plain DP and ZeRO-1 have no per-micro-batch reduce-scatter to turn on.
     (["--use-distributed-optimizer", "--fsdp-grad-reduce-every-micro-batch"],
      ["--fsdp-grad-reduce-every-micro-batch", "--use-torch-fsdp2"]),
+    # Hybrid sharding replicates a sharded optimizer; plain DP has no shards.
+    (["--num-distributed-optimizer-instances", "2"],
+     ["--num-distributed-optimizer-instances=2", "--use-distributed-optimizer",
+      "--use-torch-fsdp2"]),
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+      "--grad-compression", "powersgd"],
+     ["--grad-compression powersgd", "--num-distributed-optimizer-instances=2"]),
+    (["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "3"],
+     ["--num-distributed-optimizer-instances=3 must divide", "= 2"]),
     # No parameter is replicated over DP under FSDP2.
     (["--use-torch-fsdp2", "--check-weight-hash-across-dp-replicas-interval", "5"],
      ["--check-weight-hash-across-dp-replicas-interval", "--use-torch-fsdp2"]),

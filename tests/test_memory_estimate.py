@@ -25,7 +25,8 @@ import torch
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.validation import validate_args
-from megalite.memory_estimate.activations import layer_activation_bytes, sends_held
+from megalite.memory_estimate.activations import layer_activation_bytes
+from megalite.memory_estimate.schedule import sends_held
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.parallel_state import ParallelState, RankGrid

@@ -23,6 +23,7 @@ import megalite.timers as timers_module
 import megalite.training as training
 from megalite.config import OptimizerConfig
 from megalite.model.gpt import GPTModel, build_model_chunks
+from megalite.monitoring.watchdog import Watchdog
 from megalite.optimizer.optimizer import Optimizer
 from megalite.training import pretrain
 from megalite.training_log import parse_log, parse_log_line
@@ -316,34 +317,62 @@ def test_memory_snapshot_on_gpu(tmp_path):
     assert snapshot["segments"] and snapshot["device_traces"]
 
 
-# A step that never returns, as a collective whose peer stopped can on gloo: the main
+# A save whose file writes take longer than the watchdog's limit (a slow file system),
+# then a step that never returns, as a collective whose peer stopped can on gloo: the main
 # thread waits and nothing raises.
-_HUNG_STEP = """
-import sys, threading
+_SLOW_SAVE_THEN_HUNG_STEP = """
+import sys, threading, time
+from megalite.checkpointing import saving
 from megalite.train_step import StepRunner
 from megalite.training import pretrain
-step, calls = StepRunner.train_step, []
+write, step, calls = saving.save_tensor_file, StepRunner.train_step, []
+def save_tensor_file(obj, path):
+    time.sleep(7.0)
+    write(obj, path)
 def train_step(self, batches):
     calls.append(1)
     if len(calls) == 3:
         threading.Event().wait()
     return step(self, batches)
-StepRunner.train_step = train_step
+saving.save_tensor_file, StepRunner.train_step = save_tensor_file, train_step
 sys.exit(pretrain(sys.argv[1:]))
 """
 
 
 @pytest.mark.slow
-def test_a_step_that_never_returns_ends_the_process_after_twice_the_timeout():
-    """With --distributed-timeout-minutes 0.05 (3 s) the watchdog ends the process 6 s
-    after the last progress, naming itself, so a restart policy can run; before, the
-    process waited forever (here: until the test's 120 s)."""
-    flags = [*FLAGS, "--train-iters", "10", "--distributed-timeout-minutes", "0.05"]
+def test_a_slow_save_is_kept_and_a_step_that_never_returns_ends_the_process(tmp_path):
+    """With --distributed-timeout-minutes 0.05 (3 s) the watchdog's limit is 6 s. The save
+    at iteration 2 writes for 7 s and is published (its writes are not watched: a slow disk
+    must not cost the checkpoint); the step after it never returns, and the watchdog ends
+    the process 6 s after the last progress, naming itself, so a restart policy can run;
+    before the watchdog, the process waited forever (here: until the test's 120 s)."""
+    flags = [*FLAGS, "--train-iters", "10", "--distributed-timeout-minutes", "0.05",
+             "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", _HUNG_STEP, *flags], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", _SLOW_SAVE_THEN_HUNG_STEP, *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 1, done.stderr[-2000:]
     assert "error (rank 0): no training progress for 6 s (twice " \
            "--distributed-timeout-minutes)" in done.stderr, done.stderr[-2000:]
     assert "iteration        2/" in done.stdout and time.monotonic() - start < 110
+    assert "successfully saved checkpoint at iteration       2" in done.stdout, done.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_the_watchdog_waits_out_a_suspended_stretch_then_calls_a_stall():
+    """Against the wall clock: limit 0.2 s (timeout 0.1 s), polled every 0.02 s."""
+    stalls = []
+    dog = Watchdog(0.1, rank=3, on_stall=stalls.append)
+    try:
+        time.sleep(0.4)
+        assert stalls == []  # not armed before the first step
+        dog.beat()
+        with dog.suspended():
+            time.sleep(0.5)
+        assert stalls == []
+        time.sleep(0.5)
+        assert len(stalls) == 1 and stalls[0].startswith("error (rank 3): no training "
+                                                         "progress for 0.2 s")
+    finally:
+        dog.close()

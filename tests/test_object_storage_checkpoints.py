@@ -1,4 +1,4 @@
-"""Checkpoints in a bucket, one process (docs/design.md §27), against moto's S3 server run
+"""Checkpoints in a bucket, one process (docs/design.md §30), against moto's S3 server run
 as a process (tests/conftest.py), some requests failed by a proxy: saved synchronously and
 with --async-save, every object's bytes those of the same run's local save, resumed from the
 bucket bit-exactly, retention and HF export as on disk.

@@ -1,4 +1,4 @@
-"""Datasets in a bucket (docs/design.md §27), against moto's S3 server process:
+"""Datasets in a bucket (docs/design.md §30), against moto's S3 server process:
 tools/preprocess_data.py --output-prefix s3://... uploads a dataset of the corpus's
 documents, and training from --data-path s3://... (cached under --object-storage-cache-path)
 logs the losses of training from the same files on disk."""

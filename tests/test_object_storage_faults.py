@@ -1,4 +1,4 @@
-"""Checkpoints in a bucket when the store misbehaves (docs/design.md §27), against moto's S3
+"""Checkpoints in a bucket when the store misbehaves (docs/design.md §30), against moto's S3
 server behind tests/s3_fault_proxy.py, a process answering 500/503, dropping or holding
 chosen requests: an upload that keeps failing stops the run naming the object, and the
 previous checkpoint stays the loadable one; so does a trainer killed mid-upload; missing or

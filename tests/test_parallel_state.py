@@ -156,3 +156,44 @@ def test_num_microbatches_splits_the_global_batch():
         num_microbatches(30, 4, 2)
     with pytest.raises(ConfigError, match=r"by --micro-batch-size=4$"):
         num_microbatches(30, 4)
+
+
+def replica_layouts(max_world=16):
+    for world, tp, cp, pp, ep in [*((w, t, c, p, 1) for w, t, c, p in
+                                    context_parallel_layouts(max_world)),
+                                  *((w, t, 1, p, 1) for w, t, p in layouts(max_world)),
+                                  *expert_layouts(max_world)]:
+        edp = world // (tp * pp * ep)
+        for n in range(2, edp + 1):
+            if edp % n == 0:
+                yield world, tp, cp, pp, ep, n
+
+
+@pytest.mark.parametrize("world, tp, cp, pp, ep, n", list(replica_layouts()))
+def test_shard_and_replica_groups_match_reference(world, tp, cp, pp, ep, n):
+    """Hybrid sharding: the DP x CP ranks of one (TP, PP) position, in order, reshaped to
+    [N, S]: rows are shard groups (consecutive), columns replica groups; the expert-DP
+    ranks (the EP-strided columns of the expert grid) reshaped the same way."""
+    grid = RankGrid(world, tp, pp, cp, ep, num_distributed_optimizer_instances=n)
+    array = np.arange(world).reshape(pp, -1, tp)
+    blocks = [array[p, :, t].reshape(n, -1) for p in range(pp) for t in range(tp)]
+    assert grid.shard_groups() == sorted(row.tolist() for b in blocks for row in b)
+    assert grid.replica_groups() == sorted(col.tolist() for b in blocks for col in b.T)
+    experts = [array[p, :, t].reshape(-1, ep)[:, e].reshape(n, -1)
+               for p in range(pp) for t in range(tp) for e in range(ep)]
+    assert grid.expert_shard_groups() == sorted(row.tolist() for b in experts for row in b)
+    assert grid.expert_replica_groups() == sorted(col.tolist() for b in experts for col in b.T)
+    for b in blocks:
+        for (replica, _), rank in np.ndenumerate(b):
+            assert grid.replica_rank(int(rank)) == replica
+    # Each expert shard group lies within one dense shard group (one node's fast links).
+    dense = {r: tuple(g) for g in grid.shard_groups() for r in g}
+    assert all(len({dense[r] for r in g}) == 1 for g in grid.expert_shard_groups())
+
+
+def test_replicas_not_dividing_are_named():
+    with pytest.raises(ConfigError, match="--num-distributed-optimizer-instances=3 must divide "
+                                          "data x context parallel = 4 x 1 = 4"):
+        RankGrid(8, 2, 1, num_distributed_optimizer_instances=3)
+    with pytest.raises(ConfigError, match="=4 must divide expert-data-parallel.* = 2"):
+        RankGrid(8, 1, 1, 1, 4, num_distributed_optimizer_instances=4)

@@ -183,7 +183,7 @@ def test_help_says_what_each_schedule_costs():
 
 
 def test_memory_estimate_follows_the_schedule():
-    from megalite.memory_estimate.activations import microbatches_in_flight
+    from megalite.memory_estimate.schedule import microbatches_in_flight
     assert microbatches_in_flight(4, 0, 8, 1, "gpipe") == 8
     assert [microbatches_in_flight(4, r, 8, 1, "zb-h1") for r in range(4)] == [4, 4, 4, 4]
     assert [microbatches_in_flight(4, r, 8, 1, "1f1b") for r in range(4)] == [4, 3, 2, 1]

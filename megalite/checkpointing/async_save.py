@@ -27,7 +27,9 @@ import os
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -141,8 +143,10 @@ class _Pending:
 class AsyncCheckpointer:
     """Owns the save in flight. `group`: the ranks that save together (all of them)."""
 
-    def __init__(self, device: torch.device, group=None):
-        self.group, self.buffers = group, HostBuffers(device)
+    def __init__(self, device: torch.device, group=None, writing: Callable = nullcontext):
+        """`writing()`: the context of a wait for this rank's writer (the watchdog
+        suspended: a slow disk is not a hung peer)."""
+        self.group, self.buffers, self.writing = group, HostBuffers(device), writing
         self.pending: _Pending | None = None
         self.waited_s = 0.0
         """Seconds optimizer steps waited for a snapshot's copies (part of the stall)."""
@@ -186,7 +190,8 @@ class AsyncCheckpointer:
         if pending is None:
             return None
         if blocking:
-            pending.thread.join()
+            with self.writing():
+                pending.thread.join()
         flags = torch.tensor([pending.thread.is_alive(), pending.error is not None],
                              dtype=torch.float32)
         all_reduce_anywhere(flags, self.group, op=dist.ReduceOp.MAX)

@@ -15,7 +15,9 @@ and drops those a published persistent save makes stale.
 """
 
 import re
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,11 +45,15 @@ def _own_iterations(root: str | Path, rank: int) -> list[int]:
     return sorted(i for i in found if rank_path(root, i, rank).is_file())
 
 
-def save_local(root: str, iteration: int, ckpt: CheckpointState) -> Path:
-    """Every rank at the same iteration (FSDP2 gathers each parameter): this rank's file."""
+def save_local(root: str, iteration: int, ckpt: CheckpointState,
+               writing: Callable = nullcontext) -> Path:
+    """Every rank at the same iteration (FSDP2 gathers each parameter): this rank's file,
+    written in the context `writing()`."""
     rank = dist.get_rank()
     path = rank_path(root, iteration, rank)
-    save_tensor_file(ckpt.state_dict(iteration), path)
+    state = ckpt.state_dict(iteration)
+    with writing():
+        save_tensor_file(state, path)
     for old in _own_iterations(root, rank)[:-KEEP]:
         _drop(root, old, rank)
     return path

@@ -1,4 +1,4 @@
-"""Checkpoints in a bucket (`--save s3://bucket/run`, docs/design.md §27): storage.py's layout
+"""Checkpoints in a bucket (`--save s3://bucket/run`, docs/design.md §30): storage.py's layout
 and rules, over objects.
 
 The same names as on disk: `<save>/iter_0000100/<file>`, `<save>/iter_0000100/metadata.json`,

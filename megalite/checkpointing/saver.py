@@ -5,13 +5,16 @@ Megatron-LM once printed "saved checkpoint" with the time of a save that was onl
   requested: how long training was blocked (the whole save when synchronous, the snapshot
              when asynchronous);
   finished:  "successfully saved checkpoint at iteration N", printed once the tracker
-             names it, with the seconds from the request.
+             names it, with the seconds from the request (and their share of
+             --preemption-notice-seconds).
 The loop calls `save` at a save iteration (else `save_non_persistent`, which saves at
 --non-persistent-save-interval), `poll` every iteration (every rank: it may run the
 collective that publishes a finished asynchronous save) and `wait` before it returns.
 """
 
 import time
+from contextlib import nullcontext
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -19,20 +22,18 @@ from megalite.checkpointing.async_save import AsyncCheckpointer
 from megalite.checkpointing.local import drop_stale, save_local
 from megalite.checkpointing.saving import save_checkpoint
 from megalite.checkpointing.state import CheckpointState
-
-
-def _print_rank_0(message: str) -> None:
-    if dist.get_rank() == 0:
-        print(message, flush=True)
+from megalite.parallel_state import print_rank_0
 
 
 class CheckpointSaver:
     """Saves `ckpt` (training.run_training's) to --save."""
 
-    def __init__(self, ckpt: CheckpointState, device):
-        self.ckpt, self.flags = ckpt, ckpt.config.checkpoint
+    def __init__(self, ckpt: CheckpointState, device, writing: Callable = nullcontext):
+        """`writing()`: the context of the file writes and of waits for them (the
+        monitor's watchdog suspended, monitoring/watchdog.py)."""
+        self.ckpt, self.flags, self.writing = ckpt, ckpt.config.checkpoint, writing
         self.directory = self.flags.save
-        self.writer = (AsyncCheckpointer(device, dist.group.WORLD)
+        self.writer = (AsyncCheckpointer(device, dist.group.WORLD, writing)
                        if self.flags.async_save else None)
         self.stall_s: list[float] = []
         """Seconds each save blocked training, in order (benchmarks read them)."""
@@ -40,14 +41,14 @@ class CheckpointSaver:
     def save(self, iteration: int) -> None:
         start = time.perf_counter()
         if self.writer is None:
-            save_checkpoint(self.directory, iteration, self.ckpt)
+            save_checkpoint(self.directory, iteration, self.ckpt, self.writing)
             self._finished(iteration, time.perf_counter() - start)
             self.stall_s.append(time.perf_counter() - start)
             return
         self._report(self.writer.finalize(blocking=True))  # a save still pending: its line
         stall = self.writer.save(self.directory, iteration, self.ckpt)
         self.stall_s.append(time.perf_counter() - start)  # with a wait for the last save
-        _print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
+        print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
                       f"blocked {stall * 1e3:.1f} ms (snapshot queued; copied to host memory "
                       f"before the next optimizer step); writing in the background "
                       f"(--async-save)")
@@ -60,10 +61,11 @@ class CheckpointSaver:
         if not interval or iteration % interval:
             return
         start = time.perf_counter()
-        save_local(local, iteration, self.ckpt)
+        save_local(local, iteration, self.ckpt, self.writing)
         dist.barrier()  # for the time and the log: every rank's file is written
-        _print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
-                      f"{local} ({time.perf_counter() - start:.2f} s)")
+        seconds = time.perf_counter() - start
+        print_rank_0(f"  saved non-persistent checkpoint at iteration {iteration:7d} to "
+                      f"{local} ({seconds:.2f} s{self._against_notice(seconds)})")
 
     def poll(self) -> None:
         """Every rank, every iteration: publish the pending save if every rank wrote it."""
@@ -78,7 +80,7 @@ class CheckpointSaver:
     def _report(self, published) -> None:
         if published is None:
             return
-        _print_rank_0(f"  optimizer steps waited {self.writer.waited_s * 1e3:.1f} ms for the "
+        print_rank_0(f"  optimizer steps waited {self.writer.waited_s * 1e3:.1f} ms for the "
                       f"snapshot's copies to host memory")
         self.writer.waited_s = 0.0
         self._finished(*published)
@@ -87,5 +89,15 @@ class CheckpointSaver:
         local = self.flags.non_persistent_local_ckpt_dir
         if local is not None:
             drop_stale(local, iteration)
-        _print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
-                      f"{self.directory} ({seconds:.2f} s after the save was requested)")
+        print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to "
+                      f"{self.directory} ({seconds:.2f} s after the save was requested"
+                      f"{self._against_notice(seconds)})")
+
+    def _against_notice(self, seconds: float) -> str:
+        """The save's time against --preemption-notice-seconds: a save on the notice that
+        outlasts it is cut off when the node goes."""
+        notice = self.flags.preemption_notice_seconds
+        if notice is None:
+            return ""
+        verdict = "within" if seconds <= notice else "LONGER THAN"
+        return f"; {verdict} the {notice:g} s preemption notice: {100 * seconds / notice:.0f}%"

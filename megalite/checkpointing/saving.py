@@ -26,6 +26,7 @@ the experts' main copies and moments are gathered over EP like the parameters.
 
 import dataclasses
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -84,11 +85,13 @@ def saved_layout(layout: dict) -> dict:
 
 
 def optimizer_shards(layout: dict) -> int:
-    """How many optim files per (TP, PP) shard: one per DP x CP rank under ZeRO-1."""
+    """How many optim files per (TP, PP) shard: one per DP x CP rank of one replica under
+    ZeRO-1 and FSDP2 (all of DP x CP with one replica; every replica holds the same)."""
     layout = saved_layout(layout)
     if not layout["use_distributed_optimizer"]:
         return 1
-    return layout["data_parallel_size"] * layout["context_parallel_size"]
+    return (layout["data_parallel_size"] * layout["context_parallel_size"]
+            // layout.get("num_distributed_optimizer_instances", 1))
 
 
 def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> list[str]:
@@ -104,19 +107,23 @@ def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> lis
 
 # --- saving --------------------------------------------------------------------------------
 
-def save_checkpoint(save: str, iteration: int, ckpt: CheckpointState) -> Path | str:
+def save_checkpoint(save: str, iteration: int, ckpt: CheckpointState,
+                    writing: Callable = nullcontext) -> Path | str:
     """Every rank calls this at the same iteration; returns the published directory (a URL
-    in a bucket). async_save.py writes the same `rank_files` from a background thread."""
+    in a bucket). async_save.py writes the same `rank_files` from a background thread.
+    `writing()`: the context of the file writes and uploads alone (the watchdog suspended)."""
     staging = begin_save(save, iteration, ckpt.config)
     files = rank_files(ckpt)
-    for name, obj in files.items():
-        save_tensor_file(obj, staging / name)
+    with writing():
+        for name, obj in files.items():
+            save_tensor_file(obj, staging / name)
+        if remote.is_remote(save):
+            try:
+                records, error = remote.upload(save, iteration, staging, list(files)), None
+            except StorageError as failure:
+                records, error = None, str(failure)
     uploads = None
     if remote.is_remote(save):  # every rank's upload, or an error on every rank
-        try:
-            records, error = remote.upload(save, iteration, staging, list(files)), None
-        except StorageError as failure:
-            records, error = None, str(failure)
         uploads = remote.gather_uploads(records, error)
     else:
         dist.barrier()
@@ -159,10 +166,10 @@ def rank_files(ckpt: CheckpointState, copy: Callable = cpu_copy) -> dict[str, di
     params = saved_params(ckpt.chunks)
     owns_model_file = state.dp_rank == 0 and state.cp_rank == 0
     files = {}
-    # Every EP rank takes part in gathering the experts (each rank's block is dim 0's, in
-    # EP rank order).
-    experts = {n: all_gather_first_dim(p.detach(), state.ep_group) for n, p in params.items()
-               if state.ep_size > 1 and is_expert_parallel(p)}
+    # Every EP rank takes part in gathering the experts (each rank's block is dim 0's,
+    # in EP rank order; under FSDP2 each EP block gathered over expert-DP first).
+    experts = {n: all_gather_first_dim(full_tensor(p.detach()), state.ep_group)
+               for n, p in params.items() if state.ep_size > 1 and is_expert_parallel(p)}
     if owns_model_file or is_fully_sharded(ckpt.chunks):
         values = _model_values(params, experts, state_buffers(ckpt.chunks, chunk_prefix=False),
                                copy if owns_model_file else None)
@@ -171,11 +178,13 @@ def rank_files(ckpt: CheckpointState, copy: Callable = cpu_copy) -> dict[str, di
                                                            **shard_layout(params)}
     if ckpt.config.checkpoint.save_optim:
         names = {id(p): n for n, p in params.items()}
-        shard = _optimizer_shard(ckpt, names, copy, write=optimizer.sharded or owns_model_file)
-        if optimizer.sharded or owns_model_file:
-            # ZeRO-1's shard index: this rank's place in the DP x CP group.
+        # Sharded, the first replica's ranks write their shards (the others hold the same).
+        write = state.replica_rank == 0 if optimizer.sharded else owns_model_file
+        shard = _optimizer_shard(ckpt, names, copy, write=write)
+        if write:
+            # ZeRO-1's shard index: this rank's place in its shard group (DP x CP).
             files[optim_file(state.tp_rank, state.pp_rank,
-                              group_rank(state.dp_cp_group))] = shard
+                              group_rank(state.shard_group))] = shard
     files[rng_file(dist.get_rank())] = ckpt.rng_state()
     if ckpt.compressor is not None:
         # Copied now, not by `copy`: --async-save's copies wait for the next optimizer

@@ -20,7 +20,8 @@ from torch import nn
 from megalite.checkpointing.save_guard import RunRecord
 from megalite.distributed.fsdp import copy_into, full_tensor
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel.params import ep_shard, is_embedding_copy, local_shard
+from megalite.tensor_parallel.params import (ep_shard, is_embedding_copy, local_shard,
+                                             single_process_name)
 from megalite.tensor_parallel.random import get_device_rng_state, set_device_rng_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -39,7 +40,7 @@ class TrainState:
 def canonical_name(name: str, param: nn.Parameter) -> str:
     """Chunk parameters are "<chunk>.<single-process name>"; a tied output layer on the
     last stage is a copy of the word embeddings."""
-    return "embedding.word_embeddings.weight" if is_embedding_copy(param) else name.split(".", 1)[1]
+    return single_process_name(name.split(".", 1)[1], param)
 
 
 def saved_params(chunks: nn.ModuleList) -> dict[str, nn.Parameter]:
@@ -63,14 +64,18 @@ def state_buffers(chunks: nn.ModuleList, chunk_prefix: bool = True) -> dict[str,
 
 
 def layout_of(grid: RankGrid, num_chunks: int, zero: bool) -> dict:
-    """The layout a checkpoint records: the grid, model chunks per rank, ZeRO-1 or not."""
+    """The layout a checkpoint records: the grid, model chunks per rank, ZeRO-1 or not, and
+    the replicas of hybrid sharding when there are several."""
     return {"tensor_model_parallel_size": grid.tensor_model_parallel_size,
             "pipeline_model_parallel_size": grid.pipeline_model_parallel_size,
             "virtual_pipeline_model_parallel_size": num_chunks,
             "data_parallel_size": grid.data_parallel_size, "world_size": grid.world_size,
             "use_distributed_optimizer": zero,
             "context_parallel_size": grid.context_parallel_size,
-            "expert_model_parallel_size": grid.expert_model_parallel_size}
+            "expert_model_parallel_size": grid.expert_model_parallel_size,
+            # Only when hybrid sharding: a layout of one replica reads as it did before.
+            **({"num_distributed_optimizer_instances": grid.num_distributed_optimizer_instances}
+               if grid.num_distributed_optimizer_instances > 1 else {})}
 
 
 def cpu_copy(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -21,6 +21,8 @@ from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.timers import synchronize
 from megalite.validation import validate_model_args
 
+TITLE = "Checkpoints: save and load throughput"
+
 
 def projected_parameters(size: str) -> tuple[int, str]:
     """The planner's parameter count of examples/configs/*_<size>*.yaml."""
@@ -36,7 +38,7 @@ def projected_parameters(size: str) -> tuple[int, str]:
 
 
 def check_checkpoint(model: list[str], args, rank: int, world: int, device) -> Section:
-    section = Section("Checkpoints: save and load throughput")
+    section = Section(TITLE)
     directory = os.path.join(args.checkpoint_dir or args.output_dir, "check-cluster-ckpt")
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)

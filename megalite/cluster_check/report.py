@@ -1,5 +1,6 @@
 """REPORT.md: a section per phase, under a header that says the launch and the result,
-written by rank 0 under a temporary name and renamed."""
+written by rank 0 under a temporary name and renamed; and its tables read back
+(tools/estimate_cost.py takes the measured MFU and save rate from them)."""
 
 import os
 from dataclasses import dataclass, field
@@ -18,6 +19,28 @@ class Section:
 def table(header: list[str], rows: list[list]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
         ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def read_tables(text: str, title: str) -> list[list[dict[str, str]]]:
+    """The tables `table` wrote in the section of a REPORT.md whose title starts with
+    `title`, each a row per dict (header -> cell), in order."""
+    tables, section, lines = [], None, text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("## "):
+            section = line[3:]
+        elif (section or "").startswith(title) and line.startswith("| ") and \
+                i + 1 < len(lines) and lines[i + 1].startswith("|---|"):
+            header, rows = _cells(line), []
+            for row in lines[i + 2:]:
+                if not row.startswith("| "):
+                    break
+                rows.append(dict(zip(header, _cells(row))))
+            tables.append(rows)
+    return tables
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
 def write_report(output_dir: str, sections: list[Section], charts: dict, header: list[str]):

@@ -20,6 +20,8 @@ from megalite.monitoring.peak_flops import compute_dtype, mfu_percent, peak_tflo
 from megalite.parallel_state import print_rank_0
 from megalite.training_log import num_floating_point_operations
 
+TITLE = "Layout tuning: the layouts the planner says fit, pruned, timed"
+
 
 def planner(device) -> str:
     """The memory planner's device: "cuda" (its allocator's rounding) or "cpu"."""
@@ -81,7 +83,7 @@ def time_candidate(candidate: Candidate, model: list[str], args, rank: int, worl
 
 def check_tuning(model: list[str], args, rank: int, world: int, device, measured,
                  lean: list[Candidate], notes: list[str]) -> Section:
-    section = Section("Layout tuning: the layouts the planner says fit, pruned, timed")
+    section = Section(TITLE)
     if not lean:
         section.lines.append("No layout fits the device memory by the planner.")
         return section

@@ -35,6 +35,15 @@ class CheckpointConfig:
         False, help="On SIGTERM or SIGUSR1 (any rank) save at the next iteration and exit 0.")
     exit_duration_in_mins: float | None = flag(
         None, help="Save and exit once training has run this long.")
+    # memory_estimate/checkpoint.py plans the save; checkpointing/saver.py reports it
+    preemption_notice_seconds: float | None = flag(
+        None, help="megalite's own flag (Megatron-LM has none): the warning a preemption gives "
+                   "before the node goes (spot: 120 s on AWS, 30 s on GCP and Azure). Each "
+                   "save's log line reports its seconds against it, and training warns at "
+                   "start when the planned save (the largest rank's checkpoint bytes at "
+                   "0.32 GB/s per rank, a measured floor: tools/estimate_cost.py plans it at "
+                   "yours) takes longer. Pair it with --exit-signal-handler, which saves on "
+                   "the notice's SIGTERM.")
     check_for_nan: bool = flag(
         True, "--no-check-for-nan-in-loss-and-grad",
         help="Do not stop when the loss or a gradient is NaN or infinite.")

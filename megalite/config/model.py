@@ -47,12 +47,27 @@ class GPTConfig:
         0.02, help="Std of the normal init; output projections get std/sqrt(2L).")
     # A model built without flags runs sdpa; --use-flash-attn is "flash".
     attention_backend: str = flag(
-        "sdpa", unset="auto", choices=["auto", "flash", "sdpa", "unfused"],
-        help="Attention kernel: flash-attn, torch SDPA, or the explicit reference; auto picks "
+        "sdpa", unset="auto", choices=["auto", "flash", "flex", "sdpa", "unfused"],
+        help="Attention kernel: flash-attn, torch SDPA, FlexAttention (CUDA only; megalite's "
+             "own choice, for document masks), or the explicit reference; auto picks "
              "the fastest available. Under --cp-comm-type p2p the ring's blocks run on torch's "
              "fused flash kernels for sdpa and flash (CPU; CUDA fp16/bf16), on megalite's fp32 "
              "block kernel for unfused, with attention dropout, and where torch has no fused "
              "kernel (sdpa; flash then stops with an error).")
+    reset_position_ids: bool = flag(
+        False, group="data", help="Positions (RoPE or learned) restart at 0 after each "
+                                  "end-of-document token.")
+    reset_attention_mask: bool = flag(
+        False, group="data",
+        help="Block-causal attention: a token sees the earlier tokens of its own document only "
+             "(a document ends with the end-of-document token). The kernel takes the documents' "
+             "boundaries (flash: varlen; sdpa: padded batches of documents; flex: a block mask); "
+             "only --attention-backend unfused builds an [s, s] mask.")
+    dataloader_inter_document_masking: bool = flag(
+        False, group="data",
+        help="The data loader hands each sample's document boundaries from the dataset's "
+             "document index (no end-of-document token needed); attention is block-causal on "
+             "them and positions restart, as with the two --reset flags.")
     # Off at TP 1, where it is the identity.
     sequence_parallel: bool = flag(
         False, group="parallelism",
@@ -178,6 +193,21 @@ class GPTConfig:
         a TP group it is the eager vocab-parallel one, whose all-reduces a graph would
         break on). The model builds it so and the memory planner plans it so."""
         return (layers_compiled or self.cross_entropy_loss_fusion) and tp_size == 1
+
+    @property
+    def masks_documents(self) -> bool:
+        """Attention is block-causal over the documents of each sample."""
+        return self.reset_attention_mask or self.dataloader_inter_document_masking
+
+    @property
+    def resets_positions(self) -> bool:
+        """Positions restart at each document."""
+        return self.reset_position_ids or self.dataloader_inter_document_masking
+
+    @property
+    def uses_documents(self) -> bool:
+        """The model reads each sample's document starts (the batch's "document_starts")."""
+        return self.masks_documents or self.resets_positions
 
     @property
     def query_projection_size(self) -> int:

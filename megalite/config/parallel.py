@@ -82,6 +82,12 @@ class ParallelConfig:
                                   "micro-batch (megalite's option, beyond Megatron).")
     expert_model_parallel_size: int = flag(
         1, group="moe", help="EP: ranks the routed experts are split over.")
+    num_distributed_optimizer_instances: int = flag(
+        1, help="Hybrid sharding: split the data-parallel (x context-parallel) ranks into this "
+                "many replicas of consecutive ranks; --use-distributed-optimizer or "
+                "--use-torch-fsdp2 (HSDP) then shard within a replica and all-reduce the "
+                "gradient shards across replicas. Megalite, beyond Megatron-LM, also splits "
+                "the expert-data-parallel ranks the same way.")
 
     @property
     def grid(self) -> RankGrid:
@@ -89,7 +95,8 @@ class ParallelConfig:
         tp, pp, cp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                       self.context_parallel_size)
         return RankGrid(tp * pp * cp * self.data_parallel_size, tp, pp, cp,
-                        self.expert_model_parallel_size)
+                        self.expert_model_parallel_size,
+                        self.num_distributed_optimizer_instances)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ import torch
 from megalite.attention_backends import BACKENDS, checked_scale, core_attention
 from megalite.context_parallel.ring import ring_attention
 from megalite.context_split import load_balanced_chunks
+from megalite.documents import Documents
 from megalite.errors import ConfigError
 from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
 
@@ -51,7 +52,8 @@ def cp_backend_check(backend: str, comm_type: str, dropout_p: float) -> None:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
                                comm_type: str, backend: str, dropout_p: float = 0.0,
-                               softmax_scale: float | None = None) -> torch.Tensor:
+                               softmax_scale: float | None = None,
+                               documents: Documents | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence for this CP rank's rows.
 
     q: [b, s_local, heads, d]; k, v: [b, s_local, kv_heads, d] (heads a multiple of kv_heads),
@@ -59,18 +61,19 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     chunk 2·CP-1-i (i = this CP rank, see load_balanced_chunks). Returns [b, s_local, heads, d]
     in the same local order. cp_group None or of size 1: plain core_attention. Dropout draws
     from the current default generator: the caller forks the RNG tracker so that each CP
-    rank draws its own masks."""
+    rank draws its own masks. `documents`: those of this rank's rows (global positions);
+    attention is then block-causal (docs/design.md §28)."""
     if group_size(cp_group) == 1:
         return core_attention(q, k, v, backend=backend, dropout_p=dropout_p,
-                              softmax_scale=softmax_scale)
+                              softmax_scale=softmax_scale, documents=documents)
     cp_backend_check(backend, comm_type, dropout_p)
     if q.shape[1] % 2 or k.shape[1] != q.shape[1]:
         raise ValueError(f"context-parallel attention needs the same even number of local "
                          f"query and key rows (two chunks), got {q.shape[1]} and {k.shape[1]}")
     scale = checked_scale(q, k, softmax_scale)
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, cp_group, backend, dropout_p, scale)
-    return ring_attention(q, k, v, cp_group, scale, dropout_p, backend)
+        return _all_gather_attention(q, k, v, cp_group, backend, dropout_p, scale, documents)
+    return ring_attention(q, k, v, cp_group, scale, dropout_p, backend, documents)
 
 
 class CommBytes(NamedTuple):
@@ -131,7 +134,7 @@ def _global_order(gathered: torch.Tensor) -> torch.Tensor:
     return chunks.permute(1, 2, 0, 3, 4, 5).reshape(two, b, cp * s_local, g, d)
 
 
-def _all_gather_attention(q, k, v, group, backend, dropout_p, scale):
+def _all_gather_attention(q, k, v, group, backend, dropout_p, scale, documents=None):
     cp, rank = group_size(group), group_rank(group)
     c = q.shape[1] // 2
     # One collective for K and V together.
@@ -139,7 +142,8 @@ def _all_gather_attention(q, k, v, group, backend, dropout_p, scale):
     outs = []
     for half, chunk in enumerate(load_balanced_chunks(cp, rank)):
         prefix = (chunk + 1) * c  # causal: chunk j sees chunks 0..j, its own lower-right
-        outs.append(core_attention(q[:, half * c:(half + 1) * c], k_all[:, :prefix],
-                                   v_all[:, :prefix], backend=backend, dropout_p=dropout_p,
-                                   softmax_scale=scale))
+        rows = slice(half * c, (half + 1) * c)
+        outs.append(core_attention(q[:, rows], k_all[:, :prefix], v_all[:, :prefix],
+                                   backend=backend, dropout_p=dropout_p, softmax_scale=scale,
+                                   documents=None if documents is None else documents.rows(rows)))
     return torch.cat(outs, dim=1)

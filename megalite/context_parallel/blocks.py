@@ -35,8 +35,10 @@ def _ungroup(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(1, 2).transpose(1, 2)
 
 
-def _scores(qg, kg, causal: bool, scale: float) -> torch.Tensor:
+def _scores(qg, kg, causal: bool, scale: float, visible=None) -> torch.Tensor:
     scores = qg @ kg.transpose(-2, -1) * scale            # [b, g, h/g, s_q, s_k]
+    if visible is not None:  # [b, s_q, s_k]: documents (block-causal)
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     if causal:  # aligned to the lower right, as core_attention's
         sq, sk = scores.shape[-2:]
         future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - sq)
@@ -58,15 +60,18 @@ def _dropout_mask(shape, p: float, device, generator) -> torch.Tensor:
     return keep / (1.0 - p)
 
 
-def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0):
+def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0,
+                  visible=None):
     """(out [b, s_q, heads, d] in fp32, lse [b, heads, s_q] in fp32, rng_state): attention
     of q's rows against this block of keys only. rng_state is the default generator's state
-    before the dropout draw (None without dropout), for block_backward. Differentiable, so a
-    test can take its gradients with autograd."""
+    before the dropout draw (None without dropout), for block_backward. `visible`
+    [b, s_q, s_k] bool: the keys each row sees (documents); a row that sees none gets out 0
+    and lse -inf, which merges as nothing. Differentiable, so a test can take its gradients
+    with autograd."""
     qg, kg, vg = (_grouped(t, k.shape[2]) for t in (q, k, v))
-    scores = _scores(qg, kg, causal, scale)
+    scores = _scores(qg, kg, causal, scale, visible)
     lse = scores.logsumexp(dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
     rng_state = None
     if dropout_p > 0:
         generator = _default_generator(q.device)
@@ -86,13 +91,13 @@ def merge(out, lse, block_out, block_lse):
 
 
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
-                   dropout_p: float = 0.0, rng_state=None):
+                   dropout_p: float = 0.0, rng_state=None, visible=None):
     """(dq, dk, dv) in fp32, this block's part of the gradients, given the MERGED out and lse
     of q's rows over every block (module docstring) and the gradient dout of out."""
     g = k.shape[2]
     qg, kg, vg, dog, og = (_grouped(t, g) for t in (q, k, v, dout, out))
     lse_g = lse.to(qg.dtype).unflatten(1, (g, -1)).unsqueeze(-1)
-    probs = torch.exp(_scores(qg, kg, causal, scale) - lse_g)      # P_b, masked entries 0
+    probs = torch.exp(_scores(qg, kg, causal, scale, visible) - lse_g)  # P_b, masked: 0
     dprobs = dog @ vg.transpose(-2, -1)                            # dO V_bᵀ
     kept = probs
     if dropout_p > 0:

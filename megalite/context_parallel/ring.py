@@ -33,15 +33,23 @@ import torch.distributed as dist
 
 from megalite.context_parallel import blocks, fused_blocks
 from megalite.context_parallel.blocks import merge
+from megalite.context_split import local_positions
+from megalite.documents import Documents
 from megalite.errors import ConfigError
 from megalite.parallel_state import group_rank, group_size
 
 
-def block_kernels(backend: str, q: torch.Tensor, dropout_p: float):
+def block_kernels(backend: str, q: torch.Tensor, dropout_p: float, documents=None):
     """The module (blocks or fused_blocks) whose block_forward / block_backward run the ring's
     blocks for resolved `backend` (module docstring). flash asks for a fused kernel: where
-    torch's cannot run, a ConfigError says why rather than a silent O(c^2)-memory kernel."""
-    if backend == "unfused" or dropout_p > 0:
+    torch's cannot run, a ConfigError says why rather than a silent O(c^2)-memory kernel.
+    Document masks run blocks.py, the one block kernel that takes a mask (validation refuses
+    them with flash)."""
+    if documents is not None and backend == "flash":
+        raise ConfigError("--reset-attention-mask with --cp-comm-type p2p runs the ring's blocks "
+                          "on megalite's masked block kernel, not flash-attn: use "
+                          "--attention-backend sdpa or --cp-comm-type all_gather")
+    if backend == "unfused" or dropout_p > 0 or documents is not None:
         return blocks
     reason = fused_blocks.unavailable_reason(q.device, q.dtype, q.shape[-1])
     if reason is None:
@@ -63,6 +71,28 @@ def ring_blocks(cp_size: int, cp_rank: int, src: int, c: int) -> list[tuple[slic
     if src < cp_rank:
         return [(slice(0, 2 * c), slice(0, c), False)]
     return [(slice(c, 2 * c), slice(0, 2 * c), False)]
+
+
+def document_blocks(cp_size: int, cp_rank: int, src: int, c: int, documents: Documents):
+    """ring_blocks under a document mask: (query rows, key rows, visible [b, rows, keys])
+    of the blocks in which some row sees some key; a block whose keys all lie before
+    every document of its rows is skipped (docs/design.md §28)."""
+    key_positions = local_positions(2 * cp_size * c, cp_size, src)  # on the host
+    out = []
+    for rows, keys, _ in ring_blocks(cp_size, cp_rank, src, c):
+        positions = key_positions[keys]
+        if src != cp_rank and documents.first_visible_key(rows) > positions.max().item():
+            continue
+        out.append((rows, keys, documents.rows(rows).visible(positions)))
+    return out
+
+
+def _blocks(cp, rank, src, c, documents):
+    """(rows, keys, causal, visible) of the blocks to compute against src's K/V block."""
+    if documents is None:
+        return [(rows, keys, causal, None) for rows, keys, causal in ring_blocks(cp, rank, src, c)]
+    return [(rows, keys, False, visible)
+            for rows, keys, visible in document_blocks(cp, rank, src, c, documents)]
 
 
 class _RingExchange:
@@ -94,7 +124,7 @@ class _RingAttention(torch.autograd.Function):
     and the fused kernels take q, k, v in their own dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, dropout_p, kernels):
+    def forward(ctx, q, k, v, group, scale, dropout_p, kernels, documents):
         with torch.autocast(q.device.type, enabled=False):
             cp, rank = group_size(group), group_rank(group)
             ring, c = _RingExchange(group), q.shape[1] // 2
@@ -105,10 +135,11 @@ class _RingAttention(torch.autograd.Function):
             rng_states = []  # one per block, in the order computed
             for t in range(cp):
                 pending = ring.start(kv) if t < cp - 1 else None
-                for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
+                for rows, keys, causal, visible in _blocks(cp, rank, (rank - t) % cp, c,
+                                                           documents):
                     block_out, block_lse, rng_state = kernels.block_forward(
                         q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=causal, scale=scale,
-                        dropout_p=dropout_p)
+                        dropout_p=dropout_p, **_mask(visible))
                     rng_states.append(rng_state)
                     out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
                                                           block_out, block_lse)
@@ -117,7 +148,7 @@ class _RingAttention(torch.autograd.Function):
             out = out.to(q.dtype)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.group, ctx.scale, ctx.dropout_p = group, scale, dropout_p
-            ctx.rng_states, ctx.kernels = rng_states, kernels
+            ctx.rng_states, ctx.kernels, ctx.documents = rng_states, kernels, documents
             return out
 
     @staticmethod
@@ -133,11 +164,12 @@ class _RingAttention(torch.autograd.Function):
             for t in range(cp):
                 kv_pending = ring.start(kv) if t < cp - 1 else None
                 grads = []
-                for rows, keys, causal in ring_blocks(cp, rank, (rank - t) % cp, c):
+                for rows, keys, causal, visible in _blocks(cp, rank, (rank - t) % cp, c,
+                                                           ctx.documents):
                     dq_b, dk_b, dv_b = ctx.kernels.block_backward(
                         dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
                         lse[:, :, rows], causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
-                        rng_state=next(rng_states))
+                        rng_state=next(rng_states), **_mask(visible))
                     dq[:, rows] += dq_b
                     grads.append((keys, dk_b, dv_b))
                 # The block's accumulator: what earlier ranks added (none at t = 0, the block
@@ -150,11 +182,18 @@ class _RingAttention(torch.autograd.Function):
                 if kv_pending is not None:
                     kv = ring.wait(kv_pending)
             dk, dv = ring.wait(dkv_pending).to(k.dtype)  # this rank's own block, home after CP hops
-            return dq.to(q.dtype), dk, dv, None, None, None, None
+            return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
-def ring_attention(q, k, v, group, scale: float, dropout_p: float, backend: str) -> torch.Tensor:
+def _mask(visible) -> dict:
+    """The block kernel's mask argument: only blocks.py takes one (block_kernels)."""
+    return {} if visible is None else {"visible": visible}
+
+
+def ring_attention(q, k, v, group, scale: float, dropout_p: float, backend: str,
+                   documents: Documents | None = None) -> torch.Tensor:
     """Causal attention over the CP group's whole sequence for this rank's rows (attention.py
-    gives the layout); checked inputs, CP > 1, `backend` resolved (block_kernels)."""
+    gives the layout); checked inputs, CP > 1, `backend` resolved (block_kernels).
+    `documents`: those of this rank's rows; attention is then block-causal."""
     return _RingAttention.apply(q, k, v, group, scale, dropout_p,
-                                block_kernels(backend, q, dropout_p))
+                                block_kernels(backend, q, dropout_p, documents), documents)

@@ -37,9 +37,10 @@ def build_datasets(config: Config, eod: int | None, is_builder: bool, barrier):
     """
     counts = split_sample_counts(config)
     data, seed = config.data, config.training.seed
+    documents = document_source(config)
     if data.mock_data:
         return [MockGPTDataset(max(n, 1), config.model.seq_length, config.model.vocab_size,
-                               seed + i)
+                               seed + i, documents)
                 for i, n in enumerate(counts)]
     weights, named = parse_data_path(data.data_path)
     prefixes = localize(named, data.object_storage_cache_path, barrier)  # s3:// ones cached
@@ -48,7 +49,18 @@ def build_datasets(config: Config, eod: int | None, is_builder: bool, barrier):
         for prefix, ds in zip(prefixes, indexed):
             check_token_ids(prefix, ds, config.model.vocab_size)
     return [_build_split(split, n, weights, prefixes, indexed, data, config.model.seq_length,
-                         seed, eod, is_builder, barrier) for split, n in zip(range(3), counts)]
+                         seed, eod, documents, is_builder, barrier)
+            for split, n in zip(range(3), counts)]
+
+
+def document_source(config: Config) -> str | None:
+    """Where each sample's document starts come from (gpt_dataset.GPTDataset's
+    `documents`): the index with --dataloader-inter-document-masking, the end-of-document
+    tokens with --reset-attention-mask or --reset-position-ids, else nowhere."""
+    model = config.model
+    if model.dataloader_inter_document_masking:
+        return "index"
+    return "eod" if model.uses_documents else None
 
 
 def open_indexed_dataset(prefix: str) -> IndexedDataset:
@@ -77,7 +89,7 @@ def check_token_ids(prefix: str, ds: IndexedDataset, vocab_size: int):
 
 
 def _build_split(split: int, num_samples: int, weights, prefixes, indexed, data: DataConfig,
-                 seq_length: int, seed: int, eod, is_builder: bool, barrier):
+                 seq_length: int, seed: int, eod, documents, is_builder: bool, barrier):
     if num_samples == 0:
         return None
     per_dataset = (component_num_samples(num_samples, weights) if len(prefixes) > 1
@@ -95,6 +107,7 @@ def _build_split(split: int, num_samples: int, weights, prefixes, indexed, data:
         parts.append(GPTDataset(
             ds, np.arange(start, end), n, seq_length, seed,
             name=f"{prefix}/{SPLITS[split]}", eod_token=eod, eod_mask_loss=data.eod_mask_loss,
+            documents=documents,
             cache_dir=data.data_cache_path or _default_cache_dir(prefix),
             is_builder=is_builder, barrier=barrier))
     if len(parts) == 1:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from megalite.atomic_write import atomic_write
+from megalite.documents import starts_from_eod, starts_from_lengths
 from megalite.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -257,6 +258,9 @@ class GPTDataset(torch.utils.data.Dataset):
         seed: `--seed`; fixes the document and sample order.
         name: what the data is (the path prefix, the split); part of the cache key.
         eod_token, eod_mask_loss: `--eod-mask-loss`: zero the loss where the input is eod.
+        documents: each sample's "document_starts" (megalite/documents.py) from its
+            end-of-document tokens ("eod"), from the document index ("index",
+            --dataloader-inter-document-masking), or none (None).
         cache_dir: `--data-cache-path`; None builds in memory on every process.
         is_builder: whether this process builds and writes the cache (e.g. global rank 0).
         barrier: called exactly once by every process when `cache_dir` is set, after the
@@ -266,6 +270,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def __init__(self, indexed_dataset, document_ids, num_samples: int | None,
                  seq_length: int, seed: int, *, name: str = "",
                  eod_token: int | None = None, eod_mask_loss: bool = False,
+                 documents: str | None = None,
                  cache_dir: str | None = None, is_builder: bool = True,
                  barrier: Callable[[], None] = lambda: None):
         if seq_length < 1:
@@ -274,6 +279,12 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ConfigError(f"{name}: number of samples must be >= 0, got {num_samples}")
         if eod_mask_loss and eod_token is None:
             raise ConfigError("--eod-mask-loss needs the tokenizer's eod id")
+        if documents == "eod" and eod_token is None:
+            raise ConfigError("--reset-attention-mask and --reset-position-ids need the "
+                              "tokenizer's end-of-document token, and it has none; "
+                              "--dataloader-inter-document-masking takes the documents from "
+                              "the dataset's index instead")
+        self.documents = documents
         lengths = indexed_dataset.sequence_lengths
         document_ids = np.asarray(document_ids)
         if document_ids.ndim != 1 or document_ids.size == 0:
@@ -307,6 +318,10 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def sample_tokens(self, sample: int) -> np.ndarray:
         """The seq_length+1 tokens of sample `sample` in stream order (before shuffling)."""
+        return np.concatenate(self.sample_parts(sample)).astype(np.int64)
+
+    def sample_parts(self, sample: int) -> list[np.ndarray]:
+        """The tokens of sample `sample`, one array per document it touches."""
         doc_begin, offset_begin = (int(x) for x in self.sample_index[sample])
         doc_end, offset_end = (int(x) for x in self.sample_index[sample + 1])
         get = self.indexed_dataset.get
@@ -317,14 +332,21 @@ class GPTDataset(torch.utils.data.Dataset):
             parts = [get(int(self.document_index[doc_begin]), offset=offset_begin)]
             parts += [get(int(self.document_index[d])) for d in range(doc_begin + 1, doc_end)]
             parts.append(get(int(self.document_index[doc_end]), offset=0, length=offset_end + 1))
-        return np.concatenate(parts).astype(np.int64)
+        return parts
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
-        text = torch.from_numpy(self.sample_tokens(int(self.shuffle_index[idx])))
+        parts = self.sample_parts(int(self.shuffle_index[idx]))
+        text = torch.from_numpy(np.concatenate(parts).astype(np.int64))
         tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
         loss_mask = torch.ones(self.seq_length, dtype=torch.float32)
         if self.eod_mask_loss:
             loss_mask[tokens == self.eod_token] = 0.0
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+        sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+        if self.documents == "eod":
+            sample["document_starts"] = starts_from_eod(tokens, self.eod_token)
+        elif self.documents == "index":
+            sample["document_starts"] = starts_from_lengths([len(p) for p in parts],
+                                                            self.seq_length)
+        return sample

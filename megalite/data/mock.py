@@ -9,14 +9,18 @@ from its predecessor, so a working model drives the loss far below log(vocab).
 import numpy as np
 import torch
 
+from megalite.documents import starts_from_eod
 from megalite.errors import ConfigError
 
 
 class MockGPTDataset:
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int,
+                 documents: str | None = None):
+        """`documents`: each sample's "document_starts" from its end-of-document tokens
+        ("eod") or from the corpus's document lengths ("index"; the same here), or none."""
         if vocab_size < 3:
             raise ConfigError(f"--mock-data needs --vocab-size >= 3, got {vocab_size}")
-        self.num_samples = num_samples
+        self.num_samples, self.documents = num_samples, documents
         self.seq_length = seq_length
         self.eod = vocab_size - 1
         self.max_document_length = vocab_size - 2  # ids 1..L stay below eod
@@ -38,5 +42,11 @@ class MockGPTDataset:
         doc = np.searchsorted(self.starts, positions, side="right") - 1
         offset = positions - self.starts[doc]
         tokens = torch.from_numpy(np.where(offset < self.lengths[doc], offset + 1, self.eod))
-        return {"tokens": tokens[:-1], "labels": tokens[1:],
-                "loss_mask": torch.ones(self.seq_length)}
+        sample = {"tokens": tokens[:-1], "labels": tokens[1:],
+                  "loss_mask": torch.ones(self.seq_length)}
+        if self.documents == "eod":
+            sample["document_starts"] = starts_from_eod(sample["tokens"], self.eod)
+        elif self.documents == "index":  # a document is its tokens and its eod
+            first = np.searchsorted(doc, doc, side="left")[:-1]
+            sample["document_starts"] = torch.from_numpy(first)
+        return sample

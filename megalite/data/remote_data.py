@@ -1,5 +1,5 @@
 """Indexed datasets in a bucket (`--data-path s3://bucket/corpus_text_document`, docs/design.md
-§27): each prefix's `.idx` and `.bin` are downloaded once per node into
+§30): each prefix's `.idx` and `.bin` are downloaded once per node into
 --object-storage-cache-path (by the node's first process, the others waiting) and memory-
 mapped from there, so the samples are those of the same files on disk, in the same order.
 The `.bin` is cached whole rather than read by ranged requests: a sample is a few KB, and a

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from megalite.parallel_state import to_collective_device
-from megalite.tensor_parallel.params import copy_tags, is_dtensor
+from megalite.tensor_parallel.params import copy_tags, is_dtensor, is_expert_parallel
 
 ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
 """--data-parallel-sharding-strategy values (Megatron-FSDP's names)."""
@@ -47,10 +47,12 @@ ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
 
 def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strategy: str = ZERO3,
                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-               cpu_offload: bool = False) -> nn.ModuleList:
-    """Shard every model chunk (GPTModel) over `dp_group` in place; returns `chunks`.
-    The chunks' parameters must be fp32 (the main copy); `param_dtype` is the dtype of
-    the gathered compute parameters, `reduce_dtype` that of the gradient reduction."""
+               cpu_offload: bool = False, expert_mesh=None) -> nn.ModuleList:
+    """Shard every model chunk (GPTModel) over `dp_group` (a process group, or a DeviceMesh:
+    `data_parallel_mesh`'s) in place; returns `chunks`. The chunks' parameters must be fp32
+    (the main copy); `param_dtype` is the dtype of the gathered compute parameters,
+    `reduce_dtype` that of the gradient reduction. `expert_mesh` (None: the experts with
+    their layer) shards each MoE layer's routed experts, a unit of their own."""
     # The last stage returns its per-token losses transposed, a view: FSDP2 warns that an
     # in-place op on it would skip its backward hook; the executor never modifies it.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
@@ -58,7 +60,8 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                         OffloadPolicy, fully_shard)
-    mesh = DeviceMesh.from_group(dp_group, device.type)
+    mesh = dp_group if isinstance(dp_group, DeviceMesh) else DeviceMesh.from_group(dp_group,
+                                                                                 device.type)
     kwargs = dict(mesh=mesh, reshard_after_forward=strategy == ZERO3,
                   # Inputs stay as they are: activations already have the compute
                   # dtype, and the fp32 RoPE table must not be rounded (see gpt.py).
@@ -71,6 +74,8 @@ def apply_fsdp(chunks: nn.ModuleList, dp_group, device: torch.device, *, strateg
     for chunk in chunks:
         with keeping_tags(chunk):
             for module in fsdp_units(chunk):
+                for experts in expert_units(module) if expert_mesh is not None else []:
+                    fully_shard(experts, **{**kwargs, "mesh": expert_mesh})
                 fully_shard(module, **kwargs)
             fully_shard(chunk, **kwargs)
         for module in chunk.modules():
@@ -100,6 +105,33 @@ def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
     return embedding + list(chunk.decoder.layers.values()) + output
 
 
+def expert_units(module: nn.Module) -> list[nn.Module]:
+    """The outermost submodules of `module` holding only expert-parallel parameters (a MoE
+    layer's routed experts): sharded over expert-DP, not DP x CP (torchtitan's way)."""
+    out = []
+    for sub in module.modules():
+        params = list(sub.parameters())
+        if params and all(is_expert_parallel(p) for p in params) and \
+                not any(sub in inner.modules() for inner in out):
+            out.append(sub)
+    return out
+
+
+def data_parallel_mesh(state, device_type: str, expert: bool = False):
+    """The DeviceMesh FSDP2 shards over: 1-D over the DP x CP group (the expert-DP group
+    for `expert`) with one replica; with N replicas 2-D (replicate, shard), N x S ranks,
+    row i replica i's shard group: HSDP, FSDP2 reducing within a shard group, then across
+    replicas (torchtitan's data_parallel_replicate x shard)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    shard = state.expert_shard_group if expert else state.shard_group
+    if state.num_replicas == 1:
+        return DeviceMesh.from_group(shard, device_type)
+    replica = state.expert_replica_group if expert else state.replica_group
+    return DeviceMesh.from_group([replica, shard], device_type,
+                                 mesh=state.grid.replica_mesh(state.rank, expert),
+                                 mesh_dim_names=("replicate", "shard"))
+
+
 def is_fsdp_module(module: nn.Module) -> bool:
     """Whether fully_shard made `module` an FSDP unit (never, before torch.distributed.fsdp
     is imported: apply_fsdp imports it)."""
@@ -124,8 +156,9 @@ def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     if not is_dtensor(param):
         return 0, param.numel()
     local = param.to_local()
-    rows, dp = param.shape[0], param.device_mesh.size()
-    rank = param.device_mesh.get_local_rank()
+    dim = _shard_dim(param)
+    rows, dp = param.shape[0], param.device_mesh.size(dim)
+    rank = param.device_mesh.get_local_rank(dim)
     per_rank = -(-rows // dp)
     first = min(rank * per_rank, rows)
     if local.shape[0] != min(per_rank, rows - first):
@@ -135,9 +168,17 @@ def local_shard_range(param: nn.Parameter) -> tuple[int, int]:
     return first * row, first * row + local.numel()
 
 
+def _shard_dim(param) -> int:
+    """The mesh dimension an FSDP2 parameter is sharded over (HSDP's 2-D mesh replicates
+    over the other)."""
+    return next(i for i, placement in enumerate(param.placements) if placement.is_shard())
+
+
 def shard_group(params):
-    """The process group the FSDP2 parameters among `params` are sharded over (apply_fsdp's)."""
-    return next(p for p in params if is_dtensor(p)).device_mesh.get_group()
+    """The process group the dense FSDP2 parameters among `params` are sharded over
+    (apply_fsdp's; under HSDP one replica's shard group): their shards are disjoint there."""
+    param = next(p for p in params if is_dtensor(p) and not is_expert_parallel(p))
+    return param.device_mesh.get_group(_shard_dim(param))
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -166,10 +207,14 @@ def fully_shard_model(chunks: nn.ModuleList, config, state, device: torch.device
     storage), then storage for this rank's shards only, left for the caller to initialise
     (torchtitan's build -> shard -> initialise): no rank ever holds its whole model."""
     p, par = config.precision, config.parallel
-    # Over DP x CP (module docstring, as ZeRO-1 and Megatron-FSDP), which sums grads over both.
-    apply_fsdp(chunks, state.dp_cp_group, device, strategy=par.data_parallel_sharding_strategy,
+    # Over DP x CP (module docstring, as ZeRO-1 and Megatron-FSDP), which sums grads over
+    # both; the experts over expert-DP; each over a 2-D mesh under HSDP.
+    apply_fsdp(chunks, data_parallel_mesh(state, device.type), device,
+               strategy=par.data_parallel_sharding_strategy,
                param_dtype=p.params_dtype, reduce_dtype=config.grad_dtype,
-               cpu_offload=par.optimizer_cpu_offload)
+               cpu_offload=par.optimizer_cpu_offload,
+               expert_mesh=data_parallel_mesh(state, device.type, expert=True)
+               if state.ep_size > 1 else None)
     # Offloaded shards live on the host (CPUOffloadPolicy); FSDP moves them for compute.
     with keeping_tags(chunks):
         chunks.to_empty(device="cpu" if par.optimizer_cpu_offload else device)

@@ -30,6 +30,12 @@ A tied embedding used on two pipeline stages gets a bucket of its own: its copie
 first and last stage then sit at the same offsets of identically laid-out buckets, so the
 embedding group can sum the reduced shards element for element.
 
+Hybrid sharding (--num-distributed-optimizer-instances N, docs/design.md "Hybrid sharding"):
+`group` is then a shard group of DP x CP / N consecutive ranks (and `expert_group` one of
+expert-DP / N), and a sharded bucket is reduced in two steps: a reduce-scatter within the
+shard group, then an all-reduce of this rank's shard over its replica group, the ranks
+holding the same shard in the other replicas. Only the second crosses replicas (nodes).
+
 With --grad-compression powersgd a `compressor` (distributed/powersgd.py) takes over the
 reduction once it is active: every bucket is reduced, compressed, in `finish`, on whole
 gradients (under ZeRO-1 too: each rank then steps its shard of the decompressed sum).
@@ -47,10 +53,12 @@ from megalite.tensor_parallel.weight_grad import LinearStep
 
 class Bucket:
     """Consecutive parameters and their gradients, flat, padded to a multiple of the size
-    `dp` of `group`, the ranks it is reduced over."""
+    `dp` of `group`, the ranks it is reduced (and sharded) over; `replica_group` (None: no
+    other replicas) sums the shards across replicas."""
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group):
-        self.params, self.group = params, group
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, group,
+                 replica_group=None):
+        self.params, self.group, self.replica_group = params, group, replica_group
         self.dp, self.dp_rank = group_size(group), group_rank(group)
         self.offsets, offset = [], 0
         for p in params:
@@ -97,20 +105,24 @@ def padded_size(numel: int, dp: int) -> int:
 
 
 class GradBuffer:
-    """`group` reduces the dense parameters' buckets (DP x CP), `expert_group` the expert
-    ones (expert-DP; None: `group`)."""
+    """`group` reduces the dense parameters' buckets (DP x CP, or a shard group of it),
+    `expert_group` the expert ones (expert-DP or a shard group of it; None: `group`);
+    `replica_group` and `expert_replica_group` sum their shards across replicas (hybrid
+    sharding, `shard` only; None: one replica)."""
 
     def __init__(self, params: list[nn.Parameter], group, bucket_size: int, *, shard: bool = False,
                  overlap: bool = False, grad_dtype: torch.dtype | None = None,
-                 expert_group=None):
+                 expert_group=None, replica_group=None, expert_replica_group=None):
         self.group, self.shard = group, shard
         self.overlap = overlap
         expert = [is_expert_parallel(p) for p in params]
         layout = bucket_layout([p.numel() for p in params], [p.dtype for p in params],
                                [is_shared_embedding(p) for p in params], bucket_size, expert)
+        if expert_group is None:
+            expert_group, expert_replica_group = group, replica_group
         self.buckets = [Bucket([params[i] for i in b], grad_dtype or params[b[0]].dtype,
-                               expert_group if expert[b[0]] and expert_group is not None
-                               else group) for b in layout]
+                               *((expert_group, expert_replica_group) if expert[b[0]]
+                                 else (group, replica_group))) for b in layout]
         self.compressor = None
         """A PowerSGD (distributed/powersgd.py) when the reduction is compressed."""
         self.linear_step: LinearStep | None = None
@@ -206,6 +218,15 @@ class GradBuffer:
         else:
             bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
+    def _reduce_across_replicas(self, bucket: Bucket):
+        """Hybrid sharding's second step: this rank's reduced shard summed over the same
+        shard of the other replicas (asynchronously; the work handle)."""
+        if not self.shard or group_size(bucket.replica_group) == 1:
+            return None
+        shard = bucket.shard(bucket.flat, bucket.dp_rank)
+        self._count(shard)
+        return dist.all_reduce(shard, group=bucket.replica_group, async_op=True)
+
     def finish(self):
         """Every bucket summed over DP: launch what the hooks did not, wait for all."""
         compressing = self.compressing
@@ -216,6 +237,10 @@ class GradBuffer:
                 continue
             if bucket.work is None:
                 self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work = self._reduce_across_replicas(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()

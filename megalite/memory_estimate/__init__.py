@@ -3,14 +3,15 @@
 `estimate_memory(config)` takes the validated `Config` and returns, for every pipeline
 rank, the bytes one GPU of that rank holds at the peak of a training step: parameters,
 gradient buffer, optimizer state and fp32 main grads (weights.py), and activations
-(activations.py). docs/memory.md derives what each column counts and what is left out.
+(activations.py, walked through the schedule in schedule.py). docs/memory.md derives
+what each column counts and what is left out.
 """
 
 from dataclasses import dataclass
 
 from megalite.config import Config
-from megalite.memory_estimate.activations import (DEVICES, activation_bytes,  # noqa: F401
-                                                  microbatches_in_flight, rank_chunks)
+from megalite.memory_estimate.activations import DEVICES, rank_chunks  # noqa: F401
+from megalite.memory_estimate.schedule import activation_bytes, microbatches_in_flight
 from megalite.memory_estimate.checkpoint import async_save_host_bytes
 from megalite.memory_estimate.weights import (num_model_parameters, rank_parameters,  # noqa: F401
                                               shard_numel, weights_and_optimizer)

@@ -27,13 +27,18 @@ import torch
 from megalite.config import Config
 from megalite.distributed.fsdp import ZERO3, fsdp_units
 from megalite.model.gpt import build_model_chunks
-from megalite.tensor_parallel.params import partition_dim
+from megalite.tensor_parallel.params import is_expert_parallel, partition_dim
 
 
-def _shard_numel(param, t: int, dp: int) -> int:
-    """One DP rank's rows of one TP rank's shard of `param` (a whole meta parameter)."""
+def _shard_numel(param, t: int, grid) -> int:
+    """One DP rank's rows of one TP rank's shard of `param` (a whole meta parameter): over a
+    shard group of DP x CP, an expert weight's EP block over one of expert-DP."""
     rows = param.shape[0] // t if partition_dim(param) == 0 else param.shape[0]
     numel = param.numel() // t if partition_dim(param) is not None else param.numel()
+    dp = grid.shard_size
+    if is_expert_parallel(param):
+        ep = grid.expert_model_parallel_size
+        rows, numel, dp = rows // ep, numel // ep, grid.expert_shard_size
     return -(-rows // dp) * (numel // rows)
 
 
@@ -42,19 +47,20 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
     on the GPU), "gathered" (compute parameters) and "reducing" (one unit's reduction),
     the transient parts of parameters and gradients."""
     par = config.parallel
-    # FSDP2 shards over DP x CP (distributed/fsdp.py).
-    t, dp = par.tensor_model_parallel_size, par.grid.dp_cp_size
+    # FSDP2 shards over DP x CP, or a shard group of it under HSDP (distributed/fsdp.py).
+    t, grid = par.tensor_model_parallel_size, par.grid
     with torch.device("meta"):
         chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
                                     par.virtual_pipeline_model_parallel_size or 1,
                                     layer_counts=par.pipeline_layer_counts)
 
-    def local(params) -> int:  # elements of one TP rank's shard
-        return sum(q.numel() // t if partition_dim(q) is not None else q.numel()
+    def local(params) -> int:  # elements of one TP (and EP) rank's shard
+        return sum((q.numel() // t if partition_dim(q) is not None else q.numel())
+                   // (grid.expert_model_parallel_size if is_expert_parallel(q) else 1)
                    for q in params)
     params = list(chunks.parameters())
     num = local(params)
-    shard = sum(_shard_numel(q, t, dp) for q in params)
+    shard = sum(_shard_numel(q, t, grid) for q in params)
     units = [_unit_parameters(chunk) for chunk in chunks]  # per chunk: root first
     if par.data_parallel_sharding_strategy == ZERO3:
         gathered = sum(local(root) + sum(sorted(local(u) for u in rest)[-2:])
@@ -66,7 +72,8 @@ def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
         not par.fsdp_grad_reduce_every_micro_batch
     accumulated = rbytes * num if deferred else 0
     # The reduction of the largest unit (module docstring).
-    sizes = [(pbytes * local(u), rbytes * dp * sum(_shard_numel(q, t, dp) for q in u))
+    sizes = [(pbytes * local(u), rbytes * grid.shard_size * sum(_shard_numel(q, t, grid)
+                                                                 for q in u))
              for chunk_units in units for u in chunk_units]
     reducing = max(max(pair) if deferred else sum(pair) for pair in sizes)
     host = 16 * shard if par.optimizer_cpu_offload else 0

@@ -48,8 +48,8 @@ def num_model_parameters(config: Config) -> int:
 
 def _buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, int, int]]:
     """(real elements, padded elements, size of the group it is reduced over) of each of
-    this rank's gradient buckets: the dense ones over DP x CP, the experts' over expert-DP
-    (GradBuffer's rule)."""
+    this rank's gradient buckets: the dense ones over DP x CP, the experts' over expert-DP,
+    each a shard group of it under hybrid sharding (GradBuffer's rule)."""
     numels = [shard_numel(config, param) for param in params]
     expert = [is_expert_parallel(param) for param in params]
     layout = bucket_layout(numels, [param.dtype for param in params],
@@ -58,7 +58,7 @@ def _buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, int,
     grid = config.parallel.grid
     out = []
     for bucket in layout:
-        group = grid.expert_data_parallel_size if expert[bucket[0]] else grid.dp_cp_size
+        group = grid.expert_shard_size if expert[bucket[0]] else grid.shard_size
         real = sum(numels[i] for i in bucket)
         out.append((real, padded_size(real, group), group))
     return out

@@ -13,6 +13,7 @@ from torch import nn
 
 from megalite.attention_backends import core_attention
 from megalite.context_parallel import context_parallel_attention
+from megalite.documents import Documents
 from megalite.config import GPTConfig
 from megalite.model.rotary import apply_rotary
 from megalite.parallel_state import group_size
@@ -46,11 +47,13 @@ class SelfAttention(nn.Module):
                                              sequence_parallel=c.sequence_parallel, fp8=fp8)
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
-                kv_cache=None) -> torch.Tensor:
+                kv_cache=None, documents: Documents | None = None) -> torch.Tensor:
         """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape. Generation
         passes this layer's `kv_cache`: `append(k, v)` stores the keys and values of x's
         positions after the cached ones and returns those of every position so far (the
-        RoPE table then starts at x's first position)."""
+        RoPE table then starts at x's first position). `documents`: attention block-causal
+        over them (--reset-attention-mask). With reset positions the RoPE table is
+        [seq, batch, 2, rotary dim]: each row's position within its document."""
         c = self.config
         qkv = self.linear_qkv(x)
         s, b, _ = qkv.shape
@@ -69,17 +72,20 @@ class SelfAttention(nn.Module):
         if c.recompute_granularity == "selective" and torch.is_grad_enabled():
             # Selective recompute (Korthikanti et al. 2022 §4.2): the core attention
             # holds the most activation memory per flop; keep only q, k, v.
-            out = checkpoint(self._core_attention, self.rng_tracker, q, k, v)
+            out = checkpoint(self._core_attention, self.rng_tracker, q, k, v, documents)
         else:
-            out = self._core_attention(q, k, v)
+            out = self._core_attention(q, k, v, documents)
         out = out.transpose(0, 1).reshape(s, b, -1)
         return self.linear_proj(out)
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        documents: Documents | None = None) -> torch.Tensor:
         dropout = self.config.attention_dropout if self.training else 0.0
         with model_parallel_rng(self.rng_tracker, dropout != 0.0):  # no draws: no swap
             if self.cp_group is not None:
                 return context_parallel_attention(
                     q, k, v, cp_group=self.cp_group, comm_type=self.config.cp_comm_type,
-                    backend=self.config.attention_backend, dropout_p=dropout)
-            return core_attention(q, k, v, backend=self.config.attention_backend, dropout_p=dropout)
+                    backend=self.config.attention_backend, dropout_p=dropout,
+                    documents=documents)
+            return core_attention(q, k, v, backend=self.config.attention_backend,
+                                  dropout_p=dropout, documents=documents)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from megalite.context_split import local_positions
+from megalite.documents import Documents
 from megalite.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.model.rotary import rotary_frequencies, rotary_table
@@ -46,13 +47,17 @@ class Embedding(nn.Module):
             if config.position_embedding_type == "learned_absolute" else None)
         self.dropout = SequenceParallelDropout(config, rng_tracker)
 
-    def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_offset: int = 0,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] at positions position_offset.. (under CP: this rank's
-        chunks, at their global positions) -> [seq, batch, hidden] (this rank's sequence
-        shard under SP)."""
+        chunks, at their global positions), or at `position_ids` [batch, seq] (positions
+        within each document) -> [seq, batch, hidden] (this rank's sequence shard under
+        SP)."""
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            if group_size(self.cp_group) > 1:
+            if position_ids is not None:
+                positions = position_ids
+            elif group_size(self.cp_group) > 1:
                 positions = local_positions(self.config.seq_length, group_size(self.cp_group),
                                             group_rank(self.cp_group), tokens.device)
             else:
@@ -84,7 +89,7 @@ class Decoder(nn.Module):
         self.final_layernorm = build_norm(config) if final_norm else None
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
-                kv_cache=None) -> torch.Tensor:
+                kv_cache=None, documents: Documents | None = None) -> torch.Tensor:
         if kv_cache is not None:  # generation, without grad: nothing to recompute
             for index, layer in self.layers.items():
                 x = layer(x, rope_table, kv_cache.layers[int(index)])
@@ -93,9 +98,9 @@ class Decoder(nn.Module):
             for run, recompute in recompute_groups(self.config, len(layers)):
                 forward = _run_layers(layers[run.start:run.stop])
                 if recompute and torch.is_grad_enabled():
-                    x = checkpoint(forward, self.rng_tracker, x, rope_table)
+                    x = checkpoint(forward, self.rng_tracker, x, rope_table, documents)
                 else:
-                    x = forward(x, rope_table)
+                    x = forward(x, rope_table, documents)
         return x if self.final_layernorm is None else self.final_layernorm(x)
 
 
@@ -113,9 +118,10 @@ def recompute_groups(config: GPTConfig, num_layers: int) -> list[tuple[range, bo
 
 
 def _run_layers(layers: list[nn.Module]):
-    def run(x: torch.Tensor, rope_table: torch.Tensor | None) -> torch.Tensor:
+    def run(x: torch.Tensor, rope_table: torch.Tensor | None,
+            documents: Documents | None) -> torch.Tensor:
         for layer in layers:
-            x = layer(x, rope_table)
+            x = layer(x, rope_table, documents=documents)
         return x
     return run
 
@@ -154,6 +160,7 @@ class GPTModel(nn.Module):
         # the step running the model installs its own here and on every layer.
         self.linear_step = LinearStep()
         self._rotary: torch.Tensor | None = None
+        self._rotary_full: torch.Tensor | None = None
         self.register_buffer("padded_vocab_mask", self._padded_vocab_mask(), persistent=False)
         self._compiled_loss = (torch.compile(whole_vocab_cross_entropy)
                                if config.loss_compiled(bool(config.compile_layers),
@@ -172,13 +179,25 @@ class GPTModel(nn.Module):
         if c.position_embedding_type != "rope":
             return None
         if self._rotary is None or self._rotary.device != device:
-            self._rotary = rotary_table(rotary_frequencies(
+            self._rotary_full = rotary_table(rotary_frequencies(
                 c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base, device=device))
+            self._rotary = self._rotary_full
             cp = group_size(self.cp_group)
             if cp > 1:
                 self._rotary = self._rotary[local_positions(c.seq_length, cp,
                                                             group_rank(self.cp_group), device)]
         return self._rotary
+
+    def documents(self, document_starts: torch.Tensor | None) -> Documents | None:
+        """The documents of this micro-batch's rows (documents.py), from the loader's
+        document starts [batch, rows] (this CP rank's rows); None without them (generation,
+        or a run without the document flags: plain causal attention, positions 0..s-1)."""
+        if document_starts is None or not self.config.uses_documents:
+            return None
+        cp = group_size(self.cp_group)
+        positions = (local_positions(self.config.seq_length, cp, group_rank(self.cp_group))
+                     if cp > 1 else torch.arange(document_starts.shape[1]))
+        return Documents(document_starts, positions)
 
     def _padded_vocab_mask(self) -> torch.Tensor | None:
         """True for this rank's output columns that are vocabulary padding. They are masked
@@ -203,7 +222,7 @@ class GPTModel(nn.Module):
         return self.output_layer.weight
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None,
-                kv_cache=None) -> torch.Tensor:
+                kv_cache=None, document_starts: torch.Tensor | None = None) -> torch.Tensor:
         """inputs: tokens [batch, seq] on the first stage, else the previous stage's hidden
         states [seq, batch, hidden]. Returns the hidden states unless this is the last
         stage; there, per-token losses [batch, seq] (fp32) when labels are given, else the
@@ -211,11 +230,22 @@ class GPTModel(nn.Module):
 
         Generation passes a `kv_cache` (megalite/inference.py) holding the keys and values
         of the kv_cache.length positions before inputs; the logits are then those of the
-        last position only, [batch, 1, padded vocab] (no [seq, vocab] matrix for a prompt)."""
+        last position only, [batch, 1, padded vocab] (no [seq, vocab] matrix for a prompt).
+
+        `document_starts` [batch, seq] (this CP rank's rows): each token's document start,
+        with --reset-position-ids / --reset-attention-mask (documents.py)."""
         offset = 0 if kv_cache is None else kv_cache.length
-        x = self.embedding(inputs, offset) if self.pre_process else inputs
+        documents = self.documents(document_starts)
+        position_ids = (documents.position_ids()
+                        if documents is not None and self.config.resets_positions else None)
+        x = self.embedding(inputs, offset, position_ids) if self.pre_process else inputs
         table = self.rope_table(x.device)
-        x = self.decoder(x, table if table is None else table[offset:], kv_cache)
+        if table is not None and position_ids is not None:
+            table = self._rotary_full[position_ids.t()]  # [seq, batch, 2, rotary dim]
+        elif table is not None:
+            table = table[offset:]
+        x = self.decoder(x, table, kv_cache,
+                         documents if self.config.masks_documents else None)
         if not self.post_process:
             return x
         if kv_cache is not None:

@@ -26,10 +26,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate the first rotary_dim channels of x [seq, batch, heads, dim] by the rows of
-    `table` (rotary_table) for its seq positions; the rest (with --rotary-percent < 1)
-    pass through unchanged. Computed in fp32, returned in x's dtype."""
+    `table` (rotary_table) for its seq positions, [seq, 2, rotary_dim], or per sample
+    [seq, batch, 2, rotary_dim] (positions restarting in each document); the rest (with
+    --rotary-percent < 1) pass through unchanged. Computed in fp32, returned in x's dtype."""
     rot_dim = table.shape[-1]
-    cos, sin = table[:, None, None, 0], table[:, None, None, 1]
+    if table.dim() == 4:
+        cos, sin = table[:, :, None, 0], table[:, :, None, 1]
+    else:
+        cos, sin = table[:, None, None, 0], table[:, None, None, 1]
     x_rot = x[..., :rot_dim].float()
     x_rot = (x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype)
     if rot_dim == x.shape[-1]:

@@ -65,8 +65,9 @@ class TransformerLayer(nn.Module):
             self.compile()  # in place: parameter names and the module tree stay as they are
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
-                kv_cache=None) -> torch.Tensor:
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rope_table, kv_cache))
+                kv_cache=None, documents=None) -> torch.Tensor:
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rope_table, kv_cache,
+                                                 documents))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 

@@ -1,4 +1,4 @@
-"""An S3 bucket through boto3 (docs/design.md §27): what the checkpoints and the data read
+"""An S3 bucket through boto3 (docs/design.md §30): what the checkpoints and the data read
 and write, and every failure as a StorageError naming the object.
 
 boto3 rather than s3fs/fsspec: its default credential chain (environment, shared files,

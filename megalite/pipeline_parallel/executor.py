@@ -60,7 +60,9 @@ def _run_actions(plan: RankPlan, chunks, microbatches: list[dict],
                 x.requires_grad_()
             with timers("forward-compute"):
                 with autocast():
-                    out = chunks[action.chunk](x, mb["labels"] if stage.is_last else None)
+                    # Every stage reads the documents (--reset-attention-mask).
+                    out = chunks[action.chunk](x, mb["labels"] if stage.is_last else None,
+                                               document_starts=mb.get("document_starts"))
                 if stage.is_last:
                     out = loss_fn(out, mb)
             if stage.is_last:

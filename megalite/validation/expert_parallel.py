@@ -8,12 +8,6 @@ from megalite.errors import ConfigError
 
 def check_expert_parallel(args, parallel: ParallelConfig):
     ep = parallel.expert_model_parallel_size
-    if parallel.use_torch_fsdp2:
-        # fully_shard shards every parameter over DP x CP; experts would need their own
-        # mesh (expert-DP), as torchtitan's does.
-        raise ConfigError(f"--use-torch-fsdp2 with --expert-model-parallel-size={ep} is not "
-                          "built (the experts would need their own FSDP mesh over "
-                          "expert-data-parallel); use --use-distributed-optimizer (ZeRO-1)")
     if args.data_parallel_shares is not None:
         # The ranks of an EP group are DP ranks exchanging tokens in every micro-batch's
         # forward and backward: they must run the same number of micro-batches.

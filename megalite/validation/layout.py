@@ -27,9 +27,11 @@ def parallel_config(args, world_size: int) -> ParallelConfig:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = _validate_context_parallel(args)
     # EP is carved out of DP x CP: the grid checks that it divides it.
-    dp = RankGrid(world_size, tp, pp, cp, args.expert_model_parallel_size).data_parallel_size
+    dp = RankGrid(world_size, tp, pp, cp, args.expert_model_parallel_size,
+                  args.num_distributed_optimizer_instances).data_parallel_size
     check_positive(args, "ddp_bucket_size")
     _check_fsdp(args)
+    _check_replicas(args)
     if args.overlap_param_gather and not (args.use_distributed_optimizer
                                           and args.overlap_grad_reduce):
         # As in Megatron: only ZeRO-1 gathers parameters, and the overlap of the gather
@@ -112,6 +114,22 @@ def _check_fsdp(args):
         raise ConfigError("--fsdp-grad-reduce-every-micro-batch needs --use-torch-fsdp2 "
                           "(plain DP and ZeRO-1 reduce once per step, after the last "
                           "micro-batch)")
+
+
+def _check_replicas(args):
+    """--num-distributed-optimizer-instances: what hybrid sharding shards, and what it does
+    not compose with (the grid checks that it divides DP x CP and expert-DP)."""
+    n = args.num_distributed_optimizer_instances
+    if n == 1:
+        return
+    if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+        # As in Megatron: the replicas are of a sharded optimizer; plain DP has no shards.
+        raise ConfigError(f"--num-distributed-optimizer-instances={n} needs "
+                          "--use-distributed-optimizer or --use-torch-fsdp2 (got neither)")
+    if args.grad_compression != "none":
+        raise ConfigError(f"--grad-compression {args.grad_compression} with "
+                          f"--num-distributed-optimizer-instances={n} is not built (PowerSGD "
+                          "reduces whole gradients over all of DP x CP)")
 
 
 def _virtual_stages(args, pp: int) -> int | None:

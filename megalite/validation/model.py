@@ -160,12 +160,28 @@ def _attention_backend(args, kv_channels: int) -> str:
         if backend not in ("auto", "flash"):
             raise ConfigError(f"--use-flash-attn conflicts with --attention-backend {backend}")
         backend = "flash"
+    _check_document_backend(args, backend)
     if backend == "flash" and (kv_channels > 256 or kv_channels % 8):
         # flash-attn's kernels exist for head sizes up to 256 in steps of 8.
         raise ConfigError(f"--attention-backend flash (flash-attn) needs a head size "
                           f"(--kv-channels, default --hidden-size / --num-attention-heads) "
                           f"<= 256 and a multiple of 8, got {kv_channels}")
     return backend
+
+
+def _check_document_backend(args, backend: str):
+    """The attention kernels that cannot honour a document mask, or FlexAttention's limits."""
+    masks = args.reset_attention_mask or args.dataloader_inter_document_masking
+    flag = "--reset-attention-mask" if args.reset_attention_mask else \
+        "--dataloader-inter-document-masking"
+    if masks and backend == "flash" and args.context_parallel_size > 1 and \
+            args.cp_comm_type == "p2p":
+        raise ConfigError(f"{flag} with --cp-comm-type p2p runs the ring's blocks on "
+                          "megalite's masked block kernel, which flash-attn is not: use "
+                          "--attention-backend sdpa (or auto), or --cp-comm-type all_gather")
+    if backend == "flex" and args.attention_dropout > 0:
+        raise ConfigError(f"--attention-backend flex (FlexAttention) has no attention dropout: "
+                          f"set --attention-dropout 0 (got {args.attention_dropout})")
 
 
 def _vocab_size(args, tokenizer_vocab_size: int | None) -> int:

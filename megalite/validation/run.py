@@ -63,7 +63,7 @@ def precision_fields(args) -> dict:
 
 
 def check_checkpoint(args):
-    check_positive(args, "save_interval", "exit_duration_in_mins")
+    check_positive(args, "save_interval", "exit_duration_in_mins", "preemption_notice_seconds")
     check_storage_path("--save", args.save)
     check_storage_path("--load", args.load)
     # The node's own disk, by definition.
@@ -78,6 +78,9 @@ def check_checkpoint(args):
         raise ConfigError("--finetune needs --load (the checkpoint to start from)")
     if args.async_save and args.save is None:
         raise ConfigError("--async-save needs --save (where to write)")
+    if args.preemption_notice_seconds is not None and args.save is None:
+        raise ConfigError(f"--preemption-notice-seconds={args.preemption_notice_seconds} needs "
+                          "--save (where the save on the notice goes)")
     if args.overwrite_save and args.save is None:
         raise ConfigError("--overwrite-save needs --save (the directory to write into)")
     _check_non_persistent(args)

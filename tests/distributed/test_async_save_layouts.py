@@ -4,7 +4,7 @@ from the asynchronous checkpoint writes the uninterrupted run's next checkpoint 
 byte, and each rank's host buffers hold the tensors of the files it writes, no more (under
 FSDP2 every DP rank gathers each parameter, one writes it). ZeRO-1's asynchronous saves go
 to moto's S3 server (tests/conftest.py) and the run resumed from there saves into it
-synchronously: the objects are the local files' bytes (docs/design.md §27); and the bucket's
+synchronously: the objects are the local files' bytes (docs/design.md §30); and the bucket's
 checkpoint resumed at TP 4 x PP 2 writes what the same checkpoint on disk resumed there
 writes. One launch of 8 ranks runs every training through megalite.training.run_training."""
 
