@@ -23,8 +23,9 @@ setup(
         "datasets": ["datasets"],
         "wandb": ["wandb"],  # --wandb-project
         "ray": ["ray>=2.9"],  # tools/ray_launch.py (megalite/ray_launch.py)
+        "s3": ["boto3"],  # s3:// --save, --load, --data-path (megalite/object_storage/)
         # dev holds every optional dependency a test exercises, so CI runs them all.
         "dev": ["pytest>=7", "tokenizers>=0.15", "transformers>=4.45", "pyarrow>=14",
-                "zstandard", "datasets", "wandb", "ray>=2.9"],
+                "zstandard", "datasets", "wandb", "ray>=2.9", "boto3", "moto[server]"],
     },
 )

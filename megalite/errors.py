@@ -24,3 +24,8 @@ class CheckpointError(MegaliteError):
 
 class NumericalError(MegaliteError):
     """The loss or a gradient became NaN or infinite (outside fp16 loss scaling)."""
+
+
+class StorageError(MegaliteError):
+    """An object store that cannot be reached, refuses a request, or returns other bytes
+    than were written."""

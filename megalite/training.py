@@ -40,6 +40,7 @@ from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
 from megalite.model.gpt import build_model_chunks, initialize_buffers, initialize_parameters
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
+from megalite.object_storage.paths import is_object_url
 from megalite.timers import COMPUTE, NO_TIMERS, Timers, synchronize
 from megalite.monitoring.wandb_logger import with_wandb
 from megalite.optimizer.fsdp_optimizer import FullyShardedOptimizer
@@ -190,7 +191,7 @@ def load_any_format(ckpt: CheckpointState) -> dict | None:
     without conversion (megatron_checkpoint/; PowerSGD then starts afresh); the same return
     either way."""
     load = ckpt.config.checkpoint.load
-    if is_megatron_checkpoint(load):
+    if not is_object_url(load) and is_megatron_checkpoint(load):
         return load_megatron_checkpoint(load, ckpt)
     return load_checkpoint(load, ckpt)
 

@@ -17,7 +17,9 @@ should not import each other).
 - saved_activation_bytes, measured_chunk_bytes, planned_chunk_bytes: the saved-tensor
   bytes of a forward on the CPU, of each model chunk of a pipeline rank, and the memory
   planner's count of the same;
-- load_tool / untracked: a tools/ script as a module, and the checkout's untracked files.
+- load_tool / untracked: a tools/ script as a module, and the checkout's untracked files;
+- download_objects / fault_proxy: a bucket's objects as files, by boto3 itself; and
+  tests/s3_fault_proxy.py, a process in front of an S3 server that fails chosen requests.
 """
 
 import contextlib
@@ -26,6 +28,7 @@ import io
 import json
 import struct
 import subprocess
+import sys
 import threading
 import types
 import zipfile
@@ -39,10 +42,12 @@ from megalite.checkpointing.storage import (checkpoint_values, find_checkpoint_t
                                            load_tensor_file)
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
+from megalite.initialize import free_port
 # The layout comparisons live in the package, shared with tools/check_cluster.py.
 from megalite.layout_check import (gather_tensor_parallel, reference_name,  # noqa: F401
                                    step_problems, tensor_problem)
 from megalite.monitoring.memory import SavedActivations
+from megalite.object_storage.local_server import wait_for_http
 from megalite.pipeline_parallel.stages import rank_stages
 from megalite.tensor_parallel import fp8
 from megalite.tensor_parallel.weight_grad import LinearStep
@@ -222,6 +227,36 @@ def assert_same_files(a: Path, b: Path):
             assert ma == mb
         else:
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def download_objects(url: str, dest: Path) -> Path:
+    """Every object under `url` (s3://bucket/prefix) into `dest` by its key below the
+    prefix, by boto3 itself (not megalite's client): what a bucket holds, as files."""
+    import boto3
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client = boto3.client("s3")
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                 Prefix=prefix + "/"):
+        for item in page.get("Contents", []):
+            path = dest / item["Key"][len(prefix) + 1:]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, item["Key"], str(path))
+    return dest
+
+
+@contextlib.contextmanager
+def fault_proxy(upstream: str, *faults: str, log: Path):
+    """tests/s3_fault_proxy.py in front of `upstream` with `faults`; yields its URL."""
+    port = free_port()
+    args = [sys.executable, str(ROOT / "tests" / "s3_fault_proxy.py"), "--upstream", upstream,
+            "--port", str(port), "--log", str(log), *(a for f in faults for a in ("--fault", f))]
+    process = subprocess.Popen(args)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/moto-api/", process)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
 
 
 def train_in_rank(rank: int, world_size: int, flags: list[str]) -> str:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import megalite
-from megalite.checkpointing import saving
+from megalite.checkpointing import remote, saving
 from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.state import saved_params
 from megalite.checkpointing.storage import (TRACKER_FILENAME, checkpoint_dir,
@@ -53,6 +53,7 @@ from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab
 from megalite.megatron_checkpoint import convert as megatron_convert
 from megalite.megatron_checkpoint.writer import write_checkpoint as write_megatron
 from megalite.model.gpt import GPTModel
+from megalite.object_storage.paths import check_storage_path
 from megalite.validation import pad_vocab_size
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -71,7 +72,13 @@ DIRECTION_FLAGS = {
 
 def find_checkpoint(load: str, iteration: int | None) -> tuple[int, Path, dict]:
     """(iteration, directory, metadata) of the checkpoint the tracker names, or of
-    --iteration."""
+    --iteration. From a bucket, that checkpoint is first downloaded into the node's cache."""
+    if remote.is_remote(load):
+        local = remote.fetch(load, None, iteration)
+        if local is None:
+            raise CheckpointError(f"--load {load}: no checkpoint there (no {TRACKER_FILENAME} "
+                                  f"and no iter_* objects)")
+        load = str(local)
     if iteration is not None:
         directory = checkpoint_dir(load, iteration)
         meta = read_metadata(directory)
@@ -296,6 +303,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     megatron_convert.add_megatron_args(parser)
     args = parser.parse_args(argv)
     _check_flags(parser, args)
+    try:
+        check_storage_path("--load", args.load)
+        check_storage_path("--save", args.save, local_only=True)
+    except ConfigError as error:
+        parser.error(str(error))
     if args.make_vocab_size_divisible_by is None:
         args.make_vocab_size_divisible_by = 128
     return args

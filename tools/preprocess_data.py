@@ -47,11 +47,13 @@ import time
 
 import numpy as np
 
+from megalite.data import remote_data
 from megalite.data.document_sources import (FORMATS, ShardError, check_dependencies,
                                              open_jsonl, read_records, resolve_inputs)
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megalite.errors import ConfigError, DataError, MegaliteError
+from megalite.object_storage.paths import check_storage_path, is_object_url, mirror_path
 
 CHUNK_LINES = 64
 
@@ -80,7 +82,9 @@ def get_args(argv=None):
                        help="append the end-of-document id to every non-empty document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
-                       help="writes {prefix}_{key}_document.bin/.idx")
+                       help="writes {prefix}_{key}_document.bin/.idx; an s3://bucket/prefix is "
+                       "written under the system's temporary directory, then uploaded "
+                       "(.bin before .idx)")
     group.add_argument("--output-per-input", action="store_true",
                        help="megalite's own: one output per input file, "
                        "{prefix}_{file name without extension}_{key}_document.bin/.idx "
@@ -115,6 +119,12 @@ def _validate(args):
                           f"{args.input} is {len(args.sources)} {args.sources[0].format} "
                           "file(s): use --workers alone")
     _check_output_names(args)
+    check_storage_path("--output-prefix", args.output_prefix)
+    args.upload_prefix = None
+    if is_object_url(args.output_prefix):  # written into the cache, then uploaded
+        args.upload_prefix, args.output_prefix = (args.output_prefix,
+                                                  str(mirror_path(args.output_prefix, None)))
+        os.makedirs(os.path.dirname(args.output_prefix), exist_ok=True)
     out_dir = os.path.dirname(args.output_prefix) or "."
     if not os.path.isdir(out_dir):
         raise DataError(f"--output-prefix {args.output_prefix}: directory {out_dir} not found")
@@ -136,6 +146,20 @@ def output_prefixes(args):
     if args.output_per_input:
         return [f"{args.output_prefix}_{source.stem}" for source in args.sources]
     return [args.output_prefix] * len(args.sources)
+
+
+def upload_outputs(args):
+    """With --output-prefix s3://...: every dataset written, from the cache to the bucket."""
+    if args.upload_prefix is None:
+        return
+    for prefix in sorted(set(output_prefixes(args))):
+        for key in args.json_keys:
+            local = output_prefix(prefix, key)
+            remote_data.upload(local, args.upload_prefix + local[len(args.output_prefix):])
+            for suffix in remote_data.SUFFIXES:  # staged only
+                os.remove(local + suffix)
+            print(f"uploaded {local}.bin/.idx to "
+                  f"{args.upload_prefix + local[len(args.output_prefix):]}.bin/.idx")
 
 
 def tokenizer_kwargs(args):
@@ -489,6 +513,7 @@ def main(argv=None):
             stats = encode_lines(args, output_prefixes(args), args.workers)
         else:
             stats = encode_partitions(args)
+        upload_outputs(args)
     except MegaliteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

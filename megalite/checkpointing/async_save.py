@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megalite.checkpointing import remote
 from megalite.checkpointing.saving import (begin_save, checkpoint_metadata, publish,
                                            rank_files)
 from megalite.checkpointing.state import CheckpointState
@@ -119,6 +120,7 @@ class _Pending:
                  requested: float):
         self.save, self.iteration, self.metadata, self.config = save, iteration, metadata, config
         self.requested, self.error, self.thread = requested, None, None
+        self.uploads = None  # in a bucket: this rank's objects' records (remote.upload)
         self.copied = threading.Event()  # the host buffers hold the snapshot
 
     def write(self, files: dict[str, dict], staging: Path, buffers: HostBuffers) -> None:
@@ -132,6 +134,8 @@ class _Pending:
                 save_tensor_file(obj, staging / name)
                 if i == 0:
                     _test_kill("after_first_file", self.iteration)
+            if remote.is_remote(self.save):
+                self.uploads = remote.upload(self.save, self.iteration, staging, list(files))
         except Exception as error:  # reported by every rank at the next finalize
             self.error = error
 
@@ -161,7 +165,7 @@ class AsyncCheckpointer:
         the writer. Returns the seconds training was blocked (the stall)."""
         self.finalize(blocking=True)
         requested = time.perf_counter()
-        staging = begin_save(save, iteration)
+        staging = begin_save(save, iteration, ckpt.config)
         self.buffers.start()
         files = rank_files(ckpt, self.buffers.copy)
         metadata = checkpoint_metadata(ckpt) if dist.get_rank() == 0 else None
@@ -200,8 +204,10 @@ class AsyncCheckpointer:
             raise CheckpointError(f"asynchronous save of iteration {pending.iteration} to "
                                   f"{pending.save} failed{here}; the previous checkpoint "
                                   f"stays the tracked one")
+        uploads = (remote.gather_uploads(pending.uploads, None, self.group)
+                   if remote.is_remote(pending.save) else None)
         if dist.get_rank(self.group) == 0:
             _test_kill("before_publish", pending.iteration)
-            publish(pending.save, pending.iteration, pending.metadata, pending.config)
+            publish(pending.save, pending.iteration, pending.metadata, pending.config, uploads)
         dist.barrier(group=self.group)
         return pending.iteration, time.perf_counter() - pending.requested

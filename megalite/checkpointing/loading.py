@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalite.checkpointing import remote
 from megalite.checkpointing.compression_state import load_compression_state
 from megalite.checkpointing.saving import (model_fields, model_file, optim_file,
                                            optimizer_shards, rng_file, saved_layout)
@@ -127,7 +128,11 @@ def load_checkpoint(load: str, ckpt: CheckpointState) -> dict | None:
     """Restore everything a checkpoint holds that the flags ask for into `ckpt`. Returns
     the iteration and consumed samples to continue from, or None when `load` holds no
     checkpoint at all (a fresh start)."""
-    found = find_checkpoint_to_load(load)
+    if remote.is_remote(load):  # downloaded into the node's cache, then loaded from there
+        local = remote.fetch_for_ranks(load, remote.cache_of(ckpt.config))
+        found = find_checkpoint_to_load(local) if local is not None else None
+    else:
+        found = find_checkpoint_to_load(load)
     flags = ckpt.config.checkpoint
     if found is None:
         if flags.finetune:

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megalite.checkpointing import remote
 from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
                                            load_tensor_file, save_tensor_file)
@@ -102,8 +103,12 @@ def load_newest(ckpt: CheckpointState, device: torch.device, load_persistent
     where from."""
     flags = ckpt.config.checkpoint
     root, load = flags.non_persistent_local_ckpt_dir, flags.load
-    found = find_checkpoint_to_load(load) if load is not None else None
-    persistent = found[0] if found is not None else -1
+    if load is not None and remote.is_remote(load):
+        tracked = remote.tracked_iteration(load)
+        persistent = tracked if isinstance(tracked, int) else -1
+    else:
+        found = find_checkpoint_to_load(load) if load is not None else None
+        persistent = found[0] if found is not None else -1
     local = newest_common(root, ckpt.layout, device)
     if local is not None and local > persistent:
         record = load_tensor_file(rank_path(root, local, dist.get_rank()))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megalite.atomic_write import unwritable_directory
+from megalite.checkpointing import remote
 from megalite.checkpointing.storage import (TRACKER_FILENAME, checkpoint_names, read_metadata,
                                            tracked_checkpoint)
 from megalite.errors import CheckpointError
@@ -55,11 +56,12 @@ def check_save_directory(ckpt) -> None:
     Raises CheckpointError naming the directory, what it holds and the ways out."""
     if ckpt.save is None:
         return
-    save = Path(ckpt.save)
-    problem = unwritable_directory(save)
+    in_bucket = remote.is_remote(ckpt.save)
+    save = ckpt.save if in_bucket else Path(ckpt.save)
+    problem = remote.unwritable(save) if in_bucket else unwritable_directory(save)
     if problem is not None:
         raise CheckpointError(f"--save {save}: {problem}")
-    held = checkpoint_names(save)
+    held = remote.checkpoint_names(save) if in_bucket else checkpoint_names(save)
     if not held or ckpt.overwrite_save or resumes_from_save(ckpt):
         return
     if ckpt.load is None:
@@ -75,22 +77,27 @@ def check_save_directory(ckpt) -> None:
         f"(its other checkpoints kept) pass --overwrite-save; or choose another --save")
 
 
-def _describe(save: Path, held: list[str]) -> str:
+def _describe(save: Path | str, held: list[str]) -> str:
     """The tracker's iteration and the checkpoint directories, for the error."""
     found = ("checkpoint directories " if len(held) > 1 else "checkpoint directory ") + \
         ("..., " if len(held) > 3 else "") + ", ".join(held[-3:])
-    if not (save / TRACKER_FILENAME).exists():
-        return f"no tracker; {found}"
     try:
-        return f"its tracker names iteration {tracked_checkpoint(save)[0]}; {found}"
+        if remote.is_remote(save):
+            tracked = remote.tracked_iteration(save)
+        else:
+            tracked = tracked_checkpoint(save)[0] if (save / TRACKER_FILENAME).exists() else None
     except CheckpointError:
         return f"an unreadable tracker; {found}"
+    return f"no tracker; {found}" if tracked is None else \
+        f"its tracker names iteration {tracked}; {found}"
 
 
 def newer_tracked(save: str | Path, iteration: int) -> int | None:
     """The tracker's iteration if it names a complete checkpoint newer than `iteration`,
     which this run did not write and the tracker must not move back past; else None (no
     tracker, a garbled one or one naming a missing checkpoint is replaced as before)."""
+    if remote.is_remote(save):
+        return remote.newer_tracked(save, iteration)
     try:
         tracked, directory = tracked_checkpoint(Path(save))
         read_metadata(directory)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megalite
+from megalite.checkpointing import remote
 from megalite.checkpointing.compression_state import compression_file, compression_record
 from megalite.checkpointing.save_guard import RunRecord, newer_tracked
 from megalite.checkpointing.state import (CheckpointState, cpu_copy, layout_of, saved_params,
@@ -43,6 +44,7 @@ from megalite.checkpointing.storage import (MOE_FIELDS, RECORDED_FIELDS, apply_r
                                            checkpoint_dir, commit, prepare_staging,
                                            save_tensor_file, staging_dir)
 from megalite.distributed.fsdp import full_tensor, is_fully_sharded
+from megalite.errors import StorageError
 from megalite.parallel_state import RankGrid, all_gather_first_dim, group_rank
 from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
                                              partition_dim, partition_stride)
@@ -106,24 +108,48 @@ def expected_files(layout: dict, save_optim: bool, save_rng: bool = True) -> lis
 # --- saving --------------------------------------------------------------------------------
 
 def save_checkpoint(save: str, iteration: int, ckpt: CheckpointState,
-                    writing: Callable = nullcontext) -> Path:
-    """Every rank calls this at the same iteration; returns the published directory.
-    async_save.py writes the same `rank_files` from a background thread instead.
-    `writing()`: the context of the file writes alone (the watchdog suspended)."""
-    staging = begin_save(save, iteration)
+                    writing: Callable = nullcontext) -> Path | str:
+    """Every rank calls this at the same iteration; returns the published directory (a URL
+    in a bucket). async_save.py writes the same `rank_files` from a background thread.
+    `writing()`: the context of the file writes and uploads alone (the watchdog suspended)."""
+    staging = begin_save(save, iteration, ckpt.config)
     files = rank_files(ckpt)
     with writing():
         for name, obj in files.items():
             save_tensor_file(obj, staging / name)
-    dist.barrier()
+        if remote.is_remote(save):
+            try:
+                records, error = remote.upload(save, iteration, staging, list(files)), None
+            except StorageError as failure:
+                records, error = None, str(failure)
+    uploads = None
+    if remote.is_remote(save):  # every rank's upload, or an error on every rank
+        uploads = remote.gather_uploads(records, error)
+    else:
+        dist.barrier()
     if dist.get_rank() == 0:
-        publish(save, iteration, checkpoint_metadata(ckpt), ckpt.config)
+        publish(save, iteration, checkpoint_metadata(ckpt), ckpt.config, uploads)
     dist.barrier()
+    return checkpoint_location(save, iteration)
+
+
+def checkpoint_location(save: str, iteration: int) -> Path | str:
+    """The directory (or, in a bucket, the URL) of `save`'s checkpoint of `iteration`."""
+    if remote.is_remote(save):
+        return f"{save.rstrip('/')}/{checkpoint_dir('', iteration).name}"
     return checkpoint_dir(save, iteration)
 
 
-def begin_save(save: str, iteration: int) -> Path:
-    """Every rank: rank 0 empties the staging directory, then all may write into it."""
+def begin_save(save: str, iteration: int, config) -> Path:
+    """Every rank: rank 0 empties the staging directory (in a bucket: also what a crashed
+    save of `iteration` left there), then all may write into it."""
+    if remote.is_remote(save):
+        staging = remote.local_staging(save, iteration, remote.cache_of(config))
+        if dist.get_rank() == 0:
+            remote.begin(save, iteration, remote.cache_of(config))
+        dist.barrier()
+        staging.mkdir(parents=True, exist_ok=True)  # another node's
+        return staging
     if dist.get_rank() == 0:
         prepare_staging(save, iteration)
     dist.barrier()
@@ -200,18 +226,24 @@ def checkpoint_metadata(ckpt: CheckpointState) -> dict:
             "run_file": ckpt.run_file, "run": dataclasses.asdict(ckpt.progress.run)}
 
 
-def publish(save: str, iteration: int, metadata: dict, config) -> Path:
-    """Rank 0, once every rank's files are in the staging directory: commit, retention,
-    both leaving alone the checkpoints of another run (save_guard.py)."""
+def publish(save: str, iteration: int, metadata: dict, config,
+            uploads: dict | None = None) -> Path | str:
+    """Rank 0, once every rank's files are in the staging directory (in a bucket: uploaded,
+    `uploads` their records): commit, retention, both leaving alone the checkpoints of
+    another run (save_guard.py)."""
     newer = newer_tracked(save, iteration)
-    final = commit(save, iteration, metadata,
-                   expected_files(metadata["layout"], config.checkpoint.save_optim),
-                   track=newer is None)
+    expected = expected_files(metadata["layout"], config.checkpoint.save_optim)
+    run = RunRecord.of(metadata)
+    owns, keep = (run.owns if run else None), config.checkpoint.keep_last
+    if remote.is_remote(save):
+        final = remote.commit(save, iteration, metadata, expected, uploads, newer is None,
+                              remote.cache_of(config))
+    else:
+        final = commit(save, iteration, metadata, expected, track=newer is None)
     if newer is not None:
         print(f"  the tracker of {save} still names iteration {newer}, a newer checkpoint "
               f"this run did not write: --load {save} resumes that one", flush=True)
-    run = RunRecord.of(metadata)
-    apply_retention(save, config.checkpoint.keep_last, run.owns if run else None)
+    (remote.apply_retention if remote.is_remote(save) else apply_retention)(save, keep, owns)
     return final
 
 

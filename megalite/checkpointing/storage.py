@@ -169,9 +169,7 @@ def commit(save: str | Path, iteration: int, metadata: dict,
     if missing:
         raise CheckpointError(f"cannot commit checkpoint {final}: {len(missing)} of "
                               f"{len(expected_files)} files missing from {staging}: {missing}")
-    record = {**metadata, "iteration": iteration, "files": list(expected_files)}
-    record["checksum"] = _checksum(record)  # a non-JSON value fails here
-    text = json.dumps(record, indent=2, sort_keys=True).encode()
+    text = metadata_bytes(metadata, iteration, expected_files)
     _atomic_write(staging / METADATA_FILENAME, lambda f: f.write(text))
     with _io_errors("publish checkpoint", final):
         swap_in(staging, final, aside)
@@ -180,6 +178,13 @@ def commit(save: str | Path, iteration: int, metadata: dict,
         _atomic_write(save / TRACKER_FILENAME, lambda f: f.write(str(iteration).encode()))
     shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+def metadata_bytes(metadata: dict, iteration: int, files: list[str]) -> bytes:
+    """metadata.json's content: `metadata` with the iteration, the files and a checksum."""
+    record = {**metadata, "iteration": iteration, "files": list(files)}
+    record["checksum"] = _checksum(record)  # a non-JSON value fails here
+    return json.dumps(record, indent=2, sort_keys=True).encode()
 
 
 def read_metadata(directory: str | Path) -> dict:
@@ -192,8 +197,22 @@ def read_metadata(directory: str | Path) -> dict:
         raise CheckpointError(f"incomplete checkpoint {directory}: no {METADATA_FILENAME} "
                               f"(the save did not finish); it is never loaded")
     try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        text = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint metadata {path} is unreadable: {error}") from error
+    record = parse_metadata(text, path)
+    missing = _missing_files(record.get("files"), f"checkpoint metadata {path}", directory)
+    if missing:
+        raise CheckpointError(f"incomplete checkpoint {directory}: {len(missing)} of "
+                              f"{len(record['files'])} listed files missing: {missing}")
+    return record
+
+
+def parse_metadata(text: bytes, path: str | Path) -> dict:
+    """metadata.json's record (`path` names it in errors), checked against its checksum."""
+    try:
+        record = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"checkpoint metadata {path} is unreadable or not valid JSON: "
                               f"{error}") from error
     if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
@@ -203,10 +222,6 @@ def read_metadata(directory: str | Path) -> dict:
     if checksum is not None and checksum != _checksum(record):
         raise CheckpointError(f"checkpoint metadata {path} does not match its checksum: it "
                               f"changed after it was written (storage corruption?)")
-    missing = _missing_files(record.get("files"), f"checkpoint metadata {path}", directory)
-    if missing:
-        raise CheckpointError(f"incomplete checkpoint {directory}: {len(missing)} of "
-                              f"{len(record['files'])} listed files missing: {missing}")
     if isinstance(record.get("model"), dict):  # JSON made GPTConfig's tuples lists
         record["model"] = {k: tuple(v) if isinstance(v, list) else v
                            for k, v in record["model"].items()}
@@ -236,8 +251,17 @@ def _read_tracker(save: Path) -> int | str:
     """The tracker's iteration, or RELEASE; an error naming the tracker if garbled."""
     tracker = save / TRACKER_FILENAME
     try:
-        text = tracker.read_text().strip()
-    except (OSError, UnicodeDecodeError) as error:
+        text = tracker.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint tracker {tracker} is unreadable: {error}") from error
+    return parse_tracker(text, tracker)
+
+
+def parse_tracker(data: bytes, tracker: str | Path) -> int | str:
+    """The tracker's iteration or RELEASE from its bytes; `tracker` names it in errors."""
+    try:
+        text = data.decode().strip()
+    except UnicodeDecodeError as error:
         raise CheckpointError(f"checkpoint tracker {tracker} is unreadable: {error}") from error
     if not text:
         raise CheckpointError(f"checkpoint tracker {tracker} is empty; expected an iteration")
@@ -350,19 +374,26 @@ def apply_retention(save: str | Path, keep: int,
     """
     save = Path(save)
     tracked = _read_tracker(save)
-    deleted = []
-    if keep > 0:
-        complete = [(i, d, meta) for i, d in sorted(_iteration_dirs(save).items())
-                    if (meta := _complete_metadata(d)) is not None]
-        ours = [(i, d) for i, d, meta in complete if owns is None or owns(i, meta)]
-        kept = {iteration for iteration, _ in ours[-keep:]} | {tracked}
-        deleted += [d for iteration, d in ours if iteration not in kept]
+    dirs = _iteration_dirs(save)
+    complete = {i: meta for i, d in dirs.items() if (meta := _complete_metadata(d)) is not None}
+    deleted = [dirs[i] for i in retired(complete, tracked, keep, owns)]
     if tracked != RELEASE:
         deleted += [d for d in save.iterdir() if d.is_dir() and
                     (m := _LEFTOVER_DIR.fullmatch(d.name)) and int(m.group(1)) <= tracked]
     for d in deleted:
         shutil.rmtree(d, ignore_errors=True)
     return deleted
+
+
+def retired(complete: dict[int, dict], tracked: int | str, keep: int,
+            owns: Callable[[int, dict], bool] | None) -> list[int]:
+    """Of the complete checkpoints (iteration -> metadata), those apply_retention deletes:
+    the run's (`owns`) but its newest `keep` and the tracked one; none when keep <= 0."""
+    if keep <= 0:
+        return []
+    ours = [i for i in sorted(complete) if owns is None or owns(i, complete[i])]
+    kept = set(ours[-keep:]) | {tracked}
+    return [i for i in ours if i not in kept]
 
 
 def check_model_compatible(saved: dict, current: dict, fields: tuple[str, ...] = MODEL_FIELDS,

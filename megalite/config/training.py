@@ -125,6 +125,12 @@ class DataConfig:
         help="Indexed dataset prefixes, optionally weighted: [w1] p1 [w2 p2 ...].")
     split: str = flag("969,30,1",
                       help="Train/valid/test proportions of each dataset's documents.")
+    object_storage_cache_path: str | None = flag(
+        None, help="Where --data-path s3://bucket/prefix datasets are cached, once per node "
+                   "(megalite caches the .bin with the .idx). megalite's own: --save and --load "
+                   "also take s3://bucket/prefix (pip install megalite[s3]; boto3's credentials "
+                   "and AWS_ENDPOINT_URL), staged here before upload and downloaded here to "
+                   "load (default: megalite-objects in the temporary directory).")
     data_cache_path: str | None = flag(
         None, help="Where sample indices are cached (default: beside the data).")
     eod_mask_loss: bool = flag(

@@ -16,6 +16,7 @@ from megalite.data.blended_dataset import BlendedDataset, component_num_samples,
 from megalite.data.gpt_dataset import GPTDataset, split_documents
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.mock import MockGPTDataset
+from megalite.data.remote_data import localize
 from megalite.errors import DataError
 
 SPLITS = ("train", "valid", "test")
@@ -41,7 +42,8 @@ def build_datasets(config: Config, eod: int | None, is_builder: bool, barrier):
         return [MockGPTDataset(max(n, 1), config.model.seq_length, config.model.vocab_size,
                                seed + i, documents)
                 for i, n in enumerate(counts)]
-    weights, prefixes = parse_data_path(data.data_path)
+    weights, named = parse_data_path(data.data_path)
+    prefixes = localize(named, data.object_storage_cache_path, barrier)  # s3:// ones cached
     indexed = [open_indexed_dataset(p) for p in prefixes]
     if is_builder:
         for prefix, ds in zip(prefixes, indexed):

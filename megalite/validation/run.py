@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from megalite.config.flags import flag
 from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.errors import ConfigError
+from megalite.object_storage.paths import check_storage_path
 from megalite.validation.checks import check_positive
 
 
@@ -32,6 +33,8 @@ def check_data_source(args):
                           "vocabulary and the end-of-document id")
     if args.num_workers < 0:
         raise ConfigError(f"--num-workers must be >= 0, got {args.num_workers}")
+    for value in args.data_path or ():
+        check_storage_path("--data-path", value)
 
 
 def check_wandb(args):
@@ -61,6 +64,11 @@ def precision_fields(args) -> dict:
 
 def check_checkpoint(args):
     check_positive(args, "save_interval", "exit_duration_in_mins", "preemption_notice_seconds")
+    check_storage_path("--save", args.save)
+    check_storage_path("--load", args.load)
+    # The node's own disk, by definition.
+    check_storage_path("--non-persistent-local-ckpt-dir", args.non_persistent_local_ckpt_dir,
+                       local_only=True)
     if args.save_interval is not None and args.save is None:
         raise ConfigError(f"--save-interval={args.save_interval} needs --save (where to write)")
     if args.keep_last_n_checkpoints < 0:
