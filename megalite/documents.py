@@ -183,10 +183,15 @@ def gather_rows(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor]) -> tor
     return _GatherRows.apply(x, *pair)
 
 
+SHORTEST_BUCKET = 16
+"""The padded length of every run of at most 16 keys."""
+
+
 def bucket_length(n: int) -> int:
     """The padded length of a run of n keys: the next of 16, 24, 32, 48, ... (2^k and
-    3·2^(k-1)), so at most a third of a padded side is padding."""
-    length = 16
+    3·2^(k-1)), so at most a third of a padded side is padding: at most 1.5 n for n >= 11
+    (n = 2^k + 1 pads to 3·2^(k-1)), SHORTEST_BUCKET below."""
+    length = SHORTEST_BUCKET
     while length < n:
         length = length * 3 // 2 if length & (length - 1) == 0 else length * 4 // 3
     return length

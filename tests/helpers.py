@@ -46,6 +46,7 @@ from megalite.initialize import free_port
 # The layout comparisons live in the package, shared with tools/check_cluster.py.
 from megalite.layout_check import (gather_tensor_parallel, reference_name,  # noqa: F401
                                    step_problems, tensor_problem)
+from megalite.documents import starts_from_lengths
 from megalite.monitoring.memory import SavedActivations
 from megalite.object_storage.local_server import wait_for_http
 from megalite.pipeline_parallel.stages import rank_stages
@@ -304,8 +305,20 @@ def random_batches(generator, vocab: int, micro: int, seq: int, num_micro: int,
 
 CPU = torch.device("cpu")
 
+# Per sample, the lengths of its documents (the first a document's tail, the last cut at the
+# sequence's end): long, short and cut ones, for runs with the document flags.
+DOCUMENT_LENGTHS = ([13, 30, 21], [5, 40, 7, 12], [64], [2, 9, 11, 17, 25])
+
+
+def document_starts(batch: int, seq: int) -> torch.Tensor:
+    """[batch, seq] document starts of DOCUMENT_LENGTHS' samples in turn."""
+    return torch.stack([starts_from_lengths(DOCUMENT_LENGTHS[i % len(DOCUMENT_LENGTHS)], seq)
+                        for i in range(batch)])
+
+
 def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> int:
-    """One micro-batch through `chunk` as the executor runs it (the step's autocast):
+    """One micro-batch through `chunk` as the executor runs it (the step's autocast), with
+    the documents of `document_starts` under the document flags:
     the distinct storages autograd saves for backward, plus what the executor holds, the
     received input and, on a stage that sends, the output and its contiguous send buffer.
     Parameters and buffers are not activations."""
@@ -318,11 +331,12 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
         torch.randn(seq, b, m.hidden_size, generator=g).to(dtype).requires_grad_()
     # The labels a tensor of their own, as the data loader gives them (a compiled loss keeps
     # them, where they would otherwise share the saved token ids' storage).
+    starts = document_starts(b, m.seq_length) if m.uses_documents else None
     step = LinearStep()
     step.install(chunk)
     with SavedActivations(chunk) as saved, autocast(config.precision, CPU), \
             fp8.quantize_weights_once(step):  # as in a training step
-        out = chunk(x, tokens.clone() if last else None)
+        out = chunk(x, tokens.clone() if last else None, document_starts=starts)
         for q, q_t in (copies for _, copies in step.fp8_weights.values()):
             saved.add(q.data, q_t.data)  # held for the step, whether saved or not
     if not first:

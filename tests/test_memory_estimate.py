@@ -25,7 +25,9 @@ import torch
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.validation import validate_args
-from megalite.memory_estimate.activations import layer_activation_bytes
+from megalite.documents import Documents
+from megalite.memory_estimate import documents as document_plan
+from megalite.memory_estimate.activations import DEVICES, _shapes, layer_activation_bytes
 from megalite.memory_estimate.schedule import sends_held
 from megalite.memory_estimate.weights import grad_buckets
 from megalite.model.gpt import GPTModel, build_model_chunks
@@ -36,7 +38,8 @@ from megalite.tensor_parallel.params import is_embedding_copy, is_shared_embeddi
 from megalite.train_step import StepRunner, autocast
 from megalite.training import build_model, build_optimizer
 
-from tests.helpers import flags_with, measured_chunk_bytes, planned_chunk_bytes, without
+from tests.helpers import (document_starts, flags_with, measured_chunk_bytes, planned_chunk_bytes,
+                           without)
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_TOLERANCE = 0.10        # params, grads, optimizer state (issue 8)
@@ -284,6 +287,39 @@ def test_activations_match_saved_tensors(name):
 @pytest.mark.parametrize("name", RECOMPUTE_CASES)
 def test_activations_with_recompute_match_saved_tensors(name):
     check_activations(RECOMPUTE_CASES[name])
+
+
+# The document flags (memory_estimate/documents.py): samples of 64 tokens, the documents of
+# tests.helpers.DOCUMENT_LENGTHS (long, short and cut ones).
+DOCUMENT_CASES = {
+    "documents sdpa fp32 learned": ["--reset-attention-mask", "--reset-position-ids"],
+    "documents sdpa llama bf16": ["--bf16", "--dataloader-inter-document-masking"] + LLAMA,
+    "documents unfused fp32 rope gqa": ["--attention-backend", "unfused",
+                                        "--dataloader-inter-document-masking", *ROPE_GQA],
+    "documents unfused bf16 learned, attention dropout": [
+        "--bf16", "--attention-backend", "unfused", "--attention-dropout", "0.1",
+        "--reset-attention-mask", "--reset-position-ids"],
+    "positions only, rope": ["--reset-position-ids", *ROPE_GQA],
+}
+
+
+@pytest.mark.parametrize("name", DOCUMENT_CASES)
+def test_document_activations_match_saved_tensors(name, monkeypatch):
+    """With documents the planner counts exactly what autograd saves (the per-sample RoPE
+    table, [b, s] position ids, each sample's unfused mask, SDPA's padded batches) once it
+    is told how many rows the micro-batch's documents pad to; without the data it plans
+    an upper bound of those rows (document_plan.padded_rows), which must be at least the
+    real count and keep the chunk within the activation tolerance."""
+    config = make_config(["--seq-length", "64", "--max-position-embeddings", "64"]
+                         + DOCUMENT_CASES[name])
+    measured, bound = measured_chunk_bytes(config, 0), planned_chunk_bytes(config, 0)
+    starts = document_starts(config.training.micro_batch_size, 64)
+    batches = Documents(starts, torch.arange(64)).padded_batches(64)
+    rows = sum(n * length for n, length in batches.shapes)
+    assert document_plan.padded_rows(_shapes(config, DEVICES["cpu"])) >= rows
+    monkeypatch.setattr(document_plan, "padded_rows", lambda shape: rows)
+    assert planned_chunk_bytes(config, 0) == measured
+    assert measured[0] <= bound[0] <= (1 + ACTIVATION_TOLERANCE) * measured[0]
 
 
 def test_recompute_shrinks_activations():

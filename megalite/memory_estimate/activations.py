@@ -11,6 +11,8 @@ from megalite.config import Config
 from megalite.memory_estimate.context_parallel import (attended_keys, cp_attention_working_set,
                                                        cp_core_attention_bytes,
                                                        gathered_qkv_bytes, ring_keeps_qkv)
+from megalite.memory_estimate.documents import (gather_index_bytes, pads_documents,
+                                               padded_attention_bytes, rope_table_bytes)
 from megalite.memory_estimate.fp8 import fp8_layer_delta_bytes, fp8_weight_copy_bytes
 from megalite.memory_estimate.moe import moe_saved_bytes
 from megalite.model.gpt import recompute_groups
@@ -138,6 +140,8 @@ def core_attention_bytes(config: Config, shape: _Shapes) -> int:
     """What the attention kernel saves beyond Q, K and V: what selective recompute drops."""
     if shape.cp > 1 and (cp := cp_core_attention_bytes(config, shape)) is not None:
         return cp
+    if pads_documents(config, shape):
+        return padded_attention_bytes(config, shape)
     if config.model.attention_backend != "unfused":
         copied = shape.device.attention_output_copied
         out = shape.act_bytes * shape.tokens * shape.query_width if copied else 0
@@ -147,14 +151,16 @@ def core_attention_bytes(config: Config, shape: _Shapes) -> int:
 
 def _unfused_attention_bytes(config: Config, shape: _Shapes) -> int:
     """attention_backends._unfused: repeated K and V, Q's cast, the mask, the s x s
-    probabilities, dropout's mask and output, the probabilities cast for the matmul."""
+    probabilities, dropout's mask and output, the probabilities cast for the matmul. The
+    mask is each sample's own [s, s] with documents, else one causal [s, s]."""
     dropout, act_bytes = config.model.attention_dropout, shape.act_bytes
     keys, pairs = attended_keys(shape)
     probs = shape.micro_batch * shape.heads * pairs
+    masks = shape.micro_batch * pairs if config.model.masks_documents else pairs
     fp32 = not shape.mixed or shape.device.autocast_fp32_norm_softmax
     softmax = 4 if fp32 else act_bytes
     repeated_kv = 2 * act_bytes * shape.micro_batch * keys * shape.query_width
-    total = repeated_kv + pairs + softmax * probs  # K, V repeated, mask, softmax
+    total = repeated_kv + masks + softmax * probs  # K, V repeated, mask, softmax
     if shape.mixed:
         total += act_bytes * shape.tokens * shape.query_width  # Q cast back for the matmul
     if dropout > 0:
@@ -167,12 +173,14 @@ def _unfused_attention_bytes(config: Config, shape: _Shapes) -> int:
 
 def attention_saved_bytes(config: Config, shape: _Shapes, selective: bool) -> int:
     """Self-attention after its norm: QKV, the kernel's state, the output projection's
-    input [s, b, q] and the residual dropout's mask."""
+    input [s, b, q] and the residual dropout's mask. The padded document path keeps its own
+    gathered copies of Q, K and V (core_attention_bytes), none of the fused QKV output."""
     kernel_keeps_qkv = (selective or config.model.attention_backend != "unfused"
                         or ring_keeps_qkv(config, shape))
     qkv = None if selective else gathered_qkv_bytes(config, shape)
     if qkv is None:
-        qkv = qkv_saved_bytes(config, shape, kernel_keeps_qkv)
+        padded = pads_documents(config, shape) and not selective
+        qkv = 0 if padded else qkv_saved_bytes(config, shape, kernel_keeps_qkv)
     total = qkv + shape.act_bytes * shape.tokens * shape.query_width
     if not selective:
         total += core_attention_bytes(config, shape)
@@ -206,13 +214,15 @@ def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = No
 def plans_compiled(config: Config, shape: _Shapes, fp8: Fp8Recipe | None, layer: int) -> bool:
     """Whether layer `layer` is counted as compiled: it is (shape.compiled), and it is one
     of the variants whose compiled saved tensors were measured (the layers compiled by
-    default: TP 1, CP 1, a dense MLP), without FP8 GEMMs or the `unfused` attention.
+    default: TP 1, CP 1, a dense MLP), without FP8 GEMMs, the `unfused` attention
+    or document masks (whose attention dynamo does not trace: _document_attention).
     Other compiled layers keep the eager count, which is above the compiled one in every
     variant measured. (Selective recompute never compiles: config.compile_by_default
     leaves it out and validation refuses it with --compile-layers.)"""
     m = config.model
     return (shape.compiled and shape.tp == 1 and shape.cp == 1 and fp8 is None
-            and not m.is_moe_layer(layer) and m.attention_backend != "unfused")
+            and not m.is_moe_layer(layer) and m.attention_backend != "unfused"
+            and not m.masks_documents)
 
 
 def compiled_layer_saved_bytes(config: Config, shape: _Shapes) -> int:
@@ -258,10 +268,11 @@ def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
 
 def embedding_saved_bytes(config: Config, shape: _Shapes) -> int:
     """Token ids (int64; under TP the shard-local ids and the out-of-shard mask) for the
-    embedding's backward, position ids, and the embedding dropout's mask."""
+    embedding's backward, position ids ([s], or [b, s] when they restart per document),
+    and the embedding dropout's mask."""
     total = 8 * shape.tokens + (shape.tokens if shape.tp > 1 else 0)
     if config.model.position_embedding_type == "learned_absolute":
-        total += 8 * shape.seq
+        total += 8 * (shape.tokens if config.model.resets_positions else shape.seq)
     return total + shape.mask(config.model.hidden_dropout) * shape.residual_tokens * shape.hidden
 
 
@@ -299,10 +310,11 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
     """`layers`: the chunk's transformer layers (global indices)."""
     contiguous = config.model.sequence_parallel or not pre
     residual = shape.act_bytes * shape.residual_tokens * shape.hidden
-    saved, working = 0, cp_attention_working_set(config, shape)
+    saved, working = rope_table_bytes(config, shape), cp_attention_working_set(config, shape)
     fp8_weights = sum(fp8_weight_copy_bytes(config, shape, layer_fp8_recipe(config.model, i))
                       for i in layers)
-    for run, recomputed in recompute_groups(config.model, len(layers)):
+    groups = recompute_groups(config.model, len(layers))
+    for run, recomputed in groups:
         run_bytes = sum(layer_saved_bytes(config, shape, layer_fp8_recipe(config.model,
                                                                           layers[i]), layers[i])
                         for i in run)
@@ -311,6 +323,8 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
             working = max(working, run_bytes + cp_attention_working_set(config, shape))
         else:
             saved += run_bytes
+    if not all(recomputed for _, recomputed in groups):
+        saved += gather_index_bytes(config, shape)  # once a forward, for all its layers
     if pre:
         saved += embedding_saved_bytes(config, shape)
     else:
