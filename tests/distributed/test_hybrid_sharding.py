@@ -1,8 +1,10 @@
 """Hybrid sharding (--num-distributed-optimizer-instances N, docs/design.md "Hybrid sharding")
 and FSDP2 with expert parallelism against one process (fp32, dropout 0): ZeRO-1 and FSDP2
 (HSDP) at DP 4 with N = 2, HSDP with TP 2 + SP at 8 ranks, FSDP2 x EP 2 (MoE, dropless),
-FSDP2 x EP 2 x TP 2 + SP, FSDP2 x EP 2 with N = 2 and FSDP2 with MoE at EP 1: the same
-initial values, per-step losses and grad norms, and values after each update; each layout
+FSDP2 x EP 2 x TP 2 + SP, FSDP2 x EP 2 with N = 2, FSDP2 with MoE at EP 1, and ZeRO-1 and
+HSDP with N = 2 composed with PP 2 (tied embeddings on two stages), CP 2 and
+--optimizer-cpu-offload: the same initial values, per-step losses and grad norms, and values
+after each update; each layout
 shards over the groups it should (a shard group of DP / N ranks, a 2-D mesh, the experts
 over expert-DP), rank 0 steps the elements the memory planner counts, and the log line's
 cross-replica bytes per step are those counted at the replica groups' collectives. And a run handed on through checkpoints at 8 ranks, HSDP x EP 2 x TP 2 ->
@@ -45,6 +47,9 @@ FSDP = ["--use-torch-fsdp2"]
 N2 = ["--num-distributed-optimizer-instances", "2"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 EP2 = ["--expert-model-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]
+OFFLOAD = ["--optimizer-cpu-offload"]
 # name: (model, ranks, flags, (replicas, shard group size) of the dense parameters and
 # (replicas, shard group size) of the experts)
 LAYOUTS = {
@@ -55,6 +60,12 @@ LAYOUTS = {
     "FSDP2 x EP 2 (DP 4)": (MOE, 4, FSDP + EP2, (1, 4), (1, 2)),
     "FSDP2 x EP 2 x TP 2 + SP": (MOE, 4, FSDP + EP2 + TP2, (1, 2), (1, 1)),
     "HSDP x EP 2 (DP 8), N 2": (MOE, 8, FSDP + EP2 + N2, (2, 4), (2, 2)),
+    "ZeRO-1 PP 2 x DP 4, N 2": (DENSE, 8, ZERO1 + N2 + PP2, (2, 2), None),
+    "HSDP PP 2 x DP 4, N 2": (DENSE, 8, FSDP + N2 + PP2, (2, 2), None),
+    "ZeRO-1 CP 2 x DP 2, N 2": (DENSE, 4, ZERO1 + N2 + CP2, (2, 2), None),
+    "HSDP CP 2 x DP 2, N 2": (DENSE, 4, FSDP + N2 + CP2, (2, 2), None),
+    "ZeRO-1 DP 4, N 2, optimizer offload": (DENSE, 4, ZERO1 + N2 + OFFLOAD, (2, 2), None),
+    "HSDP DP 4, N 2, optimizer offload": (DENSE, 4, FSDP + N2 + OFFLOAD, (2, 2), None),
 }
 
 
