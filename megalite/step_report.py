@@ -44,7 +44,10 @@ class StepReporter:
         compressor = getattr(self.runner.grad_buffer, "compressor", None)
         if logging and compressor is not None:
             extra["compression_ratio"] = self.runner.grad_buffer.compression_ratio
-        if logging:
+        # A compressed step's reduction is PowerSGD's over all of DP x CP, not the
+        # replicas' all-reduce the field counts (its bytes: the compression ratio).
+        compressed = compressor is not None and compressor.steps > compressor.config.start_iter
+        if logging and not compressed:
             extra["cross_replica_bytes"] = self.cross_replica_bytes
         if logging and self.config.model.num_experts is not None:
             fields, moe_scalars = moe_report(self.runner.chunks, self.config,

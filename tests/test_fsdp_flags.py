@@ -55,9 +55,6 @@ def test_fsdp_defaults_to_zero3_and_shards_the_optimizer():
     (["--num-distributed-optimizer-instances", "2"],
      ["--num-distributed-optimizer-instances=2", "--use-distributed-optimizer",
       "--use-torch-fsdp2"]),
-    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
-      "--grad-compression", "powersgd"],
-     ["--grad-compression powersgd", "--num-distributed-optimizer-instances=2"]),
     (["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "3"],
      ["--num-distributed-optimizer-instances=3 must divide", "= 2"]),
     # No parameter is replicated over DP under FSDP2.

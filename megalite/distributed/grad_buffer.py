@@ -38,7 +38,9 @@ holding the same shard in the other replicas. Only the second crosses replicas (
 
 With --grad-compression powersgd a `compressor` (distributed/powersgd.py) takes over the
 reduction once it is active: every bucket is reduced, compressed, in `finish`, on whole
-gradients (under ZeRO-1 too: each rank then steps its shard of the decompressed sum).
+gradients over all of DP x CP (under ZeRO-1 too: each rank then steps its shard of the
+decompressed sum; with hybrid sharding its shard of its shard group, and nothing more is
+reduced across replicas, which the compressed sum already spans).
 `bytes_sent` counts the payload this rank put into the step's DP collectives.
 """
 
@@ -250,7 +252,8 @@ class GradBuffer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-            bucket.work = self._reduce_across_replicas(bucket)
+            if not compressing:  # PowerSGD's reduction spans the replicas itself
+                bucket.work = self._reduce_across_replicas(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()

@@ -117,8 +117,8 @@ def _check_fsdp(args):
 
 
 def _check_replicas(args):
-    """--num-distributed-optimizer-instances: what hybrid sharding shards, and what it does
-    not compose with (the grid checks that it divides DP x CP and expert-DP)."""
+    """--num-distributed-optimizer-instances: hybrid sharding replicates a sharded
+    optimizer (the grid checks that N divides DP x CP and expert-DP)."""
     n = args.num_distributed_optimizer_instances
     if n == 1:
         return
@@ -126,10 +126,6 @@ def _check_replicas(args):
         # As in Megatron: the replicas are of a sharded optimizer; plain DP has no shards.
         raise ConfigError(f"--num-distributed-optimizer-instances={n} needs "
                           "--use-distributed-optimizer or --use-torch-fsdp2 (got neither)")
-    if args.grad_compression != "none":
-        raise ConfigError(f"--grad-compression {args.grad_compression} with "
-                          f"--num-distributed-optimizer-instances={n} is not built (PowerSGD "
-                          "reduces whole gradients over all of DP x CP)")
 
 
 def _virtual_stages(args, pp: int) -> int | None:

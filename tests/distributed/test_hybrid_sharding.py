@@ -1,14 +1,17 @@
 """Hybrid sharding (--num-distributed-optimizer-instances N, docs/design.md "Hybrid sharding")
 and FSDP2 with expert parallelism against one process (fp32, dropout 0): ZeRO-1 and FSDP2
 (HSDP) at DP 4 with N = 2, HSDP with TP 2 + SP at 8 ranks, FSDP2 x EP 2 (MoE, dropless),
-FSDP2 x EP 2 x TP 2 + SP, FSDP2 x EP 2 with N = 2 and FSDP2 with MoE at EP 1: the same
-initial values, per-step losses and grad norms, and values after each update; each layout
+FSDP2 x EP 2 x TP 2 + SP, FSDP2 x EP 2 with N = 2, FSDP2 with MoE at EP 1, and ZeRO-1 and
+HSDP with N = 2 composed with PP 2 (tied embeddings on two stages), CP 2 and
+--optimizer-cpu-offload: the same initial values, per-step losses and grad norms, and values
+after each update; each layout
 shards over the groups it should (a shard group of DP / N ranks, a 2-D mesh, the experts
 over expert-DP), rank 0 steps the elements the memory planner counts, and the log line's
 cross-replica bytes per step are those counted at the replica groups' collectives. And a run handed on through checkpoints at 8 ranks, HSDP x EP 2 x TP 2 ->
 ZeRO-1 -> FSDP2 x EP 2 -> ZeRO-1 with N = 4 -> HSDP, logs the uninterrupted run's losses and
 ends with the tensors a one-process load reads of it (its log lines carry the cross-replica
-bytes where N > 1). One launch of 8 ranks."""
+bytes where N > 1), and ZeRO-1 with N = 2 and PowerSGD logs them on the uncompressed steps
+only. One launch of 8 ranks."""
 
 from pathlib import Path
 
@@ -45,6 +48,9 @@ FSDP = ["--use-torch-fsdp2"]
 N2 = ["--num-distributed-optimizer-instances", "2"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 EP2 = ["--expert-model-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]
+OFFLOAD = ["--optimizer-cpu-offload"]
 # name: (model, ranks, flags, (replicas, shard group size) of the dense parameters and
 # (replicas, shard group size) of the experts)
 LAYOUTS = {
@@ -55,6 +61,12 @@ LAYOUTS = {
     "FSDP2 x EP 2 (DP 4)": (MOE, 4, FSDP + EP2, (1, 4), (1, 2)),
     "FSDP2 x EP 2 x TP 2 + SP": (MOE, 4, FSDP + EP2 + TP2, (1, 2), (1, 1)),
     "HSDP x EP 2 (DP 8), N 2": (MOE, 8, FSDP + EP2 + N2, (2, 4), (2, 2)),
+    "ZeRO-1 PP 2 x DP 4, N 2": (DENSE, 8, ZERO1 + N2 + PP2, (2, 2), None),
+    "HSDP PP 2 x DP 4, N 2": (DENSE, 8, FSDP + N2 + PP2, (2, 2), None),
+    "ZeRO-1 CP 2 x DP 2, N 2": (DENSE, 4, ZERO1 + N2 + CP2, (2, 2), None),
+    "HSDP CP 2 x DP 2, N 2": (DENSE, 4, FSDP + N2 + CP2, (2, 2), None),
+    "ZeRO-1 DP 4, N 2, optimizer offload": (DENSE, 4, ZERO1 + N2 + OFFLOAD, (2, 2), None),
+    "HSDP DP 4, N 2, optimizer offload": (DENSE, 4, FSDP + N2 + OFFLOAD, (2, 2), None),
 }
 
 
@@ -118,8 +130,9 @@ def _compare(rank, world_size):
 
 
 # pretrain_gpt.py's runs of the MoE model at 8 ranks (the log line's 7 digits compared).
-RUN = [*MOE, "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo",
-       "--lr-decay-iters", "5", "--train-iters"]
+LOGGED = ["--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo",
+          "--lr-decay-iters", "5", "--train-iters"]
+RUN = [*MOE, *LOGGED]
 CHAIN = [FSDP + EP2 + TP2 + N2, ["--use-distributed-optimizer"], FSDP + EP2,
          ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "4"],
          FSDP + N2]
@@ -143,8 +156,18 @@ def _chain(rank, world_size, root) -> dict[str, dict[int, str]]:
     return out
 
 
+def _compressed(rank, world_size) -> dict[int, float | None]:
+    """The cross-replica bytes logged per iteration by ZeRO-1 with N = 2 and PowerSGD from
+    iteration 3 (its compressed reduction spans DP x CP, not the replicas' all-reduce)."""
+    logs = parse_log(train_in_rank(rank, world_size, [
+        *DENSE, *LOGGED, "3", "--use-distributed-optimizer", *N2, "--grad-compression", "powersgd",
+        "--powersgd-start-iter", "2"]))
+    return {log["iteration"]: log["cross_replica_bytes"] for log in logs}
+
+
 def _launch(rank, world_size, root):
-    return _compare(rank, world_size), _chain(rank, world_size, root)
+    return (_compare(rank, world_size), _chain(rank, world_size, root),
+            _compressed(rank, world_size))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +177,7 @@ def launch(tmp_path_factory):
 
 
 def test_hybrid_sharding_and_fsdp_experts_match_one_process(launch):
-    failures = {rank: problems for rank, (problems, _) in enumerate(launch[1])}
+    failures = {rank: problems for rank, (problems, *_) in enumerate(launch[1])}
     assert not any(failures.values()), failures
 
 
@@ -188,3 +211,9 @@ def test_checkpoints_hand_a_run_on_across_hsdp_fsdp2_zero1_and_ep(launch):
                              *((m, 1e-4 * m[0].abs().max().item()) for m in moments)]:
             assert torch.allclose(a, b, rtol=FP32.value_rtol, atol=atol), \
                 (name, (a - b).abs().max().item())
+
+
+def test_log_line_has_no_cross_replica_bytes_on_compressed_steps(launch):
+    logged = launch[1][-1][2]
+    assert sorted(logged) == [1, 2, 3] and logged[1] == logged[2] > 0, logged
+    assert logged[3] is None, logged

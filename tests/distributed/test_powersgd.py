@@ -4,8 +4,9 @@
   same model, data, rank, start iteration and first Q (megalite's draw, put into the hook's
   state where the hook would draw its own), 20 steps of the same losses;
 - layouts: PowerSGD only ever uses sums over the reduction group, so PowerSGD at DP2 x TP2
-  (with SP), DP2 x PP2 (tied embeddings), DP2 x CP2 and DP 2 under ZeRO-1 compute what
-  PowerSGD at DP 2 computes, and DP 4 does too: both equal torch's hook above
+  (with SP), DP2 x PP2 (tied embeddings), DP2 x CP2, DP 2 under ZeRO-1 and DP 4 under
+  ZeRO-1 with hybrid sharding (N = 2) compute what PowerSGD at DP 2 computes, and DP 4 does
+  too: both equal torch's hook above
   (docs/design.md "Gradient compression");
 - bytes: what the DP collectives were given in a step (at DP 4), uncompressed and
   compressed, equals the closed form;
@@ -129,7 +130,11 @@ LAYOUTS = {"DP2 x TP2 (SP)": (4, ["--tensor-model-parallel-size", "2", "--sequen
            "DP2 x PP2 (tied embeddings on two stages)": (4, ["--pipeline-model-parallel-size",
                                                              "2"]),
            "DP2 x CP2": (4, ["--context-parallel-size", "2"]),
-           "DP2 ZeRO-1": (2, ["--use-distributed-optimizer"])}
+           "DP2 ZeRO-1": (2, ["--use-distributed-optimizer"]),
+           # Hybrid sharding: compressed over all four ranks, each steps its shard of a
+           # shard group of 2 (docs/design.md "Hybrid sharding").
+           "DP4 ZeRO-1, N 2": (4, ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                   "--num-distributed-optimizer-instances", "2"])}
 LAYOUT_STEPS = 6  # 3 uncompressed, then 3 compressed (the first Q, then warm starts)
 
 
