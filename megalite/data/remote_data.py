@@ -9,8 +9,6 @@ request per sample costs a round trip that a whole-file transfer pays once
 
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megalite.object_storage.paths import is_object_url, mirror_path, node_share
 from megalite.object_storage.s3 import S3Store, S3Url
 
@@ -41,6 +39,10 @@ def localize(prefixes: list[str], cache: str | None, barrier) -> list[str]:
     remote = [p for p in prefixes if is_object_url(p)]
     if not remote:
         return prefixes
+    # torch imported here, not at the top: tools/preprocess_data.py uploads through this
+    # module, and loading torch would double the tool's memory (its test holds it below the
+    # input's size).
+    import torch.distributed as dist
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if node_share(rank, world)[0] == 0:
         for prefix in remote:
