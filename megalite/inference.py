@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from megalite.checkpointing.loading import SavedCheckpoint
 from megalite.checkpointing.saving import model_fields
-from megalite.checkpointing.storage import (check_model_compatible, find_checkpoint_to_load,
-                                            read_metadata)
+from megalite.checkpointing.model_fields import check_model_compatible
+from megalite.checkpointing.storage import find_checkpoint_to_load, read_metadata
 from megalite.errors import CheckpointError, ConfigError
 from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel

@@ -37,7 +37,8 @@ from megalite.initialize import initialize_distributed, set_seed, world_size_fro
 from megalite.megatron_checkpoint.load import load_megatron_checkpoint
 from megalite.memory_estimate.checkpoint import MEASURED_WRITE_GBPS, planned_save_seconds
 from megalite.megatron_checkpoint.reader import is_megatron_checkpoint
-from megalite.model.gpt import build_model_chunks, initialize_buffers, initialize_parameters
+from megalite.model.gpt import build_model_chunks
+from megalite.model.init import initialize_buffers, initialize_parameters
 from megalite.monitoring.monitor import Monitor
 from megalite.monitoring.profiling import start_memory_history
 from megalite.object_storage.paths import is_object_url
@@ -249,11 +250,7 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
              if config.checkpoint.save else None)
     train_ds, valid_ds, test_ds = build_datasets(config, eod, is_builder=dist.get_rank() == 0,
                                                  barrier=dist.barrier)
-    is_last = dist.get_rank() == dist.get_world_size() - 1
-    tensorboard = with_wandb(TensorBoardLogger(config.logging.tensorboard_dir if is_last
-                                               else None), config, is_last)
-    if is_last and config.logging.tensorboard_dir and run_file:
-        write_run_file(config.logging.tensorboard_dir, run_file)
+    tensorboard = _scalar_logger(config, run_file)
     if state.dp_rank == 0 and state.cp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({state.tp_rank}, {state.pp_rank}): {sum(p.numel() for p in model.parameters())}",
@@ -269,21 +266,37 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
             # A signal or the time budget: the checkpoint is written; leave at once, within
             # the grace period a scheduler gives before it kills the job.
             return progress
-        if valid is not None:
-            # The loop may have just written this iteration's validation scalars.
-            evaluated = progress.iteration % config.training.eval_interval == 0
-            evaluate_and_print(f"iteration {progress.iteration} on validation set", runner,
-                               valid, config, tensorboard,
-                               None if evaluated else progress.iteration,
-                               monitor.watchdog.beat)
-        if evaluating and test_ds is not None:
-            evaluate_and_print(f"iteration {progress.iteration} on test set", runner,
-                               microbatches(test_ds, 0, config, state, device), config,
-                               tensorboard, None, monitor.watchdog.beat)
+        _final_evaluation(config, state, device, runner, valid, test_ds, tensorboard,
+                          progress.iteration, monitor.watchdog.beat)
     finally:
         monitor.close(progress.iteration)
         tensorboard.close()
     return progress
+
+
+def _scalar_logger(config: Config, run_file: str | None) -> TensorBoardLogger:
+    """TensorBoard (and W&B) on the last rank, which logs; the run file beside its events."""
+    is_last = dist.get_rank() == dist.get_world_size() - 1
+    tensorboard = with_wandb(TensorBoardLogger(config.logging.tensorboard_dir if is_last
+                                               else None), config, is_last)
+    if is_last and config.logging.tensorboard_dir and run_file:
+        write_run_file(config.logging.tensorboard_dir, run_file)
+    return tensorboard
+
+
+def _final_evaluation(config: Config, state: ParallelState, device: torch.device,
+                      runner: StepRunner, valid, test_ds, tensorboard: TensorBoardLogger,
+                      iteration: int, progressed) -> None:
+    """After the last iteration: the validation loss (its scalars unless the loop just
+    wrote them) and the test loss."""
+    if valid is not None:
+        evaluated = iteration % config.training.eval_interval == 0
+        evaluate_and_print(f"iteration {iteration} on validation set", runner, valid, config,
+                           tensorboard, None if evaluated else iteration, progressed)
+    if config.training.eval_iters > 0 and test_ds is not None:
+        evaluate_and_print(f"iteration {iteration} on test set", runner,
+                           microbatches(test_ds, 0, config, state, device), config,
+                           tensorboard, None, progressed)
 
 
 def warn_if_save_outlasts_notice(config: Config):

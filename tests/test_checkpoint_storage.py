@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megalite.checkpointing import storage as cs
+from megalite.checkpointing.model_fields import check_model_compatible
 from megalite.errors import CheckpointError, MegaliteError
 
 SHARDS = ["model_tp0_pp0.pt", "optim_dp0.pt"]
@@ -294,13 +295,13 @@ MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_he
 
 def test_compatible_models_pass_despite_padding_and_epsilon():
     current = dict(MODEL, padded_vocab_size=128, norm_epsilon=1e-6)
-    cs.check_model_compatible(json.loads(json.dumps(MODEL)), current)
+    check_model_compatible(json.loads(json.dumps(MODEL)), current)
 
 
 def test_incompatible_model_lists_every_field_with_both_values():
     current = dict(MODEL, num_layers=4, normalization="LayerNorm")
     with pytest.raises(CheckpointError) as info:
-        cs.check_model_compatible(MODEL, current, checkpoint="/ckpt/iter_0000100")
+        check_model_compatible(MODEL, current, checkpoint="/ckpt/iter_0000100")
     message = str(info.value)
     assert "/ckpt/iter_0000100" in message
     assert "num_layers: checkpoint: 2, this run: 4" in message
@@ -312,4 +313,4 @@ def test_incompatible_model_lists_every_field_with_both_values():
 def test_a_field_missing_from_the_checkpoint_is_a_difference():
     saved = {k: v for k, v in MODEL.items() if k != "swiglu"}
     with pytest.raises(CheckpointError, match="swiglu: checkpoint: '<not recorded>'"):
-        cs.check_model_compatible(saved, MODEL)
+        check_model_compatible(saved, MODEL)

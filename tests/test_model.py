@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config import GPTConfig
-from megalite.model.gpt import GPTModel, initial_value
+from megalite.model.gpt import GPTModel
+from megalite.model.init import initial_value
 from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 from megalite.pipeline_parallel.stages import Stage
 from megalite.tensor_parallel.params import single_process_name

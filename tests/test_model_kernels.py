@@ -18,7 +18,8 @@ from megalite.checkpointing.saving import model_file, optim_file
 from megalite.checkpointing.storage import save_tensor_file
 from megalite.model import norms
 from megalite.config import GPTConfig
-from megalite.model.gpt import GPTModel, initial_value
+from megalite.model.gpt import GPTModel
+from megalite.model.init import initial_value
 from megalite.model.rotary import apply_rotary, rotary_frequencies, rotary_table
 from megalite.tensor_parallel.cross_entropy import (vocab_parallel_cross_entropy,
                                                     whole_vocab_cross_entropy)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.expert_parallel.grouped_gemm import grouped_linear
-from megalite.model.gpt import build_model_chunks, initial_value
+from megalite.model.gpt import build_model_chunks
+from megalite.model.init import initial_value
 from megalite.model.moe import MoELayer, set_aux_loss_scale, update_expert_bias
 from megalite.model.transformer import MLP
 

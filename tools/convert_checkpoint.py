@@ -192,7 +192,7 @@ def _check_empty(save: str):
 
 def load_flags(config: GPTConfig) -> list[str]:
     """The pretrain_gpt.py model flags whose config loads this checkpoint (the fields
-    storage.MODEL_FIELDS compares, plus norm_epsilon, which it does not)."""
+    model_fields.MODEL_FIELDS compares, plus norm_epsilon, which it does not)."""
     c = config
     flags = ["--num-layers", c.num_layers, "--hidden-size", c.hidden_size,
              "--ffn-hidden-size", c.ffn_hidden_size, "--num-attention-heads",
@@ -212,7 +212,7 @@ def load_flags(config: GPTConfig) -> list[str]:
 
 
 def moe_flags(c: GPTConfig) -> list:
-    """load_flags' MoE part (storage.MOE_FIELDS); --moe-layer-freq as Megatron's list."""
+    """load_flags' MoE part (model_fields.MOE_FIELDS); --moe-layer-freq as Megatron's list."""
     if not c.num_experts:
         return []
     pattern = [int(c.is_moe_layer(i)) for i in range(c.num_layers)]

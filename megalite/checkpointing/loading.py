@@ -22,8 +22,8 @@ from megalite.checkpointing.compression_state import load_compression_state
 from megalite.checkpointing.saving import (model_fields, model_file, optim_file,
                                            optimizer_shards, rng_file, saved_layout)
 from megalite.checkpointing.state import CheckpointState
-from megalite.checkpointing.storage import (check_model_compatible, find_checkpoint_to_load,
-                                            load_tensor_file, read_metadata)
+from megalite.checkpointing.model_fields import check_model_compatible
+from megalite.checkpointing.storage import find_checkpoint_to_load, load_tensor_file, read_metadata
 from megalite.errors import CheckpointError
 from megalite.tensor_parallel.params import tp_unshard
 

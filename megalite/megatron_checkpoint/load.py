@@ -4,7 +4,7 @@ Every rank reads its parameters of the checkpoint (reader.py: full single-proces
 only the saved stages holding its layers; Adam's state only if it loads it) and keeps its own
 TP shard of each parameter (params.local_shard: the same cut as a megalite checkpoint), at
 any megalite layout. The model must be the one the flags describe (the fields
-storage.check_model_compatible compares, named when they differ). Training continues at
+model_fields.check_model_compatible compares, named when they differ). Training continues at
 the saved iteration, consumed samples and learning-rate step, or at 0 with --finetune, as
 in Megatron. Adam's state is carried over where it maps one to one (optimizer_state.py);
 otherwise a message says the optimizer starts fresh.
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megalite.checkpointing.saving import model_fields
 from megalite.checkpointing.state import CheckpointState, canonical_name, state_buffers
-from megalite.checkpointing.storage import MODEL_FIELDS, check_model_compatible
+from megalite.checkpointing.model_fields import MODEL_FIELDS, check_model_compatible
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint.optimizer_state import adam_state
 from megalite.megatron_checkpoint.reader import MegatronCheckpoint, read_checkpoint
