@@ -25,8 +25,9 @@ converts on load and save, which `hub_state_dict` undoes for a loaded model.
 
 Refused by name (ConfigError), as HF would compute something else: the sigmoid score
 function and expert bias (DeepSeek-V3's router, not Mixtral's or Qwen's), a capacity factor
-(HF drops no tokens); importing, Qwen3-MoE (its QK-norm), Qwen2-MoE's qkv_bias and sliding
-windows, Mixtral's sliding window and router jitter, and a trained shared_expert_gate.
+(HF drops no tokens); Qwen3-MoE (not built: hf_convert.py refuses it), Qwen2-MoE's qkv_bias
+and sliding windows, Mixtral's sliding window and router jitter, and a trained
+shared_expert_gate.
 """
 
 import re
