@@ -12,8 +12,9 @@ rather than exported as a model that computes something different:
   tied or untied embeddings, grouped-query attention as num_key_value_heads.
 - Qwen3 (Qwen3ForCausalLM): Llama style with --qk-layernorm, whose per-head RMSNorms before
   RoPE are HF's q_norm and k_norm (weights of head_dim, shared by all heads, eps rms_norm_eps).
-- Mixtral (MixtralForCausalLM) and Qwen2-MoE (Qwen2MoeForCausalLM): a Llama-style mixture
-  of experts (--num-experts); hf_moe.py says which and maps its router and experts.
+- Mixtral (MixtralForCausalLM), Qwen2-MoE (Qwen2MoeForCausalLM) and, with --qk-layernorm,
+  Qwen3-MoE (Qwen3MoeForCausalLM): a Llama-style mixture of experts (--num-experts);
+  hf_moe.py says which and maps its router and experts.
 
 Layouts (why this is more than a renaming table):
 
@@ -113,9 +114,6 @@ def model_style(c: GPTConfig) -> str:
     if c.qk_layernorm and style == "GPT-2":
         raise ConfigError("qk_layernorm=True: no HuggingFace GPT-2 has QK-norm; Llama style "
                           "with it is Qwen3")
-    if c.qk_layernorm and c.num_experts:
-        raise ConfigError("qk_layernorm=True with num_experts: that is Qwen3-MoE, whose "
-                          "export megalite does not build")
     return style
 
 
@@ -180,18 +178,18 @@ def _hf_config(style: str, c: GPTConfig, vocab: int, **kwargs):
         tie_word_embeddings=not c.untie_embeddings_and_output_weights)}
     if c.qk_layernorm:
         del llama["mlp_bias"]  # Qwen3 has no such field (and no MLP bias)
-        return tf.Qwen3Config(**llama, use_sliding_window=False, **kwargs)
     if not c.num_experts:
-        return tf.LlamaConfig(**llama, **kwargs)
+        cls = tf.Qwen3Config if c.qk_layernorm else tf.LlamaConfig
+        return cls(**llama, **kwargs)
     moe = hf_moe.moe_style(c)
-    cls = tf.MixtralConfig if moe == "Mixtral" else tf.Qwen2MoeConfig
+    cls = getattr(tf, hf_moe.CONFIGS[moe])
     return cls(**{**llama, **hf_moe.config_kwargs(moe, c), **kwargs})
 
 
 def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
                              **hf_config_kwargs):
-    """The HF config (GPT2Config, LlamaConfig, Qwen3Config, MixtralConfig or Qwen2MoeConfig)
-    and the state dict of its *ForCausalLM model (a MoE's experts under the hub's per-expert names),
+    """The HF config (GPT2Config, LlamaConfig, Qwen3Config, or hf_moe.CONFIGS') and the
+    state dict of its *ForCausalLM model (a MoE's experts under the hub's per-expert names),
     lm_head included (the same tensor as the embedding when tied). Tensors may share memory
     with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
     c = model_config
@@ -297,8 +295,8 @@ def _llama_fields(hf) -> dict:
 def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
                    ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(GPTConfig fields, megalite single-process state dict) of a GPT2LMHeadModel,
-    LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM, given as
-    a directory/hub name or a loaded model.
+    LlamaForCausalLM, Qwen3ForCausalLM or a MoE of hf_moe.ARCHITECTURES, given as a
+    directory/hub name or a loaded model.
 
     The fields lack padded_vocab_size and the training-only ones; seq_length is set to
     max_position_embeddings (lower it freely). The vocabulary tensors have vocab_size rows:
@@ -311,20 +309,18 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
         hf = tf.AutoConfig.from_pretrained(hf_dir_or_model)  # refuse before loading weights
     else:
         hf = hf_dir_or_model.config
-    if hf.model_type == "qwen3_moe":
-        raise ConfigError("HF config model_type='qwen3_moe' is not supported: megalite "
-                          "converts Qwen3 (dense) but does not build Qwen3-MoE's import")
     moe = hf.model_type in hf_moe.MODEL_TYPES
     if hf.model_type not in _DENSE_ARCHITECTURES and not moe:
         raise ConfigError(f"HF config model_type={hf.model_type!r} is not supported "
-                          "(megalite converts gpt2, llama, qwen3, mixtral and qwen2_moe)")
+                          "(megalite converts gpt2, llama, qwen3, mixtral, qwen2_moe and "
+                          "qwen3_moe)")
     style = "GPT-2" if hf.model_type == "gpt2" else "Llama"
     fields = {f: getattr(hf, name, None) for name, f in _CONFIG_NAMES[style].items()}
     fields.update(STYLES[style], **(_gpt2_fields(hf, allow_gelu_approximation)
                                     if style == "GPT-2" else _llama_fields(hf)))
     if moe:
         fields.update(hf_moe.moe_fields(hf))
-    if hf.model_type == "qwen3":
+    if hf.model_type in ("qwen3", "qwen3_moe"):
         hf_moe.refuse("use_sliding_window", getattr(hf, "use_sliding_window", False), False)
         for kind in set(getattr(hf, "layer_types", None) or ()):
             hf_moe.refuse("layer_types", kind, "full_attention")
