@@ -10,8 +10,11 @@ rather than exported as a model that computes something different:
   tied embeddings, num_query_groups == num_attention_heads.
 - Llama (LlamaForCausalLM): RMSNorm, SwiGLU, rope with rotary_percent 1.0, no biases,
   tied or untied embeddings, grouped-query attention as num_key_value_heads.
-- Mixtral (MixtralForCausalLM) and Qwen2-MoE (Qwen2MoeForCausalLM): a Llama-style mixture
-  of experts (--num-experts); hf_moe.py says which and maps its router and experts.
+- Qwen3 (Qwen3ForCausalLM): Llama style with --qk-layernorm, whose per-head RMSNorms before
+  RoPE are HF's q_norm and k_norm (weights of head_dim, shared by all heads, eps rms_norm_eps).
+- Mixtral (MixtralForCausalLM), Qwen2-MoE (Qwen2MoeForCausalLM) and, with --qk-layernorm,
+  Qwen3-MoE (Qwen3MoeForCausalLM): a Llama-style mixture of experts (--num-experts);
+  hf_moe.py says which and maps its router and experts.
 
 Layouts (why this is more than a renaming table):
 
@@ -65,6 +68,10 @@ _LLAMA_LAYER = {"input_layernorm": "input_layernorm",
                 "pre_mlp_layernorm": "post_attention_layernorm",
                 "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
                 "mlp.linear_fc2": "mlp.down_proj"}
+_QK_NORMS = {"self_attention.q_layernorm": "self_attn.q_norm",
+             "self_attention.k_layernorm": "self_attn.k_norm"}
+_DENSE_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                        "qwen3": "Qwen3ForCausalLM"}
 _EMBEDDING, _OUTPUT = VOCAB_PARAMS
 # HF config attribute -> GPTConfig field, in both directions; STYLES fixes the rest.
 _CONFIG_NAMES = {
@@ -88,8 +95,8 @@ def _transformers():
 
 
 def model_style(c: GPTConfig) -> str:
-    """"GPT-2" or "Llama"; otherwise a ConfigError naming the fields of the closest style
-    that differ."""
+    """"GPT-2" or "Llama" (Qwen3 with --qk-layernorm); otherwise a ConfigError naming the
+    fields of the closest style that differ."""
     misses = {style: [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in want.items()
                       if getattr(c, k) != v] for style, want in STYLES.items()}
     style = min(misses, key=lambda s: len(misses[s]))
@@ -104,6 +111,9 @@ def model_style(c: GPTConfig) -> str:
     if style == "Llama" and c.rotary_percent != 1.0:
         raise ConfigError(f"Llama style needs rotary_percent=1.0, got {c.rotary_percent}: "
                           "HF Llama rotates every channel of each head")
+    if c.qk_layernorm and style == "GPT-2":
+        raise ConfigError("qk_layernorm=True: no HuggingFace GPT-2 has QK-norm; Llama style "
+                          "with it is Qwen3")
     return style
 
 
@@ -124,7 +134,8 @@ def _name_pairs(style: str, c: GPTConfig) -> list[tuple[str, tuple[str, ...], bo
     moe = hf_moe.moe_style(c) if c.num_experts else None
     for i in range(c.num_layers):
         prefix = f"{top}{'h' if gpt2 else 'layers'}.{i}."
-        layer = _GPT2_LAYER if gpt2 else _LLAMA_LAYER
+        layer = _GPT2_LAYER if gpt2 else {**_LLAMA_LAYER,
+                                          **(_QK_NORMS if c.qk_layernorm else {})}
         experts = hf_moe.layer_modules(moe, c, i) if moe else {}
         if experts:
             layer = {**{k: v for k, v in layer.items() if not k.startswith("mlp.")}, **experts}
@@ -165,17 +176,20 @@ def _hf_config(style: str, c: GPTConfig, vocab: int, **kwargs):
         hidden_act="silu", rope_theta=float(c.rotary_base), attention_bias=False, mlp_bias=False,
         attention_dropout=c.attention_dropout,
         tie_word_embeddings=not c.untie_embeddings_and_output_weights)}
+    if c.qk_layernorm:
+        del llama["mlp_bias"]  # Qwen3 has no such field (and no MLP bias)
     if not c.num_experts:
-        return tf.LlamaConfig(**llama, **kwargs)
+        cls = tf.Qwen3Config if c.qk_layernorm else tf.LlamaConfig
+        return cls(**llama, **kwargs)
     moe = hf_moe.moe_style(c)
-    cls = tf.MixtralConfig if moe == "Mixtral" else tf.Qwen2MoeConfig
+    cls = getattr(tf, hf_moe.CONFIGS[moe])
     return cls(**{**llama, **hf_moe.config_kwargs(moe, c), **kwargs})
 
 
 def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
                              **hf_config_kwargs):
-    """The HF config (GPT2Config, LlamaConfig, MixtralConfig or Qwen2MoeConfig) and the state
-    dict of its *ForCausalLM model (a MoE's experts under the hub's per-expert names),
+    """The HF config (GPT2Config, LlamaConfig, Qwen3Config, or hf_moe.CONFIGS') and the
+    state dict of its *ForCausalLM model (a MoE's experts under the hub's per-expert names),
     lm_head included (the same tensor as the embedding when tied). Tensors may share memory
     with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
     c = model_config
@@ -219,7 +233,7 @@ def export_to_hf(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
         hf = {name: t.to(dtype) for name, t in hf.items()}
     if model_config.num_experts:
         return _save_hub_files(config, hf, output_dir)
-    cls = tf.GPT2LMHeadModel if config.model_type == "gpt2" else tf.LlamaForCausalLM
+    cls = getattr(tf, _DENSE_ARCHITECTURES[config.model_type])
     with torch.device("meta"):  # no random init of weights that are overwritten anyway
         model = cls(config)
     model.load_state_dict(hf, strict=True, assign=True)
@@ -281,8 +295,8 @@ def _llama_fields(hf) -> dict:
 def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
                    ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(GPTConfig fields, megalite single-process state dict) of a GPT2LMHeadModel,
-    LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM, given as a directory/hub
-    name or a loaded model.
+    LlamaForCausalLM, Qwen3ForCausalLM or a MoE of hf_moe.ARCHITECTURES, given as a
+    directory/hub name or a loaded model.
 
     The fields lack padded_vocab_size and the training-only ones; seq_length is set to
     max_position_embeddings (lower it freely). The vocabulary tensors have vocab_size rows:
@@ -295,19 +309,22 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
         hf = tf.AutoConfig.from_pretrained(hf_dir_or_model)  # refuse before loading weights
     else:
         hf = hf_dir_or_model.config
-    if hf.model_type == "qwen3_moe":
-        raise ConfigError("HF config model_type='qwen3_moe' is not supported: its q_norm and "
-                          "k_norm (QK layernorm) have no megalite counterpart")
     moe = hf.model_type in hf_moe.MODEL_TYPES
-    if hf.model_type not in ("gpt2", "llama") and not moe:
+    if hf.model_type not in _DENSE_ARCHITECTURES and not moe:
         raise ConfigError(f"HF config model_type={hf.model_type!r} is not supported "
-                          "(megalite converts gpt2, llama, mixtral and qwen2_moe)")
+                          "(megalite converts gpt2, llama, qwen3, mixtral, qwen2_moe and "
+                          "qwen3_moe)")
     style = "GPT-2" if hf.model_type == "gpt2" else "Llama"
     fields = {f: getattr(hf, name, None) for name, f in _CONFIG_NAMES[style].items()}
     fields.update(STYLES[style], **(_gpt2_fields(hf, allow_gelu_approximation)
                                     if style == "GPT-2" else _llama_fields(hf)))
     if moe:
         fields.update(hf_moe.moe_fields(hf))
+    if hf.model_type in ("qwen3", "qwen3_moe"):
+        hf_moe.refuse("use_sliding_window", getattr(hf, "use_sliding_window", False), False)
+        for kind in set(getattr(hf, "layer_types", None) or ()):
+            hf_moe.refuse("layer_types", kind, "full_attention")
+        fields.update(qk_layernorm=True)
     heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
     fields.update(seq_length=fields["max_position_embeddings"], vocab_size=hf.vocab_size,
                   ffn_hidden_size=fields["ffn_hidden_size"] or 4 * hidden,  # GPT-2's n_inner

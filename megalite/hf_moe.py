@@ -16,6 +16,8 @@ hf_convert.py does the rest (attention, norms, embeddings: Llama's mapping) and 
   both factors are powers of two, so HF computes megalite's numbers; the import takes only
   a zero gate and halves down_proj back (bit-exact both ways). Without shared experts the
   HF shared expert has width 0 (`shared_expert_intermediate_size` 0), which adds zero.
+- Qwen3-MoE (Qwen3MoeForCausalLM): a model with --qk-layernorm (hf_convert.py maps the
+  norms, as for Qwen3); Qwen2-MoE's router and dense layers, no shared expert.
 
 Per expert, megalite's fc1 [E, 2F, h] holds [gate; up] of each expert (HF w1 and w3, or
 gate_proj and up_proj) and fc2 [E, h, F] its down projection (w2, down_proj). The names
@@ -25,8 +27,9 @@ converts on load and save, which `hub_state_dict` undoes for a loaded model.
 
 Refused by name (ConfigError), as HF would compute something else: the sigmoid score
 function and expert bias (DeepSeek-V3's router, not Mixtral's or Qwen's), a capacity factor
-(HF drops no tokens); importing, Qwen3-MoE (its QK-norm), Qwen2-MoE's qkv_bias and sliding
-windows, Mixtral's sliding window and router jitter, and a trained shared_expert_gate.
+(HF drops no tokens), a shared expert with --qk-layernorm (Qwen3-MoE has none); importing,
+Qwen2-MoE's qkv_bias and sliding windows, Mixtral's sliding window and router jitter, and a
+trained shared_expert_gate.
 """
 
 import re
@@ -36,12 +39,16 @@ import torch
 from megalite.config import GPTConfig
 from megalite.errors import ConfigError
 
-MODEL_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-_BLOCK = {"Mixtral": "block_sparse_moe", "Qwen2-MoE": "mlp"}
+MODEL_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+CONFIGS = {"Mixtral": "MixtralConfig", "Qwen2-MoE": "Qwen2MoeConfig",
+           "Qwen3-MoE": "Qwen3MoeConfig"}
+_BLOCK = {"Mixtral": "block_sparse_moe", "Qwen2-MoE": "mlp", "Qwen3-MoE": "mlp"}
 # Per expert: HF names of (gate, up) and of down.
 _EXPERT = {"Mixtral": (("w1", "w3"), ("w2",)),
-           "Qwen2-MoE": (("gate_proj", "up_proj"), ("down_proj",))}
+           "Qwen2-MoE": (("gate_proj", "up_proj"), ("down_proj",)),
+           "Qwen3-MoE": (("gate_proj", "up_proj"), ("down_proj",))}
 _SHARED = "shared_expert"
 _SHARED_GATE = "shared_expert_gate.weight"
 
@@ -52,16 +59,22 @@ def moe_layers(c: GPTConfig) -> list[bool]:
 
 
 def moe_style(c: GPTConfig) -> str:
-    """"Mixtral" or "Qwen2-MoE" for a MoE model (Llama style otherwise), or a ConfigError
-    naming what neither computes."""
+    """"Mixtral", "Qwen2-MoE" or, with --qk-layernorm, "Qwen3-MoE" for a MoE model (Llama
+    style otherwise), or a ConfigError naming what none computes."""
     refused = {"moe_router_score_function": (c.moe_router_score_function, "softmax"),
                "moe_router_enable_expert_bias": (c.moe_router_enable_expert_bias, False),
                "moe_expert_capacity_factor": (c.moe_expert_capacity_factor, None)}
     differing = [f"{name}={value!r} (needs {want!r})"
                  for name, (value, want) in refused.items() if value != want]
     if differing:
-        raise ConfigError(f"no HuggingFace MoE model (Mixtral, Qwen2-MoE) computes this "
-                          f"model's routing: {', '.join(differing)}")
+        raise ConfigError(f"no HuggingFace MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE) computes "
+                          f"this model's routing: {', '.join(differing)}")
+    if c.qk_layernorm:
+        if c.moe_shared_expert_intermediate_size:
+            raise ConfigError("qk_layernorm=True with moe_shared_expert_intermediate_size="
+                              f"{c.moe_shared_expert_intermediate_size}: Qwen3-MoE, the "
+                              "HuggingFace MoE model with QK-norm, has no shared expert")
+        return "Qwen3-MoE"
     mixtral = (all(moe_layers(c)) and not c.moe_shared_expert_intermediate_size
                and not c.moe_router_pre_softmax)
     return "Mixtral" if mixtral else "Qwen2-MoE"
@@ -98,11 +111,14 @@ def config_kwargs(style: str, c: GPTConfig) -> dict:
         return dict(k, num_local_experts=c.num_experts, intermediate_size=c.moe_ffn_hidden_size,
                     router_jitter_noise=0.0, sliding_window=None)
     pattern = moe_layers(c)
-    return dict(k, num_experts=c.num_experts, moe_intermediate_size=c.moe_ffn_hidden_size,
-                shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size or 0,
+    qwen = dict(k, num_experts=c.num_experts, moe_intermediate_size=c.moe_ffn_hidden_size,
                 norm_topk_prob=not c.moe_router_pre_softmax, decoder_sparse_step=1,
                 mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
-                qkv_bias=False, use_sliding_window=False)
+                use_sliding_window=False)
+    if style == "Qwen3-MoE":
+        return qwen
+    return dict(qwen, shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size or 0,
+                qkv_bias=False)
 
 
 def add_shared_expert_gate(style: str, c: GPTConfig, hf: dict[str, torch.Tensor],
@@ -181,7 +197,8 @@ def moe_fields(hf) -> dict:
         return dict(fields, num_experts=hf.num_local_experts, moe_layer_pattern=(True,) * layers,
                     moe_ffn_hidden_size=hf.intermediate_size,
                     ffn_hidden_size=hf.intermediate_size, moe_router_pre_softmax=False)
-    refuse("qkv_bias", getattr(hf, "qkv_bias", True), False)
+    if style == "Qwen2-MoE":
+        refuse("qkv_bias", getattr(hf, "qkv_bias", True), False)
     refuse("use_sliding_window", getattr(hf, "use_sliding_window", False), False)
     skipped = set(hf.mlp_only_layers or ())
     pattern = tuple(i not in skipped and (i + 1) % hf.decoder_sparse_step == 0
@@ -189,5 +206,6 @@ def moe_fields(hf) -> dict:
     return dict(fields, num_experts=hf.num_experts, moe_layer_pattern=pattern,
                 moe_ffn_hidden_size=hf.moe_intermediate_size,
                 ffn_hidden_size=hf.intermediate_size,
-                moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size or None,
+                moe_shared_expert_intermediate_size=getattr(
+                    hf, "shared_expert_intermediate_size", None) or None,
                 moe_router_pre_softmax=not hf.norm_topk_prob)

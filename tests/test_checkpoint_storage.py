@@ -14,7 +14,10 @@ import torch
 
 from megalite.checkpointing import storage as cs
 from megalite.checkpointing.model_fields import check_model_compatible
+from megalite.checkpointing.saving import model_fields
 from megalite.errors import CheckpointError, MegaliteError
+
+from tests.helpers import tiny_gpt_config
 
 SHARDS = ["model_tp0_pp0.pt", "optim_dp0.pt"]
 
@@ -314,3 +317,14 @@ def test_a_field_missing_from_the_checkpoint_is_a_difference():
     saved = {k: v for k, v in MODEL.items() if k != "swiglu"}
     with pytest.raises(CheckpointError, match="swiglu: checkpoint: '<not recorded>'"):
         check_model_compatible(saved, MODEL)
+
+
+def test_qk_layernorm_is_recorded_only_when_set():
+    """A checkpoint from before --qk-layernorm (no such field) still matches a model without
+    it; a model with it and one without are refused by name, either way round."""
+    plain, qk = (model_fields(tiny_gpt_config(qk_layernorm=on)) for on in (False, True))
+    assert "qk_layernorm" not in plain and qk["qk_layernorm"] is True
+    check_model_compatible(plain, plain)
+    for saved, current in ((plain, qk), (qk, plain)):
+        with pytest.raises(CheckpointError, match="qk_layernorm: checkpoint"):
+            check_model_compatible(saved, current)

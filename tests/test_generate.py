@@ -16,8 +16,9 @@ STYLES = {
     # Learned positions, LayerNorm, GeLU, biases, tied output; 61 of 64 vocabulary rows
     # are real, so the padding must never be drawn.
     "gpt2": dict(vocab_size=61),
-    # RoPE, RMSNorm, SwiGLU, GQA (4 heads, 2 K/V groups), no biases, untied output.
-    "llama": dict(LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=96),
+    # RoPE, RMSNorm, SwiGLU, GQA (4 heads, 2 K/V groups), no biases, untied output, and
+    # QK-norm (Qwen3): the cache holds keys normalised, then rotated.
+    "llama": dict(LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=96, qk_layernorm=True),
 }
 PROMPT = [[5, 17, 3, 42, 8, 8, 29]]
 NEW_TOKENS = 12

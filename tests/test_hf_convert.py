@@ -1,5 +1,5 @@
 """HF conversion against the HF models themselves: the same weights must give the same
-logits in megalite and in transformers' own GPT-2 / Llama code, in both directions."""
+logits in megalite and in transformers' own GPT-2 / Llama / Qwen3 code, in both directions."""
 
 import pytest
 import torch
@@ -19,6 +19,8 @@ from tests.helpers import LLAMA_STYLE as LLAMA, tiny_gpt_config  # noqa: E402
 VOCAB, PADDED = 101, 128
 GPT2_STYLE = {}
 LLAMA_STYLE = dict(LLAMA, num_query_groups=2, ffn_hidden_size=96, rotary_base=500000)
+# Qwen3's head_dim (kv_channels) need not be hidden / heads.
+QWEN3_STYLE = dict(LLAMA_STYLE, qk_layernorm=True, kv_channels=24, norm_epsilon=1e-6)
 
 
 def make_config(**kw) -> GPTConfig:
@@ -67,7 +69,8 @@ def load_hf(directory):
     (LLAMA_STYLE, "LlamaForCausalLM"),
     ({**LLAMA_STYLE, "untie_embeddings_and_output_weights": False, "num_query_groups": 1},
      "LlamaForCausalLM"),
-], ids=["gpt2", "llama-gqa-untied", "llama-mqa-tied"])
+    (QWEN3_STYLE, "Qwen3ForCausalLM"),
+], ids=["gpt2", "llama-gqa-untied", "llama-mqa-tied", "qwen3"])
 def test_export_matches_hf_logits(tmp_path, style, hf_class):
     config = make_config(**style)
     model = random_model(config)
@@ -78,7 +81,7 @@ def test_export_matches_hf_logits(tmp_path, style, hf_class):
     tied = not config.untie_embeddings_and_output_weights
     assert hf_model.config.tie_word_embeddings == tied
     assert hf_model.config.vocab_size == VOCAB
-    torch.testing.assert_close(hf_logits(hf_model), megalite_logits(model), atol=1e-4, rtol=0)
+    torch.testing.assert_close(hf_logits(hf_model), megalite_logits(model), atol=1e-5, rtol=0)
 
 
 def test_export_dtype_and_overwrite(tmp_path):
@@ -102,11 +105,14 @@ def tiny_hf_model(kind: str, **kw):
             bos_token_id=None, eos_token_id=None), **kw})
         model = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.LlamaConfig(
+        qwen3 = kind == "qwen3"
+        config = (transformers.Qwen3Config if qwen3 else transformers.LlamaConfig)(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-            rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=None, eos_token_id=None, **kw)
-        model = transformers.LlamaForCausalLM(config)
+            rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=None, eos_token_id=None,
+            **(dict(head_dim=24) if qwen3 else {}), **kw)
+        model = (transformers.Qwen3ForCausalLM if qwen3 else transformers.LlamaForCausalLM)(
+            config)
     with torch.no_grad():  # norms and biases away from their 1 / 0 init
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -116,8 +122,8 @@ def tiny_hf_model(kind: str, **kw):
 
 
 @pytest.mark.parametrize("kind, kw", [("gpt2", {}), ("llama", {}),
-                                      ("llama", dict(tie_word_embeddings=True))],
-                         ids=["gpt2", "llama-untied", "llama-tied"])
+                                      ("llama", dict(tie_word_embeddings=True)), ("qwen3", {})],
+                         ids=["gpt2", "llama-untied", "llama-tied", "qwen3"])
 def test_import_matches_hf_logits(kind, kw):
     assert_imports_to_hf_logits(tiny_hf_model(kind, **kw))
 
@@ -129,10 +135,11 @@ def assert_imports_to_hf_logits(hf_model) -> None:
                        hidden_dropout=0.0, attention_backend="sdpa")
     model = GPTModel(config, seed=1).eval()
     model.load_state_dict(pad_vocab(state, PADDED), strict=True)
-    torch.testing.assert_close(megalite_logits(model), hf_logits(hf_model), atol=1e-4, rtol=0)
+    torch.testing.assert_close(megalite_logits(model), hf_logits(hf_model), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("style", [GPT2_STYLE, LLAMA_STYLE], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("style", [GPT2_STYLE, LLAMA_STYLE, QWEN3_STYLE],
+                         ids=["gpt2", "llama", "qwen3"])
 def test_round_trip_is_bitwise(tmp_path, style):
     config = make_config(**style)
     state = random_model(config).state_dict()
@@ -153,6 +160,7 @@ def test_round_trip_is_bitwise(tmp_path, style):
     ({**LLAMA_STYLE, "add_bias_linear": True}, "add_bias_linear"),
     ({**LLAMA_STYLE, "rotary_percent": 0.5}, "rotary_percent"),
     (dict(num_query_groups=2), "num_query_groups"),
+    (dict(qk_layernorm=True), "qk_layernorm"),
 ])
 def test_unsupported_config_is_refused(kw, field):
     config = make_config(**kw)
@@ -172,6 +180,7 @@ def test_state_dict_must_match_config():
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window"),
 ])
 def test_unsupported_hf_config_is_refused(kind, kw, field):
     with pytest.raises(ConfigError, match=field):

@@ -311,10 +311,15 @@ def test_export_at_tp2_is_megatrons_split(tmp_path):
 
 
 def test_gpt2_style_export_reimports_to_the_same_logits(tmp_path):
-    """LayerNorm with biases, GeLU, learned positions, tied embeddings; exported at TP 2
-    PP 2 (the last stage keeps its copy of the tied output layer, as Megatron does)."""
-    config = tiny_gpt_config(vocab_size=64)
+    """LayerNorm with biases, GeLU, learned positions, tied embeddings, --qk-layernorm
+    (Megatron's self_attention.{q,k}_layernorm, away from their 1 / 0 init); exported at
+    TP 2 PP 2 (the last stage keeps its copy of the tied output layer, as Megatron does)."""
+    config = tiny_gpt_config(vocab_size=64, qk_layernorm=True)
     model = GPTModel(config, seed=3).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_layernorm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     write_megalite_checkpoint(tmp_path / "a", config, model.state_dict(), 7, 0, 0, None, {})
     for fmt in ("torch", "torch_dist"):
         out = tmp_path / f"m_{fmt}"

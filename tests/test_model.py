@@ -34,13 +34,15 @@ def closed_form_parameter_count(c: GPTConfig) -> int:
     embeddings = V * h + (c.max_position_embeddings * h
                           if c.position_embedding_type == "learned_absolute" else 0)
     output = V * h if c.untie_embeddings_and_output_weights else 0
-    return embeddings + L * (2 * norm + attention + mlp) + norm + output
+    qk_norms = 2 * norm // h * c.kv_channels if c.qk_layernorm else 0
+    return embeddings + L * (2 * norm + qk_norms + attention + mlp) + norm + output
 
 
 @pytest.mark.parametrize("kw", [
     {},
     dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope"),
     dict(num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True),
+    dict(qk_layernorm=True), dict(qk_layernorm=True, normalization="RMSNorm"),
     dict(num_query_groups=1, kv_channels=8, num_layers=3, ffn_hidden_size=96,
          max_position_embeddings=64),
 ])
@@ -50,15 +52,16 @@ def test_parameter_count_closed_form(kw):
     assert sum(p.numel() for p in model.parameters()) == closed_form_parameter_count(c)
 
 
-def reference_attention(layer, x, config):
+def reference_attention(layer, x, config, transform_qk=lambda q, k: (q, k)):
     """softmax(QK^T / sqrt(d) + causal mask) V, with each K/V head repeated over its
     query group, computed explicitly from the layer's weights (Megatron's per-group
-    [q..., k, v] row layout of the fused QKV weight)."""
+    [q..., k, v] row layout of the fused QKV weight); `transform_qk` maps the query heads
+    [s, b, n, d] and K heads [s, b, g, d] before attention."""
     s, b, _ = x.shape
     n, g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
     qkv = (x @ layer.linear_qkv.weight.t() + layer.linear_qkv.bias).view(s, b, g, n // g + 2, d)
-    q = qkv[:, :, :, : n // g].reshape(s, b, n, d)
-    k = qkv[:, :, :, -2].repeat_interleave(n // g, dim=2)
+    q, k = transform_qk(qkv[:, :, :, : n // g].reshape(s, b, n, d), qkv[:, :, :, -2])
+    k = k.repeat_interleave(n // g, dim=2)
     v = qkv[:, :, :, -1].repeat_interleave(n // g, dim=2)
     scores = torch.einsum("sbnd,tbnd->bnst", q, k) / math.sqrt(d)
     scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), 1), -math.inf)
@@ -73,6 +76,31 @@ def test_attention_matches_explicit_reference(groups):
     torch.nn.init.normal_(layer.linear_qkv.bias)  # biases start at 0; exercise them
     x = torch.randn(16, 3, 64)
     torch.testing.assert_close(layer(x, None), reference_attention(layer, x, c),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+def test_qk_layernorm_matches_explicit_reference(groups):
+    """--qk-layernorm: each head's q and k times rsqrt(mean of squares + eps) times one
+    weight of kv_channels shared by all heads, before RoPE (random weights: a norm after
+    RoPE, or a weight per head, would differ)."""
+    c = make_config(num_query_groups=groups, qk_layernorm=True, normalization="RMSNorm",
+                    norm_epsilon=1e-3, position_embedding_type="rope")
+    model = GPTModel(c, seed=3)
+    layer = model.decoder.layers["0"].self_attention
+    assert layer.q_layernorm.weight.shape == layer.k_layernorm.weight.shape == (16,)
+    with torch.no_grad():
+        for p in (layer.linear_qkv.bias, layer.q_layernorm.weight, layer.k_layernorm.weight):
+            p.normal_()
+    x, table = torch.randn(16, 3, 64), model.rope_table(torch.device("cpu"))
+
+    def normalise_then_rotate(q, k):
+        q, k = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-3) * norm.weight
+                for t, norm in ((q, layer.q_layernorm), (k, layer.k_layernorm)))
+        return apply_rotary(q, table[:16]), apply_rotary(k, table[:16])
+
+    torch.testing.assert_close(layer(x, table),
+                               reference_attention(layer, x, c, normalise_then_rotate),
                                rtol=1e-5, atol=1e-5)
 
 

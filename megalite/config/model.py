@@ -36,6 +36,9 @@ class GPTConfig:
                               help="The norm layers.")
     norm_epsilon: float = flag(1e-5, help="Added to the variance in each normalization.")
     swiglu: bool = flag(False, help="SwiGLU MLP instead of GeLU.")
+    qk_layernorm: bool = flag(
+        False, help="Normalize each head's query and key (--normalization, one weight of "
+                    "kv_channels shared by all heads) before RoPE (Qwen3, OLMo 2).")
     add_bias_linear: bool = flag(True, "--disable-bias-linear",
                                  help="No biases in linear layers.")
     untie_embeddings_and_output_weights: bool = flag(

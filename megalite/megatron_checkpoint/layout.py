@@ -36,10 +36,10 @@ LAYER_PREFIX = "decoder.layers."
 # Megatron args -> GPTConfig fields megalite reads, with Megatron's defaults.
 _ARG_DEFAULTS = dict(position_embedding_type="learned_absolute", rotary_base=10000,
                      rotary_percent=1.0, normalization="LayerNorm", norm_epsilon=1e-5,
-                     swiglu=False, add_bias_linear=True,
+                     swiglu=False, qk_layernorm=False, add_bias_linear=True,
                      untie_embeddings_and_output_weights=False, init_method_std=0.02)
 # Megatron features megalite's model does not have (set in args: refused).
-_UNSUPPORTED = ("qk_layernorm", "rotary_interleaved", "squared_relu",
+_UNSUPPORTED = ("rotary_interleaved", "squared_relu",
                 "openai_gelu", "apply_residual_connection_post_layernorm",
                 "multi_latent_attention", "use_rope_scaling",
                 "rotary_seq_len_interpolation_factor", "decoder_first_pipeline_num_layers",
@@ -88,7 +88,8 @@ def args_for(config: GPTConfig, tp: int, pp: int, divisible_by: int,
         seq_length=c.seq_length, max_position_embeddings=c.max_position_embeddings,
         position_embedding_type=c.position_embedding_type, rotary_base=c.rotary_base,
         rotary_percent=c.rotary_percent, normalization=c.normalization,
-        norm_epsilon=c.norm_epsilon, swiglu=c.swiglu, add_bias_linear=c.add_bias_linear,
+        norm_epsilon=c.norm_epsilon, swiglu=c.swiglu, qk_layernorm=c.qk_layernorm,
+        add_bias_linear=c.add_bias_linear,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
         init_method_std=c.init_method_std, vocab_size=c.vocab_size,
         make_vocab_size_divisible_by=divisible_by,

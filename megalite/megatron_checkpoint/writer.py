@@ -39,7 +39,9 @@ LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linea
            "mlp.linear_fc2")
 # A layer's modules in megatron.core's registration order (its state-dict order).
 LAYER_MODULES = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
+                 "self_attention.q_layernorm", "self_attention.k_layernorm",
                  "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
+QK_NORMS = LAYER_MODULES[3:5]  # with qk_layernorm only
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
 
@@ -133,6 +135,8 @@ def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> l
         prefix = f"{layout.LAYER_PREFIX}{i}."
         moe_mlp = moe.layer_mlp_names(config, i)
         for module in LAYER_MODULES:
+            if module in QK_NORMS and not config.qk_layernorm:
+                continue
             if moe_mlp is not None and module.startswith("mlp."):
                 if module == LAYER_MODULES[-1]:
                     names += [prefix + n for n in moe_mlp]

@@ -15,6 +15,7 @@ from megalite.attention_backends import core_attention
 from megalite.context_parallel import context_parallel_attention
 from megalite.documents import Documents
 from megalite.config import GPTConfig
+from megalite.model.norms import build_norm
 from megalite.model.rotary import apply_rotary
 from megalite.parallel_state import group_size
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -45,6 +46,12 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(c.query_projection_size, c.hidden_size,
                                              group=tp_group, bias=c.add_bias_linear,
                                              sequence_parallel=c.sequence_parallel, fp8=fp8)
+        if c.qk_layernorm:
+            # One weight per channel, shared by all heads; each TP rank normalises its own
+            # heads, so its gradient is a partial sum over TP (SP or not), as the router's.
+            tp_split = group_size(tp_group) > 1
+            self.q_layernorm = build_norm(c, c.kv_channels, partial_grad=tp_split)
+            self.k_layernorm = build_norm(c, c.kv_channels, partial_grad=tp_split)
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None, documents: Documents | None = None) -> torch.Tensor:
@@ -63,6 +70,8 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(s, b, self.num_groups * self.heads_per_group, c.kv_channels)
         k, v = k.squeeze(3), v.squeeze(3)
+        if c.qk_layernorm:  # per head, before RoPE (Megatron, Qwen3)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope_table is not None:  # cos/sin for every position of x's rows
             q, k = apply_rotary(q, rope_table[:s]), apply_rotary(k, rope_table[:s])
         # Backends take [batch, seq, heads, dim]; grouped K/V heads stay grouped.

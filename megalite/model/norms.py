@@ -33,12 +33,17 @@ class LayerNorm(nn.LayerNorm):
         return super().forward(x).to(x.dtype)
 
 
-def build_norm(config: GPTConfig) -> nn.Module:
+def build_norm(config: GPTConfig, size: int | None = None,
+               partial_grad: bool | None = None) -> nn.Module:
+    """A norm over the last `size` channels (default hidden_size). `partial_grad`: whether
+    each TP rank's gradient is a partial sum to all-reduce over TP (params.py); by default,
+    under SP, where the norm is fed this rank's sequence shard."""
+    size = size or config.hidden_size
     if config.normalization == "RMSNorm":
-        norm = RMSNorm(config.hidden_size, config.norm_epsilon)
+        norm = RMSNorm(size, config.norm_epsilon)
     else:
-        norm = LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+        norm = LayerNorm(size, eps=config.norm_epsilon)
     for param in norm.parameters():
-        # Fed this rank's sequence shard under SP: a partial grad (params.py).
-        mark_sequence_parallel(param, config.sequence_parallel)
+        mark_sequence_parallel(param, config.sequence_parallel if partial_grad is None
+                               else partial_grad)
     return norm

@@ -30,10 +30,13 @@ BASE = tiny_gpt_config(hidden_size=64, ffn_hidden_size=128, num_attention_heads=
 CASES = {
     "gpt2-style": {},
     "gpt2-style, sequence parallel": dict(sequence_parallel=True),
-    "llama-style (GQA, SwiGLU, RMSNorm, RoPE, untied, no bias), sequence parallel": dict(
-        LLAMA_STYLE, num_query_groups=4, sequence_parallel=True),
-    "llama-style": dict(num_query_groups=4, swiglu=True, normalization="RMSNorm",
-                        position_embedding_type="rope", add_bias_linear=False),
+    # --qk-layernorm: its weights are replicated over TP but each rank normalises its own
+    # heads, so their gradients are partial sums, with SP and without.
+    "llama-style (GQA, SwiGLU, RMSNorm, RoPE, untied, no bias, QK-norm), sequence parallel":
+        dict(LLAMA_STYLE, num_query_groups=4, sequence_parallel=True, qk_layernorm=True),
+    "llama-style, QK-norm": dict(num_query_groups=4, swiglu=True, normalization="RMSNorm",
+                                 position_embedding_type="rope", add_bias_linear=False,
+                                 qk_layernorm=True),
 }
 
 
