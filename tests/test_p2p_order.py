@@ -197,7 +197,7 @@ class RecordingCommunicator:
 def test_executor_posts_the_plan(kind, p, m, v):
     weight = torch.ones(2, requires_grad=True)
 
-    def chunk(x, labels):
+    def chunk(x, labels, document_starts=None):  # a model chunk's signature
         return x.float() * weight
 
     microbatches = [{"tokens": torch.ones(2), "labels": None} for _ in range(m)]
@@ -214,7 +214,7 @@ def test_executor_posts_the_plan(kind, p, m, v):
 def test_executor_posts_the_plan_of_gpipe_and_zb_h1(kind, p, m):
     weight = torch.ones(2, requires_grad=True)
 
-    def chunk(x, labels):
+    def chunk(x, labels, document_starts=None):  # a model chunk's signature
         return x.float() * weight
 
     microbatches = [{"tokens": torch.ones(2), "labels": None} for _ in range(m)]
