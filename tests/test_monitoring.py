@@ -325,9 +325,11 @@ import sys, threading, time
 from megalite.checkpointing import saving
 from megalite.train_step import StepRunner
 from megalite.training import pretrain
-write, step, calls = saving.save_tensor_file, StepRunner.train_step, []
+write, step, calls, writes = saving.save_tensor_file, StepRunner.train_step, [], []
 def save_tensor_file(obj, path):
-    time.sleep(7.0)
+    writes.append(1)
+    if len(writes) == 1:  # one slow file is enough
+        time.sleep(7.0)
     write(obj, path)
 def train_step(self, batches):
     calls.append(1)
