@@ -7,7 +7,6 @@ environment) and as a plain `python pretrain_gpt.py` (a one-rank group on loopba
 import datetime
 import os
 import random
-import socket
 import time
 import uuid
 
@@ -17,13 +16,7 @@ import torch.distributed as dist
 
 from megalite.config import DistributedConfig
 from megalite.errors import ConfigError
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megalite.network import free_port
 
 
 def world_size_from_env() -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from megalite.arguments import parse_args
 from megalite.errors import ConfigError, MegaliteError
-from megalite.initialize import free_port
+from megalite.network import free_port
 
 LOG_GRACE_S = 2.0
 """Ray forwards the ranks' output from their log files every few hundred milliseconds: a

@@ -42,7 +42,7 @@ from megalite.checkpointing.storage import (checkpoint_values, find_checkpoint_t
                                            load_tensor_file)
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
-from megalite.initialize import free_port
+from megalite.network import free_port
 # The layout comparisons live in the package, shared with tools/check_cluster.py.
 from megalite.layout_check import (gather_tensor_parallel, reference_name,  # noqa: F401
                                    step_problems, tensor_problem)

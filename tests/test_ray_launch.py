@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megalite.checkpointing.storage import TRACKER_FILENAME
-from megalite.initialize import free_port
+from megalite.network import free_port
 from megalite.spawn import run_distributed
 from megalite.training_log import parse_log
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megalite.arguments import parse_args
 from megalite.checkpointing import load_checkpoint, save_checkpoint
 from megalite.checkpointing.state import CheckpointState, TrainState
-from megalite.initialize import free_port
+from megalite.network import free_port
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.parallel_state import ParallelState
 from megalite.train_step import StepRunner

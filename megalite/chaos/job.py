@@ -10,22 +10,17 @@ every process, stamped with its arrival time, goes to one queue and one log file
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from megalite.network import free_port
+
 TAG = "MEGALITE_CHAOS_RUN"
 ROOT = Path(__file__).resolve().parents[2]
 INJECT = ["-m", "megalite.chaos.inject"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _environ(pid: int) -> dict[bytes, bytes]:

@@ -9,13 +9,14 @@ Imports neither torch nor boto3: a benchmark's smoke run starts in a second.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from contextlib import contextmanager
 from typing import Iterator
+
+from megalite.network import free_port
 
 DUMMY_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                      "AWS_DEFAULT_REGION": "us-east-1"}
@@ -38,9 +39,7 @@ def s3_server(server_env: dict[str, str] | None = None) -> Iterator[dict[str, st
     """moto's server on a free port of 127.0.0.1 for the block (`server_env` added to its
     environment: INITIAL_NO_AUTH_ACTION_COUNT=0 makes it check credentials); yields the
     environment that points boto3 at it."""
-    with socket.socket() as s:  # as initialize.free_port, which would import torch
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                                 str(port)], env={**os.environ, **(server_env or {})},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

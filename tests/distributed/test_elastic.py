@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir, read_metadata
-from megalite.initialize import free_port
+from megalite.network import free_port
 from megalite.training_log import parse_log
 
 from tests.helpers import flags_with
