@@ -16,7 +16,7 @@ from megalite.documents import Documents
 from megalite.config import GPTConfig
 from megalite.model.init import initialize_parameters
 from megalite.model.norms import build_norm
-from megalite.model.rotary import rotary_frequencies, rotary_table
+from megalite.model.rotary import mla_rotary_table, rotary_frequencies, rotary_table
 from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
@@ -172,11 +172,15 @@ class GPTModel(nn.Module):
         .to(bfloat16) would round it, and bf16 angles of neighbouring positions above 256
         are equal."""
         c = self.config
-        if c.position_embedding_type != "rope":
+        if c.position_embedding_type != "rope" and not c.multi_latent_attention:
             return None
         if self._rotary is None or self._rotary.device != device:
-            self._rotary_full = rotary_table(rotary_frequencies(
-                c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base, device=device))
+            if c.multi_latent_attention:  # its RoPE part's own (YaRN's with --rope-type yarn)
+                self._rotary_full = mla_rotary_table(c, device)
+            else:
+                self._rotary_full = rotary_table(rotary_frequencies(
+                    c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base,
+                    device=device))
             self._rotary = self._rotary_full
             cp = group_size(self.cp_group)
             if cp > 1:

@@ -10,6 +10,7 @@ from megalite.config.flags import flag
 from megalite.errors import ConfigError
 from megalite.validation.checks import check_fraction, check_positive
 from megalite.validation.fp8 import check_fp8
+from megalite.validation.mla import mla_model_fields
 from megalite.validation.moe import moe_model_fields
 
 
@@ -65,8 +66,11 @@ def model_fields(args, parallel: ParallelConfig, tokenizer_vocab_size: int | Non
     heads, hidden, tp = (args.num_attention_heads, args.hidden_size,
                          parallel.tensor_model_parallel_size)
     vocab_size = _vocab_size(args, tokenizer_vocab_size)
+    mla = mla_model_fields(args, parallel)
     kv_channels = args.kv_channels
-    if kv_channels is None:
+    if args.multi_latent_attention:  # its query/key head; MLA refuses --kv-channels
+        kv_channels = args.qk_head_dim + args.qk_pos_emb_head_dim
+    elif kv_channels is None:
         if hidden % heads:
             raise ConfigError(f"--hidden-size={hidden} is not divisible by "
                               f"--num-attention-heads={heads} (or set --kv-channels)")
@@ -89,7 +93,7 @@ def model_fields(args, parallel: ParallelConfig, tokenizer_vocab_size: int | Non
         # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
         sequence_parallel=args.sequence_parallel and tp > 1,
         recompute_num_layers=_recompute_num_layers(args),
-        **moe_model_fields(args, parallel, ffn))
+        **moe_model_fields(args, parallel, ffn), **mla)
 
 
 def _ffn_size(args, tp: int) -> int:
