@@ -26,15 +26,33 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int) -> float:
     context-parallel rank computes only its causal share of the attention core (ring
     attention skips the fully masked blocks), so the log divides it by the world size.
     Document masks (--reset-attention-mask) leave the count full causal, as Megatron's
-    (docs/design.md §28).
+    (docs/design.md §28). Multi-latent attention replaces the attention bracket by
+    Megatron's MLA count (_mla_attention).
     """
     c = config
     h, s = c.hidden_size, c.seq_length
     attention = (1 + c.num_query_groups / c.num_attention_heads + s / h / 2) * (
         c.query_projection_size / h)
+    if c.multi_latent_attention:
+        attention = _mla_attention(c) / (12 * h * h)
     mlp = _mlp_width(c) / h * (1.5 if c.swiglu else 1.0)
     logits = c.padded_vocab_size / (2 * c.num_layers * h)
     return 12 * batch_size * s * c.num_layers * h * h * (attention + mlp + logits)
+
+
+def _mla_attention(c: GPTConfig) -> float:
+    """Training FLOPs per token of one multi-latent attention layer, Megatron's count
+    (training.py): 3 passes x 2 FLOPs per multiply-add over the projections (the query
+    latent's down and up, or linear_q_proj; the key/value latent's down and up; the shared
+    RoPE key; linear_proj; the "+ 1" per latent rank is Megatron's for its norm) and over
+    the causal half of QK^T (heads x the whole q/k head) and of softmax x V (heads x v)."""
+    h, n, s = c.hidden_size, c.num_attention_heads, c.seq_length
+    q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
+    q_term = h * n * q_head if c.q_lora_rank is None else c.q_lora_rank * (h + n * q_head + 1)
+    projections = (q_term + c.kv_lora_rank * (h + n * (c.qk_head_dim + c.v_head_dim) + 1)
+                   + h * c.qk_pos_emb_head_dim + n * c.v_head_dim * h)
+    core = s * (n * q_head + n * c.v_head_dim) / 2
+    return 6 * (projections + core)
 
 
 def _mlp_width(c: GPTConfig) -> float:
