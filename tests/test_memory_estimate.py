@@ -52,6 +52,12 @@ ROPE_GQA = ["--position-embedding-type", "rope", "--group-query-attention",
             "--num-query-groups", "2"]
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", *ROPE_GQA,
          "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "192"]
+# DeepSeek-style multi-latent attention (Llama's MLP and norms; no GQA, refused with MLA).
+MLA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+       "--ffn-hidden-size", "192", "--multi-latent-attention", "--kv-lora-rank", "24",
+       "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"]
+LATENT_NORMS = ["--q-lora-rank", "32", "--qk-layernorm"]
 
 
 def make_config(flags, world_size=1):
@@ -218,6 +224,7 @@ def assert_state_close(measured: dict, planned: me.RankMemory):
     ["--bf16"],                                             # bf16 + fp32 main params
     ["--bf16", "--accumulate-allreduce-grads-in-fp32"] + LLAMA,
     ["--fp16", "--loss-scale", "128", "--ddp-bucket-size", "20000"],
+    ["--bf16"] + MLA + LATENT_NORMS,
 ])
 def test_weights_and_optimizer_state_match_one_step(flags):
     config = make_config(flags)
@@ -320,6 +327,28 @@ def test_document_activations_match_saved_tensors(name, monkeypatch):
     monkeypatch.setattr(document_plan, "padded_rows", lambda shape: rows)
     assert planned_chunk_bytes(config, 0) == measured
     assert measured[0] <= bound[0] <= (1 + ACTIVATION_TOLERANCE) * measured[0]
+
+
+# Multi-latent attention and QK-norm (memory_estimate/mla.py): counted exactly, every
+# tensor autograd saves, the CPU SDPA's math fallback for MLA's unequal head sizes included.
+EXACT_CASES = {
+    "mla fp32 query latent, latent norms": MLA + LATENT_NORMS,
+    "mla bf16 query latent, latent LayerNorms": ["--bf16", "--normalization", "LayerNorm"]
+                                                + MLA + LATENT_NORMS,
+    "mla bf16 no query latent, no norms": ["--bf16"] + MLA,
+    "mla bf16 selective": ["--bf16", "--recompute-granularity", "selective"] + MLA
+                          + LATENT_NORMS,
+    "mla unfused fp32": ["--attention-backend", "unfused"] + MLA + LATENT_NORMS,
+    "qk-norm llama fp32": ["--qk-layernorm"] + LLAMA,
+    "qk-norm llama bf16": ["--bf16", "--qk-layernorm"] + LLAMA,
+    "qk-norm gpt bf16 gqa": ["--bf16", "--qk-layernorm", *ROPE_GQA],
+}
+
+
+@pytest.mark.parametrize("name", EXACT_CASES)
+def test_mla_and_qk_norm_activations_are_the_saved_tensors(name):
+    config = make_config(EXACT_CASES[name])
+    assert planned_chunk_bytes(config, 0) == measured_chunk_bytes(config, 0)
 
 
 def test_recompute_shrinks_activations():
