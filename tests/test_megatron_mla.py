@@ -6,17 +6,22 @@ LoRA, latent norms, YaRN RoPE evaluated past its original length) megatron.core 
 its formats, and the logits its forward computed (README there).
 """
 
+import dataclasses
 import re
 
 import pytest
 import torch
 
+from megalite.arguments import parse_args
+from megalite.checkpointing import saving
+from megalite.checkpointing.model_fields import check_model_compatible
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint import reader
+from megalite.validation import validate_model_args
 
 from tests.test_megatron_checkpoint import (LEGACY, ROOT, assert_torch_dist_matches, convert,
                                             export_and_reimport, logits, megalite_model,
-                                            megatron_legacy)
+                                            megatron_legacy, tool)
 
 DATA = ROOT / "tests" / "data" / "megatron_mla"
 REFERENCE = torch.load(DATA / "reference_logits.pt", weights_only=True)
@@ -95,6 +100,9 @@ def test_transformer_engine_fused_latent_norms_read_as_the_local_specs(tmp_path)
 
 @pytest.mark.parametrize("name, value, message", [
     ("rope_type", "longrope", "rope_type='longrope'"),
+    ("mla_down_proj_fusion", True, "MLA features megalite does not have: "
+                                   "mla_down_proj_fusion=True"),
+    ("experimental_attention_variant", "dsa", "experimental_attention_variant='dsa'"),
     ("position_embedding_type", "learned_absolute", "position_embedding_type="
                                                     "'learned_absolute'"),
 ])
@@ -107,3 +115,16 @@ def test_what_megalite_cannot_express_is_refused_by_name(tmp_path, name, value, 
     (tmp_path / "src/latest_checkpointed_iteration.txt").write_text("10")
     with pytest.raises(CheckpointError, match=re.escape(message)):
         reader.read_checkpoint(tmp_path / "src")
+
+
+def test_the_printed_model_flags_rebuild_the_imported_model():
+    """tools/convert_checkpoint.py's model flags (load_flags) for the imported MLA model:
+    parsed and validated, the model a run with them loads (check_model_compatible)."""
+    # The import takes every saved row as the vocabulary (the args record none).
+    imported = dataclasses.replace(reader.read_checkpoint(DATA / "torch_dist").config,
+                                   vocab_size=128)
+    flags = tool().load_flags(imported)
+    assert "--multi-latent-attention" in flags and "--qk-layernorm" in flags
+    run = validate_model_args(parse_args(["--seq-length", "64", "--vocab-size", "128",
+                                          "--mock-data", *flags])).model
+    check_model_compatible(saving.model_fields(imported), saving.model_fields(run))

@@ -29,10 +29,18 @@ _FIELDS = dict(q_lora_rank=("q_lora_rank", None), kv_lora_rank=("kv_lora_rank", 
                yarn_beta_fast=("beta_fast", 32.0), yarn_beta_slow=("beta_slow", 1.0))
 
 
+# Megatron's MLA variants megalite does not build (set in args: refused).
+_UNBUILT = ("mla_down_proj_fusion", "experimental_attention_variant", "cache_mla_latents")
+
+
 def mla_fields(args: argparse.Namespace, where: str) -> dict:
     """GPTConfig's MLA fields from a Megatron run's args ({} without MLA)."""
     if not getattr(args, "multi_latent_attention", False):
         return {}
+    unbuilt = [f"{n}={getattr(args, n)!r}" for n in _UNBUILT if getattr(args, n, None)]
+    if unbuilt:
+        raise CheckpointError(f"Megatron checkpoint {where} uses MLA features megalite does "
+                              f"not have: {', '.join(unbuilt)}")
     fields = {}
     for field, (name, default) in _FIELDS.items():
         value = getattr(args, name, None)
