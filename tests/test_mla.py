@@ -17,6 +17,8 @@ import torch
 from megalite.arguments import parse_args
 from megalite.documents import Documents
 from megalite.errors import ConfigError
+from megalite.hf_convert import hf_config_and_state_dict
+from megalite.inference import generate
 from megalite.model.gpt import GPTModel
 from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_model_args
@@ -162,3 +164,12 @@ def test_flops_are_megatrons_mla_count():
     attention_q = attention - 6 * q_lora * (h + n * (dn + dr) + 1) + 6 * h * n * (dn + dr)
     assert num_floating_point_operations(without_latent, 1) == pytest.approx(
         s * (2 * (attention_q + 6 * 3 * h * f) + 6 * h * vocab), rel=1e-12)
+
+
+def test_generation_and_huggingface_export_are_refused_by_name():
+    """Not built yet (the latent KV cache, DeepseekV3ForCausalLM): refused, not wrong."""
+    model = GPTModel(mla_config(), seed=0).eval()
+    with pytest.raises(ConfigError, match="KV-cached generation of multi-latent attention"):
+        generate(model, torch.tensor([[1, 2]]), 2)
+    with pytest.raises(ConfigError, match="DeepseekV3ForCausalLM round trip is not built"):
+        hf_config_and_state_dict(model.config, model.state_dict())
