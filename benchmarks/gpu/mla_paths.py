@@ -92,7 +92,8 @@ def close(got, ref, floor=FLOOR) -> tuple[bool, str]:
 def model_grads(backend):
     config = GPTConfig(
         num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
-        num_query_groups=4, kv_channels=DQ, seq_length=S, max_position_embeddings=S, padded_vocab_size=512,
+        num_query_groups=4, kv_channels=DQ, seq_length=S, max_position_embeddings=S,
+        padded_vocab_size=512,
         attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm", swiglu=True,
         add_bias_linear=False, position_embedding_type="none", multi_latent_attention=True,
         q_lora_rank=96, kv_lora_rank=64, qk_head_dim=DQ - 64 if GPU else 16,
