@@ -6,6 +6,7 @@ LoRA, latent norms, YaRN RoPE evaluated past its original length) megatron.core 
 its formats, and the logits its forward computed (README there).
 """
 
+import argparse
 import dataclasses
 import re
 
@@ -78,6 +79,43 @@ def test_export_at_tp2_splits_heads_and_keeps_the_latents_whole(tmp_path):
             assert torch.equal(shard[prefix + name], whole[prefix + name]), name
     assert convert("--import-megatron", tmp_path / "m", "--save", tmp_path / "b") == 0
     torch.testing.assert_close(logits(megalite_model(tmp_path / "b"), REFERENCE["tokens"]),
+                               REFERENCE["logits"], atol=1e-5, rtol=0)
+
+
+def save_local_spec_tp2(out):
+    """Megatron's local spec at TP 2, cut here by hand as it shards: every linear of the
+    attention column-parallel (rows), the down-projections too, linear_proj and fc2 by
+    columns, fc1 as [gate half r; up half r], the vocabulary padded to 2 x 128 rows."""
+    record = megatron_legacy(DATA / "torch" / LEGACY)
+    args = argparse.Namespace(**{**vars(record["args"]), "tensor_model_parallel_size": 2,
+                                 "padded_vocab_size": 256})
+    for rank in range(2):
+        model = {}
+        for name, t in record["model"].items():
+            if t is None or t.dim() == 1:
+                piece = t
+            elif "word_embeddings" in name or "output_layer" in name:
+                piece = torch.cat([t, t.new_zeros(128, 64)]).chunk(2)[rank]
+            elif "linear_proj" in name or "linear_fc2" in name:
+                piece = t.chunk(2, dim=1)[rank]
+            elif "linear_fc1" in name:
+                gate, up = t.chunk(2)
+                piece = torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]])
+            else:
+                piece = t.chunk(2)[rank]
+            model[name] = None if piece is None else piece.clone()
+        path = out / f"iter_0000010/mp_rank_{rank:02d}/model_optim_rng.pt"
+        path.parent.mkdir(parents=True)
+        torch.save({**record, "model": model, "args": args}, path)
+    (out / "latest_checkpointed_iteration.txt").write_text("10")
+    return out
+
+
+def test_local_spec_tp2_legacy_checkpoint_gives_megatrons_logits(tmp_path):
+    """The local spec's column-parallel down-projections are read whole (their rows)."""
+    assert convert("--import-megatron", save_local_spec_tp2(tmp_path / "m"), "--save",
+                   tmp_path / "ckpt") == 0
+    torch.testing.assert_close(logits(megalite_model(tmp_path / "ckpt"), REFERENCE["tokens"]),
                                REFERENCE["logits"], atol=1e-5, rtol=0)
 
 
