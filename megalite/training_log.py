@@ -58,8 +58,10 @@ class IntervalStats:
     nan_iters: int = 0
     elapsed_s: float = 0.0
     iters: int = 0
+    mtp_loss_sums: list[float] | None = None
 
-    def add(self, loss: float, skipped: bool, elapsed_s: float):
+    def add(self, loss: float, skipped: bool, elapsed_s: float,
+            mtp_losses: list[float] | None = None):
         self.iters += 1
         self.elapsed_s += elapsed_s
         if skipped:
@@ -67,12 +69,24 @@ class IntervalStats:
         else:
             self.advanced_iters += 1
             self.loss_sum += loss
+            if mtp_losses is not None:
+                self.mtp_loss_sums = [a + b for a, b in
+                                      zip(self.mtp_loss_sums or [0.0] * len(mtp_losses),
+                                          mtp_losses)]
         if not math.isfinite(loss):
             self.nan_iters += 1
 
     @property
     def mean_loss(self) -> float:
         return self.loss_sum / max(1, self.advanced_iters)
+
+    @property
+    def mtp_losses(self) -> dict[str, float] | None:
+        """Megatron's "mtp_k loss" of each depth k, averaged over the advanced iterations
+        (the log line's keys: k)."""
+        if self.mtp_loss_sums is None:
+            return None
+        return {str(k + 1): s / self.advanced_iters for k, s in enumerate(self.mtp_loss_sums)}
 
 
 def significant(value: float, digits: int = 4) -> str:
@@ -96,6 +110,9 @@ FIELDS = (
     ("learning_rate", "learning rate", ".6E"),
     ("global_batch_size", "global batch size", "5d"),
     ("lm_loss", "lm loss", ".6E"),
+    # Megatron's "mtp_1 loss: ..." (it prints them after the MoE losses; here before, so
+    # that the MoE losses' bare keys cannot read them back)
+    ("mtp_losses", "mtp_{} loss", ".6E"),
     ("moe_losses", "{}", ".6E"),  # Megatron's auxiliary losses, "load_balancing_loss: ..."
     ("expert_load", "expert load max/mean", ".3f"),  # megalite's: worst layer's max / mean
     ("loss_scale", "loss scale", ".1f"),
