@@ -27,26 +27,34 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int) -> float:
     attention skips the fully masked blocks), so the log divides it by the world size.
     Document masks (--reset-attention-mask) leave the count full causal, as Megatron's
     (docs/design.md §28).
+
+    Multi-token prediction (D = --mtp-num-layers) counts as Megatron's does: the D depths'
+    transformer layers join L (dense or MoE as the last layer), the logit layer runs D + 1
+    times, and each depth adds its norms and eh_proj, 6 B s (3h + 2h^2) (docs/design.md §33).
     """
     c = config
-    h, s = c.hidden_size, c.seq_length
+    h, s, depths = c.hidden_size, c.seq_length, c.mtp_depths
+    layers = c.num_layers + depths
     attention = (1 + c.num_query_groups / c.num_attention_heads + s / h / 2) * (
         c.query_projection_size / h)
     mlp = _mlp_width(c) / h * (1.5 if c.swiglu else 1.0)
-    logits = c.padded_vocab_size / (2 * c.num_layers * h)
-    return 12 * batch_size * s * c.num_layers * h * h * (attention + mlp + logits)
+    logits = c.padded_vocab_size * (1 + depths) / (2 * layers * h)
+    mtp = depths * (3 * h + 2 * h * h) / (2 * layers * h * h)
+    return 12 * batch_size * s * layers * h * h * (attention + mlp + logits + mtp)
 
 
 def _mlp_width(c: GPTConfig) -> float:
-    """The MLP width per layer, averaged over the layers, that a token's FLOPs see. A MoE
-    layer counts its active parameters as Megatron does: the k routed experts a token goes
-    to, plus the shared experts (the router's h x E GEMM is left out, as in Megatron)."""
+    """The MLP width per layer, averaged over the layers and the MTP depths' layers, that a
+    token's FLOPs see. A MoE layer counts its active parameters as Megatron does: the k
+    routed experts a token goes to, plus the shared experts (the router's h x E GEMM is
+    left out, as in Megatron)."""
     if c.num_experts is None:
         return c.ffn_hidden_size
-    moe = sum(c.moe_layer_pattern)
+    layers = c.num_layers + c.mtp_depths
+    moe = sum(c.moe_layer_pattern) + c.mtp_depths * c.moe_layer_pattern[-1]
     active = c.moe_ffn_hidden_size * c.moe_router_topk + (
         c.moe_shared_expert_intermediate_size or 0)
-    return ((c.num_layers - moe) * c.ffn_hidden_size + moe * active) / c.num_layers
+    return ((layers - moe) * c.ffn_hidden_size + moe * active) / layers
 
 
 @dataclass

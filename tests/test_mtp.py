@@ -18,7 +18,7 @@ from megalite.layout_check import build_run
 from megalite.model.gpt import GPTModel
 from megalite.model.mtp import set_mtp_loss_weights, take_mtp_loss_sums
 from megalite.arguments import parse_args
-from megalite.training_log import log_line, parse_log_line
+from megalite.training_log import log_line, num_floating_point_operations, parse_log_line
 from megalite.train_step import loss_token_counts
 from megalite.validation import validate_args
 
@@ -136,3 +136,20 @@ def test_the_targets_are_shifted_on_the_whole_sample():
 def test_what_mtp_cannot_run_with_is_refused_by_name(extra, message):
     with pytest.raises(ConfigError, match=message):
         validate_args(parse_args(flags_with("--mtp-num-layers", "1", *extra)))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_flops_count_the_depths_as_megatron_does(moe):
+    """Megatron's num_floating_point_operations: each depth one more layer of the last
+    layer's kind, one more logit GEMM, and its norms and eh_proj, 6 B s (3h + 2h^2)."""
+    experts = dict(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
+                   moe_layer_pattern=(False, True)) if moe else {}
+    base = tiny_gpt_config(**LLAMA_STYLE, **experts)
+    B, s, h, V = 3, base.seq_length, base.hidden_size, base.padded_vocab_size
+    swiglu_mlp = 3 * 2 * 3 * h * (16 * 2 if moe else base.ffn_hidden_size)  # per token
+    attention = 3 * 2 * (2 * h * h + 2 * h * base.kv_projection_size + s * h)  # per token
+    per_depth = B * s * (attention + swiglu_mlp + 6 * h * V + 6 * (3 * h + 2 * h * h))
+    for depths in (1, 2):
+        mtp = tiny_gpt_config(**LLAMA_STYLE, **experts, mtp_num_layers=depths)
+        assert num_floating_point_operations(mtp, B) == pytest.approx(
+            num_floating_point_operations(base, B) + depths * per_depth, rel=1e-12)
