@@ -8,7 +8,11 @@ norms, and values after each update. One launch of 4 ranks; add a layout to LAYO
 import pytest
 import torch
 
-from megalite.layout_check import first_difference, run_layout
+from megalite.checkpointing.loading import load_checkpoint
+from megalite.checkpointing.saving import save_checkpoint
+from megalite.checkpointing.state import CheckpointState, TrainState
+from megalite.layout_check import build_run, first_difference, run_layout, step_problems
+from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.spawn import run_distributed
 
 from tests.helpers import flags_with, without
@@ -41,7 +45,46 @@ LAYOUTS = {
 }
 
 
-def _compare(rank, world_size):
+def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=None):
+    """(loss, grad norm) of `steps` (iterations, from 1) of `flags`; loads `load` first,
+    saves to `save` after iteration `save_at`. None on ranks outside the layout."""
+    config, state, model, optimizer, runner, batches = build_run(flags, world_size, rank,
+                                                                 torch.device("cpu"))
+    if model is None:
+        return None
+    scheduler = LRScheduler(optimizer, config.scheduler)  # constant: never stepped here
+    if load is not None:
+        load_checkpoint(load, CheckpointState(model, optimizer, scheduler, state, config))
+    m = config.training.num_microbatches
+    for _ in range((steps.start - 1) * m):  # the data position of the checkpoint
+        next(batches)
+    results = []
+    for iteration in steps:
+        result = runner.train_step([next(batches) for _ in range(m)])
+        results.append((result.loss, result.grad_norm))
+        if iteration == save_at:
+            progress = TrainState(iteration, iteration * config.training.global_batch_size)
+            save_checkpoint(save, iteration, CheckpointState(model, optimizer, scheduler, state,
+                                                             config, progress))
+    return results
+
+
+def _resume(rank, directory) -> str | None:
+    """The MTP weights by their single-process names: saved at TP 2 x PP 2 (untied: the
+    last stage holds the embedding's copy, the output layer and the depths) after step 1,
+    loaded by one process, steps 2 and 3 those of one process straight through (the
+    layouts above: TP 2 x PP 2 is one process's run)."""
+    _train(BASE + UNTIED + TP2 + ["--pipeline-model-parallel-size", "2"], 4, rank, range(1, 2),
+           save=directory, save_at=1)
+    resumed = _train(BASE + UNTIED, 1, rank, range(2, 4), load=directory)
+    if resumed is None:
+        return None
+    straight = _train(BASE + UNTIED, 1, rank, range(1, 4))
+    problems = step_problems(resumed, straight[1:], True)
+    return "; ".join(problems) if problems else None
+
+
+def _compare(rank, world_size, directory):
     cpu = torch.device("cpu")
     # Each rank runs the one-process references itself (rank 0 of a world of one).
     references = {ref: run_layout(BASE + list(ref), 1, 0, cpu, STEPS)
@@ -52,11 +95,13 @@ def _compare(rank, world_size):
     for name, (ranks, ref, layout) in LAYOUTS.items():
         run = run_layout(BASE + list(ref) + layout, ranks, rank, cpu, STEPS)
         differences[name] = run and first_difference(run, references[tuple(ref)])
+    differences["resumed by one process from TP 2 x PP 2"] = _resume(rank, directory)
     return differences
 
 
-def test_mtp_at_every_layout_matches_one_process():
+def test_mtp_at_every_layout_matches_one_process(tmp_path):
     failures = [f"rank {rank}, {name}: {difference}"
-                for rank, differences in enumerate(run_distributed(4, _compare, timeout=300))
+                for rank, differences in enumerate(run_distributed(4, _compare, str(tmp_path),
+                                                                   timeout=300))
                 for name, difference in differences.items() if difference is not None]
     assert not failures, "\n".join(failures)
