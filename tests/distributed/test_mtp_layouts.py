@@ -2,8 +2,9 @@
 against one process with the same flags: TP 2 + SP, PP 2 (the MTP depths on the last stage,
 with the embedding's copy there, tied output layer or not; interleaved; zb-h1), CP 2 on the
 ring and on all_gather (the targets shifted before the split), EP 2 (MoE, the depths' layers
-MoE too), DP 2 ZeRO-1, FSDP2. fp32, dropout 0: the same initial values, per-step losses and grad
-norms, and values after each update. One launch of 4 ranks; add a layout to LAYOUTS."""
+MoE too), DP 2 ZeRO-1, FSDP2 (also PP 2 x DP 2: the embedding copy sharded). fp32, dropout
+0: the same initial values, per-step losses and grad norms, and values after each update.
+One launch of 4 ranks; add a layout to LAYOUTS."""
 
 import pytest
 import torch
@@ -47,6 +48,8 @@ LAYOUTS = {
     "DP 2 ZeRO-1": (2, [], ["--use-distributed-optimizer", "--overlap-grad-reduce",
                             "--overlap-param-gather"]),
     "DP 2 FSDP2": (2, [], ["--use-torch-fsdp2"]),
+    "PP 2 x DP 2 FSDP2 untied": (4, UNTIED, ["--pipeline-model-parallel-size", "2",
+                                            "--use-torch-fsdp2"]),
 }
 
 
