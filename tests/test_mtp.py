@@ -136,6 +136,8 @@ def test_the_targets_are_shifted_on_the_whole_sample():
     (["--position-embedding-type", "rope", "--reset-attention-mask"], "--reset-attention-mask"),
     (["--position-embedding-type", "rope", "--fp8-format", "e4m3"], "--fp8-format"),
     (["--position-embedding-type", "rope", "--mtp-loss-scaling-factor", "-1"], ">= 0"),
+    (["--position-embedding-type", "rope", "--mtp-num-layers", "0"], "must be >= 1"),
+    (["--position-embedding-type", "rope", "--mtp-num-layers", "32"], "no position to predict"),
 ])
 def test_what_mtp_cannot_run_with_is_refused_by_name(extra, message):
     with pytest.raises(ConfigError, match=message):
