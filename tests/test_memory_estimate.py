@@ -25,6 +25,7 @@ import torch
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.validation import validate_args
+from megalite.data.sampler import add_mtp_targets
 from megalite.documents import Documents
 from megalite.memory_estimate import documents as document_plan
 from megalite.memory_estimate.activations import DEVICES, _shapes, layer_activation_bytes
@@ -182,8 +183,9 @@ def microbatches(config, seed=0):
     for _ in range(t.num_microbatches):
         tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1),
                                generator=g)
-        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                    "loss_mask": torch.ones(t.micro_batch_size, m.seq_length)})
+        out.append(add_mtp_targets({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                                    "loss_mask": torch.ones(t.micro_batch_size, m.seq_length)},
+                                   m.mtp_depths))
     return out
 
 
@@ -225,6 +227,7 @@ def assert_state_close(measured: dict, planned: me.RankMemory):
     ["--bf16", "--accumulate-allreduce-grads-in-fp32"] + LLAMA,
     ["--fp16", "--loss-scale", "128", "--ddp-bucket-size", "20000"],
     ["--bf16"] + MLA + LATENT_NORMS,
+    ["--bf16", "--mtp-num-layers", "2"] + LLAMA,            # the MTP depths' weights
 ])
 def test_weights_and_optimizer_state_match_one_step(flags):
     config = make_config(flags)
@@ -263,6 +266,11 @@ ACTIVATION_CASES = {
     "moe gpt fp32 padded to capacity": ["--disable-bias-linear", "--num-experts", "4",
                                         "--moe-router-topk", "1", "--moe-expert-capacity-factor",
                                         "1.5", "--moe-pad-expert-input-to-capacity"],
+    # Multi-token prediction: D depths on the last stage, with the embedding's copy there.
+    "mtp 2 llama fp32": ["--mtp-num-layers", "2"] + LLAMA,
+    "pp2 mtp 1 llama bf16 tied": ["--pipeline-model-parallel-size", "2", "--bf16",
+                                  "--mtp-num-layers", "1",
+                                  *without(LLAMA, "--untie-embeddings-and-output-weights")],
 }
 RECOMPUTE_CASES = {
     "selective bf16": ["--bf16", "--recompute-granularity", "selective"],

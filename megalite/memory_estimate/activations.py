@@ -300,6 +300,17 @@ def loss_saved_bytes(config: Config, shape: _Shapes) -> int:
     return head + 4 * shape.tokens * shape.vocab + 8 * shape.tokens + shape.tokens
 
 
+def mtp_depth_saved_bytes(config: Config, shape: _Shapes) -> int:
+    """One multi-token prediction depth (model/mtp.py) on the last stage: the embedding of
+    the tokens k ahead, enorm and hnorm, eh_proj's input [s, b, 2h] (the two norms' outputs
+    concatenated, gathered under SP), the transformer layer (of the last layer's kind, never
+    recomputed) and the head: final norm, output layer input and loss as loss_saved_bytes."""
+    layer = config.model.num_layers - 1
+    return (embedding_saved_bytes(config, shape) + 2 * norm_saved_bytes(config, shape)
+            + 2 * norm_output_bytes(config, shape) + layer_saved_bytes(config, shape, None, layer)
+            + loss_saved_bytes(config, shape))
+
+
 # Recompute, chunks, and the pipeline schedule.
 
 @dataclass(frozen=True)
@@ -343,7 +354,8 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
     else:
         saved += 0 if _first_layer_keeps_input(config, shape, layers[:1]) else residual
     if post:
-        saved += loss_saved_bytes(config, shape)
+        saved += (loss_saved_bytes(config, shape)
+                  + config.model.mtp_depths * mtp_depth_saved_bytes(config, shape))
     elif not contiguous:
         saved += residual  # the output [b, s, h] view; its contiguous copy is sent
     return ChunkActivations(saved, 0 if post else residual, 0 if pre else residual, working,
