@@ -1,13 +1,15 @@
-"""Multi-latent attention (docs/design.md §32) at every kind of layout against one process
-with the same flags: TP 2 with and without SP (the shared RoPE key's gradient summed both
+"""Multi-latent attention (docs/design.md §32) with a multi-token prediction depth (§33: an
+MLA layer of its own, on the last stage) at every kind of layout against one process with the
+same flags: TP 2 with and without SP (the shared RoPE key's gradient summed both
 ways), selective recompute, PP 2, CP 2 on the ring (its fused blocks pad V) and on
 all_gather, EP 2 (MoE), DP 2 ZeRO-1, FSDP2. A query latent, the latent norms and YaRN past its
 original length (8 of 16 positions), V heads narrower than Q/K's. fp32, dropout 0: the same
 initial values, per-step losses and grad norms, and values after each update. One launch of
-4 ranks.
+4 ranks. tests/distributed/test_mtp_layouts.py has MTP's own pipeline cases (tied and
+untied, interleaved, zb-h1, FSDP2 over PP 2 x DP 2) and its resume.
 
-A feature that composes with MLA (multi-token prediction) adds its flags to the references
-of REFERENCES and a layout to LAYOUTS."""
+A feature that composes with MLA adds its flags to the references of REFERENCES and a layout
+to LAYOUTS."""
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ STEPS = 2
 MLA = ["--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8",
        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--qk-layernorm",
        "--rotary-scaling-factor", "4", "--mscale-all-dim", "1",
-       "--yarn-original-max-position-embeddings", "8"]
+       "--yarn-original-max-position-embeddings", "8", "--mtp-num-layers", "1"]
 BASE = flags_with(*MLA, "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
                   "rope", "--disable-bias-linear", "--attention-dropout", "0",
                   "--hidden-dropout", "0", "--num-workers", "0", vocab_size=12, hidden_size=32,
@@ -68,7 +70,7 @@ def _compare(rank, world_size):
     return differences
 
 
-def test_mla_at_every_layout_matches_one_process():
+def test_mla_with_mtp_at_every_layout_matches_one_process():
     failures = [f"rank {rank}, {name}: {difference}"
                 for rank, differences in enumerate(run_distributed(4, _compare, timeout=300))
                 for name, difference in differences.items() if difference is not None]

@@ -1,10 +1,11 @@
-"""Multi-token prediction (--mtp-num-layers 2; docs/design.md §33) at every kind of layout
-against one process with the same flags: TP 2 + SP, PP 2 (the MTP depths on the last stage,
-with the embedding's copy there, tied output layer or not; interleaved; zb-h1), CP 2 on the
-ring and on all_gather (the targets shifted before the split), EP 2 (MoE, the depths' layers
-MoE too), DP 2 ZeRO-1, FSDP2 (also PP 2 x DP 2: the embedding copy sharded). fp32, dropout
-0: the same initial values, per-step losses and grad norms, and values after each update.
-One launch of 4 ranks; add a layout to LAYOUTS."""
+"""Multi-token prediction (--mtp-num-layers 2; docs/design.md §33) on the pipeline against one
+process with the same flags: PP 2 (the MTP depths on the last stage, with the embedding's copy
+there, tied output layer or not; interleaved; zb-h1), FSDP2 over PP 2 x DP 2 (the embedding
+copy sharded), and a checkpoint of TP 2 x PP 2 resumed by one process. fp32, dropout 0: the
+same initial values, per-step losses and grad norms, and values after each update. One launch
+of 4 ranks; add a layout to LAYOUTS. TP 2 + SP, CP 2 (ring and all_gather: the targets shifted
+before the split), EP 2, DP 2 ZeRO-1 and FSDP2 run with MTP in
+tests/distributed/test_mla_layouts.py."""
 
 import pytest
 import torch
@@ -27,27 +28,17 @@ BASE = flags_with("--group-query-attention", "--num-query-groups", "2", "--swigl
                   "--num-workers", "0", "--mtp-num-layers", "2", vocab_size=12, hidden_size=32,
                   ffn_hidden_size=64, num_layers=2, seq_length=16, micro_batch_size=1,
                   global_batch_size=4, lr="3e-3")
-MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "0.1",
-       "--moe-token-dispatcher-type", "alltoall"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 FOUR_LAYERS = ["--num-layers", "4"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-CP2 = ["--context-parallel-size", "2"]
 # name: (ranks, the reference's flags beyond BASE, the layout's flags beyond those)
 LAYOUTS = {
-    "TP 2 + SP": (2, [], TP2),
     "PP 2 tied": (2, [], ["--pipeline-model-parallel-size", "2"]),
     "PP 2 untied": (2, UNTIED, ["--pipeline-model-parallel-size", "2"]),
     "PP 2 interleaved": (2, FOUR_LAYERS, ["--pipeline-model-parallel-size", "2",
                                           "--num-layers-per-virtual-pipeline-stage", "1"]),
     "PP 2 zb-h1": (2, [], ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                            "zb-h1"]),
-    "CP 2 p2p": (2, [], CP2 + ["--cp-comm-type", "p2p"]),
-    "CP 2 all_gather": (2, [], CP2 + ["--cp-comm-type", "all_gather"]),
-    "EP 2": (2, MOE, ["--expert-model-parallel-size", "2"]),
-    "DP 2 ZeRO-1": (2, [], ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                            "--overlap-param-gather"]),
-    "DP 2 FSDP2": (2, [], ["--use-torch-fsdp2"]),
     "PP 2 x DP 2 FSDP2 untied": (4, UNTIED, ["--pipeline-model-parallel-size", "2",
                                             "--use-torch-fsdp2"]),
 }
