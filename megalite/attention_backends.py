@@ -117,15 +117,33 @@ def _future(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1 + sk - sq)
 
 
+def _padded_value(kernel):
+    """`kernel` for a V head size below Q/K's (multi-latent attention): flash-attn's kernels
+    take one head size for Q, K and V, so V is zero-padded to it and the output's padding
+    columns (zero) dropped; the padding costs (d_qk - d_v) / d_v more of the P V product."""
+    def run(q, k, v, *args):
+        pad = q.shape[-1] - v.shape[-1]
+        if pad == 0:
+            return kernel(q, k, v, *args)
+        if pad < 0:  # validation refuses --attention-backend flash so; auto may pick it
+            raise ConfigError(f"flash-attn pads V's heads ({v.shape[-1]}) to Q/K's "
+                              f"({q.shape[-1]}), which must not be narrower: use "
+                              "--attention-backend sdpa")
+        return kernel(q, k, F.pad(v, (0, pad)), *args)[..., :v.shape[-1]]
+    return run
+
+
 # flex without documents: the causal mask is SDPA's own.
-_KERNELS = {"flash": _flash, "sdpa": _sdpa, "unfused": _unfused, "flex": _sdpa}
+_KERNELS = {"flash": _padded_value(_flash),  # gpu_check: multi_latent_attention
+            "sdpa": _sdpa, "unfused": _unfused, "flex": _sdpa}
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
                    dropout_p: float = 0.0, softmax_scale: float | None = None,
                    documents: Documents | None = None) -> torch.Tensor:
-    """Causal attention. q: [b, s_q, heads, d]; k, v: [b, s_k, kv_heads, d] with heads a
-    multiple of kv_heads and s_q <= s_k; returns [b, s_q, heads, d]. `backend` is a
+    """Causal attention. q, k: [b, s_q, heads, d], [b, s_k, kv_heads, d] with heads a
+    multiple of kv_heads and s_q <= s_k; v: [b, s_k, kv_heads, d_v] (d_v <= d: multi-latent
+    attention's); returns [b, s_q, heads, d_v]. `backend` is a
     resolved one (see resolve_backend); softmax_scale defaults to 1/sqrt(d). `documents`:
     those of q's rows, the keys being global positions 0..s_k-1; attention is then
     block-causal (module docstring)."""
@@ -146,8 +164,8 @@ def _document_attention(q, k, v, documents: Documents, backend: str, dropout_p: 
     if backend == "unfused":
         visible = documents.visible(torch.arange(k.shape[1], device=q.device))
         return _unfused(q, k, v, dropout_p, scale, hidden=~visible[:, None])
-    if backend == "flash":
-        return _flash_varlen(q, k, v, documents, dropout_p, scale)
+    if backend == "flash":  # gpu_check: multi_latent_attention
+        return _padded_value(_flash_varlen)(q, k, v, documents, dropout_p, scale)
     if backend == "flex":
         return _flex(q, k, v, documents, dropout_p, scale)
     return _padded_documents(q, k, v, documents, dropout_p, scale)
@@ -158,7 +176,7 @@ def _padded_documents(q, k, v, documents: Documents, dropout_p, scale):
     (Documents.padded_batches): the work is that of the documents, padded by at most a
     third a side; one call per document would cost a kernel's overhead per document, more
     than its work at CPU sizes of a few hundred rows."""
-    b, s_q, heads, d = q.shape
+    b, s_q, heads = q.shape[:3]
     plan = documents.padded_batches(k.shape[1])
     sizes = [n * length for n, length in plan.shapes]
     q_all = gather_rows(q.flatten(0, 1), plan.queries).split(sizes)
@@ -166,7 +184,7 @@ def _padded_documents(q, k, v, documents: Documents, dropout_p, scale):
     outs = [_sdpa(*(t.view(n, length, *t.shape[1:]) for t in batch), dropout_p, scale)
             for (n, length), *batch in zip(plan.shapes, q_all, k_all, v_all)]
     out = gather_rows(torch.cat([o.flatten(0, 1) for o in outs]), plan.outputs)
-    return out.view(b, s_q, heads, d)
+    return out.view(b, s_q, heads, v.shape[-1])
 
 
 # gpu_check: document_attention

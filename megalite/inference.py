@@ -148,6 +148,9 @@ def check_length(prompt_length: int, max_new_tokens: int, config: GPTConfig):
 
 
 def _check_whole_model(model: GPTModel):
+    if model.config.multi_latent_attention:
+        raise ConfigError("--multi-latent-attention: KV-cached generation of multi-latent "
+                          "attention (a cache of the latent) is not built yet")
     if not (model.pre_process and model.post_process):
         raise ValueError("generation needs the whole model (pre_process and post_process), "
                          "not one pipeline stage")

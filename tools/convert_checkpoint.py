@@ -199,7 +199,7 @@ def load_flags(config: GPTConfig) -> list[str]:
              c.num_attention_heads]
     if c.num_query_groups != c.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", c.num_query_groups]
-    if c.kv_channels * c.num_attention_heads != c.hidden_size:
+    if c.kv_channels * c.num_attention_heads != c.hidden_size and not c.multi_latent_attention:
         flags += ["--kv-channels", c.kv_channels]
     flags += ["--max-position-embeddings", c.max_position_embeddings,
               "--position-embedding-type", c.position_embedding_type]
@@ -208,7 +208,25 @@ def load_flags(config: GPTConfig) -> list[str]:
     flags += ["--normalization", c.normalization, "--norm-epsilon", c.norm_epsilon]
     flags += ["--swiglu"] * c.swiglu + ["--disable-bias-linear"] * (not c.add_bias_linear)
     flags += ["--untie-embeddings-and-output-weights"] * c.untie_embeddings_and_output_weights
-    return [str(f) for f in flags + moe_flags(c)]
+    flags += ["--qk-layernorm"] * c.qk_layernorm
+    return [str(f) for f in flags + moe_flags(c) + mla_flags(c)]
+
+
+def mla_flags(c: GPTConfig) -> list:
+    """load_flags' multi-latent-attention part (model_fields.MLA_MODEL_FIELDS)."""
+    if not c.multi_latent_attention:
+        return []
+    flags = ["--multi-latent-attention"]
+    flags += [] if c.q_lora_rank is None else ["--q-lora-rank", c.q_lora_rank]
+    flags += ["--kv-lora-rank", c.kv_lora_rank, "--qk-head-dim", c.qk_head_dim,
+              "--qk-pos-emb-head-dim", c.qk_pos_emb_head_dim, "--v-head-dim", c.v_head_dim,
+              "--rope-type", c.rope_type]
+    if c.rope_type == "yarn":
+        flags += ["--rotary-scaling-factor", c.rotary_scaling_factor, "--mscale", c.mscale,
+                  "--mscale-all-dim", c.mscale_all_dim, "--yarn-original-max-position-embeddings",
+                  c.yarn_original_max_position_embeddings, "--yarn-beta-fast", c.yarn_beta_fast,
+                  "--yarn-beta-slow", c.yarn_beta_slow]
+    return flags
 
 
 def moe_flags(c: GPTConfig) -> list:

@@ -40,7 +40,8 @@ from megalite.checkpointing.compression_state import compression_file, compressi
 from megalite.checkpointing.save_guard import RunRecord, newer_tracked
 from megalite.checkpointing.state import (CheckpointState, cpu_copy, layout_of, saved_params,
                                           state_buffers)
-from megalite.checkpointing.model_fields import MOE_FIELDS, RECORDED_FIELDS, RECORDED_WHEN_SET
+from megalite.checkpointing.model_fields import (MLA_MODEL_FIELDS, MOE_FIELDS, RECORDED_FIELDS,
+                                                 RECORDED_WHEN_SET)
 from megalite.checkpointing.storage import (apply_retention, checkpoint_dir, commit,
                                            prepare_staging, save_tensor_file, staging_dir)
 from megalite.distributed.fsdp import full_tensor, is_fully_sharded
@@ -277,10 +278,12 @@ def _optimizer_shard(ckpt: CheckpointState, names: dict[int, str], copy: Callabl
 
 def model_fields(model_config) -> dict:
     """The fields of model_fields.RECORDED_FIELDS that `model_config` has (a dense model's
-    without the MoE ones; model_fields.RECORDED_WHEN_SET's only when set)."""
+    without the MoE ones, one without multi-latent attention without the MLA ones;
+    model_fields.RECORDED_WHEN_SET's only when set)."""
     fields = dataclasses.asdict(model_config)
-    dense = not fields.get("num_experts")
+    dense, mla = not fields.get("num_experts"), fields.get("multi_latent_attention")
     return {f: fields[f] for f in RECORDED_FIELDS
             if f in fields and not (dense and f in MOE_FIELDS)
+            and not (not mla and f in MLA_MODEL_FIELDS)
             and not (f in RECORDED_WHEN_SET and not fields[f])}
 

@@ -28,8 +28,10 @@ class GPTConfig:
     vocab_size: int | None = None
     """The tokenizer's vocabulary; logits of the padding beyond it are masked out.
     None: no padding (vocab_size = padded_vocab_size)."""
-    position_embedding_type: str = flag("learned_absolute", choices=["learned_absolute", "rope"],
-                                        help="Position embedding.")
+    position_embedding_type: str = flag(
+        "learned_absolute", choices=["learned_absolute", "rope", "none"],
+        help="Position embedding. With --multi-latent-attention rope or none: its attention "
+             "rotates its own RoPE part (--rope-type), as in Megatron.")
     rotary_base: int = flag(10000, help="RoPE base.")
     rotary_percent: float = flag(1.0, help="Fraction of each head's channels rotated by RoPE.")
     normalization: str = flag("LayerNorm", choices=["LayerNorm", "RMSNorm"],
@@ -38,11 +40,57 @@ class GPTConfig:
     swiglu: bool = flag(False, help="SwiGLU MLP instead of GeLU.")
     qk_layernorm: bool = flag(
         False, help="Normalize each head's query and key (--normalization, one weight of "
-                    "kv_channels shared by all heads) before RoPE (Qwen3, OLMo 2).")
+                    "kv_channels shared by all heads) before RoPE (Qwen3, OLMo 2); with "
+                    "--multi-latent-attention the query and key/value latents instead "
+                    "(q_layernorm, kv_layernorm), as Megatron does.")
+    # Multi-latent attention (DeepSeek-V2 §2.1; docs/design.md §32). Megatron's flags,
+    # defaults and meanings (its _add_mla_args and MLATransformerConfig).
+    multi_latent_attention: bool = flag(
+        False, help="Multi-latent attention: queries and keys/values through low-rank latents, "
+                    "with a decoupled RoPE part per head (needs --position-embedding-type rope "
+                    "or none).")
+    q_lora_rank: int | None = flag(
+        None, help="Rank of the query latent (unset: queries through one linear_q_proj, no "
+                   "compression).")
+    kv_lora_rank: int = flag(32, help="Rank of the key/value latent.")
+    qk_head_dim: int = flag(128, help="Per-head query/key dimension without RoPE (the head is "
+                                      "this plus --qk-pos-emb-head-dim).")
+    qk_pos_emb_head_dim: int = flag(64, help="Per-head query/key dimension rotated by RoPE "
+                                             "(one key part shared by all heads).")
+    v_head_dim: int = flag(128, help="Per-head value dimension.")
+    # Unset: yarn with --multi-latent-attention, rope without (validation/mla.py).
+    rope_type: str = flag("rope", unset=None, choices=["rope", "yarn"],
+                          help="RoPE of multi-latent attention: plain, or YaRN (Peng et al. "
+                               "2023) as DeepSeek-V3 uses it (the default with "
+                               "--multi-latent-attention, Megatron's); other attention takes "
+                               "rope only.")
+    rotary_scaling_factor: float = flag(1.0, help="YaRN's context extension factor.")
+    mscale: float = flag(1.0, help="YaRN's mscale (numerator of the cos/sin factor).")
+    mscale_all_dim: float = flag(0.0, help="YaRN's mscale_all_dim (denominator of the cos/sin "
+                                           "factor; squared in the softmax scale).")
+    # Megatron reads these three for its non-MLA YaRN and gives MLA its config's defaults
+    # (4096, 32, 1) with no flag; megalite applies the flags to MLA as well.
+    yarn_original_max_position_embeddings: int = flag(
+        4096, help="YaRN's original context length (Megatron's flag, which there feeds "
+                   "--position-embedding-type yarn only; megalite's --multi-latent-attention "
+                   "reads it too).")
+    yarn_beta_fast: float = flag(32.0, help="YaRN's beta_fast (Megatron's flag; read by "
+                                            "--multi-latent-attention as above).")
+    yarn_beta_slow: float = flag(1.0, help="YaRN's beta_slow (Megatron's flag; read by "
+                                           "--multi-latent-attention as above).")
     add_bias_linear: bool = flag(True, "--disable-bias-linear",
                                  help="No biases in linear layers.")
     untie_embeddings_and_output_weights: bool = flag(
         False, help="Separate input embedding and output layer weights.")
+    mtp_num_layers: int | None = flag(
+        None, help="Multi-token prediction (DeepSeek-V3 §2.2): this many sequential MTP modules "
+                   "after the model, module k predicting the token k + 1 ahead from the previous "
+                   "depth's hidden state and the embedding of the token k ahead; on the last "
+                   "pipeline stage, sharing the embedding and output layer (unset: none).")
+    mtp_loss_scaling_factor: float = flag(
+        0.1, help="Weight of the MTP losses: their mean over the depths times this is added "
+                  "to the gradient (not to the reported lm loss; each depth is logged as "
+                  "'mtp_k loss').")
     attention_dropout: float = flag(0.1, help="Dropout probability on the attention weights.")
     hidden_dropout: float = flag(0.1, help="Dropout probability on the embedding and each "
                                            "residual branch.")
@@ -219,6 +267,11 @@ class GPTConfig:
     @property
     def kv_projection_size(self) -> int:
         return self.num_query_groups * self.kv_channels
+
+    @property
+    def mtp_depths(self) -> int:
+        """D, the MTP modules (0 without --mtp-num-layers)."""
+        return self.mtp_num_layers or 0
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer`'s MLP is a MoE layer (moe_layer_pattern)."""

@@ -56,9 +56,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                documents: Documents | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence for this CP rank's rows.
 
-    q: [b, s_local, heads, d]; k, v: [b, s_local, kv_heads, d] (heads a multiple of kv_heads),
-    core_attention's layout. The first s_local/2 rows are global chunk i, the last s_local/2
-    chunk 2·CP-1-i (i = this CP rank, see load_balanced_chunks). Returns [b, s_local, heads, d]
+    q: [b, s_local, heads, d]; k, v: [b, s_local, kv_heads, d] (heads a multiple of kv_heads;
+    v's head size may differ, multi-latent attention's), core_attention's layout. The first
+    s_local/2 rows are global chunk i, the last s_local/2 chunk 2·CP-1-i (i = this CP rank,
+    see load_balanced_chunks). Returns [b, s_local, heads, d_v]
     in the same local order. cp_group None or of size 1: plain core_attention. Dropout draws
     from the current default generator: the caller forks the RNG tracker so that each CP
     rank draws its own masks. `documents`: those of this rank's rows (global positions);
@@ -126,19 +127,21 @@ class _GatherAlongCP(torch.autograd.Function):
 
 
 def _global_order(gathered: torch.Tensor) -> torch.Tensor:
-    """[cp, 2 (k, v), b, 2c, g, d] in rank order -> [2, b, 2·cp·c, g, d] in sequence order:
-    chunk j < cp is rank j's first half, chunk j >= cp rank 2·cp-1-j's second half."""
-    cp, two, b, s_local, g, d = gathered.shape
-    halves = gathered.view(cp, two, b, 2, s_local // 2, g, d)
-    chunks = torch.cat([halves[:, :, :, 0], halves[:, :, :, 1].flip(0)])  # [2cp, 2, b, c, g, d]
-    return chunks.permute(1, 2, 0, 3, 4, 5).reshape(two, b, cp * s_local, g, d)
+    """[cp, b, 2c, g, d] in rank order -> [b, 2·cp·c, g, d] in sequence order: chunk j < cp
+    is rank j's first half, chunk j >= cp rank 2·cp-1-j's second half."""
+    cp, b, s_local, g, d = gathered.shape
+    halves = gathered.view(cp, b, 2, s_local // 2, g, d)
+    chunks = torch.cat([halves[:, :, 0], halves[:, :, 1].flip(0)])  # [2cp, b, c, g, d]
+    return chunks.permute(1, 0, 2, 3, 4).reshape(b, cp * s_local, g, d)
 
 
 def _all_gather_attention(q, k, v, group, backend, dropout_p, scale, documents=None):
     cp, rank = group_size(group), group_rank(group)
     c = q.shape[1] // 2
-    # One collective for K and V together.
-    k_all, v_all = _global_order(_GatherAlongCP.apply(torch.stack([k, v]), group))
+    # One collective for K and V together, side by side in the last dim (their head sizes
+    # differ under multi-latent attention).
+    k_all, v_all = _global_order(_GatherAlongCP.apply(torch.cat([k, v], dim=-1), group)).split(
+        [k.shape[-1], v.shape[-1]], dim=-1)
     outs = []
     for half, chunk in enumerate(load_balanced_chunks(cp, rank)):
         prefix = (chunk + 1) * c  # causal: chunk j sees chunks 0..j, its own lower-right

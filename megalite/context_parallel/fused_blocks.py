@@ -25,9 +25,13 @@ Differences from the kernels' own conventions, handled here:
   by the kernel before the merge (as in TransformerEngine).
 - No dropout (ring.py runs blocks.py then): the CPU kernel has none, and a CUDA block's
   philox mask is not redrawn here.
+- A V head size below Q/K's (multi-latent attention): both kernels take one head size, so
+  each block zero-pads V to it and drops the padding columns of out and dV (they are zero in
+  out; dout's are zero too). The ring itself carries V unpadded.
 """
 
 import torch
+import torch.nn.functional as F
 
 from megalite.context_parallel.blocks import merge
 
@@ -112,13 +116,19 @@ def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0
     if dropout_p > 0:
         raise ValueError("the fused ring blocks have no dropout; ring.py runs blocks.py")
     acc = torch.promote_types(q.dtype, torch.float32)
+    d_v, v = v.shape[-1], _padded(v, q.shape[-1])
     out, lse, states = None, None, []
     for keys, part_causal in _parts(q.shape[1], k.shape[1], causal):
         part_out, part_lse, state = _kernel_forward(q, k[:, keys], v[:, keys], part_causal, scale)
         part_out, part_lse = part_out.to(acc), part_lse.to(acc)
         states.append(state)
         out, lse = (part_out, part_lse) if out is None else merge(out, lse, part_out, part_lse)
-    return out, lse, states
+    return out[..., :d_v], lse, states
+
+
+def _padded(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """x with its last dim zero-padded to head_dim (module docstring: V under MLA)."""
+    return x if x.shape[-1] == head_dim else F.pad(x, (0, head_dim - x.shape[-1]))
 
 
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
@@ -129,7 +139,8 @@ def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
         raise ValueError("the fused ring blocks have no dropout; ring.py runs blocks.py")
     parts = _parts(q.shape[1], k.shape[1], causal)
     states = rng_state if rng_state is not None else [None] * len(parts)
-    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    d_v = v.shape[-1]
+    dout, out, v = (_padded(t, q.shape[-1]) for t in (dout.to(q.dtype), out.to(q.dtype), v))
     # The kernels read the log-sum-exp as a contiguous [b, heads, s_q] (torch's ring does
     # the same for its slices); the kernel's own dtype is fp32 (fp64 for fp64 inputs).
     lse = lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous()
@@ -139,5 +150,5 @@ def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float,
                                             part_causal, scale, state)
         dq = dq + dq_p.to(lse.dtype)
         dks.append(dk_p.to(lse.dtype))
-        dvs.append(dv_p.to(lse.dtype))
+        dvs.append(dv_p[..., :d_v].to(lse.dtype))
     return dq, torch.cat(dks, dim=1), torch.cat(dvs, dim=1)

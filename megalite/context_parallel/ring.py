@@ -128,9 +128,12 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             cp, rank = group_size(group), group_rank(group)
             ring, c = _RingExchange(group), q.shape[1] // 2
-            kv = torch.stack([k, v])  # one message per step for K and V
+            # One message per step for K and V, side by side in the last dim (their head
+            # sizes differ under multi-latent attention).
+            kv, d_k = torch.cat([k, v], dim=-1), k.shape[-1]
             # No keys yet: a zero output of weight exp(-inf); step 0 then covers every row.
-            out = q.new_zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32))
+            out = q.new_zeros((*q.shape[:-1], v.shape[-1]),
+                              dtype=torch.promote_types(q.dtype, torch.float32))
             lse = out.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"))
             rng_states = []  # one per block, in the order computed
             for t in range(cp):
@@ -138,8 +141,8 @@ class _RingAttention(torch.autograd.Function):
                 for rows, keys, causal, visible in _blocks(cp, rank, (rank - t) % cp, c,
                                                            documents):
                     block_out, block_lse, rng_state = kernels.block_forward(
-                        q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=causal, scale=scale,
-                        dropout_p=dropout_p, **_mask(visible))
+                        q[:, rows], kv[:, keys, ..., :d_k], kv[:, keys, ..., d_k:],
+                        causal=causal, scale=scale, dropout_p=dropout_p, **_mask(visible))
                     rng_states.append(rng_state)
                     out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
                                                           block_out, block_lse)
@@ -158,7 +161,7 @@ class _RingAttention(torch.autograd.Function):
             group = ctx.group
             cp, rank = group_size(group), group_rank(group)
             ring, c = _RingExchange(group), q.shape[1] // 2
-            kv = torch.stack([k, v])
+            kv, d_k = torch.cat([k, v], dim=-1), k.shape[-1]
             dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
             dkv_pending, rng_states = None, iter(ctx.rng_states)
             for t in range(cp):
@@ -167,21 +170,22 @@ class _RingAttention(torch.autograd.Function):
                 for rows, keys, causal, visible in _blocks(cp, rank, (rank - t) % cp, c,
                                                            ctx.documents):
                     dq_b, dk_b, dv_b = ctx.kernels.block_backward(
-                        dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                        lse[:, :, rows], causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
-                        rng_state=next(rng_states), **_mask(visible))
+                        dout[:, rows], q[:, rows], kv[:, keys, ..., :d_k], kv[:, keys, ..., d_k:],
+                        out[:, rows], lse[:, :, rows], causal=causal, scale=ctx.scale,
+                        dropout_p=ctx.dropout_p, rng_state=next(rng_states), **_mask(visible))
                     dq[:, rows] += dq_b
                     grads.append((keys, dk_b, dv_b))
                 # The block's accumulator: what earlier ranks added (none at t = 0, the block
                 # starts here) plus this rank's part; then it moves on with the block.
                 dkv = torch.zeros_like(kv, dtype=dq.dtype) if t == 0 else ring.wait(dkv_pending)
                 for keys, dk_b, dv_b in grads:
-                    dkv[0][:, keys] += dk_b
-                    dkv[1][:, keys] += dv_b
+                    dkv[:, keys, ..., :d_k] += dk_b
+                    dkv[:, keys, ..., d_k:] += dv_b
                 dkv_pending = ring.start(dkv)
                 if kv_pending is not None:
                     kv = ring.wait(kv_pending)
-            dk, dv = ring.wait(dkv_pending).to(k.dtype)  # this rank's own block, home after CP hops
+            # This rank's own block, home after CP hops.
+            dk, dv = ring.wait(dkv_pending).to(k.dtype).split([d_k, v.shape[-1]], dim=-1)
             return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 

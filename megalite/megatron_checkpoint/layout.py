@@ -11,7 +11,7 @@ off a model built on the meta device so the rule has one place): QKV and fc1 are
 column-parallel, QKV grouped per query group and SwiGLU's fc1 stacked [gate; up] per TP
 rank; linear_proj and fc2 row-parallel; the embedding and output layer split the padded
 vocabulary; norms, row-parallel biases and learned positions are replicated. A mixture of
-experts' names and args: moe.py.
+experts' names and args: moe.py; multi-latent attention's: mla.py.
 """
 
 import argparse
@@ -22,7 +22,7 @@ from torch import nn
 
 from megalite.config import GPTConfig
 from megalite.errors import CheckpointError
-from megalite.megatron_checkpoint import moe
+from megalite.megatron_checkpoint import mla, moe
 from megalite.model.gpt import GPTModel
 from megalite.pipeline_parallel.stages import Stage
 from megalite.tensor_parallel.params import VOCAB_PARAMS
@@ -30,6 +30,7 @@ from megalite.validation import pad_vocab_size
 
 FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
                "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+READ_FUSED_NORMS = {**FUSED_NORMS, **mla.FUSED_NORMS}  # read: the TE spec's too
 EMBEDDING, OUTPUT = VOCAB_PARAMS
 LAYER_PREFIX = "decoder.layers."
 
@@ -41,7 +42,7 @@ _ARG_DEFAULTS = dict(position_embedding_type="learned_absolute", rotary_base=100
 # Megatron features megalite's model does not have (set in args: refused).
 _UNSUPPORTED = ("rotary_interleaved", "squared_relu",
                 "openai_gelu", "apply_residual_connection_post_layernorm",
-                "multi_latent_attention", "use_rope_scaling",
+                "use_rope_scaling",
                 "rotary_seq_len_interpolation_factor", "decoder_first_pipeline_num_layers",
                 "decoder_last_pipeline_num_layers", "num_layers_per_virtual_pipeline_stage")
 
@@ -58,6 +59,10 @@ def config_from_args(args: argparse.Namespace, where: str) -> GPTConfig:
     if differing:
         raise CheckpointError(f"Megatron checkpoint {where} uses features megalite's GPT "
                               f"does not have: {', '.join(differing)}")
+    if getattr(args, "mtp_num_layers", None):
+        raise CheckpointError(f"Megatron checkpoint {where} holds multi-token prediction "
+                              f"layers (mtp_num_layers={args.mtp_num_layers}): importing them "
+                              "is not built")
     heads, hidden = args.num_attention_heads, args.hidden_size
     groups = (getattr(args, "num_query_groups", None) or heads
               if getattr(args, "group_query_attention", False) else heads)
@@ -66,9 +71,13 @@ def config_from_args(args: argparse.Namespace, where: str) -> GPTConfig:
               for n, d in _ARG_DEFAULTS.items()}
     if getattr(args, "norm_epsilon", None) is None:  # Megatron's name before norm_epsilon
         fields["norm_epsilon"] = getattr(args, "layernorm_epsilon", None) or 1e-5
+    fields.update(mla.mla_fields(args, where))
+    kv_channels = getattr(args, "kv_channels", None) or hidden // heads
+    if fields.get("multi_latent_attention"):  # as validation/model.py: MLA's query/key head
+        kv_channels = fields["qk_head_dim"] + fields["qk_pos_emb_head_dim"]
     return GPTConfig(num_layers=args.num_layers, hidden_size=hidden, ffn_hidden_size=ffn,
                      num_attention_heads=heads, num_query_groups=groups,
-                     kv_channels=getattr(args, "kv_channels", None) or hidden // heads,
+                     kv_channels=kv_channels,
                      seq_length=args.seq_length,
                      max_position_embeddings=getattr(args, "max_position_embeddings", None)
                      or args.seq_length, padded_vocab_size=args.padded_vocab_size,
@@ -113,16 +122,19 @@ def megalite_name(name: str) -> str | None:
     if "._extra_state" in name:  # torch_dist's expert ones end in /shard_{layer}.{expert}_...
         return None
     name = moe.from_torch_dist_name(name)
-    for fused, plain in FUSED_NORMS.items():
+    for fused, plain in READ_FUSED_NORMS.items():
         if fused in name:
             return name.replace(fused, plain)
     return name
 
 
-def fused_name(name: str) -> str:
-    """torch_dist's name for a megalite tensor: a norm's (FUSED_NORMS inverted), the experts'
+def fused_name(name: str, config: GPTConfig) -> str:
+    """torch_dist's name for a megalite tensor: a norm's (FUSED_NORMS inverted; none with
+    multi-latent attention, whose local layer spec keeps them apart), the experts'
     (moe.torch_dist_name)."""
     name = moe.torch_dist_name(name)
+    if config.multi_latent_attention:
+        return name
     for fused, plain in FUSED_NORMS.items():
         if plain in name:
             return name.replace(plain, fused)

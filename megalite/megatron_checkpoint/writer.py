@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from megalite.atomic_write import staged_directory
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
 from megalite.errors import CheckpointError, ConfigError
-from megalite.megatron_checkpoint import layout, moe
+from megalite.megatron_checkpoint import layout, mla, moe
 from megalite.megatron_checkpoint.reader import FORMATS, LEGACY_FILE, legacy_rank_dir
 from megalite.config import GPTConfig
 from megalite.tensor_parallel.params import VOCAB_PARAMS, pad_vocab_rows, tp_shard
@@ -70,6 +70,10 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
         raise ConfigError(f"--export-megatron {out} already exists; pass --overwrite to "
                           f"replace it")
     check_target_layout(config, tp, pp)
+    if config.mtp_num_layers:
+        raise ConfigError(f"--export-megatron of a model with --mtp-num-layers "
+                          f"{config.mtp_num_layers} is not built: Megatron's names of the MTP "
+                          "layers are not mapped")
     if ckpt_format == "torch_dist" and any(config.is_moe_layer(i) != config.is_moe_layer(0)
                                            for i in range(config.num_layers)):
         raise ConfigError("--ckpt-format torch_dist stacks the layers, which needs every layer "
@@ -77,6 +81,7 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
                           "--ckpt-format torch")
     layout.check_state(state, config, "to export")
     args = layout.args_for(config, tp, pp, divisible_by, {**moe.megatron_args(config),
+                                                          **mla.megatron_args(config),
                                                           **(extra_args or {})})
     state = {n: pad_vocab_rows(t, args.padded_vocab_size) if n.endswith(VOCAB_PARAMS) else t
              for n, t in state.items()}
@@ -134,14 +139,14 @@ def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> l
     for i in layers:
         prefix = f"{layout.LAYER_PREFIX}{i}."
         moe_mlp = moe.layer_mlp_names(config, i)
-        for module in LAYER_MODULES:
+        for module in _layer_modules(config):
             if module in QK_NORMS and not config.qk_layernorm:
                 continue
             if moe_mlp is not None and module.startswith("mlp."):
                 if module == LAYER_MODULES[-1]:
                     names += [prefix + n for n in moe_mlp]
                 continue
-            if module in LINEARS:
+            if module in LINEARS or mla.is_linear(module):
                 names += [f"{prefix}{module}.{k}" for k in kinds]
                 names.append(f"{prefix}{module}._extra_state")
             else:
@@ -156,13 +161,24 @@ def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> l
     return names
 
 
+def _layer_modules(config: GPTConfig) -> tuple[str, ...]:
+    """A layer's modules in Megatron's state-dict order, MLA's attention in place of QKV."""
+    if not config.multi_latent_attention:
+        return LAYER_MODULES
+    return (LAYER_MODULES[0], *mla.attention_modules(config), *LAYER_MODULES[5:])
+
+
+def _linears(config: GPTConfig) -> tuple[str, ...]:
+    return tuple(m for m in _layer_modules(config) if m in LINEARS or mla.is_linear(m))
+
+
 def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: dict) -> None:
     stacked: dict[str, dict[int, torch.Tensor]] = {}
     flat = {}
     for name, tensor in state.items():
         if name.startswith(layout.LAYER_PREFIX):
             index, rest = name[len(layout.LAYER_PREFIX):].split(".", 1)
-            key = layout.LAYER_PREFIX + layout.fused_name(rest)
+            key = layout.LAYER_PREFIX + layout.fused_name(rest, config)
             stacked.setdefault(key, {})[int(index)] = tensor
         else:
             flat[name] = tensor.contiguous()
@@ -171,7 +187,7 @@ def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: d
                  for n, per_layer in stacked.items()})
     for i in range(layers):
         moe_extra = moe.torch_dist_extra_states(config, i)
-        extra = [f"{linear}._extra_state/shard_{i}_{layers}" for linear in LINEARS
+        extra = [f"{linear}._extra_state/shard_{i}_{layers}" for linear in _linears(config)
                  if moe_extra is None or not linear.startswith("mlp.")] + (moe_extra or [])
         for key in extra:
             # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.

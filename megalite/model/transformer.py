@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.model.attention import SelfAttention
+from megalite.model.mla import MultiLatentAttention
 from megalite.model.moe import MoELayer
 from megalite.config import GPTConfig
 from megalite.model.norms import build_norm
@@ -54,7 +55,10 @@ class TransformerLayer(nn.Module):
         (config.moe_layer_pattern); `ep_group`: the expert-parallel group of a MoE layer."""
         super().__init__()
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, cp_group, fp8)
+        if config.multi_latent_attention:  # FP8 GEMMs: refused with MLA (validation/mla.py)
+            self.self_attention = MultiLatentAttention(config, tp_group, rng_tracker, cp_group)
+        else:
+            self.self_attention = SelfAttention(config, tp_group, rng_tracker, cp_group, fp8)
         self.pre_mlp_layernorm = build_norm(config)
         if config.is_moe_layer(layer_index):
             self.mlp = MoELayer(config, tp_group, cp_group, dense_mlp=MLP, ep_group=ep_group)

@@ -10,7 +10,9 @@ from megalite.config.flags import flag
 from megalite.errors import ConfigError
 from megalite.validation.checks import check_fraction, check_positive
 from megalite.validation.fp8 import check_fp8
+from megalite.validation.mla import mla_model_fields
 from megalite.validation.moe import moe_model_fields
+from megalite.validation.mtp import check_mtp
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,11 @@ def model_fields(args, parallel: ParallelConfig, tokenizer_vocab_size: int | Non
     heads, hidden, tp = (args.num_attention_heads, args.hidden_size,
                          parallel.tensor_model_parallel_size)
     vocab_size = _vocab_size(args, tokenizer_vocab_size)
+    mla = mla_model_fields(args, parallel)
     kv_channels = args.kv_channels
-    if kv_channels is None:
+    if args.multi_latent_attention:  # its query/key head; MLA refuses --kv-channels
+        kv_channels = args.qk_head_dim + args.qk_pos_emb_head_dim
+    elif kv_channels is None:
         if hidden % heads:
             raise ConfigError(f"--hidden-size={hidden} is not divisible by "
                               f"--num-attention-heads={heads} (or set --kv-channels)")
@@ -78,6 +83,7 @@ def model_fields(args, parallel: ParallelConfig, tokenizer_vocab_size: int | Non
     _check_tensor_parallel_split(args, heads, groups, tp)
     _check_positions(args, kv_channels)
     check_fp8(args, parallel)
+    check_mtp(args)
     check_fraction(args, "attention_dropout", "hidden_dropout")
     check_positive(args, "init_method_std")
     ffn = _ffn_size(args, tp)
@@ -89,7 +95,7 @@ def model_fields(args, parallel: ParallelConfig, tokenizer_vocab_size: int | Non
         # At TP 1 sequence parallelism is the identity; Megatron turns it off likewise.
         sequence_parallel=args.sequence_parallel and tp > 1,
         recompute_num_layers=_recompute_num_layers(args),
-        **moe_model_fields(args, parallel, ffn))
+        **moe_model_fields(args, parallel, ffn), **mla)
 
 
 def _ffn_size(args, tp: int) -> int:
