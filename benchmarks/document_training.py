@@ -13,7 +13,6 @@ temporary directory, removed at the end.
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,76 +22,31 @@ if __spec__ is None:  # run as a file: benchmarks.* and megalite from this check
 
 import numpy as np
 
-from benchmarks.common.preprocess_runs import PREPROCESS, build_corpus, tokenizer
+from benchmarks.common.corpus_training import evaluations, preprocessed, pretrain, training_flags
 from benchmarks.common.smoke import shrink
 from megalite.data.indexed_dataset import IndexedDataset
-from megalite.training_log import parse_log, parse_validation_line
 
-ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--reset-position-ids", "--reset-attention-mask"]
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-documents", type=int, default=400)
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--train-iters", type=int, default=200)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-iters", type=int, default=10)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=2)
+    training_flags(p, seq_length=1024, train_iters=200)
     args = p.parse_args()
     args.tokenizer_model = None  # build_corpus and tokenizer read these
     return shrink(args, max_documents=40, vocab_size=512, seq_length=128, train_iters=4,
                   eval_interval=2, eval_iters=1)
 
 
-def pretrain(args, prefix: str, model: str, cache: str, extra: list[str]) -> str:
-    command = [sys.executable, str(ROOT / "pretrain_gpt.py"), "--data-path", prefix,
-               "--split", "95,5,0", "--tokenizer-type", "SentencePieceTokenizer",
-               "--tokenizer-model", model, "--num-layers", str(args.num_layers),
-               "--hidden-size", str(args.hidden_size), "--num-attention-heads", "4",
-               "--seq-length", str(args.seq_length), "--position-embedding-type", "rope",
-               "--micro-batch-size", "4", "--global-batch-size", "8",
-               "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4",
-               "--lr-decay-style", "cosine",
-               "--lr-warmup-iters", str(max(1, args.train_iters // 10)),
-               "--attention-dropout", "0", "--hidden-dropout", "0", "--num-workers", "0",
-               "--log-interval", str(args.eval_interval),
-               "--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters),
-               "--data-cache-path", cache, "--seed", "1234", *extra]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode != 0:
-        sys.exit(f"pretrain_gpt.py {' '.join(extra)} failed:\n{done.stderr[-3000:]}")
-    return done.stdout
-
-
 def table(out: str) -> list[tuple[int, float, float]]:
     """(iteration, training loss, validation loss) at each evaluation."""
-    losses = {fields["iteration"]: fields["lm_loss"] for fields in parse_log(out)}
-    rows = []
-    for line in out.splitlines():
-        report = parse_validation_line(line)
-        if report and report["prefix"].startswith("iteration ") \
-                and report["prefix"][len("iteration "):].strip().isdigit():
-            iteration = int(report["prefix"].split()[1])
-            rows.append((iteration, losses.get(iteration, float("nan")), report["loss"]))
-    return rows
+    return [(log["iteration"], log["lm_loss"], valid) for log, valid in evaluations(out)]
 
 
 def main():
     args = parse_args()
     with tempfile.TemporaryDirectory() as work:
-        corpus = build_corpus(args, work)
-        model = tokenizer(args, corpus, work)
-        prefix = os.path.join(work, "stdlib")
-        subprocess.run([sys.executable, PREPROCESS, "--input", corpus, "--output-prefix",
-                        prefix, "--tokenizer-type", "SentencePieceTokenizer",
-                        "--tokenizer-model", model, "--append-eod"], check=True,
-                       capture_output=True)
-        prefix += "_text_document"
+        prefix, model = preprocessed(args, work)
         lengths = np.asarray(IndexedDataset(prefix).sequence_lengths)
         print(f"{lengths.size} documents, {lengths.sum()} tokens: mean {lengths.mean():.0f}, "
               f"median {np.median(lengths):.0f}; {np.mean(lengths < args.seq_length):.0%} "

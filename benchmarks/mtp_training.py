@@ -13,7 +13,6 @@ under a temporary directory, removed at the end.
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,82 +20,36 @@ from pathlib import Path
 if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.common.preprocess_runs import PREPROCESS, build_corpus, tokenizer
+from benchmarks.common.corpus_training import evaluations, preprocessed, pretrain, training_flags
 from benchmarks.common.smoke import shrink
-from megalite.training_log import parse_log, parse_validation_line
 
-ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
 FLAGS = ["--mtp-num-layers", "1"]
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-documents", type=int, default=400)
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--train-iters", type=int, default=300)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-iters", type=int, default=10)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=2)
+    training_flags(p, seq_length=256, train_iters=300)
     args = p.parse_args()
     args.tokenizer_model = None  # build_corpus and tokenizer read these
     return shrink(args, max_documents=40, vocab_size=512, seq_length=64, train_iters=4,
                   eval_interval=2, eval_iters=1)
 
 
-def pretrain(args, prefix: str, model: str, cache: str, extra: list[str]) -> str:
-    command = [sys.executable, str(ROOT / "pretrain_gpt.py"), "--data-path", prefix,
-               "--split", "95,5,0", "--tokenizer-type", "SentencePieceTokenizer",
-               "--tokenizer-model", model, "--num-layers", str(args.num_layers),
-               "--hidden-size", str(args.hidden_size), "--num-attention-heads", "4",
-               "--seq-length", str(args.seq_length), "--position-embedding-type", "rope",
-               "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-               "--micro-batch-size", "4", "--global-batch-size", "8",
-               "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4",
-               "--lr-decay-style", "cosine",
-               "--lr-warmup-iters", str(max(1, args.train_iters // 10)),
-               "--attention-dropout", "0", "--hidden-dropout", "0", "--num-workers", "0",
-               "--log-interval", str(args.eval_interval),
-               "--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters),
-               "--data-cache-path", cache, "--seed", "1234", *extra]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if done.returncode != 0:
-        sys.exit(f"pretrain_gpt.py {' '.join(extra)} failed:\n{done.stderr[-3000:]}")
-    return done.stdout
-
-
 def table(out: str) -> list[tuple[int, float, float | None, float, float]]:
     """(iteration, training lm loss, mtp_1 loss or None, validation loss, ms per iteration)
     at each evaluation."""
-    logs = {fields["iteration"]: fields for fields in parse_log(out)}
-    rows = []
-    for line in out.splitlines():
-        report = parse_validation_line(line)
-        if report and report["prefix"].startswith("iteration ") \
-                and report["prefix"][len("iteration "):].strip().isdigit():
-            log = logs[int(report["prefix"].split()[1])]
-            mtp = (log["mtp_losses"] or {}).get("1")
-            rows.append((log["iteration"], log["lm_loss"], mtp, report["loss"],
-                         log["elapsed_ms"]))
-    return rows
+    return [(log["iteration"], log["lm_loss"], (log["mtp_losses"] or {}).get("1"), valid,
+             log["elapsed_ms"]) for log, valid in evaluations(out)]
 
 
 def main():
     args = parse_args()
     with tempfile.TemporaryDirectory() as work:
-        corpus = build_corpus(args, work)
-        model = tokenizer(args, corpus, work)
-        prefix = os.path.join(work, "stdlib")
-        subprocess.run([sys.executable, PREPROCESS, "--input", corpus, "--output-prefix",
-                        prefix, "--tokenizer-type", "SentencePieceTokenizer",
-                        "--tokenizer-model", model, "--append-eod"], check=True,
-                       capture_output=True)
-        prefix += "_text_document"
+        prefix, model = preprocessed(args, work)
         runs = {"no MTP (reference)": [], " ".join(FLAGS): FLAGS}
         results = {name: table(pretrain(args, prefix, model, os.path.join(work, f"c{i}"),
-                                         extra))
+                                         MODEL + extra))
                    for i, (name, extra) in enumerate(runs.items())}
     print("| run | iteration | lm loss | mtp_1 loss | validation loss | ms/iteration |\n"
           "|---|---:|---:|---:|---:|---:|")
