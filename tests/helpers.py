@@ -38,19 +38,23 @@ import torch
 
 from megalite import memory_estimate as me
 from megalite.checkpointing.async_save import AsyncCheckpointer, HostBuffers
+from megalite.checkpointing.loading import load_checkpoint
+from megalite.checkpointing.saving import save_checkpoint
+from megalite.checkpointing.state import CheckpointState, TrainState
 from megalite.checkpointing.storage import (checkpoint_values, find_checkpoint_to_load,
                                            load_tensor_file)
 from megalite.config import (CheckpointConfig, Config, DistributedConfig, GPTConfig,
                              LoggingConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
 from megalite.network import free_port
 # The layout comparisons live in the package, shared with tools/check_cluster.py.
-from megalite.layout_check import (gather_tensor_parallel, reference_name,  # noqa: F401
-                                   step_problems, tensor_problem)
+from megalite.layout_check import (build_run, gather_tensor_parallel,  # noqa: F401
+                                   reference_name, step_problems, tensor_problem)
 from megalite.data.sampler import add_mtp_targets
 from megalite.documents import starts_from_lengths
 from megalite.model.mtp import set_mtp_loss_weights
 from megalite.monitoring.memory import SavedActivations
 from megalite.object_storage.local_server import wait_for_http
+from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.pipeline_parallel.stages import rank_stages
 from megalite.tensor_parallel import fp8
 from megalite.tensor_parallel.weight_grad import LinearStep
@@ -371,3 +375,28 @@ def measured_chunk_bytes(config, pp_rank: int, state=None) -> list[int]:
     seq = config.model.seq_length // (t if config.model.sequence_parallel else 1)
     return [saved_activation_bytes(config, chunk, stage.is_first, stage.is_last, seq)
             for stage, chunk in zip(rank_stages(pp_rank, p, len(chunks)), chunks)]
+
+
+def train_steps(flags, world_size, rank, steps: range, load=None, save=None, save_at=None):
+    """In a rank of a launch: ([(loss, grad norm)] of `steps` (iterations, from 1) of `flags`,
+    the model, the ParallelState, the config, the step runner); loads `load` first, saves to
+    `save` after iteration `save_at`. None on ranks outside the layout."""
+    config, state, model, optimizer, runner, batches = build_run(flags, world_size, rank,
+                                                                 torch.device("cpu"))
+    if model is None:
+        return None
+    scheduler = LRScheduler(optimizer, config.scheduler)  # constant: never stepped here
+    if load is not None:
+        load_checkpoint(load, CheckpointState(model, optimizer, scheduler, state, config))
+    m = config.training.num_microbatches
+    for _ in range((steps.start - 1) * m):  # the data position of the checkpoint
+        next(batches)
+    results = []
+    for iteration in steps:
+        result = runner.train_step([next(batches) for _ in range(m)])
+        results.append((result.loss, result.grad_norm))
+        if iteration == save_at:
+            progress = TrainState(iteration, iteration * config.training.global_batch_size)
+            save_checkpoint(save, iteration, CheckpointState(model, optimizer, scheduler, state,
+                                                             config, progress))
+    return results, model, state, config, runner

@@ -9,48 +9,20 @@ changed on one rank is found in its expert-data-parallel group. One launch of 4 
 import pytest
 import torch
 
-from megalite.checkpointing.loading import load_checkpoint
-from megalite.checkpointing.saving import save_checkpoint
-from megalite.checkpointing.state import CheckpointState, TrainState
-from megalite.layout_check import build_run, step_problems
+from megalite.layout_check import step_problems
 from megalite.memory_estimate.weights import grad_buckets, rank_parameters, weights_and_optimizer
 from megalite.monitoring.moe_metrics import moe_report
 from megalite.monitoring.replica_check import ReplicaMismatchError, check_all_replicas
-from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.spawn import run_distributed
 
 from tests.distributed.test_expert_parallel_layouts import BASE
+from tests.helpers import train_steps
 from tests.test_memory_estimate import built_buckets
 
 pytestmark = pytest.mark.slow  # launches processes
 
 ZERO_EP2 = ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
 PLAIN_EP4 = ["--expert-model-parallel-size", "4"]
-
-
-def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=None):
-    """(loss, grad norm) of `steps` (iterations, from 1) of `flags`, the model and the
-    ParallelState; loads `load` first, saves to `save` after iteration `save_at`. None on
-    ranks outside the layout."""
-    config, state, model, optimizer, runner, batches = build_run(flags, world_size, rank,
-                                                                 torch.device("cpu"))
-    if model is None:
-        return None
-    scheduler = LRScheduler(optimizer, config.scheduler)  # constant: never stepped here
-    if load is not None:
-        load_checkpoint(load, CheckpointState(model, optimizer, scheduler, state, config))
-    m = config.training.num_microbatches
-    for _ in range((steps.start - 1) * m):  # the data position of the checkpoint
-        next(batches)
-    results = []
-    for iteration in steps:
-        result = runner.train_step([next(batches) for _ in range(m)])
-        results.append((result.loss, result.grad_norm))
-        if iteration == save_at:
-            progress = TrainState(iteration, iteration * config.training.global_batch_size)
-            save_checkpoint(save, iteration, CheckpointState(model, optimizer, scheduler, state,
-                                                             config, progress))
-    return results, model, state, config, runner
 
 
 def _replica_check(model, state, rank) -> list[str]:
@@ -71,14 +43,14 @@ def _replica_check(model, state, rank) -> list[str]:
 
 
 def _resume(rank, world_size, directory):
-    straight, model, state, config, runner = _train(BASE + ZERO_EP2, 4, rank, range(1, 6),
+    straight, model, state, config, runner = train_steps(BASE + ZERO_EP2, 4, rank, range(1, 6),
                                                          save=f"{directory}/a", save_at=2)
     # The log line's expert load counts all E experts' tokens under EP too.
     load = moe_report(model, config, state.tp_size, 5, torch.device("cpu"))[0]["expert_load"]
     replicas = _replica_check(model, state, rank) + ([] if load >= 1 else [f"load {load}"])
-    at_ep4, *_ = _train(BASE + PLAIN_EP4, 4, rank, range(3, 5), load=f"{directory}/a",
+    at_ep4, *_ = train_steps(BASE + PLAIN_EP4, 4, rank, range(3, 5), load=f"{directory}/a",
                         save=f"{directory}/b", save_at=4)
-    at_ep1 = _train(BASE, 1, rank, range(5, 6), load=f"{directory}/b")
+    at_ep1 = train_steps(BASE, 1, rank, range(5, 6), load=f"{directory}/b")
     at_ep1 = at_ep1 and at_ep1[0]
     last = rank % 2 == 1 or rank == 0  # ranks whose loss the comparison may read
     return {"EP 4 from EP 2 ZeRO-1": step_problems(at_ep4, straight[2:4], last),

@@ -10,14 +10,10 @@ tests/distributed/test_mla_layouts.py."""
 import pytest
 import torch
 
-from megalite.checkpointing.loading import load_checkpoint
-from megalite.checkpointing.saving import save_checkpoint
-from megalite.checkpointing.state import CheckpointState, TrainState
-from megalite.layout_check import build_run, first_difference, run_layout, step_problems
-from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.layout_check import first_difference, run_layout, step_problems
 from megalite.spawn import run_distributed
 
-from tests.helpers import flags_with, without
+from tests.helpers import flags_with, train_steps, without
 
 pytestmark = pytest.mark.slow  # launches processes
 
@@ -44,42 +40,18 @@ LAYOUTS = {
 }
 
 
-def _train(flags, world_size, rank, steps: range, load=None, save=None, save_at=None):
-    """(loss, grad norm) of `steps` (iterations, from 1) of `flags`; loads `load` first,
-    saves to `save` after iteration `save_at`. None on ranks outside the layout."""
-    config, state, model, optimizer, runner, batches = build_run(flags, world_size, rank,
-                                                                 torch.device("cpu"))
-    if model is None:
-        return None
-    scheduler = LRScheduler(optimizer, config.scheduler)  # constant: never stepped here
-    if load is not None:
-        load_checkpoint(load, CheckpointState(model, optimizer, scheduler, state, config))
-    m = config.training.num_microbatches
-    for _ in range((steps.start - 1) * m):  # the data position of the checkpoint
-        next(batches)
-    results = []
-    for iteration in steps:
-        result = runner.train_step([next(batches) for _ in range(m)])
-        results.append((result.loss, result.grad_norm))
-        if iteration == save_at:
-            progress = TrainState(iteration, iteration * config.training.global_batch_size)
-            save_checkpoint(save, iteration, CheckpointState(model, optimizer, scheduler, state,
-                                                             config, progress))
-    return results
-
-
 def _resume(rank, directory) -> str | None:
     """The MTP weights by their single-process names: saved at TP 2 x PP 2 (untied: the
     last stage holds the embedding's copy, the output layer and the depths) after step 1,
     loaded by one process, steps 2 and 3 those of one process straight through (the
     layouts above: TP 2 x PP 2 is one process's run)."""
-    _train(BASE + UNTIED + TP2 + ["--pipeline-model-parallel-size", "2"], 4, rank, range(1, 2),
-           save=directory, save_at=1)
-    resumed = _train(BASE + UNTIED, 1, rank, range(2, 4), load=directory)
+    train_steps(BASE + UNTIED + TP2 + ["--pipeline-model-parallel-size", "2"], 4, rank,
+                range(1, 2), save=directory, save_at=1)
+    resumed = train_steps(BASE + UNTIED, 1, rank, range(2, 4), load=directory)
     if resumed is None:
         return None
-    straight = _train(BASE + UNTIED, 1, rank, range(1, 4))
-    problems = step_problems(resumed, straight[1:], True)
+    straight = train_steps(BASE + UNTIED, 1, rank, range(1, 4))[0]
+    problems = step_problems(resumed[0], straight[1:], True)
     return "; ".join(problems) if problems else None
 
 
