@@ -48,6 +48,7 @@ from megalite.checkpointing.storage import (TRACKER_FILENAME, checkpoint_dir,
                                             commit, find_checkpoint_to_load, prepare_staging,
                                             read_metadata, save_tensor_file)
 from megalite.config import GPTConfig
+from megalite.config.flags import flag_name
 from megalite.errors import CheckpointError, ConfigError, MegaliteError
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab
 from megalite.megatron_checkpoint import convert as megatron_convert
@@ -240,6 +241,10 @@ def moe_flags(c: GPTConfig) -> list:
              "--moe-router-score-function", c.moe_router_score_function]
     if c.moe_shared_expert_intermediate_size:
         flags += ["--moe-shared-expert-intermediate-size", c.moe_shared_expert_intermediate_size]
+    for name in ("moe_router_topk_scaling_factor", "moe_router_num_groups",
+                 "moe_router_group_topk"):
+        if getattr(c, name) is not None:
+            flags += [flag_name(name), getattr(c, name)]
     return (flags + ["--moe-router-pre-softmax"] * c.moe_router_pre_softmax
             + ["--moe-router-enable-expert-bias"] * c.moe_router_enable_expert_bias)
 
