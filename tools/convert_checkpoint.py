@@ -2,11 +2,12 @@ r"""Convert between megalite checkpoints and HuggingFace transformers models.
 
     # A megalite checkpoint, saved at any (TP, PP, DP) layout -> a directory that
     # transformers.AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama style, Qwen3
-    # with --qk-layernorm; a mixture of experts as Mixtral, Qwen2-MoE or Qwen3-MoE):
+    # with --qk-layernorm; a mixture of experts as Mixtral, Qwen2-MoE or Qwen3-MoE;
+    # --multi-latent-attention as DeepSeek-V3):
     python tools/convert_checkpoint.py --load ckpt [--iteration N] --export-hf hf_out \
         [--dtype bf16|fp16|fp32]
 
-    # A HF GPT-2 / Llama / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE model -> a megalite
+    # A HF GPT-2 / Llama / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 model -> a megalite
     # checkpoint at iteration 0 that pretrain_gpt.py loads at any layout; the import prints
     # the model flags to load it with:
     python tools/convert_checkpoint.py --import-hf hf_dir --save ckpt
@@ -318,8 +319,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--overwrite", action="store_true", help="replace an existing --export-hf")
     g = parser.add_argument_group("import a HF model as a megalite checkpoint")
     g.add_argument("--import-hf", metavar="DIR",
-                   help="HF model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen2-MoE or "
-                        "Qwen3-MoE)")
+                   help="HF model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen2-MoE, "
+                        "Qwen3-MoE or DeepSeek-V3)")
     g.add_argument("--save", metavar="DIR", help="new megalite save directory (empty or absent)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="pad the vocabulary to a multiple of this (default 128; "
