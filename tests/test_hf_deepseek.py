@@ -13,11 +13,12 @@ transformers = pytest.importorskip("transformers")
 from megalite.config import GPTConfig  # noqa: E402
 from megalite.errors import ConfigError  # noqa: E402
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
+from megalite.inference import GREEDY, generate  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 
 from tests.test_hf_convert import (LLAMA_STYLE, PADDED, VOCAB,  # noqa: E402
-                                   assert_imports_to_hf_logits, hf_logits, load_hf, make_config, megalite_logits,
-                                   random_model)
+                                   assert_imports_to_hf_logits, hf_logits, load_hf,
+                                   make_config, megalite_logits, random_model, tokens)
 
 MLA = dict(LLAMA_STYLE, multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=16,
            qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, kv_channels=24,
@@ -111,6 +112,11 @@ def test_import_of_saved_hf_model_matches_its_logits(tmp_path, kw):
     model.load_state_dict(pad_vocab(state, PADDED), strict=True)
     torch.testing.assert_close(megalite_logits(model), hf_logits(hf_model), atol=1e-5, rtol=0)
     assert_imports_to_hf_logits(hf_model)  # the loaded model itself, not its folder
+    # Greedy generation on megalite's latent KV cache picks transformers' tokens (its own
+    # generate, on its own cache of the latent).
+    prompt = tokens()[:1, :10]
+    theirs = hf_model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert generate(model, prompt, 8, GREEDY)[0].tolist() == theirs[0, 10:].tolist()
 
 
 @pytest.mark.parametrize("kw, field", [
