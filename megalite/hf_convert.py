@@ -240,8 +240,9 @@ def export_to_hf(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
         raise ConfigError(f"{output_dir} already exists; pass overwrite=True to replace it")
     tf = _transformers()
     config, hf = hf_config_and_state_dict(model_config, state_dict, **hf_config_kwargs)
-    if dtype is not None:
-        hf = {name: t.to(dtype) for name, t in hf.items()}
+    if dtype is not None:  # DeepSeek's expert bias stays fp32, as megalite and HF keep it
+        hf = {name: t if name.endswith(hf_deepseek.FP32_SUFFIX) else t.to(dtype)
+              for name, t in hf.items()}
     if model_config.num_experts or model_config.multi_latent_attention:
         return _save_hub_files(config, hf, output_dir)
     cls = getattr(tf, _DENSE_ARCHITECTURES[config.model_type])

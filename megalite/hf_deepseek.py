@@ -47,6 +47,9 @@ MODEL_TYPE = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPS = 1e-6
 """The eps transformers' DeepseekV3Attention gives q_a_layernorm and kv_a_layernorm."""
+# The expert bias: fp32 in megalite's router and in HF's (_keep_in_fp32_modules_strict); a
+# bf16 copy would move the choice of experts.
+FP32_SUFFIX = ".e_score_correction_bias"
 # HF's group score: the sum of each group's top 2 (DeepseekV3TopkRouter).
 _HF_GROUP_SCORE_TOP = 2
 

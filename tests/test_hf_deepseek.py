@@ -10,6 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from safetensors.torch import load_file  # noqa: E402  (a dependency of transformers)
+
 from megalite.config import GPTConfig  # noqa: E402
 from megalite.errors import ConfigError  # noqa: E402
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab  # noqa: E402
@@ -72,6 +74,16 @@ def test_export_matches_hf_logits_and_imports_back_bitwise(tmp_path, style):
     assert imported.keys() == state.keys()
     for name, t in state.items():
         assert torch.equal(imported[name], t), name
+
+
+def test_bf16_export_keeps_the_expert_bias_fp32(tmp_path):
+    """--dtype bf16 rounds the weights, not the fp32 bias (it would move the choice)."""
+    kw = STYLES["no-q-lora-rope"]
+    out = export_to_hf(make_config(**kw), deepseek_model(kw).state_dict(), tmp_path / "hf",
+                       dtype=torch.bfloat16)
+    dtypes = {name: t.dtype for name, t in load_file(out / "model.safetensors").items()}
+    assert dtypes.pop("model.layers.1.mlp.gate.e_score_correction_bias") == torch.float32
+    assert set(dtypes.values()) == {torch.bfloat16}
 
 
 def tiny_hf_deepseek(**kw):
