@@ -370,7 +370,7 @@ def _import_deepseek(hf, hf_dir_or_model) -> tuple[dict, dict[str, torch.Tensor]
         hf_dir_or_model = _transformers().AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
     sd = {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
     c = GPTConfig(**fields, padded_vocab_size=fields["vocab_size"])
-    return fields, hf_deepseek.from_hf(c, sd)
+    return fields, hf_deepseek.from_hf(c, sd, hf.rope_interleave)
 
 
 def pad_vocab(state_dict: dict[str, torch.Tensor],

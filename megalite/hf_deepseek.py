@@ -8,7 +8,7 @@ What maps (megalite -> HF), docs/design.md §34:
   kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj. The row layouts are the same (per
   head [no-RoPE, RoPE] for q; [latent, shared k_pe] for the KV down projection; per head [K, V]
   for the up projection), and HF's rope_interleave=True is megalite's interleaved RoPE part, so
-  it is a renaming. YaRN: rope_parameters {"rope_type": "yarn", factor, mscale, mscale_all_dim,
+  it is a renaming (an import of rope_interleave=False reorders the RoPE rows: from_hf). YaRN: rope_parameters {"rope_type": "yarn", factor, mscale, mscale_all_dim,
   original_max_position_embeddings, beta_fast, beta_slow}, with megalite's cos/sin factor
   written as attention_factor (HF infers another one when mscale or mscale_all_dim is 0).
 - MoE: sigmoid routing with the expert bias (mlp.gate.e_score_correction_bias, always there in
@@ -30,7 +30,7 @@ directions warn when that epsilon is not 1e-6 (shared/testdata/megatron_mla_chec
 Refused by name (ConfigError): what DeepseekV3ForCausalLM cannot compute (no latent norms,
 softmax routing, pre-softmax, a capacity factor, MoE layers other than "k dense then all MoE",
 a shared expert not a multiple of the expert width, LayerNorm, biases) and, on import, what
-megalite does not build (rope_interleave=False, other RoPE scalings, attention_bias,
+megalite does not build (other RoPE scalings, attention_bias,
 num_key_value_heads != heads, norm_topk_prob against top k).
 """
 
@@ -186,12 +186,33 @@ def hub_names(hf: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.
     return out
 
 
-def from_hf(c: GPTConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf(c: GPTConfig, sd: dict[str, torch.Tensor],
+            rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """megalite's state dict from a loaded DeepseekV3ForCausalLM's (fused expert names)."""
     ours = {}
     for name, theirs in name_pairs(c):
         ours[name] = torch.cat([sd[t] for t in theirs]).contiguous()
+    if not rope_interleave:
+        _interleave_rope_rows(c, ours)
     return ours
+
+
+def _interleave_rope_rows(c: GPTConfig, ours: dict[str, torch.Tensor]) -> None:
+    """HF's rope_interleave=False rotates channel i with i + r/2 (rotate-half), megalite the
+    pair (2i, 2i + 1): the RoPE rows of the query and of the shared k_pe are reordered so that
+    row 2i is HF's i and row 2i + 1 HF's i + r/2 (rotary.deinterleave then gives HF's order
+    back: exact)."""
+    r, nope = c.qk_pos_emb_head_dim, c.qk_head_dim
+    order = torch.arange(r).view(2, r // 2).t().reshape(-1)
+    for i in range(c.num_layers):
+        prefix = f"decoder.layers.{i}.self_attention."
+        q = prefix + ("linear_q_proj" if c.q_lora_rank is None else "linear_q_up_proj")
+        w = ours[q + ".weight"].view(c.num_attention_heads, nope + r, -1)
+        ours[q + ".weight"] = torch.cat([w[:, :nope], w[:, nope:][:, order]], dim=1).reshape(
+            -1, w.shape[-1])
+        kv = ours[prefix + "linear_kv_down_proj.weight"]
+        ours[prefix + "linear_kv_down_proj.weight"] = torch.cat(
+            [kv[:c.kv_lora_rank], kv[c.kv_lora_rank:][order]])
 
 
 def rope_parameters(c: GPTConfig) -> dict:
@@ -272,7 +293,7 @@ def _rope_fields(hf) -> dict:
 def config_fields(hf) -> dict:
     """GPTConfig's fields of a DeepseekV3Config, once what megalite would compute
     differently is refused; warns of the latent-norm eps (module docstring)."""
-    for name, want in (("rope_interleave", True), ("attention_bias", False),
+    for name, want in (("attention_bias", False),
                        ("hidden_act", "silu"), ("num_key_value_heads", hf.num_attention_heads),
                        ("pretraining_tp", 1)):
         _refuse(name, getattr(hf, name, want), want)

@@ -1,7 +1,8 @@
 """DeepSeek-V3 HF conversion (megalite/hf_deepseek.py) against transformers' own
 DeepseekV3ForCausalLM: the same weights give the same logits (fp32, 1e-5) after export
 (transformers loads the folder) and after import (a transformers model, saved, imported),
-with multi-latent attention with and without a query latent, YaRN, a dense first layer and
+with multi-latent attention with and without a query latent, YaRN, HF's rotate-half RoPE
+layout (rope_interleave=False) as well as DeepSeek's interleaved one, a dense first layer and
 MoE layers with a shared expert, sigmoid routing with a nonzero expert bias, group-limited
 routing and the routed scaling factor."""
 
@@ -112,8 +113,9 @@ def tiny_hf_deepseek(**kw):
     return model.eval()
 
 
-@pytest.mark.parametrize("kw", [{}, dict(q_lora_rank=None, n_group=1, topk_group=1)],
-                         ids=["q-lora-yarn-groups", "no-q-lora"])
+@pytest.mark.parametrize("kw", [
+    {}, dict(q_lora_rank=None, n_group=1, topk_group=1, rope_interleave=False)],
+    ids=["q-lora-yarn-groups", "no-q-lora-rotate-half"])
 def test_import_of_saved_hf_model_matches_its_logits(tmp_path, kw):
     hf_model = tiny_hf_deepseek(**kw)
     hf_model.save_pretrained(tmp_path / "hf")
@@ -146,7 +148,7 @@ def test_unsupported_model_is_refused_on_export(tmp_path, kw, field):
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(rope_interleave=False), "rope_interleave"),
+    (dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0)), "linear"),
     (dict(norm_topk_prob=False), "norm_topk_prob"),
     (dict(n_group=4, topk_group=1), "topk_group"),
 ])
