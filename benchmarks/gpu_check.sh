@@ -323,6 +323,8 @@ megatron_load() { "$PY" "$HELPERS/megatron_load.py" "$LOG" -- $SMALL $BACKEND $N
 ring_attention() { "$PY" "$HELPERS/ring_attention.py"; }
 # causal against block-causal (flash varlen, flex, sdpa per document), outputs checked
 document_attention() { "$PY" "$REPO/benchmarks/document_attention.py"; }
+# MLA's V heads narrower than Q/K's: sdpa, flash (V padded), documents, the ring's fused blocks
+multi_latent_attention() { "$PY" "$HELPERS/mla_paths.py"; }
 zero_bubble() { "$PY" "$HELPERS/zero_bubble.py"; }
 fp8() {  # bf16 and --fp8-format hybrid, both compiled: tokens/s ratio, loss after FP8_ITERS
     "$PY" "$HELPERS/fp8_vs_bf16.py" "$LOG" "$FP8_ITERS" $FP8_FIT \
@@ -392,7 +394,7 @@ check_cluster_tune() {  # world size 1: every check, --tune; the report kept bes
 
 export -f env_info gpu_tests skip kernels matmul_peak train_350m mfu mfu_llama_1b mfu_gpt_1b3 mfu_llama_1b_eager \
     resume_case checkpoint_resume torchrun_nccl mfu_table fsdp_offload megatron_load \
-    ring_attention document_attention zero_bubble memory_snapshot implicit_gpu_tests fp8 \
+    ring_attention document_attention multi_latent_attention zero_bubble memory_snapshot implicit_gpu_tests fp8 \
     compiled_zero1_overlap moe_paths save_paths compiled_paths fp8_paths check_cluster_tune
 
 # The steps of TIER, in steps.tsv's order (name tier limit measured run): core, extended, all.

@@ -125,6 +125,10 @@ def _padded_value(kernel):
         pad = q.shape[-1] - v.shape[-1]
         if pad == 0:
             return kernel(q, k, v, *args)
+        if pad < 0:  # validation refuses --attention-backend flash so; auto may pick it
+            raise ConfigError(f"flash-attn pads V's heads ({v.shape[-1]}) to Q/K's "
+                              f"({q.shape[-1]}), which must not be narrower: use "
+                              "--attention-backend sdpa")
         return kernel(q, k, F.pad(v, (0, pad)), *args)[..., :v.shape[-1]]
     return run
 

@@ -102,6 +102,10 @@ def model_style(c: GPTConfig) -> str:
     if c.multi_latent_attention:
         raise ConfigError("multi_latent_attention=True: HuggingFace's model of it is "
                           "DeepseekV3ForCausalLM (hf_deepseek.py), not GPT-2 or Llama style")
+    if c.mtp_num_layers:
+        raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: exporting multi-token "
+                          "prediction weights to HuggingFace is not built (no GPT-2, Llama or "
+                          "Qwen3 model holds them)")
     misses = {style: [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in want.items()
                       if getattr(c, k) != v] for style, want in STYLES.items()}
     style = min(misses, key=lambda s: len(misses[s]))

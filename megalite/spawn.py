@@ -139,13 +139,18 @@ def _wait_for_first_failure(procs, deadline: float | None):
             timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
-def torchrun_command(nproc: int, script: str, args=(), max_restarts: int | None = None
-                     ) -> list[str]:
-    """The command line of a one-node torchrun of `script` with `args` on `nproc` workers,
-    through this interpreter (`python -m torch.distributed.run`: no PATH lookup)."""
+def torchrun_launcher(nproc: int, max_restarts: int | None = None) -> list[str]:
+    """The launcher part of a one-node torchrun on `nproc` workers, up to the script, through
+    this interpreter (`python -m torch.distributed.run`: no PATH lookup)."""
     restarts = [] if max_restarts is None else ["--max-restarts", str(max_restarts)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc), *restarts, script, *args]
+            str(nproc), *restarts]
+
+
+def torchrun_command(nproc: int, script: str, args=(), max_restarts: int | None = None
+                     ) -> list[str]:
+    """The command line of a one-node torchrun of `script` with `args` on `nproc` workers."""
+    return [*torchrun_launcher(nproc, max_restarts), script, *args]
 
 
 def torchrun_workers(agent_pid: int) -> dict[int, int]:

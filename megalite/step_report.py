@@ -59,7 +59,8 @@ class StepReporter:
             self.tensorboard.scalars(iteration, {
                 "lm loss": result.loss, "learning-rate": lr, "grad-norm": result.grad_norm,
                 "loss-scale": loss_scale, "batch-size": t.global_batch_size,
-                "num-zeros": extra.get("num_zeros"), "params-norm": extra.get("params_norm")})
+                "num-zeros": extra.get("num_zeros"), "params-norm": extra.get("params_norm"),
+                **{f"mtp_{k + 1} loss": v for k, v in enumerate(result.mtp_losses or [])}})
         if not logging:
             return stats
         self._log_line(progress, stats, lr, loss_scale, result.grad_norm, extra)
@@ -82,6 +83,7 @@ class StepReporter:
             consumed_samples=progress.consumed_train_samples, elapsed_ms=seconds_per_iter * 1e3,
             tflops_per_gpu=tflops if config.logging.log_throughput else None,
             learning_rate=lr, global_batch_size=t.global_batch_size, lm_loss=stats.mean_loss,
+            mtp_losses=stats.mtp_losses,
             loss_scale=loss_scale, grad_norm=grad_norm, skipped_iters=stats.skipped_iters,
             nan_iters=stats.nan_iters, tokens_per_second=tokens_per_s,
             mfu_percent=report.mfu_percent, memory_mib=report.memory_mib,

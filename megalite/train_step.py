@@ -28,6 +28,7 @@ from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_p
 from megalite.pipeline_parallel.schedules import build_schedule, forward_only
 from megalite.model.gpt import activation_shape
 from megalite.model.moe import set_aux_loss_scale, update_expert_bias
+from megalite.model.mtp import set_mtp_loss_weights, take_mtp_loss_sums
 from megalite.tensor_parallel.fp8 import quantize_weights_once
 from megalite.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.params import is_shared_embedding, main_grad
@@ -49,6 +50,18 @@ class StepResult:
     """The global batch's loss (on the last pipeline stage; 0.0 on the others)."""
     skipped: bool
     grad_norm: float | None
+    mtp_losses: list[float] | None = None
+    """Each MTP depth's loss (its token-weighted mean over the global batch, unscaled), on
+    the last pipeline stage; None without --mtp-num-layers."""
+
+
+def loss_token_counts(microbatches: list[dict], mtp_depths: int) -> torch.Tensor:
+    """[1 + D]: the micro-batches' loss tokens, of the lm loss and of each MTP depth."""
+    counts = [mb["loss_mask"].sum() for mb in microbatches]
+    if mtp_depths:
+        counts = [torch.cat([c.view(1), mb["mtp_loss_mask"].sum(dim=(0, 1))])
+                  for c, mb in zip(counts, microbatches)]
+    return torch.stack(counts).sum(dim=0).reshape(1 + mtp_depths)
 
 
 class StepRunner:
@@ -92,6 +105,8 @@ class StepRunner:
             raise ValueError("data and context parallelism need a GradBuffer (or FSDP) to "
                              "reduce the gradients")
         self.pipeline_schedule = config.parallel.pipeline_schedule
+        self.mtp_depths = config.model.mtp_depths
+        self.mtp_scaling = config.model.mtp_loss_scaling_factor
         # Each micro-batch's MoE auxiliary losses weigh 1 / (micro-batches per global
         # batch), a number DP does not change (model/moe.py).
         self.microbatches_per_global_batch = num_microbatches(
@@ -126,8 +141,11 @@ class StepRunner:
         if len(microbatches) != self.num_microbatches:
             self._plan(len(microbatches))
         with timers("loss-all-reduce"):
-            num_tokens = self._sum_over_data_parallel(
-                sum(mb["loss_mask"].sum() for mb in microbatches))
+            counts = self._sum_over_data_parallel(loss_token_counts(microbatches, self.mtp_depths))
+        num_tokens, mtp_tokens = counts[0], counts[1:].clamp(min=1)
+        if self.mtp_depths:
+            set_mtp_loss_weights(self.chunks, self.optimizer.loss_scale * self.mtp_scaling
+                                 / self.mtp_depths / mtp_tokens)
         if self.grad_buffer is not None:
             self.grad_buffer.start_step(self.num_microbatches)
         else:
@@ -148,8 +166,11 @@ class StepRunner:
         with timers("optimizer"):
             updated, grad_norm = self.optimizer.step(before_update=check)
         with timers("loss-all-reduce"):
-            loss = self._sum_over_data_parallel(loss).item()
-        return StepResult(loss, not updated, grad_norm)
+            # One all-reduce for the lm loss and the MTP losses' sums.
+            sums = self._sum_over_data_parallel(torch.cat([
+                loss.view(1), take_mtp_loss_sums(self.chunks, self.mtp_depths, loss.device)]))
+        mtp_losses = (sums[1:] / mtp_tokens.to(sums.device)).tolist() if self.mtp_depths else None
+        return StepResult(sums[0].item(), not updated, grad_norm, mtp_losses)
 
     def _before_backward(self, microbatch: int, chunk: int):
         # FSDP2 reduce-scatters a chunk's gradients only in its last micro-batch's

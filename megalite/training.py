@@ -350,7 +350,7 @@ def train(config: Config, state: ParallelState, runner: StepRunner, scheduler, t
         elapsed = time.perf_counter() - start
         progress.iteration += 1
         progress.consumed_train_samples += t.global_batch_size
-        stats.add(result.loss, result.skipped, elapsed)
+        stats.add(result.loss, result.skipped, elapsed, result.mtp_losses)
         monitor.after_step(progress.iteration)
         if shares.after_step(progress.iteration):  # new shares from the next global batch
             batches = microbatches(train_ds, progress.consumed_train_samples, config, state,

@@ -26,27 +26,53 @@ def num_floating_point_operations(config: GPTConfig, batch_size: int) -> float:
     context-parallel rank computes only its causal share of the attention core (ring
     attention skips the fully masked blocks), so the log divides it by the world size.
     Document masks (--reset-attention-mask) leave the count full causal, as Megatron's
-    (docs/design.md §28).
+    (docs/design.md §28). Multi-latent attention replaces the attention bracket by
+    Megatron's MLA count (_mla_attention).
+
+    Multi-token prediction (D = --mtp-num-layers) counts as Megatron's does: the D depths'
+    transformer layers join L (dense or MoE as the last layer), the logit layer runs D + 1
+    times, and each depth adds its norms and eh_proj, 6 B s (3h + 2h^2) (docs/design.md §33).
     """
     c = config
-    h, s = c.hidden_size, c.seq_length
+    h, s, depths = c.hidden_size, c.seq_length, c.mtp_depths
+    layers = c.num_layers + depths
     attention = (1 + c.num_query_groups / c.num_attention_heads + s / h / 2) * (
         c.query_projection_size / h)
+    if c.multi_latent_attention:
+        attention = _mla_attention(c) / (12 * h * h)
     mlp = _mlp_width(c) / h * (1.5 if c.swiglu else 1.0)
-    logits = c.padded_vocab_size / (2 * c.num_layers * h)
-    return 12 * batch_size * s * c.num_layers * h * h * (attention + mlp + logits)
+    logits = c.padded_vocab_size * (1 + depths) / (2 * layers * h)
+    mtp = depths * (3 * h + 2 * h * h) / (2 * layers * h * h)
+    return 12 * batch_size * s * layers * h * h * (attention + mlp + logits + mtp)
+
+
+def _mla_attention(c: GPTConfig) -> float:
+    """Training FLOPs per token of one multi-latent attention layer, Megatron's count
+    (training.py): 3 passes x 2 FLOPs per multiply-add over the projections (the query
+    latent's down and up, or linear_q_proj; the key/value latent's down and up; the shared
+    RoPE key; linear_proj; the "+ 1" per latent rank is Megatron's for its norm) and over
+    the causal half of QK^T (heads x the whole q/k head) and of softmax x V (heads x v)."""
+    h, n, s = c.hidden_size, c.num_attention_heads, c.seq_length
+    q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
+    q_term = h * n * q_head if c.q_lora_rank is None else c.q_lora_rank * (h + n * q_head + 1)
+    projections = (q_term + c.kv_lora_rank * (h + n * (c.qk_head_dim + c.v_head_dim) + 1)
+                   + h * c.qk_pos_emb_head_dim + n * c.v_head_dim * h)
+    core = s * (n * q_head + n * c.v_head_dim) / 2
+    return 6 * (projections + core)
 
 
 def _mlp_width(c: GPTConfig) -> float:
-    """The MLP width per layer, averaged over the layers, that a token's FLOPs see. A MoE
-    layer counts its active parameters as Megatron does: the k routed experts a token goes
-    to, plus the shared experts (the router's h x E GEMM is left out, as in Megatron)."""
+    """The MLP width per layer, averaged over the layers and the MTP depths' layers, that a
+    token's FLOPs see. A MoE layer counts its active parameters as Megatron does: the k
+    routed experts a token goes to, plus the shared experts (the router's h x E GEMM is
+    left out, as in Megatron)."""
     if c.num_experts is None:
         return c.ffn_hidden_size
-    moe = sum(c.moe_layer_pattern)
+    layers = c.num_layers + c.mtp_depths
+    moe = sum(c.moe_layer_pattern) + c.mtp_depths * c.moe_layer_pattern[-1]
     active = c.moe_ffn_hidden_size * c.moe_router_topk + (
         c.moe_shared_expert_intermediate_size or 0)
-    return ((c.num_layers - moe) * c.ffn_hidden_size + moe * active) / c.num_layers
+    return ((layers - moe) * c.ffn_hidden_size + moe * active) / layers
 
 
 @dataclass
@@ -58,8 +84,10 @@ class IntervalStats:
     nan_iters: int = 0
     elapsed_s: float = 0.0
     iters: int = 0
+    mtp_loss_sums: list[float] | None = None
 
-    def add(self, loss: float, skipped: bool, elapsed_s: float):
+    def add(self, loss: float, skipped: bool, elapsed_s: float,
+            mtp_losses: list[float] | None = None):
         self.iters += 1
         self.elapsed_s += elapsed_s
         if skipped:
@@ -67,12 +95,24 @@ class IntervalStats:
         else:
             self.advanced_iters += 1
             self.loss_sum += loss
+            if mtp_losses is not None:
+                self.mtp_loss_sums = [a + b for a, b in
+                                      zip(self.mtp_loss_sums or [0.0] * len(mtp_losses),
+                                          mtp_losses)]
         if not math.isfinite(loss):
             self.nan_iters += 1
 
     @property
     def mean_loss(self) -> float:
         return self.loss_sum / max(1, self.advanced_iters)
+
+    @property
+    def mtp_losses(self) -> dict[str, float] | None:
+        """Megatron's "mtp_k loss" of each depth k, averaged over the advanced iterations
+        (the log line's keys: k)."""
+        if self.mtp_loss_sums is None:
+            return None
+        return {str(k + 1): s / self.advanced_iters for k, s in enumerate(self.mtp_loss_sums)}
 
 
 def significant(value: float, digits: int = 4) -> str:
@@ -96,6 +136,9 @@ FIELDS = (
     ("learning_rate", "learning rate", ".6E"),
     ("global_batch_size", "global batch size", "5d"),
     ("lm_loss", "lm loss", ".6E"),
+    # Megatron's "mtp_1 loss: ..." (it prints them after the MoE losses; here before, so
+    # that the MoE losses' bare keys cannot read them back)
+    ("mtp_losses", "mtp_{} loss", ".6E"),
     ("moe_losses", "{}", ".6E"),  # Megatron's auxiliary losses, "load_balancing_loss: ..."
     ("expert_load", "expert load max/mean", ".3f"),  # megalite's: worst layer's max / mean
     ("loss_scale", "loss scale", ".1f"),

@@ -46,7 +46,9 @@ from megalite.network import free_port
 # The layout comparisons live in the package, shared with tools/check_cluster.py.
 from megalite.layout_check import (gather_tensor_parallel, reference_name,  # noqa: F401
                                    step_problems, tensor_problem)
+from megalite.data.sampler import add_mtp_targets
 from megalite.documents import starts_from_lengths
+from megalite.model.mtp import set_mtp_loss_weights
 from megalite.monitoring.memory import SavedActivations
 from megalite.object_storage.local_server import wait_for_http
 from megalite.pipeline_parallel.stages import rank_stages
@@ -336,7 +338,13 @@ def saved_activation_bytes(config, chunk, first: bool, last: bool, seq: int) -> 
     step.install(chunk)
     with SavedActivations(chunk) as saved, autocast(config.precision, CPU), \
             fp8.quantize_weights_once(step):  # as in a training step
-        out = chunk(x, tokens.clone() if last else None, document_starts=starts)
+        mtp = {}
+        if last and m.mtp_depths:  # the loader's MTP targets, a tensor each
+            targets = add_mtp_targets({"labels": tokens, "loss_mask": torch.ones(b, m.seq_length)},
+                                      m.mtp_depths)
+            mtp = {"mtp_targets": (targets["mtp_labels"], targets["mtp_loss_mask"])}
+            set_mtp_loss_weights([chunk], torch.ones(m.mtp_depths))
+        out = chunk(x, tokens.clone() if last else None, document_starts=starts, **mtp)
         for q, q_t in (copies for _, copies in step.fp8_weights.values()):
             saved.add(q.data, q_t.data)  # held for the step, whether saved or not
     if not first:

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402  (a dependency of transformers)
 
 from megalite.model.gpt import GPTModel  # noqa: E402
+from megalite.spawn import torchrun_launcher  # noqa: E402
 
 from tests.helpers import LLAMA_STYLE, flags_with, tiny_gpt_config  # noqa: E402
 
@@ -38,8 +39,7 @@ TRAIN = flags_with("--eval-iters", "0", "--log-interval", "1", "--num-workers", 
                    "--distributed-backend", "gloo", vocab_size=VOCAB,
                    make_vocab_size_divisible_by=None, micro_batch_size=2, global_batch_size=4,
                    train_iters=3, lr="1e-2")
-TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2"]
+TORCHRUN_2 = torchrun_launcher(2)
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -49,14 +49,28 @@ def test_starts_follow_megatrons_reset_position_ids():
     assert starts_from_eod(no_boundary, EOD).tolist() == [0, 0, 0, 0]
 
 
+# Multi-latent attention: its own RoPE table (YaRN past its original 4 positions) restarts
+# per document too.
+MLA = dict(LLAMA_STYLE, multi_latent_attention=True, position_embedding_type="none",
+           q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+           kv_channels=12, qk_layernorm=True, rope_type="yarn", rotary_scaling_factor=4.0,
+           mscale_all_dim=1.0, yarn_original_max_position_embeddings=4)
+
+
 @pytest.mark.parametrize("backend", ["unfused", "sdpa"])
-@pytest.mark.parametrize("positions", ["rope", "learned_absolute"])
+@pytest.mark.parametrize("positions", ["rope", "learned_absolute", "mla"])
 def test_each_token_sees_only_its_own_document(backend, positions):
-    style = LLAMA_STYLE if positions == "rope" else {}
+    style = {"rope": LLAMA_STYLE, "mla": MLA}.get(positions, {})
     config = tiny_gpt_config(seq_length=SEQ, attention_backend=backend, num_query_groups=2,
                              reset_position_ids=True, reset_attention_mask=True,
                              **style)
     model = GPTModel(config, seed=3).eval()
+    if positions == "mla":  # attention scores of order 1, so that its RoPE part shows
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for layer in model.decoder.layers.values():
+                for param in layer.self_attention.parameters():
+                    param.normal_(0, 0.3, generator=generator)
     tokens = torch.tensor([[t for doc in order for t in doc] for order in ORDERS])
     starts = starts_from_eod(tokens, EOD)
     with torch.no_grad():

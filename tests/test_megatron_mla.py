@@ -6,17 +6,23 @@ LoRA, latent norms, YaRN RoPE evaluated past its original length) megatron.core 
 its formats, and the logits its forward computed (README there).
 """
 
+import argparse
+import dataclasses
 import re
 
 import pytest
 import torch
 
+from megalite.arguments import parse_args
+from megalite.checkpointing import saving
+from megalite.checkpointing.model_fields import check_model_compatible
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint import reader
+from megalite.validation import validate_model_args
 
 from tests.test_megatron_checkpoint import (LEGACY, ROOT, assert_torch_dist_matches, convert,
                                             export_and_reimport, logits, megalite_model,
-                                            megatron_legacy)
+                                            megatron_legacy, tool)
 
 DATA = ROOT / "tests" / "data" / "megatron_mla"
 REFERENCE = torch.load(DATA / "reference_logits.pt", weights_only=True)
@@ -76,6 +82,43 @@ def test_export_at_tp2_splits_heads_and_keeps_the_latents_whole(tmp_path):
                                REFERENCE["logits"], atol=1e-5, rtol=0)
 
 
+def save_local_spec_tp2(out):
+    """Megatron's local spec at TP 2, cut here by hand as it shards: every linear of the
+    attention column-parallel (rows), the down-projections too, linear_proj and fc2 by
+    columns, fc1 as [gate half r; up half r], the vocabulary padded to 2 x 128 rows."""
+    record = megatron_legacy(DATA / "torch" / LEGACY)
+    args = argparse.Namespace(**{**vars(record["args"]), "tensor_model_parallel_size": 2,
+                                 "padded_vocab_size": 256})
+    for rank in range(2):
+        model = {}
+        for name, t in record["model"].items():
+            if t is None or t.dim() == 1:
+                piece = t
+            elif "word_embeddings" in name or "output_layer" in name:
+                piece = torch.cat([t, t.new_zeros(128, 64)]).chunk(2)[rank]
+            elif "linear_proj" in name or "linear_fc2" in name:
+                piece = t.chunk(2, dim=1)[rank]
+            elif "linear_fc1" in name:
+                gate, up = t.chunk(2)
+                piece = torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]])
+            else:
+                piece = t.chunk(2)[rank]
+            model[name] = None if piece is None else piece.clone()
+        path = out / f"iter_0000010/mp_rank_{rank:02d}/model_optim_rng.pt"
+        path.parent.mkdir(parents=True)
+        torch.save({**record, "model": model, "args": args}, path)
+    (out / "latest_checkpointed_iteration.txt").write_text("10")
+    return out
+
+
+def test_local_spec_tp2_legacy_checkpoint_gives_megatrons_logits(tmp_path):
+    """The local spec's column-parallel down-projections are read whole (their rows)."""
+    assert convert("--import-megatron", save_local_spec_tp2(tmp_path / "m"), "--save",
+                   tmp_path / "ckpt") == 0
+    torch.testing.assert_close(logits(megalite_model(tmp_path / "ckpt"), REFERENCE["tokens"]),
+                               REFERENCE["logits"], atol=1e-5, rtol=0)
+
+
 def test_transformer_engine_fused_latent_norms_read_as_the_local_specs(tmp_path):
     """Megatron's TE spec fuses the latent norms into the up-projections
     (`linear_q_up_proj.layer_norm_weight`): the same tensors as q_layernorm / kv_layernorm."""
@@ -95,6 +138,9 @@ def test_transformer_engine_fused_latent_norms_read_as_the_local_specs(tmp_path)
 
 @pytest.mark.parametrize("name, value, message", [
     ("rope_type", "longrope", "rope_type='longrope'"),
+    ("mla_down_proj_fusion", True, "MLA features megalite does not have: "
+                                   "mla_down_proj_fusion=True"),
+    ("experimental_attention_variant", "dsa", "experimental_attention_variant='dsa'"),
     ("position_embedding_type", "learned_absolute", "position_embedding_type="
                                                     "'learned_absolute'"),
 ])
@@ -107,3 +153,16 @@ def test_what_megalite_cannot_express_is_refused_by_name(tmp_path, name, value, 
     (tmp_path / "src/latest_checkpointed_iteration.txt").write_text("10")
     with pytest.raises(CheckpointError, match=re.escape(message)):
         reader.read_checkpoint(tmp_path / "src")
+
+
+def test_the_printed_model_flags_rebuild_the_imported_model():
+    """tools/convert_checkpoint.py's model flags (load_flags) for the imported MLA model:
+    parsed and validated, the model a run with them loads (check_model_compatible)."""
+    # The import takes every saved row as the vocabulary (the args record none).
+    imported = dataclasses.replace(reader.read_checkpoint(DATA / "torch_dist").config,
+                                   vocab_size=128)
+    flags = tool().load_flags(imported)
+    assert "--multi-latent-attention" in flags and "--qk-layernorm" in flags
+    run = validate_model_args(parse_args(["--seq-length", "64", "--vocab-size", "128",
+                                          "--mock-data", *flags])).model
+    check_model_compatible(saving.model_fields(imported), saving.model_fields(run))

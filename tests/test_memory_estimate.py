@@ -25,6 +25,7 @@ import torch
 from megalite import memory_estimate as me
 from megalite.arguments import parse_args
 from megalite.validation import validate_args
+from megalite.data.sampler import add_mtp_targets
 from megalite.documents import Documents
 from megalite.memory_estimate import documents as document_plan
 from megalite.memory_estimate.activations import DEVICES, _shapes, layer_activation_bytes
@@ -52,6 +53,12 @@ ROPE_GQA = ["--position-embedding-type", "rope", "--group-query-attention",
             "--num-query-groups", "2"]
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", *ROPE_GQA,
          "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "192"]
+# DeepSeek-style multi-latent attention (Llama's MLP and norms; no GQA, refused with MLA).
+MLA = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+       "--ffn-hidden-size", "192", "--multi-latent-attention", "--kv-lora-rank", "24",
+       "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"]
+LATENT_NORMS = ["--q-lora-rank", "32", "--qk-layernorm"]
 
 
 def make_config(flags, world_size=1):
@@ -176,8 +183,9 @@ def microbatches(config, seed=0):
     for _ in range(t.num_microbatches):
         tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1),
                                generator=g)
-        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                    "loss_mask": torch.ones(t.micro_batch_size, m.seq_length)})
+        out.append(add_mtp_targets({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                                    "loss_mask": torch.ones(t.micro_batch_size, m.seq_length)},
+                                   m.mtp_depths))
     return out
 
 
@@ -218,6 +226,8 @@ def assert_state_close(measured: dict, planned: me.RankMemory):
     ["--bf16"],                                             # bf16 + fp32 main params
     ["--bf16", "--accumulate-allreduce-grads-in-fp32"] + LLAMA,
     ["--fp16", "--loss-scale", "128", "--ddp-bucket-size", "20000"],
+    ["--bf16"] + MLA + LATENT_NORMS,
+    ["--bf16", "--mtp-num-layers", "2"] + LLAMA,            # the MTP depths' weights
 ])
 def test_weights_and_optimizer_state_match_one_step(flags):
     config = make_config(flags)
@@ -256,6 +266,11 @@ ACTIVATION_CASES = {
     "moe gpt fp32 padded to capacity": ["--disable-bias-linear", "--num-experts", "4",
                                         "--moe-router-topk", "1", "--moe-expert-capacity-factor",
                                         "1.5", "--moe-pad-expert-input-to-capacity"],
+    # Multi-token prediction: D depths on the last stage, with the embedding's copy there.
+    "mtp 2 llama fp32": ["--mtp-num-layers", "2"] + LLAMA,
+    "pp2 mtp 1 llama bf16 tied": ["--pipeline-model-parallel-size", "2", "--bf16",
+                                  "--mtp-num-layers", "1",
+                                  *without(LLAMA, "--untie-embeddings-and-output-weights")],
 }
 RECOMPUTE_CASES = {
     "selective bf16": ["--bf16", "--recompute-granularity", "selective"],
@@ -320,6 +335,28 @@ def test_document_activations_match_saved_tensors(name, monkeypatch):
     monkeypatch.setattr(document_plan, "padded_rows", lambda shape: rows)
     assert planned_chunk_bytes(config, 0) == measured
     assert measured[0] <= bound[0] <= (1 + ACTIVATION_TOLERANCE) * measured[0]
+
+
+# Multi-latent attention and QK-norm (memory_estimate/mla.py): counted exactly, every
+# tensor autograd saves, the CPU SDPA's math fallback for MLA's unequal head sizes included.
+EXACT_CASES = {
+    "mla fp32 query latent, latent norms": MLA + LATENT_NORMS,
+    "mla bf16 query latent, latent LayerNorms": ["--bf16", "--normalization", "LayerNorm"]
+                                                + MLA + LATENT_NORMS,
+    "mla bf16 no query latent, no norms": ["--bf16"] + MLA,
+    "mla bf16 selective": ["--bf16", "--recompute-granularity", "selective"] + MLA
+                          + LATENT_NORMS,
+    "mla unfused fp32": ["--attention-backend", "unfused"] + MLA + LATENT_NORMS,
+    "qk-norm llama fp32": ["--qk-layernorm"] + LLAMA,
+    "qk-norm llama bf16": ["--bf16", "--qk-layernorm"] + LLAMA,
+    "qk-norm gpt bf16 gqa": ["--bf16", "--qk-layernorm", *ROPE_GQA],
+}
+
+
+@pytest.mark.parametrize("name", EXACT_CASES)
+def test_mla_and_qk_norm_activations_are_the_saved_tensors(name):
+    config = make_config(EXACT_CASES[name])
+    assert planned_chunk_bytes(config, 0) == measured_chunk_bytes(config, 0)
 
 
 def test_recompute_shrinks_activations():

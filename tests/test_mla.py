@@ -17,7 +17,9 @@ import torch
 from megalite.arguments import parse_args
 from megalite.documents import Documents
 from megalite.errors import ConfigError
+from megalite.hf_convert import hf_config_and_state_dict
 from megalite.model.gpt import GPTModel
+from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_model_args
 
 from tests.helpers import LLAMA_STYLE, tiny_gpt_config
@@ -141,3 +143,31 @@ def test_megatrons_defaults_make_a_yarn_model():
     yarn = GPTModel(config, seed=0)
     torch.testing.assert_close(yarn.rope_table(torch.device("cpu")),
                                rope.rope_table(torch.device("cpu")), atol=0, rtol=0)
+
+
+def test_flops_are_megatrons_mla_count():
+    """num_floating_point_operations with MLA: Megatron's training.py count (its
+    transformer_flops, MLA branch) for this model, written out: per token and layer
+    6 x [q_lora (h + n (dn + dr) + 1) + kv_lora (h + n (dn + dv) + 1) + h dr + n dv h]
+    + 6 x s x (n (dn + dr) / 2 + n dv / 2), plus the MLP's 6 x 3 h f (SwiGLU) and the logits'
+    6 h V once."""
+    config = mla_config(q_lora_rank=16)
+    h, n, s, f, vocab = 32, 4, 8, 64, 64
+    dn, dr, dv, q_lora, kv_lora = 8, 4, 6, 16, 12
+    attention = 6 * (q_lora * (h + n * (dn + dr) + 1) + kv_lora * (h + n * (dn + dv) + 1)
+                     + h * dr + n * dv * h) + 6 * s * (n * (dn + dr) / 2 + n * dv / 2)
+    per_token = 2 * (attention + 6 * 3 * h * f) + 6 * h * vocab
+    assert num_floating_point_operations(config, 3) == pytest.approx(3 * s * per_token,
+                                                                     rel=1e-12)
+    without_latent = dataclasses.replace(config, q_lora_rank=None)
+    attention_q = attention - 6 * q_lora * (h + n * (dn + dr) + 1) + 6 * h * n * (dn + dr)
+    assert num_floating_point_operations(without_latent, 1) == pytest.approx(
+        s * (2 * (attention_q + 6 * 3 * h * f) + 6 * h * vocab), rel=1e-12)
+
+
+def test_huggingface_export_without_latent_norms_is_refused_by_name():
+    """DeepseekV3ForCausalLM always has its latent norms (hf_deepseek.py; the round trip and
+    generation are tests/test_hf_deepseek.py's and tests/test_generate.py's)."""
+    model = GPTModel(mla_config(), seed=0).eval()
+    with pytest.raises(ConfigError, match="qk_layernorm=False"):
+        hf_config_and_state_dict(model.config, model.state_dict())

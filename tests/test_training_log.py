@@ -16,7 +16,9 @@ REQUIRED = dict(iteration=30, train_iters=100, consumed_samples=240, elapsed_ms=
                 learning_rate=3.0e-4, global_batch_size=8, lm_loss=2.53125,
                 loss_scale=65536.0, skipped_iters=1, nan_iters=0, tokens_per_second=31500.5,
                 # MoE runs only (tests/test_moe_report.py reads them back when present).
-                moe_losses=None, expert_load=None)
+                moe_losses=None, expert_load=None,
+                # MTP runs only (tests/test_mtp.py reads them back, beside MoE losses).
+                mtp_losses=None)
 OPTIONAL = dict(tflops_per_gpu=12.5, mfu_percent=41.25, grad_norm=1.125, num_zeros=7.0,
                 params_norm=10.5, scaling_efficiency_percent=92.5, compression_ratio=105.5,
                 cross_replica_bytes=167936.5,

@@ -15,14 +15,15 @@ MODEL_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
     "rotary_base", "rotary_percent", "normalization", "swiglu", "add_bias_linear",
-    "untie_embeddings_and_output_weights", "qk_layernorm") + MOE_MODEL_FIELDS + MLA_MODEL_FIELDS
+    "untie_embeddings_and_output_weights", "qk_layernorm", "mtp_num_layers"
+) + MOE_MODEL_FIELDS + MLA_MODEL_FIELDS
 """What makes weights mean the same model. Not padded_vocab_size: it depends on TP and is
 resharded on load. Not norm_epsilon: it shapes no weight, and checkpoints converted from other
 codebases legitimately run with another epsilon (1e-5 vs 1e-6). A dense model records no
 MoE field, a model without --multi-latent-attention no MLA field, and a model without
---qk-layernorm not that one (saving.model_fields), so checkpoints from before them compare as
-they did."""
-RECORDED_WHEN_SET = ("qk_layernorm",)
+--qk-layernorm or --mtp-num-layers not those (saving.model_fields), so checkpoints from before
+them compare as they did."""
+RECORDED_WHEN_SET = ("qk_layernorm", "mtp_num_layers")
 MOE_FIELDS = MOE_MODEL_FIELDS + ("moe_router_topk", "moe_router_score_function",
                                  "moe_router_pre_softmax", "moe_router_enable_expert_bias",
                                  "moe_router_topk_scaling_factor", "moe_router_num_groups",

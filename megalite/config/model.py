@@ -82,6 +82,15 @@ class GPTConfig:
                                  help="No biases in linear layers.")
     untie_embeddings_and_output_weights: bool = flag(
         False, help="Separate input embedding and output layer weights.")
+    mtp_num_layers: int | None = flag(
+        None, help="Multi-token prediction (DeepSeek-V3 §2.2): this many sequential MTP modules "
+                   "after the model, module k predicting the token k + 1 ahead from the previous "
+                   "depth's hidden state and the embedding of the token k ahead; on the last "
+                   "pipeline stage, sharing the embedding and output layer (unset: none).")
+    mtp_loss_scaling_factor: float = flag(
+        0.1, help="Weight of the MTP losses: their mean over the depths times this is added "
+                  "to the gradient (not to the reported lm loss; each depth is logged as "
+                  "'mtp_k loss').")
     attention_dropout: float = flag(0.1, help="Dropout probability on the attention weights.")
     hidden_dropout: float = flag(0.1, help="Dropout probability on the embedding and each "
                                            "residual branch.")
@@ -270,6 +279,11 @@ class GPTConfig:
     @property
     def kv_projection_size(self) -> int:
         return self.num_query_groups * self.kv_channels
+
+    @property
+    def mtp_depths(self) -> int:
+        """D, the MTP modules (0 without --mtp-num-layers)."""
+        return self.mtp_num_layers or 0
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer`'s MLP is a MoE layer (moe_layer_pattern)."""

@@ -57,8 +57,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Causal attention over the whole sequence for this CP rank's rows.
 
     q: [b, s_local, heads, d]; k, v: [b, s_local, kv_heads, d] (heads a multiple of kv_heads;
-    v's head size may differ, multi-latent attention's), core_attention's layout. The first s_local/2 rows are global chunk i, the last s_local/2
-    chunk 2·CP-1-i (i = this CP rank, see load_balanced_chunks). Returns [b, s_local, heads, d]
+    v's head size may differ, multi-latent attention's), core_attention's layout. The first
+    s_local/2 rows are global chunk i, the last s_local/2 chunk 2·CP-1-i (i = this CP rank,
+    see load_balanced_chunks). Returns [b, s_local, heads, d_v]
     in the same local order. cp_group None or of size 1: plain core_attention. Dropout draws
     from the current default generator: the caller forks the RNG tracker so that each CP
     rank draws its own masks. `documents`: those of this rank's rows (global positions);

@@ -22,7 +22,7 @@ def microbatches(dataset, consumed_samples: int, config: Config, state: Parallel
                                 shares or t.data_parallel_shares)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler,
-        collate_fn=CollateContextShard(state.cp_size, state.cp_rank),
+        collate_fn=CollateContextShard(state.cp_size, state.cp_rank, config.model.mtp_depths),
         num_workers=config.data.num_workers, pin_memory=device.type != "cpu",
         persistent_workers=config.data.num_workers > 0,
         worker_init_fn=_ignore_exit_signals if config.checkpoint.exit_signal_handler else None,

@@ -83,12 +83,30 @@ def collate_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, tor
     return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
 
 
-class CollateContextShard:
-    """collate_fn of the data loader: stack the micro-batch's samples, keep this CP rank's
-    columns (a class, not a closure: the loader's workers unpickle it)."""
+def add_mtp_targets(batch: dict[str, torch.Tensor], depths: int) -> dict[str, torch.Tensor]:
+    """`batch` with the targets of multi-token prediction's depths k = 1..`depths`
+    (model/mtp.py), [micro batch, seq, depths]: "mtp_labels"[..., k-1], the labels k places
+    on (the token k + 1 ahead), and "mtp_loss_mask"[..., k-1], their loss mask; past the
+    end of the sample 0 and masked out, as Megatron's roll_tensor fills. Shifted on the
+    whole sample, before the CP split, so no CP rank needs another's tokens."""
+    if depths == 0:
+        return batch
 
-    def __init__(self, cp_size: int, cp_rank: int):
-        self.cp_size, self.cp_rank = cp_size, cp_rank
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.cat([x[:, k:], x.new_zeros(x.shape[0], k)], dim=1)
+                            for k in range(1, depths + 1)], dim=-1)
+    return {**batch, "mtp_labels": shifted(batch["labels"]),
+            "mtp_loss_mask": shifted(batch["loss_mask"])}
+
+
+class CollateContextShard:
+    """collate_fn of the data loader: stack the micro-batch's samples, add the MTP targets
+    of `mtp_depths` (--mtp-num-layers), keep this CP rank's columns (a class, not a
+    closure: the loader's workers unpickle it)."""
+
+    def __init__(self, cp_size: int, cp_rank: int, mtp_depths: int = 0):
+        self.cp_size, self.cp_rank, self.mtp_depths = cp_size, cp_rank, mtp_depths
 
     def __call__(self, samples) -> dict[str, torch.Tensor]:
-        return shard_batch(collate_samples(samples), self.cp_size, self.cp_rank)
+        batch = add_mtp_targets(collate_samples(samples), self.mtp_depths)
+        return shard_batch(batch, self.cp_size, self.cp_rank)

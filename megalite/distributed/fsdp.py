@@ -99,11 +99,16 @@ def keeping_tags(module: nn.Module):
 
 
 def fsdp_units(chunk: nn.Module) -> list[nn.Module]:
-    """The submodules of a chunk that become their own FSDP unit, in forward order."""
-    tied_here = chunk.output_layer is None and chunk.post_process
-    embedding = [chunk.embedding] if chunk.embedding is not None and not tied_here else []
-    output = [chunk.output_layer] if chunk.output_layer is not None else []
-    return embedding + list(chunk.decoder.layers.values()) + output
+    """The submodules of a chunk that become their own FSDP unit, in forward order. A
+    module used again later in the chunk's forward stays in the root unit, gathered for
+    the whole forward and backward: a tied embedding as the output layer, and with MTP the
+    embedding and the output layer, which every depth uses again."""
+    mtp = chunk.mtp
+    reused = chunk.post_process and (chunk.output_layer is None or mtp is not None)
+    embedding = [chunk.embedding] if chunk.embedding is not None and not reused else []
+    output = [chunk.output_layer] if chunk.output_layer is not None and mtp is None else []
+    depths = list(mtp.layers) if mtp is not None else []
+    return embedding + list(chunk.decoder.layers.values()) + depths + output
 
 
 def expert_units(module: nn.Module) -> list[nn.Module]:

@@ -59,6 +59,10 @@ def config_from_args(args: argparse.Namespace, where: str) -> GPTConfig:
     if differing:
         raise CheckpointError(f"Megatron checkpoint {where} uses features megalite's GPT "
                               f"does not have: {', '.join(differing)}")
+    if getattr(args, "mtp_num_layers", None):
+        raise CheckpointError(f"Megatron checkpoint {where} holds multi-token prediction "
+                              f"layers (mtp_num_layers={args.mtp_num_layers}): importing them "
+                              "is not built")
     heads, hidden = args.num_attention_heads, args.hidden_size
     groups = (getattr(args, "num_query_groups", None) or heads
               if getattr(args, "group_query_attention", False) else heads)

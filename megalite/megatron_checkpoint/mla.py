@@ -6,8 +6,9 @@ Megatron's local spec keeps every norm under its own name (no fused
 writes; its Transformer Engine spec fuses the latent norms into the up-projections
 (`linear_q_up_proj.layer_norm_weight`, `linear_kv_up_proj.layer_norm_weight`), which the
 import reads as q_layernorm / kv_layernorm (FUSED_NORMS). The down-projections are whole on
-every TP rank, as the TE spec's duplicated linears (the local spec splits them as
-column-parallel: such a checkpoint at TP > 1 is refused by its shapes).
+every TP rank in megalite, as the TE spec's duplicated linears, and so exported; the local
+spec splits them as column-parallel, which legacy files at TP > 1 show by their rows
+(`shard_dim`).
 """
 
 import argparse
@@ -29,10 +30,18 @@ _FIELDS = dict(q_lora_rank=("q_lora_rank", None), kv_lora_rank=("kv_lora_rank", 
                yarn_beta_fast=("beta_fast", 32.0), yarn_beta_slow=("beta_slow", 1.0))
 
 
+# Megatron's MLA variants megalite does not build (set in args: refused).
+_UNBUILT = ("mla_down_proj_fusion", "experimental_attention_variant", "cache_mla_latents")
+
+
 def mla_fields(args: argparse.Namespace, where: str) -> dict:
     """GPTConfig's MLA fields from a Megatron run's args ({} without MLA)."""
     if not getattr(args, "multi_latent_attention", False):
         return {}
+    unbuilt = [f"{n}={getattr(args, n)!r}" for n in _UNBUILT if getattr(args, n, None)]
+    if unbuilt:
+        raise CheckpointError(f"Megatron checkpoint {where} uses MLA features megalite does "
+                              f"not have: {', '.join(unbuilt)}")
     fields = {}
     for field, (name, default) in _FIELDS.items():
         value = getattr(args, name, None)
@@ -76,6 +85,18 @@ def attention_modules(config: GPTConfig) -> tuple[str, ...]:
                                                                        "kv_layernorm")
     modules = ("linear_proj", *query, "linear_kv_down_proj", "linear_kv_up_proj", *norms)
     return tuple(f"self_attention.{m}" for m in modules)
+
+
+DOWN_PROJECTIONS = ("self_attention.linear_q_down_proj.weight",
+                    "self_attention.linear_kv_down_proj.weight")
+
+
+def shard_dim(name: str, pieces: list, full_rows: int, dim: int | None) -> int | None:
+    """The dim along which a legacy checkpoint's TP `pieces` of `name` split it: megalite's
+    `dim`, except for a down-projection Megatron's local spec saved as column-parallel (each
+    piece 1/TP of its rows), where it is 0."""
+    split = len(pieces) > 1 and pieces[0].shape[0] * len(pieces) == full_rows
+    return 0 if dim is None and name.endswith(DOWN_PROJECTIONS) and split else dim
 
 
 def is_linear(module: str) -> bool:

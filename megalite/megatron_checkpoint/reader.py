@@ -26,7 +26,7 @@ import torch
 
 from megalite.checkpointing.storage import RELEASE, TRACKER_FILENAME, tracked_checkpoint
 from megalite.errors import CheckpointError
-from megalite.megatron_checkpoint import layout, moe
+from megalite.megatron_checkpoint import layout, mla, moe
 from megalite.megatron_checkpoint.safe_pickle import torch_load
 from megalite.config import GPTConfig
 from megalite.tensor_parallel.params import partition_dim, partition_stride, tp_unshard
@@ -236,7 +236,7 @@ def _merge_tensor_parallel(shards: dict[str, list[torch.Tensor]], config: GPTCon
         if param is None:
             state[name] = pieces[0]  # layout.check_state names it as unexpected
             continue
-        dim = partition_dim(param)
+        dim = mla.shard_dim(name, pieces, param.shape[0], partition_dim(param))
         if len(pieces) != tp:
             raise CheckpointError(f"Megatron checkpoint {where}: {name} is in {len(pieces)} "
                                   f"of {tp} TP shards")

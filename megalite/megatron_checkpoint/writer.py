@@ -70,6 +70,10 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
         raise ConfigError(f"--export-megatron {out} already exists; pass --overwrite to "
                           f"replace it")
     check_target_layout(config, tp, pp)
+    if config.mtp_num_layers:
+        raise ConfigError(f"--export-megatron of a model with --mtp-num-layers "
+                          f"{config.mtp_num_layers} is not built: Megatron's names of the MTP "
+                          "layers are not mapped")
     if ckpt_format == "torch_dist" and any(config.is_moe_layer(i) != config.is_moe_layer(0)
                                            for i in range(config.num_layers)):
         raise ConfigError("--ckpt-format torch_dist stacks the layers, which needs every layer "

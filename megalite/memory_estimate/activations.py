@@ -14,6 +14,7 @@ from megalite.memory_estimate.context_parallel import (attended_keys, cp_attenti
 from megalite.memory_estimate.documents import (gather_index_bytes, pads_documents,
                                                padded_attention_bytes, rope_table_bytes)
 from megalite.memory_estimate.fp8 import fp8_layer_delta_bytes, fp8_weight_copy_bytes
+from megalite.memory_estimate.mla import mla_saved_bytes, qk_norm_saved_bytes
 from megalite.memory_estimate.moe import moe_saved_bytes
 from megalite.model.gpt import recompute_groups
 from megalite.pipeline_parallel.stages import rank_stages
@@ -31,10 +32,13 @@ class Device:
     attention_output_copied: bool
     """The flash/SDPA output is [b, s, heads, d] contiguous, so turning it into the
     [s, b, heads*d] input of the output projection copies it."""
+    sdpa_takes_unequal_heads: bool
+    """SDPA's fused kernels take V heads of another size than Q/K's (multi-latent
+    attention): CUDA's memory-efficient one does; the CPU's flash kernel does not."""
 
 
-DEVICES = {"cuda": Device("cuda", True, True, True),
-           "cpu": Device("cpu", False, False, False)}
+DEVICES = {"cuda": Device("cuda", True, True, True, True),
+           "cpu": Device("cpu", False, False, False, False)}
 
 
 @dataclass(frozen=True)
@@ -101,16 +105,19 @@ def _shapes(config: Config, device: Device) -> _Shapes:
 
 # One transformer layer, the embedding, the loss (docs/memory.md, "What one layer saves").
 
-def norm_saved_bytes(config: Config, shape: _Shapes) -> int:
+def norm_saved_bytes(config: Config, shape: _Shapes, width: int | None = None,
+                     rows: int | None = None) -> int:
     """LayerNorm: its input and mean/rstd; RMSNorm (in fp32): the fp32 input, normalised
-    values and rsqrt, plus an fp32 copy of its weight."""
-    rows = shape.residual_tokens
+    values and rsqrt, plus an fp32 copy of its weight. Over `rows` x `width` (default: the
+    residual stream's [R, h]; a latent or per-head norm's otherwise)."""
+    rows = shape.residual_tokens if rows is None else rows
+    width = width or shape.hidden
     if config.model.normalization == "RMSNorm":
-        weight = 4 * shape.hidden if shape.act_bytes != 4 else 0
-        return 4 * rows * shape.hidden * 2 + 4 * rows + weight
+        weight = 4 * width if shape.act_bytes != 4 else 0
+        return 4 * rows * width * 2 + 4 * rows + weight
     fp32 = shape.mixed and shape.device.autocast_fp32_norm_softmax
     element = 4 if fp32 else shape.act_bytes
-    return element * rows * shape.hidden + 2 * element * rows
+    return element * rows * width + 2 * element * rows
 
 
 def norm_output_bytes(config: Config, shape: _Shapes) -> int:
@@ -206,9 +213,14 @@ def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = No
     selective = config.model.recompute_granularity == "selective"
     mlp = (moe_saved_bytes(config, shape, mlp_saved_bytes) if config.model.is_moe_layer(layer)
            else mlp_saved_bytes(config, shape))
-    return (2 * norm_saved_bytes(config, shape) + 2 * norm_output_bytes(config, shape)
-            + attention_saved_bytes(config, shape, selective) + mlp
-            + fp8_layer_delta_bytes(config, shape, fp8))
+    if config.model.multi_latent_attention:  # its input included (memory_estimate/mla.py)
+        attention = mla_saved_bytes(config, shape, selective, norm_saved_bytes,
+                                    core_attention_bytes)
+    else:
+        attention = (norm_output_bytes(config, shape) + attention_saved_bytes(
+            config, shape, selective) + qk_norm_saved_bytes(config, shape, norm_saved_bytes))
+    return (2 * norm_saved_bytes(config, shape) + norm_output_bytes(config, shape)
+            + attention + mlp + fp8_layer_delta_bytes(config, shape, fp8))
 
 
 def plans_compiled(config: Config, shape: _Shapes, fp8: Fp8Recipe | None, layer: int) -> bool:
@@ -217,12 +229,13 @@ def plans_compiled(config: Config, shape: _Shapes, fp8: Fp8Recipe | None, layer:
     default: TP 1, CP 1, a dense MLP), without FP8 GEMMs, the `unfused` attention
     or document masks (whose attention dynamo does not trace: _document_attention).
     Other compiled layers keep the eager count, which is above the compiled one in every
-    variant measured. (Selective recompute never compiles: config.compile_by_default
-    leaves it out and validation refuses it with --compile-layers.)"""
+    variant measured (multi-latent attention's compiled layer is not measured: eager count).
+    (Selective recompute never compiles: config.compile_by_default leaves it out and
+    validation refuses it with --compile-layers.)"""
     m = config.model
     return (shape.compiled and shape.tp == 1 and shape.cp == 1 and fp8 is None
             and not m.is_moe_layer(layer) and m.attention_backend != "unfused"
-            and not m.masks_documents)
+            and not m.masks_documents and not m.multi_latent_attention)
 
 
 def compiled_layer_saved_bytes(config: Config, shape: _Shapes) -> int:
@@ -287,6 +300,17 @@ def loss_saved_bytes(config: Config, shape: _Shapes) -> int:
     return head + 4 * shape.tokens * shape.vocab + 8 * shape.tokens + shape.tokens
 
 
+def mtp_depth_saved_bytes(config: Config, shape: _Shapes) -> int:
+    """One multi-token prediction depth (model/mtp.py) on the last stage: the embedding of
+    the tokens k ahead, enorm and hnorm, eh_proj's input [s, b, 2h] (the two norms' outputs
+    concatenated, gathered under SP), the transformer layer (of the last layer's kind, never
+    recomputed) and the head: final norm, output layer input and loss as loss_saved_bytes."""
+    layer = config.model.num_layers - 1
+    return (embedding_saved_bytes(config, shape) + 2 * norm_saved_bytes(config, shape)
+            + 2 * norm_output_bytes(config, shape) + layer_saved_bytes(config, shape, None, layer)
+            + loss_saved_bytes(config, shape))
+
+
 # Recompute, chunks, and the pipeline schedule.
 
 @dataclass(frozen=True)
@@ -330,7 +354,8 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
     else:
         saved += 0 if _first_layer_keeps_input(config, shape, layers[:1]) else residual
     if post:
-        saved += loss_saved_bytes(config, shape)
+        saved += (loss_saved_bytes(config, shape)
+                  + config.model.mtp_depths * mtp_depth_saved_bytes(config, shape))
     elif not contiguous:
         saved += residual  # the output [b, s, h] view; its contiguous copy is sent
     return ChunkActivations(saved, 0 if post else residual, 0 if pre else residual, working,

@@ -15,6 +15,7 @@ from megalite.context_split import local_positions
 from megalite.documents import Documents
 from megalite.config import GPTConfig
 from megalite.model.init import initialize_parameters
+from megalite.model.mtp import MultiTokenPrediction, attach_mtp_loss
 from megalite.model.norms import build_norm
 from megalite.model.rotary import mla_rotary_table, rotary_frequencies, rotary_table
 from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
@@ -135,13 +136,17 @@ class GPTModel(nn.Module):
         self.config, self.tp_group, self.cp_group = config, tp_group, cp_group
         self.stage = stage or Stage(chunk=0, pp_rank=0, pp_size=1, num_chunks=1)
         self.pre_process, self.post_process = self.stage.is_first, self.stage.is_last
+        # The MTP modules embed tokens on the last stage: it holds the embedding too.
+        mtp = self.post_process and config.mtp_depths > 0
         self.embedding = (Embedding(config, tp_group, rng_tracker, cp_group)
-                          if self.pre_process else None)
+                          if self.pre_process or mtp else None)
         self.decoder = Decoder(config, self.stage.layers(config.num_layers), self.post_process,
                                tp_group, rng_tracker, cp_group, ep_group)
+        self.mtp = (MultiTokenPrediction(config, tp_group, rng_tracker, cp_group, ep_group)
+                    if mtp else None)
         self.output_layer = None
         tied = not config.untie_embeddings_and_output_weights
-        if self.post_process and not (tied and self.pre_process):
+        if self.post_process and not (tied and self.embedding is not None):
             self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size,
                                                      group=tp_group, bias=False,
                                                      sequence_parallel=config.sequence_parallel)
@@ -150,8 +155,10 @@ class GPTModel(nn.Module):
                 # of the word embeddings: same initial values, grads summed over the
                 # embedding group, counted once.
                 mark_shared_embedding(self.output_layer.weight, copy=True)
-        if tied and self.pre_process:
-            mark_shared_embedding(self.embedding.word_embeddings.weight, copy=False)
+        if self.embedding is not None and (tied or config.mtp_depths > 0):
+            # The last stage's embedding (MTP) is such a copy as well, tied or not.
+            mark_shared_embedding(self.embedding.word_embeddings.weight,
+                                  copy=not self.pre_process)
         # For the tied output layer, a linear without a module of its own (weight_grad.py);
         # the step running the model installs its own here and on every layer.
         self.linear_step = LinearStep()
@@ -222,7 +229,8 @@ class GPTModel(nn.Module):
         return self.output_layer.weight
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None,
-                kv_cache=None, document_starts: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache=None, document_starts: torch.Tensor | None = None,
+                mtp_targets: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """inputs: tokens [batch, seq] on the first stage, else the previous stage's hidden
         states [seq, batch, hidden]. Returns the hidden states unless this is the last
         stage; there, per-token losses [batch, seq] (fp32) when labels are given, else the
@@ -233,7 +241,11 @@ class GPTModel(nn.Module):
         last position only, [batch, 1, padded vocab] (no [seq, vocab] matrix for a prompt).
 
         `document_starts` [batch, seq] (this CP rank's rows): each token's document start,
-        with --reset-position-ids / --reset-attention-mask (documents.py)."""
+        with --reset-position-ids / --reset-attention-mask (documents.py).
+
+        `mtp_targets`: the micro-batch's (mtp_labels, mtp_loss_mask) [batch, seq, D], which a
+        training forward of the last stage with --mtp-num-layers needs: the MTP losses then
+        join the gradient, not the returned losses (model/mtp.py)."""
         offset = 0 if kv_cache is None else kv_cache.length
         documents = self.documents(document_starts)
         position_ids = (documents.position_ids()
@@ -253,6 +265,17 @@ class GPTModel(nn.Module):
         if labels is None:
             logits = self._vocab_parallel_logits(x)
             return gather_from_tensor_model_parallel_region(logits, self.tp_group).transpose(0, 1)
+        losses = self._token_losses(x, labels)
+        if self.mtp is not None and self.training:
+            if mtp_targets is None:
+                raise ValueError("--mtp-num-layers: the micro-batch has no mtp_labels / "
+                                 "mtp_loss_mask (data/sampler.add_mtp_targets)")
+            losses = attach_mtp_loss(losses, self.mtp(x, labels, mtp_targets, self.embedding,
+                                                      table, self._token_losses))
+        return losses
+
+    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token losses [batch, seq] (fp32) of hidden states x [seq, batch, hidden]."""
         if self._compiled_loss is not None:
             return self._compiled_loss(self._vocab_parallel_logits(x, masked=False), labels.t(),
                                        self.padded_vocab_mask).t()

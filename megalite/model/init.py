@@ -36,7 +36,7 @@ def initial_value(name: str, shape: torch.Size, config: GPTConfig, seed: int,
     fp32 = dict(dtype=torch.float32, device=device)
     if name.endswith(".bias"):
         return torch.zeros(shape, **fp32)
-    if "layernorm" in name:
+    if "layernorm" in name or name.endswith((".enorm.weight", ".hnorm.weight")):
         return torch.ones(shape, **fp32)
     std = config.init_method_std
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):

@@ -60,9 +60,12 @@ def _run_actions(plan: RankPlan, chunks, microbatches: list[dict],
                 x.requires_grad_()
             with timers("forward-compute"):
                 with autocast():
-                    # Every stage reads the documents (--reset-attention-mask).
+                    # Every stage reads the documents (--reset-attention-mask), the last
+                    # the MTP targets (--mtp-num-layers).
+                    mtp = ({"mtp_targets": (mb["mtp_labels"], mb["mtp_loss_mask"])}
+                           if stage.is_last and "mtp_labels" in mb else {})
                     out = chunks[action.chunk](x, mb["labels"] if stage.is_last else None,
-                                               document_starts=mb.get("document_starts"))
+                                               document_starts=mb.get("document_starts"), **mtp)
                 if stage.is_last:
                     out = loss_fn(out, mb)
             if stage.is_last:

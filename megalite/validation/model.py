@@ -12,6 +12,7 @@ from megalite.validation.checks import check_fraction, check_positive
 from megalite.validation.fp8 import check_fp8
 from megalite.validation.mla import mla_model_fields
 from megalite.validation.moe import moe_model_fields
+from megalite.validation.mtp import check_mtp
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ def model_fields(args, parallel: ParallelConfig, tokenizer_vocab_size: int | Non
     _check_tensor_parallel_split(args, heads, groups, tp)
     _check_positions(args, kv_channels)
     check_fp8(args, parallel)
+    check_mtp(args)
     check_fraction(args, "attention_dropout", "hidden_dropout")
     check_positive(args, "init_method_std")
     ffn = _ffn_size(args, tp)

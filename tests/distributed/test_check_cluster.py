@@ -11,9 +11,10 @@ per world size: the README's command checks them all."""
 
 import os
 import subprocess
-import sys
 
 import pytest
+
+from megalite.spawn import torchrun_command
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -27,8 +28,8 @@ def check_cluster(script: str, output_dir, *extra, nproc: int = 2,
                   **env_extra) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env_extra)
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), script, "--output-dir", str(output_dir), "--steps", "2", *extra],
+        torchrun_command(nproc, script, ["--output-dir", str(output_dir), "--steps", "2",
+                                         *extra]),
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -7,7 +7,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from megalite.model.gpt import GPTModel
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.spawn import run_distributed, torchrun_workers
+from megalite.spawn import run_distributed, torchrun_command, torchrun_workers
 from megalite.train_step import StepRunner
 from megalite.training_log import parse_log
 
@@ -43,9 +42,8 @@ DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
-def torchrun(nproc, *flags, extra=()):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", *extra,
-            "--nproc-per-node", str(nproc), "pretrain_gpt.py", *FLAGS, *flags]
+def torchrun(nproc, *flags, max_restarts=None):
+    return torchrun_command(nproc, "pretrain_gpt.py", [*FLAGS, *flags], max_restarts)
 
 
 def run(nproc, *flags) -> str:
@@ -108,9 +106,9 @@ def test_checkpoint_loads_at_another_layout(saved_3d, tmp_path, nproc, layout):
     assert abs(loss - reference) <= 2e-6 * reference, (loss, reference)
 
 
-def _start_and_wait_for_checkpoint(save: Path, *flags, extra=()) -> subprocess.Popen:
+def _start_and_wait_for_checkpoint(save: Path, *flags, max_restarts=None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(torchrun(2, *flags, extra=extra), cwd=ROOT, env=env, text=True,
+    proc = subprocess.Popen(torchrun(2, *flags, max_restarts=max_restarts), cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not (save / TRACKER_FILENAME).exists():
@@ -147,7 +145,7 @@ def test_killed_rank_restarts_and_ends_where_the_uninterrupted_run_ends(tmp_path
                                                                         uninterrupted):
     save = tmp_path / "ckpt"
     flags = [*FAULT_RUN, "--save", str(save), "--load", str(save)]
-    proc = _start_and_wait_for_checkpoint(save, *flags, extra=("--max-restarts", "1"))
+    proc = _start_and_wait_for_checkpoint(save, *flags, max_restarts=1)
     os.kill(torchrun_workers(proc.pid)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]

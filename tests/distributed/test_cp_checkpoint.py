@@ -6,12 +6,12 @@ continuing with the loss the saving run logged."""
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megalite.checkpointing.storage import TRACKER_FILENAME
+from megalite.spawn import torchrun_command
 from megalite.training_log import parse_log
 
 from tests.helpers import assert_identical, checkpoint_tensors, flags_with, scalars
@@ -31,9 +31,7 @@ CP2_ZERO = ["--context-parallel-size", "2", "--use-distributed-optimizer"]
 
 def run(nproc: int, *flags) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "pretrain_gpt.py", *FLAGS, *flags]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run(torchrun_command(nproc, "pretrain_gpt.py", [*FLAGS, *flags]), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

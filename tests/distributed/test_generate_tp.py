@@ -5,10 +5,11 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from megalite.spawn import torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # Llama style (RoPE, RMSNorm, SwiGLU, GQA with a K/V group per TP-2 rank, untied). The
@@ -29,9 +30,7 @@ IDS = re.compile(r"^ > generated token ids: (.*)$", re.M)
 
 
 def torchrun(nproc: int, script: str, *flags: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), script, *flags]
-    proc = subprocess.run(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    proc = subprocess.run(torchrun_command(nproc, script, flags), cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

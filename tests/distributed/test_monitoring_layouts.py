@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from megalite.monitoring.replica_check import ReplicaMismatchError, check_replic
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.spawn import run_distributed
+from megalite.spawn import run_distributed, torchrun_command
 from megalite.train_step import StepRunner
 from megalite.training_log import parse_log
 
@@ -42,10 +41,8 @@ def run_with_slow_rank(nproc: int, slow_rank: int, *flags) -> str:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGALITE_TEST_SLOW_RANK=str(slow_rank),
                MEGALITE_TEST_SLOW_SECONDS="0.15", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(nproc),
-                           "tests/distributed/slow_rank_pretrain.py", *FLAGS, *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(torchrun_command(nproc, "tests/distributed/slow_rank_pretrain.py",
+                                           [*FLAGS, *flags]), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

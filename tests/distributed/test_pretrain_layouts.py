@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from megalite.spawn import torchrun_launcher
 from megalite.training_log import parse_log, parse_validation_line
 
 from tests.helpers import flags_with
@@ -67,9 +68,7 @@ def single():
          "2", "--sequence-parallel"]),
 ])
 def test_torchrun_layout_matches_one_process(single, nproc, layout):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(nproc)]
-    parallel = run(torchrun, *layout)
+    parallel = run(torchrun_launcher(nproc), *layout)
     assert len(single[0]) == 6 and len(single[2]) == 4
     for a, b in zip(single, parallel):
         assert len(a) == len(b)

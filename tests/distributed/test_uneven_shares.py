@@ -9,7 +9,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from megalite.model.gpt import GPTModel, build_model_chunks
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.spawn import run_distributed
+from megalite.spawn import run_distributed, torchrun_command
 from megalite.train_step import StepRunner
 from megalite.training import pretrain
 from megalite.training_log import parse_log
@@ -127,8 +126,7 @@ def torchrun(*flags, slow_rank=None) -> str:
     if slow_rank is not None:
         env.update(MEGALITE_TEST_SLOW_RANK=str(slow_rank), MEGALITE_TEST_SLOW_SECONDS="0.05")
         script = "tests/distributed/slow_rank_pretrain.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", script, *FLAGS, *flags], cwd=ROOT, env=env,
+    proc = subprocess.run(torchrun_command(2, script, [*FLAGS, *flags]), cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
