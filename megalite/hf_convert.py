@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from megalite import hf_deepseek, hf_moe
+from megalite import hf_deepseek, hf_deepseek_mtp, hf_moe
 from megalite.atomic_write import staged_directory
 from megalite.errors import ConfigError
 from megalite.config import GPTConfig
@@ -103,9 +103,9 @@ def model_style(c: GPTConfig) -> str:
         raise ConfigError("multi_latent_attention=True: HuggingFace's model of it is "
                           "DeepseekV3ForCausalLM (hf_deepseek.py), not GPT-2 or Llama style")
     if c.mtp_num_layers:
-        raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: exporting multi-token "
-                          "prediction weights to HuggingFace is not built (no GPT-2, Llama or "
-                          "Qwen3 model holds them)")
+        raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: no GPT-2, Llama or Qwen3 "
+                          "HuggingFace model holds multi-token-prediction weights (DeepSeek-V3 "
+                          "does: --multi-latent-attention)")
     misses = {style: [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in want.items()
                       if getattr(c, k) != v] for style, want in STYLES.items()}
     style = min(misses, key=lambda s: len(misses[s]))
@@ -369,10 +369,16 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
 def _import_deepseek(hf, hf_dir_or_model) -> tuple[dict, dict[str, torch.Tensor]]:
     """import_from_hf's DeepseekV3ForCausalLM (hf_deepseek.py): the config refused or
     accepted before any weight is loaded."""
-    fields = hf_deepseek.config_fields(hf)
+    fields, mtp = hf_deepseek.config_fields(hf), {}
     if isinstance(hf_dir_or_model, (str, os.PathLike)):
+        # DeepSeek's MTP layers: in the files, not in the model transformers loads.
+        mtp = hf_deepseek_mtp.read_mtp(hf_dir_or_model, hf)
         hf_dir_or_model = _transformers().AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
     sd = {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
+    depths = hf_deepseek_mtp.mtp_depths(mtp)
+    sd.update(mtp)
+    hf_deepseek_mtp.drop_shared_copies(sd, hf.num_hidden_layers, depths)
+    fields.update(mtp_num_layers=depths or None)
     c = GPTConfig(**fields, padded_vocab_size=fields["vocab_size"])
     return fields, hf_deepseek.from_hf(c, sd, hf.rope_interleave)
 

@@ -22,6 +22,11 @@ What maps (megalite -> HF), docs/design.md §34:
   hf_moe.py writes Qwen2-MoE's (transformers >= 5 fuses them on load into gate_up_proj
   [E, 2F, h] and down_proj [E, h, F], megalite's own layout).
 
+MTP (--mtp-num-layers): depth k as DeepSeek's checkpoints keep it, layer num_layers + k
+(enorm, hnorm, eh_proj, shared_head.norm = the depth's final_layernorm, a transformer layer of
+the last layer's kind, and copies of the embedding and output layer: MTP_COPIES);
+hf_deepseek_mtp.py reads it back from the files, which transformers' model does not load.
+
 The latent-norm trap: transformers builds q_a_layernorm and kv_a_layernorm with eps 1e-6
 whatever rms_norm_eps says, while megalite (as Megatron) uses --norm-epsilon for them. Both
 directions warn when that epsilon is not 1e-6 (shared/testdata/megatron_mla_checkpoint:
@@ -72,6 +77,12 @@ _ROUTER = {"mlp.router.weight": ("mlp.gate.weight",),
            "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias",)}
 _FUSED = {"mlp.experts.linear_fc1.weight": "mlp.experts.gate_up_proj",
           "mlp.experts.linear_fc2.weight": "mlp.experts.down_proj"}
+# An MTP depth k's own tensors, in DeepSeek's layer num_layers + k; the rest of that layer is a
+# transformer layer's (layer_prefixes), and it holds copies of the embedding and output layer.
+_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+        "eh_proj.weight": "eh_proj.weight", "final_layernorm.weight": "shared_head.norm.weight"}
+MTP_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight",
+              "shared_head.head.weight": "lm_head.weight"}
 
 
 def _differ(name: str, value, want) -> str | None:
@@ -98,6 +109,9 @@ def check_exportable(c: GPTConfig) -> None:
                                         != _HF_GROUP_SCORE_TOP):
             misses.append(f"moe_router_topk // moe_router_group_topk = {c.moe_router_topk} // "
                           f"{c.moe_router_group_topk} (needs 2: HF scores a group by its top 2)")
+    if c.mtp_depths and not c.num_experts:  # DeepSeek's MTP layer is past first_k_dense_replace
+        misses.append(f"mtp_num_layers={c.mtp_num_layers} with a dense model (DeepSeek's MTP "
+                      "layers are MoE layers)")
     misses = [m for m in misses if m]
     if misses:
         raise ConfigError("no HuggingFace DeepseekV3ForCausalLM computes this multi-latent "
@@ -126,20 +140,33 @@ def name_pairs(c: GPTConfig) -> list[tuple[str, tuple[str, ...]]]:
              ("decoder.final_layernorm.weight", ("model.norm.weight",))]
     if c.untie_embeddings_and_output_weights:
         pairs.append((VOCAB_PARAMS[1], ("lm_head.weight",)))
-    for i in range(c.num_layers):
-        ours, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
-        latent_q = ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
-        unused = ("linear_q_proj",) if c.q_lora_rank is not None else latent_q
-        modules = {k: v for k, v in _ATTENTION.items() if k.split(".")[-1] not in unused}
-        layer = {f"{k}.weight": (f"{v}.weight",) for k, v in modules.items()}
-        if c.is_moe_layer(i):
-            layer.update(_ROUTER, **{k: (v,) for k, v in _FUSED.items()})
-            if c.moe_shared_expert_intermediate_size:
-                layer.update(_SHARED)
-        else:
-            layer.update(_DENSE)
-        pairs += [(ours + k, tuple(theirs + t for t in v)) for k, v in layer.items()]
+    for ours, theirs, moe in layer_prefixes(c):
+        pairs += [(ours + k, tuple(theirs + t for t in v))
+                  for k, v in _layer_pairs(c, moe).items()]
+    for k in range(c.mtp_depths):  # DeepSeek's layout (module docstring)
+        pairs += [(f"mtp.layers.{k}.{ours}", (f"model.layers.{c.num_layers + k}.{theirs}",))
+                  for ours, theirs in _MTP.items()]
     return pairs
+
+
+def layer_prefixes(c: GPTConfig) -> list[tuple[str, str, bool]]:
+    """(megalite prefix, HF prefix, MoE) of every transformer layer, the MTP depths' after
+    the decoder's (their layer of the last layer's kind, model/mtp.py)."""
+    layers = [(f"decoder.layers.{i}.", f"model.layers.{i}.", c.is_moe_layer(i))
+              for i in range(c.num_layers)]
+    return layers + [(f"mtp.layers.{k}.transformer_layer.", f"model.layers.{c.num_layers + k}.",
+                      c.is_moe_layer(c.num_layers - 1)) for k in range(c.mtp_depths)]
+
+
+def _layer_pairs(c: GPTConfig, moe: bool) -> dict[str, tuple[str, ...]]:
+    latent_q = ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
+    unused = ("linear_q_proj",) if c.q_lora_rank is not None else latent_q
+    modules = {k: v for k, v in _ATTENTION.items() if k.split(".")[-1] not in unused}
+    layer = {f"{k}.weight": (f"{v}.weight",) for k, v in modules.items()}
+    if not moe:
+        return {**layer, **_DENSE}
+    layer.update(_ROUTER, **{k: (v,) for k, v in _FUSED.items()})
+    return {**layer, **(_SHARED if c.moe_shared_expert_intermediate_size else {})}
 
 
 def to_hf(c: GPTConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -157,14 +184,17 @@ def to_hf(c: GPTConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
         t = state_dict[ours][:vocab] if ours in VOCAB_PARAMS else state_dict[ours]
         for name, part in zip(theirs, t.chunk(len(theirs))):  # [gate; up]
             hf[name] = part.contiguous()
-    for i in range(c.num_layers):
-        if c.is_moe_layer(i) and not c.moe_shared_expert_intermediate_size:
-            prefix = f"model.layers.{i}.mlp.shared_experts."  # HF's, 0 wide
+    for _, prefix, moe in layer_prefixes(c):
+        if moe and not c.moe_shared_expert_intermediate_size:  # HF's shared expert, 0 wide
             for name, shape in (("gate_proj", (0, c.hidden_size)),
                                 ("up_proj", (0, c.hidden_size)), ("down_proj", (c.hidden_size, 0))):
-                hf[f"{prefix}{name}.weight"] = state_dict[VOCAB_PARAMS[0]].new_zeros(shape)
+                hf[f"{prefix}mlp.shared_experts.{name}.weight"] = hf[
+                    "model.norm.weight"].new_zeros(shape)
     if not c.untie_embeddings_and_output_weights:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    for k in range(c.mtp_depths):  # DeepSeek's checkpoints hold copies of the shared two
+        hf.update({f"model.layers.{c.num_layers + k}.{copy}": hf[main]
+                   for copy, main in MTP_COPIES.items()})
     return hub_names(hf, c.num_experts or 0)
 
 
@@ -189,8 +219,13 @@ def hub_names(hf: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.
 def from_hf(c: GPTConfig, sd: dict[str, torch.Tensor],
             rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """megalite's state dict from a loaded DeepseekV3ForCausalLM's (fused expert names)."""
+    pairs = name_pairs(c)
+    missing = [t for _, theirs in pairs for t in theirs if t not in sd]
+    if missing:
+        raise ConfigError(f"HF state dict lacks {missing[:8]} ({len(missing)} tensors) that "
+                          "a DeepseekV3ForCausalLM of its config holds")
     ours = {}
-    for name, theirs in name_pairs(c):
+    for name, theirs in pairs:
         ours[name] = torch.cat([sd[t] for t in theirs]).contiguous()
     if not rope_interleave:
         _interleave_rope_rows(c, ours)
@@ -204,8 +239,8 @@ def _interleave_rope_rows(c: GPTConfig, ours: dict[str, torch.Tensor]) -> None:
     back: exact)."""
     r, nope = c.qk_pos_emb_head_dim, c.qk_head_dim
     order = torch.arange(r).view(2, r // 2).t().reshape(-1)
-    for i in range(c.num_layers):
-        prefix = f"decoder.layers.{i}.self_attention."
+    for layer, _, _ in layer_prefixes(c):
+        prefix = layer + "self_attention."
         q = prefix + ("linear_q_proj" if c.q_lora_rank is None else "linear_q_up_proj")
         w = ours[q + ".weight"].view(c.num_attention_heads, nope + r, -1)
         ours[q + ".weight"] = torch.cat([w[:, :nope], w[:, nope:][:, order]], dim=1).reshape(
@@ -249,7 +284,8 @@ def config_kwargs(c: GPTConfig, vocab: int) -> dict:
         max_position_embeddings=c.max_position_embeddings, initializer_range=c.init_method_std,
         rms_norm_eps=c.norm_epsilon, tie_word_embeddings=not c.untie_embeddings_and_output_weights,
         rope_parameters=rope_parameters(c), rope_interleave=True, attention_bias=False,
-        attention_dropout=c.attention_dropout, num_mtp_layers=0, bos_token_id=None,
+        attention_dropout=c.attention_dropout, num_mtp_layers=c.mtp_depths,
+        num_nextn_predict_layers=c.mtp_depths, bos_token_id=None,
         eos_token_id=None)
 
 

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from safetensors.torch import load_file  # noqa: E402  (a dependency of transformers)
+from safetensors.torch import load_file, save_file  # noqa: E402  (transformers' dependency)
 
 from megalite.config import GPTConfig  # noqa: E402
 from megalite.errors import ConfigError  # noqa: E402
@@ -47,10 +47,13 @@ def deepseek_model(kw) -> GPTModel:
     """random_model with a router that varies its choice and a nonzero expert bias that
     changes some of it."""
     model = random_model(make_config(**kw))
+    generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("router.weight"):
                 p.mul_(50)
+            if name.startswith("mtp.") and p.dim() == 1:  # enorm, hnorm: not 1 either
+                p.add_(0.1 * torch.randn(p.shape, generator=generator))
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):
                 b.copy_(torch.linspace(-0.2, 0.3, b.numel()))
@@ -140,6 +143,8 @@ def test_import_of_saved_hf_model_matches_its_logits(tmp_path, kw):
     (dict(moe_layer_pattern=(True, False)), "moe_layer_pattern"),
     (dict(moe_shared_expert_intermediate_size=48), "n_shared_experts"),
     (dict(moe_router_num_groups=4, moe_router_group_topk=2), "top 2"),
+    (dict(num_experts=None, moe_layer_pattern=None, moe_ffn_hidden_size=None,
+          moe_shared_expert_intermediate_size=None, mtp_num_layers=1), "MTP layers are MoE"),
 ])
 def test_unsupported_model_is_refused_on_export(tmp_path, kw, field):
     config = make_config(**{**STYLES["no-q-lora-rope"], **kw})
@@ -165,4 +170,57 @@ def test_latent_norm_eps_gap_is_warned_both_ways(tmp_path):
     with pytest.warns(UserWarning, match="q_a_layernorm, kv_a_layernorm"):
         out = export_to_hf(config, deepseek_model(kw).state_dict(), tmp_path / "hf")
     with pytest.warns(UserWarning, match="rms_norm_eps=1e-05"):
+        import_from_hf(out)
+
+
+# DeepSeek-V3's checkpoint layout of its MTP module (layer 61 there, num_layers here): its own
+# tensors, copies of the embedding and output layer, and a MoE transformer layer's tensors.
+DEEPSEEK_MTP_NAMES = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                      "shared_head.head.weight", "embed_tokens.weight", "input_layernorm.weight",
+                      "post_attention_layernorm.weight", "self_attn.q_a_proj.weight",
+                      "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+                      "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+                      "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.gate.weight",
+                      "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
+                      "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
+                      *(f"mlp.experts.{e}.{p}.weight" for e in range(8)
+                        for p in ("gate_proj", "up_proj", "down_proj"))}
+
+
+def test_mtp_weights_as_deepseek_keeps_them(tmp_path, monkeypatch):
+    """--mtp-num-layers 1 exports as DeepSeek's checkpoints hold it (layer num_layers), which
+    transformers' own MtpModel loads and computes megalite's depth-1 logits with; the import
+    reads it back bitwise, and refuses copies of the output layer that differ."""
+    kw = {**STYLES["q-lora-yarn-groups"], "mtp_num_layers": 1}
+    config, model = make_config(**kw), deepseek_model(kw)
+    out = export_to_hf(config, model.state_dict(), tmp_path / "hf")
+    files = load_file(out / "model.safetensors")
+    assert {n[len("model.layers.2."):] for n in files if n.startswith("model.layers.2.")} \
+        == DEEPSEEK_MTP_NAMES
+    # transformers finds MTP layers by DeepSeek-V3's layer number (61): point it at 2.
+    monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected",
+                        [r"model\.layers\.2.*"])
+    hf_model = load_hf(out)
+    hf_mtp = transformers.modeling_layers.MtpModel.from_pretrained(hf_model)
+    inputs, labels = tokens()[:, :-1], tokens()[:, 1:]
+    with torch.no_grad():
+        x = model.embedding(inputs)
+        table = model.rope_table(x.device)
+        depth1 = model.mtp.layers[0](model.decoder(x, table), model.embedding(labels), table)
+        ours = model._vocab_parallel_logits(depth1).transpose(0, 1)[..., :VOCAB]
+        last = hf_model(inputs, output_hidden_states=True).hidden_states[-1]
+        positions = torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
+        theirs = hf_mtp._project_to_logits(hf_mtp.forward_layer(0, last, positions, None,
+                                                                input_ids=labels))
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    fields, imported = import_from_hf(out)
+    assert fields["mtp_num_layers"] == 1
+    state = model.state_dict()
+    imported = pad_vocab(imported, PADDED)
+    assert imported.keys() == state.keys()
+    for name, t in state.items():
+        assert torch.equal(imported[name], t), name
+    files["model.layers.2.shared_head.head.weight"] = files["lm_head.weight"] * 2
+    save_file(files, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="shared_head.head.weight differs from lm_head"):
         import_from_hf(out)
