@@ -8,7 +8,8 @@ What maps (megalite -> HF), docs/design.md §34:
   kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj. The row layouts are the same (per
   head [no-RoPE, RoPE] for q; [latent, shared k_pe] for the KV down projection; per head [K, V]
   for the up projection), and HF's rope_interleave=True is megalite's interleaved RoPE part, so
-  it is a renaming (an import of rope_interleave=False reorders the RoPE rows: from_hf). YaRN: rope_parameters {"rope_type": "yarn", factor, mscale, mscale_all_dim,
+  it is a renaming (an import of rope_interleave=False reorders the RoPE rows: from_hf).
+  YaRN: rope_parameters {"rope_type": "yarn", factor, mscale, mscale_all_dim,
   original_max_position_embeddings, beta_fast, beta_slow}, with megalite's cos/sin factor
   written as attention_factor (HF infers another one when mscale or mscale_all_dim is 0).
 - MoE: sigmoid routing with the expert bias (mlp.gate.e_score_correction_bias, always there in
