@@ -380,7 +380,7 @@ def _import_deepseek(hf, hf_dir_or_model) -> tuple[dict, dict[str, torch.Tensor]
     hf_deepseek_mtp.drop_shared_copies(sd, hf.num_hidden_layers, depths)
     fields.update(mtp_num_layers=depths or None)
     c = GPTConfig(**fields, padded_vocab_size=fields["vocab_size"])
-    return fields, hf_deepseek.from_hf(c, sd, hf.rope_interleave)
+    return fields, hf_deepseek.from_hf(c, sd, getattr(hf, "rope_interleave", True))
 
 
 def pad_vocab(state_dict: dict[str, torch.Tensor],

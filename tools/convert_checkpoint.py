@@ -211,6 +211,7 @@ def load_flags(config: GPTConfig) -> list[str]:
     flags += ["--swiglu"] * c.swiglu + ["--disable-bias-linear"] * (not c.add_bias_linear)
     flags += ["--untie-embeddings-and-output-weights"] * c.untie_embeddings_and_output_weights
     flags += ["--qk-layernorm"] * c.qk_layernorm
+    flags += ["--mtp-num-layers", c.mtp_num_layers] if c.mtp_num_layers else []
     return [str(f) for f in flags + moe_flags(c) + mla_flags(c)]
 
 
