@@ -15,6 +15,8 @@ rather than exported as a model that computes something different:
 - Mixtral (MixtralForCausalLM), Qwen2-MoE (Qwen2MoeForCausalLM) and, with --qk-layernorm,
   Qwen3-MoE (Qwen3MoeForCausalLM): a Llama-style mixture of experts (--num-experts);
   hf_moe.py says which and maps its router and experts.
+- DeepSeek-V3 (DeepseekV3ForCausalLM): --multi-latent-attention with its latent norms, dense
+  or with sigmoid-routed experts (hf_deepseek.py maps it all).
 
 Layouts (why this is more than a renaming table):
 
@@ -43,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from megalite import hf_moe
+from megalite import hf_deepseek, hf_deepseek_mtp, hf_moe
 from megalite.atomic_write import staged_directory
 from megalite.errors import ConfigError
 from megalite.config import GPTConfig
@@ -98,12 +100,12 @@ def model_style(c: GPTConfig) -> str:
     """"GPT-2" or "Llama" (Qwen3 with --qk-layernorm); otherwise a ConfigError naming the
     fields of the closest style that differ."""
     if c.multi_latent_attention:
-        raise ConfigError("multi_latent_attention=True: the HuggingFace DeepseekV3ForCausalLM "
-                          "round trip is not built yet")
+        raise ConfigError("multi_latent_attention=True: HuggingFace's model of it is "
+                          "DeepseekV3ForCausalLM (hf_deepseek.py), not GPT-2 or Llama style")
     if c.mtp_num_layers:
-        raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: exporting multi-token "
-                          "prediction weights to HuggingFace is not built (no GPT-2, Llama or "
-                          "Qwen3 model holds them)")
+        raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: no GPT-2, Llama or Qwen3 "
+                          "HuggingFace model holds multi-token-prediction weights (DeepSeek-V3 "
+                          "does: --multi-latent-attention)")
     misses = {style: [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in want.items()
                       if getattr(c, k) != v] for style, want in STYLES.items()}
     style = min(misses, key=lambda s: len(misses[s]))
@@ -200,6 +202,12 @@ def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torc
     lm_head included (the same tensor as the embedding when tied). Tensors may share memory
     with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
     c = model_config
+    if c.multi_latent_attention:
+        hf = hf_deepseek.to_hf(c, state_dict)
+        config = _transformers().DeepseekV3Config(**{
+            **hf_deepseek.config_kwargs(c, c.vocab_size or c.padded_vocab_size),
+            **hf_config_kwargs})
+        return config, hf
     style = model_style(c)
     pairs = _name_pairs(style, c)
     expected = {ours for ours, _, _ in pairs}
@@ -236,9 +244,10 @@ def export_to_hf(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
         raise ConfigError(f"{output_dir} already exists; pass overwrite=True to replace it")
     tf = _transformers()
     config, hf = hf_config_and_state_dict(model_config, state_dict, **hf_config_kwargs)
-    if dtype is not None:
-        hf = {name: t.to(dtype) for name, t in hf.items()}
-    if model_config.num_experts:
+    if dtype is not None:  # DeepSeek's expert bias stays fp32, as megalite and HF keep it
+        hf = {name: t if name.endswith(hf_deepseek.FP32_SUFFIX) else t.to(dtype)
+              for name, t in hf.items()}
+    if model_config.num_experts or model_config.multi_latent_attention:
         return _save_hub_files(config, hf, output_dir)
     cls = getattr(tf, _DENSE_ARCHITECTURES[config.model_type])
     with torch.device("meta"):  # no random init of weights that are overwritten anyway
@@ -260,7 +269,8 @@ def _save_hub_files(config, hf: dict[str, torch.Tensor], output_dir: Path) -> Pa
         hf = {name: t for name, t in hf.items() if name != "lm_head.weight"}
     # What save_pretrained would record: the class (vLLM and others pick the model by it)
     # and the dtype (from_pretrained(dtype="auto")).
-    config.architectures = [hf_moe.ARCHITECTURES[config.model_type]]
+    config.architectures = [{**hf_moe.ARCHITECTURES, hf_deepseek.MODEL_TYPE:
+                             hf_deepseek.ARCHITECTURE}[config.model_type]]
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype",
             next(iter(hf.values())).dtype)
     with staged_directory(output_dir) as staging:
@@ -316,11 +326,13 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
         hf = tf.AutoConfig.from_pretrained(hf_dir_or_model)  # refuse before loading weights
     else:
         hf = hf_dir_or_model.config
+    if hf.model_type == hf_deepseek.MODEL_TYPE:
+        return _import_deepseek(hf, hf_dir_or_model)
     moe = hf.model_type in hf_moe.MODEL_TYPES
     if hf.model_type not in _DENSE_ARCHITECTURES and not moe:
         raise ConfigError(f"HF config model_type={hf.model_type!r} is not supported "
-                          "(megalite converts gpt2, llama, qwen3, mixtral, qwen2_moe and "
-                          "qwen3_moe)")
+                          "(megalite converts gpt2, llama, qwen3, mixtral, qwen2_moe, "
+                          "qwen3_moe and deepseek_v3)")
     style = "GPT-2" if hf.model_type == "gpt2" else "Llama"
     fields = {f: getattr(hf, name, None) for name, f in _CONFIG_NAMES[style].items()}
     fields.update(STYLES[style], **(_gpt2_fields(hf, allow_gelu_approximation)
@@ -352,6 +364,23 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
         ours[name] = (hf_moe.join_experts(c, parts) if ".experts." in name
                       else torch.cat(parts).contiguous())
     return fields, ours
+
+
+def _import_deepseek(hf, hf_dir_or_model) -> tuple[dict, dict[str, torch.Tensor]]:
+    """import_from_hf's DeepseekV3ForCausalLM (hf_deepseek.py): the config refused or
+    accepted before any weight is loaded."""
+    fields, mtp = hf_deepseek.config_fields(hf), {}
+    if isinstance(hf_dir_or_model, (str, os.PathLike)):
+        # DeepSeek's MTP layers: in the files, not in the model transformers loads.
+        mtp = hf_deepseek_mtp.read_mtp(hf_dir_or_model, hf)
+        hf_dir_or_model = _transformers().AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
+    sd = {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
+    depths = hf_deepseek_mtp.mtp_depths(mtp)
+    sd.update(mtp)
+    hf_deepseek_mtp.drop_shared_copies(sd, hf.num_hidden_layers, depths)
+    fields.update(mtp_num_layers=depths or None)
+    c = GPTConfig(**fields, padded_vocab_size=fields["vocab_size"])
+    return fields, hf_deepseek.from_hf(c, sd, getattr(hf, "rope_interleave", True))
 
 
 def pad_vocab(state_dict: dict[str, torch.Tensor],

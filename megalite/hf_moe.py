@@ -26,7 +26,8 @@ fuses them in memory (`mlp.experts.gate_up_proj` [E, 2F, h], `down_proj` [E, h, 
 converts on load and save, which `hub_state_dict` undoes for a loaded model.
 
 Refused by name (ConfigError), as HF would compute something else: the sigmoid score
-function and expert bias (DeepSeek-V3's router, not Mixtral's or Qwen's), a capacity factor
+function and expert bias (DeepSeek-V3's router, not Mixtral's or Qwen's; a model with
+--multi-latent-attention is DeepSeek-V3, hf_deepseek.py), a capacity factor
 (HF drops no tokens), a shared expert with --qk-layernorm (Qwen3-MoE has none); importing,
 Qwen2-MoE's qkv_bias and sliding windows, Mixtral's sliding window and router jitter, and a
 trained shared_expert_gate.

@@ -6,8 +6,14 @@ position, so a step costs one position's worth of compute instead of the whole s
 The model's own forward does it (GPTModel.forward with a `kv_cache`), so generation
 computes what training computes; this module keeps the cache and the sampling.
 
+Multi-latent attention caches per token what its K and V are made from, not K and V: the
+normalised KV latent (kv_lora_rank) and the rotated RoPE key part shared by all heads
+(qk_pos_emb_head_dim), and rebuilds K and V from them each step (LatentKVCache; DeepSeek-V2
+§2.1.4; docs/design.md §34).
+
 Under tensor parallelism each rank runs its shard: the column- and row-parallel layers do
-their own collectives, each rank caches only its query groups' K/V, the model gathers the
+their own collectives, each rank caches only its query groups' K/V (the whole latent under
+MLA, which every rank's heads read), the model gathers the
 logits of the vocabulary shards, and the sampled token is broadcast from TP rank 0 so
 every rank feeds the same token to the next step. Pipeline parallelism is not used here:
 a checkpoint saved at any (TP, PP, DP) layout loads as one stage (`load_model_weights`).
@@ -101,14 +107,30 @@ class LayerKVCache:
         return self.keys[:, :end], self.values[:, :end]
 
 
+class LatentKVCache(LayerKVCache):
+    """One multi-latent-attention layer's cache: `keys` holds the normalised KV latents
+    [batch, max_length, kv_lora_rank] and `values` the rotated k_pe [batch, max_length, 1,
+    qk_pos_emb_head_dim] (the names are LayerKVCache's; append takes and returns them)."""
+
+    def __init__(self, batch: int, max_length: int, config: GPTConfig, like: torch.Tensor):
+        super().__init__((batch, max_length, config.kv_lora_rank), like)
+        self.values = like.new_empty(batch, max_length, 1, config.qk_pos_emb_head_dim)
+
+
 class KVCache:
     """Every layer's cache (`layers[i]`: layer i's) for `batch` sequences of up to
     `max_length` positions; the first `length` (the next token's position) are filled."""
 
     def __init__(self, model: GPTModel, batch: int, max_length: int):
-        self.layers = [LayerKVCache((batch, max_length, layer.self_attention.num_groups,
-                                     model.config.kv_channels), model.output_weight())
+        c, like = model.config, model.output_weight()
+        self.layers = [LatentKVCache(batch, max_length, c, like) if c.multi_latent_attention
+                       else LayerKVCache((batch, max_length, layer.self_attention.num_groups,
+                                          c.kv_channels), like)
                        for layer in model.decoder.layers.values()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the cache holds, every layer's tensors (their bytes are its memory)."""
+        return [t for layer in self.layers for t in (layer.keys, layer.values)]
 
     @property
     def length(self) -> int:
@@ -125,11 +147,16 @@ def next_token_logits(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> 
     return logits[:, :model.config.vocab_size or logits.shape[-1]]
 
 
+def _rotary(config: GPTConfig) -> bool:
+    """Positions come from rotary angles over --seq-length (multi-latent attention's RoPE
+    part has them whatever --position-embedding-type says)."""
+    return config.position_embedding_type == "rope" or config.multi_latent_attention
+
+
 def max_positions(config: GPTConfig) -> int:
     """Positions the model has embeddings for: its rotary angles cover --seq-length,
     a learned table --max-position-embeddings."""
-    rope = config.position_embedding_type == "rope"
-    return config.seq_length if rope else config.max_position_embeddings
+    return config.seq_length if _rotary(config) else config.max_position_embeddings
 
 
 def check_length(prompt_length: int, max_new_tokens: int, config: GPTConfig):
@@ -139,8 +166,7 @@ def check_length(prompt_length: int, max_new_tokens: int, config: GPTConfig):
         raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     limit = max_positions(config)
     if prompt_length + max_new_tokens > limit:
-        flag = ("--seq-length" if config.position_embedding_type == "rope"
-                else "--max-position-embeddings")
+        flag = "--seq-length" if _rotary(config) else "--max-position-embeddings"
         raise ConfigError(f"the prompt ({prompt_length} tokens) + --max-new-tokens "
                           f"({max_new_tokens}) = {prompt_length + max_new_tokens} tokens exceeds "
                           f"the model's {limit} positions ({flag}); shorten the prompt or "
@@ -148,9 +174,6 @@ def check_length(prompt_length: int, max_new_tokens: int, config: GPTConfig):
 
 
 def _check_whole_model(model: GPTModel):
-    if model.config.multi_latent_attention:
-        raise ConfigError("--multi-latent-attention: KV-cached generation of multi-latent "
-                          "attention (a cache of the latent) is not built yet")
     if not (model.pre_process and model.post_process):
         raise ValueError("generation needs the whole model (pre_process and post_process), "
                          "not one pipeline stage")

@@ -19,6 +19,13 @@ STYLES = {
     # RoPE, RMSNorm, SwiGLU, GQA (4 heads, 2 K/V groups), no biases, untied output, and
     # QK-norm (Qwen3): the cache holds keys normalised, then rotated.
     "llama": dict(LLAMA_STYLE, num_query_groups=2, ffn_hidden_size=96, qk_layernorm=True),
+    # Multi-latent attention (DeepSeek-V3's: query latent, latent norms, YaRN past its
+    # original length): the cache holds the latent and the rotated k_pe, K and V rebuilt.
+    "mla": dict(LLAMA_STYLE, multi_latent_attention=True, position_embedding_type="none",
+                qk_layernorm=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8,
+                qk_pos_emb_head_dim=4, v_head_dim=6, kv_channels=12, rope_type="yarn",
+                rotary_scaling_factor=4.0, mscale_all_dim=1.0,
+                yarn_original_max_position_embeddings=8),
 }
 PROMPT = [[5, 17, 3, 42, 8, 8, 29]]
 NEW_TOKENS = 12
@@ -38,11 +45,19 @@ def full_forward_logits(model: GPTModel, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module", params=sorted(STYLES))
-def model(request):
+def any_model(request):
+    """Every style: for the tests of what the cache computes."""
     return make_model(request.param)
 
 
-def test_greedy_matches_argmax_of_full_forward(model):
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model(request):
+    """For the tests of sampling and stopping, which do not depend on the attention."""
+    return make_model(request.param)
+
+
+def test_greedy_matches_argmax_of_full_forward(any_model):
+    model = any_model
     generated = generate(model, torch.tensor(PROMPT), NEW_TOKENS, GREEDY)[0].tolist()
     sequence = list(PROMPT[0])
     for _ in range(NEW_TOKENS):
@@ -54,11 +69,11 @@ def test_greedy_matches_argmax_of_full_forward(model):
 @pytest.mark.parametrize("chunks", [[1] * 19, [3, 4, 1, 1, 6, 1, 1, 2]],
                          ids=["token_by_token", "chunked"])
 @pytest.mark.parametrize("backend", ["sdpa", "unfused"])
-def test_cached_logits_equal_full_forward(model, backend, chunks):
+def test_cached_logits_equal_full_forward(any_model, backend, chunks):
     """fp32: each chunk run after the cached earlier ones gives, at its last position, the
     full (no-cache) forward's logits at that position; token by token, at every position.
     Chunks longer than one token but shorter than the keys need the lower-right mask."""
-    model = GPTModel(dataclasses.replace(model.config, attention_backend=backend),
+    model = GPTModel(dataclasses.replace(any_model.config, attention_backend=backend),
                      seed=3).eval()
     tokens = torch.randint(0, 61, (2, sum(chunks)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -69,6 +84,17 @@ def test_cached_logits_equal_full_forward(model, backend, chunks):
             end += n
             assert logits.shape == (2, 1, 64) and cache.length == end
             torch.testing.assert_close(logits[:, 0], full[:, end - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_mla_cache_holds_the_latent_not_keys_and_values():
+    """Per layer and token kv_lora_rank + qk_pos_emb_head_dim numbers (12 + 4), where K and
+    V would take heads x (qk_head_dim + r + v_head_dim) = 4 x 18."""
+    model = make_model("mla")
+    cache = KVCache(model, batch=2, max_length=10)
+    assert [tuple(t.shape) for t in cache.tensors()] == [(2, 10, 12), (2, 10, 1, 4)] * 2
+    generate(model, torch.tensor(PROMPT), 3, GREEDY)  # runs on that cache
+    per_token = sum(t[0, 0].numel() for t in cache.tensors())
+    assert per_token == (12 + 4) * 2  # (kv_lora_rank + qk_pos_emb_head_dim) x layers
 
 
 def test_top_k_1_is_greedy(model):

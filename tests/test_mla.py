@@ -18,7 +18,6 @@ from megalite.arguments import parse_args
 from megalite.documents import Documents
 from megalite.errors import ConfigError
 from megalite.hf_convert import hf_config_and_state_dict
-from megalite.inference import generate
 from megalite.model.gpt import GPTModel
 from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_model_args
@@ -166,10 +165,9 @@ def test_flops_are_megatrons_mla_count():
         s * (2 * (attention_q + 6 * 3 * h * f) + 6 * h * vocab), rel=1e-12)
 
 
-def test_generation_and_huggingface_export_are_refused_by_name():
-    """Not built yet (the latent KV cache, DeepseekV3ForCausalLM): refused, not wrong."""
+def test_huggingface_export_without_latent_norms_is_refused_by_name():
+    """DeepseekV3ForCausalLM always has its latent norms (hf_deepseek.py; the round trip and
+    generation are tests/test_hf_deepseek.py's and tests/test_generate.py's)."""
     model = GPTModel(mla_config(), seed=0).eval()
-    with pytest.raises(ConfigError, match="KV-cached generation of multi-latent attention"):
-        generate(model, torch.tensor([[1, 2]]), 2)
-    with pytest.raises(ConfigError, match="DeepseekV3ForCausalLM round trip is not built"):
+    with pytest.raises(ConfigError, match="qk_layernorm=False"):
         hf_config_and_state_dict(model.config, model.state_dict())

@@ -37,6 +37,11 @@ def test_flags_reach_the_model_config():
             model.moe_grouped_gemm, model.moe_shared_expert_intermediate_size,
             model.moe_router_bias_update_rate) == ("sigmoid", True, 1.5, "position", True, 64,
                                                    1e-3)
+    grouped = _config("--num-experts", "8", "--moe-router-topk", "4",
+                      "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+                      "--moe-router-topk-scaling-factor", "2.5").model
+    assert (grouped.moe_router_num_groups, grouped.moe_router_group_topk,
+            grouped.moe_router_topk_scaling_factor) == (4, 2, 2.5)
     dense = validate_args(parse_args(flags_with()), 1).model
     assert dense.num_experts is None and dense.moe_layer_pattern is None
 
@@ -49,7 +54,14 @@ def test_layer_freq_as_megatron_reads_it():
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--moe-router-group-topk", "2"], ["--moe-router-group-topk", "not built"]),
+    (["--moe-router-group-topk", "2"], ["--moe-router-num-groups", "go together"]),
+    (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+     ["--moe-router-num-groups=3", "--num-experts=4"]),
+    (["--moe-router-num-groups", "4", "--moe-router-group-topk", "3"],
+     ["--moe-router-group-topk=3", "--moe-router-topk=2"]),
+    (["--moe-router-num-groups", "4", "--moe-router-group-topk", "1"],
+     ["--moe-router-group-topk=1", "hold the top k"]),
+    (["--moe-router-topk-scaling-factor", "0"], ["--moe-router-topk-scaling-factor must be"]),
     (["--moe-use-upcycling"], ["--moe-use-upcycling", "not built"]),
     (["--expert-tensor-parallel-size", "1"], ["--expert-tensor-parallel-size"]),
     (["--moe-token-dispatcher-type", "flex"], ["flex", "not built"]),

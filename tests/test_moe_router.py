@@ -34,6 +34,42 @@ def _top(row, k):
     return sorted(range(len(row)), key=lambda i: -row[i])[:k]
 
 
+LOGITS_8 = torch.randn(T, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def test_group_limited_sigmoid_routing_with_scaling():
+    """DeepSeek-V3 §2.1.2 with Megatron's group score: 8 experts in 4 groups of 2, each token
+    keeps its best 2 groups (a group's score: the sum of its top k / 2 = 2 biased scores),
+    then its top 4 experts among them; the gate values, normalised, times 2.5."""
+    bias = torch.tensor([0.05, -0.1, 0.2, 0.0, 0.3, -0.05, 0.1, 0.15], dtype=torch.float64)
+    probs, indices = topk_routing(LOGITS_8, 4, "sigmoid", False, bias, groups=(4, 2),
+                                  scaling_factor=2.5)
+    plain = topk_routing(LOGITS_8, 4, "sigmoid", False, bias)[1]
+    for t, row in enumerate(LOGITS_8.tolist()):
+        s = _sigmoid(row)
+        choice = [s[i] + bias[i].item() for i in range(8)]
+        group_score = [sum(sorted(choice[2 * g:2 * g + 2], reverse=True)[:2]) for g in range(4)]
+        allowed = [i for g in _top(group_score, 2) for i in (2 * g, 2 * g + 1)]
+        chosen = sorted(allowed, key=lambda i: -choice[i])[:4]
+        gates = [2.5 * s[i] / sum(s[j] for j in chosen) for i in chosen]
+        assert indices[t].tolist() == chosen
+        assert probs[t].tolist() == pytest.approx(gates, rel=1e-12)
+    # The groups bind: some token's plain top 4 reaches outside its 2 groups.
+    assert not torch.equal(indices, plain)
+
+
+def test_group_limited_softmax_routing():
+    """Megatron applies the groups to softmax routing alike: 8 experts, 2 groups of 4, one
+    kept (scored by the sum of its top 2 logits), the top 2 logits in it, softmaxed."""
+    probs, indices = topk_routing(LOGITS_8, 2, "softmax", False, None, groups=(2, 1))
+    for t, row in enumerate(LOGITS_8.tolist()):
+        group_score = [sum(sorted(row[4 * g:4 * g + 4], reverse=True)[:2]) for g in range(2)]
+        g = _top(group_score, 1)[0]
+        chosen = sorted(range(4 * g, 4 * g + 4), key=lambda i: -row[i])[:2]
+        assert indices[t].tolist() == chosen
+        assert probs[t].tolist() == pytest.approx(_softmax([row[i] for i in chosen]), rel=1e-12)
+
+
 @pytest.mark.parametrize("pre_softmax", [False, True])
 def test_softmax_gating(pre_softmax):
     probs, indices = topk_routing(LOGITS, 2, "softmax", pre_softmax, None)

@@ -2,11 +2,12 @@ r"""Convert between megalite checkpoints and HuggingFace transformers models.
 
     # A megalite checkpoint, saved at any (TP, PP, DP) layout -> a directory that
     # transformers.AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama style, Qwen3
-    # with --qk-layernorm; a mixture of experts as Mixtral, Qwen2-MoE or Qwen3-MoE):
+    # with --qk-layernorm; a mixture of experts as Mixtral, Qwen2-MoE or Qwen3-MoE;
+    # --multi-latent-attention as DeepSeek-V3):
     python tools/convert_checkpoint.py --load ckpt [--iteration N] --export-hf hf_out \
         [--dtype bf16|fp16|fp32]
 
-    # A HF GPT-2 / Llama / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE model -> a megalite
+    # A HF GPT-2 / Llama / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 model -> a megalite
     # checkpoint at iteration 0 that pretrain_gpt.py loads at any layout; the import prints
     # the model flags to load it with:
     python tools/convert_checkpoint.py --import-hf hf_dir --save ckpt
@@ -48,6 +49,7 @@ from megalite.checkpointing.storage import (TRACKER_FILENAME, checkpoint_dir,
                                             commit, find_checkpoint_to_load, prepare_staging,
                                             read_metadata, save_tensor_file)
 from megalite.config import GPTConfig
+from megalite.config.flags import flag_name
 from megalite.errors import CheckpointError, ConfigError, MegaliteError
 from megalite.hf_convert import export_to_hf, import_from_hf, pad_vocab
 from megalite.megatron_checkpoint import convert as megatron_convert
@@ -209,6 +211,7 @@ def load_flags(config: GPTConfig) -> list[str]:
     flags += ["--swiglu"] * c.swiglu + ["--disable-bias-linear"] * (not c.add_bias_linear)
     flags += ["--untie-embeddings-and-output-weights"] * c.untie_embeddings_and_output_weights
     flags += ["--qk-layernorm"] * c.qk_layernorm
+    flags += ["--mtp-num-layers", c.mtp_num_layers] if c.mtp_num_layers else []
     return [str(f) for f in flags + moe_flags(c) + mla_flags(c)]
 
 
@@ -240,6 +243,10 @@ def moe_flags(c: GPTConfig) -> list:
              "--moe-router-score-function", c.moe_router_score_function]
     if c.moe_shared_expert_intermediate_size:
         flags += ["--moe-shared-expert-intermediate-size", c.moe_shared_expert_intermediate_size]
+    for name in ("moe_router_topk_scaling_factor", "moe_router_num_groups",
+                 "moe_router_group_topk"):
+        if getattr(c, name) is not None:
+            flags += [flag_name(name), getattr(c, name)]
     return (flags + ["--moe-router-pre-softmax"] * c.moe_router_pre_softmax
             + ["--moe-router-enable-expert-bias"] * c.moe_router_enable_expert_bias)
 
@@ -313,8 +320,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--overwrite", action="store_true", help="replace an existing --export-hf")
     g = parser.add_argument_group("import a HF model as a megalite checkpoint")
     g.add_argument("--import-hf", metavar="DIR",
-                   help="HF model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen2-MoE or "
-                        "Qwen3-MoE)")
+                   help="HF model directory (GPT-2, Llama, Qwen3, Mixtral, Qwen2-MoE, "
+                        "Qwen3-MoE or DeepSeek-V3)")
     g.add_argument("--save", metavar="DIR", help="new megalite save directory (empty or absent)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="pad the vocabulary to a multiple of this (default 128; "

@@ -8,7 +8,9 @@ r"""Sample text from a checkpoint with a KV cache (megalite/inference.py).
     torchrun --nproc-per-node 2 tools/generate.py --tensor-model-parallel-size 2 ...
 
 The checkpoint may have been saved at any (TP, PP, DP) layout: it loads into this run's
-TP size. Only the model, tokenizer and parallel flags are needed; training flags (batch
+TP size; a --multi-latent-attention model caches each token's latent and RoPE key part, not
+its keys and values (megalite/inference.py). Only the model, tokenizer and parallel flags are
+needed; training flags (batch
 sizes, learning rate, data) are accepted so a training command line can be reused, and
 are not used. An empty --prompt starts a new document
 (from the end-of-document token). Rank 0 prints the generated token ids, then the text:

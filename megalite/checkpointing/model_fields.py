@@ -25,7 +25,9 @@ MoE field, a model without --multi-latent-attention no MLA field, and a model wi
 them compare as they did."""
 RECORDED_WHEN_SET = ("qk_layernorm", "mtp_num_layers")
 MOE_FIELDS = MOE_MODEL_FIELDS + ("moe_router_topk", "moe_router_score_function",
-                                 "moe_router_pre_softmax", "moe_router_enable_expert_bias")
+                                 "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+                                 "moe_router_topk_scaling_factor", "moe_router_num_groups",
+                                 "moe_router_group_topk")
 RECORDED_FIELDS = MODEL_FIELDS + ("seq_length", "norm_epsilon", "init_method_std") + MOE_FIELDS
 """The model config a checkpoint records (metadata "model"): the compared fields and the
 rest of what rebuilds the model (tools/convert_checkpoint.py), not how it is run (backend,

@@ -212,6 +212,18 @@ class GPTConfig:
     moe_router_score_function: str = flag(
         "softmax", group="moe", choices=["softmax", "sigmoid"],
         help="softmax, or sigmoid normalised over the chosen top k.")
+    moe_router_topk_scaling_factor: float | None = flag(
+        None, group="moe", help="Multiply the chosen experts' gate values by this (DeepSeek-V3's "
+                                "routed_scaling_factor, 2.5); unset: 1.")
+    # DeepSeek-V3 §2.1.2's node-limited routing, as Megatron builds it (router.py).
+    moe_router_num_groups: int | None = flag(
+        None, group="moe", help="Group-limited routing: the experts in this many equal groups "
+                                "(consecutive expert ids); each token picks "
+                                "--moe-router-group-topk groups, then its top k experts in them.")
+    moe_router_group_topk: int | None = flag(
+        None, group="moe", help="Groups each token may route to (with --moe-router-num-groups); "
+                                "a group's score is the sum of its top (topk / this) expert "
+                                "scores.")
     moe_router_pre_softmax: bool = flag(
         False, group="moe", help="Softmax over all experts before the top k (default: the top k "
                                  "logits, then a softmax among them).")

@@ -91,11 +91,14 @@ class MultiLatentAttention(nn.Module):
                 documents: Documents | None = None) -> torch.Tensor:
         """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape; `rope_table`:
         rotary.mla_rotary_table's rows of x's positions ([seq, 2, r], or per sample
-        [seq, batch, 2, r] with reset positions); `documents` as SelfAttention's."""
+        [seq, batch, 2, r] with reset positions); `documents` as SelfAttention's.
+        `kv_cache` (generation: inference.LatentKVCache) holds earlier positions' latents and
+        rotated k_pe, not their K and V: x's are appended, and K, V rebuilt from all."""
+        q, kv_latent, k_pe = self.query_and_latent(x, rope_table)
         if kv_cache is not None:
-            raise NotImplementedError("multi-latent attention has no KV-cached generation "
-                                      "yet (validation refuses it)")
-        q, k, v = self.query_key_value(x, rope_table)
+            kv_latent, k_pe = (t.transpose(0, 1) for t in kv_cache.append(
+                kv_latent.transpose(0, 1), k_pe.transpose(0, 1)))
+        k, v = self.key_value(kv_latent, k_pe)
         s, b = q.shape[:2]
         # Backends take [batch, seq, heads, dim].
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
@@ -106,9 +109,10 @@ class MultiLatentAttention(nn.Module):
             out = self._core_attention(q, k, v, documents)
         return self.linear_proj(out.transpose(0, 1).reshape(s, b, -1))
 
-    def query_key_value(self, x: torch.Tensor, rope_table: torch.Tensor):
-        """q, k [seq, batch, local heads, qk_head_dim + r] and v [..., v_head_dim], of the
-        whole sequence (this rank's CP rows) under SP."""
+    def query_and_latent(self, x: torch.Tensor, rope_table: torch.Tensor):
+        """q [seq, batch, local heads, qk_head_dim + r], the normalised KV latent
+        [seq, batch, kv_lora_rank] and the rotated k_pe [seq, batch, 1, r] (what a KV cache
+        keeps), of the whole sequence under SP."""
         c = self.config
         if c.q_lora_rank is None:
             q = self.linear_q_proj(x)
@@ -121,7 +125,6 @@ class MultiLatentAttention(nn.Module):
             [c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
         if c.qk_layernorm:
             kv_latent = self.kv_layernorm(kv_latent)
-        kv = self.linear_kv_up_proj(kv_latent)
         if c.sequence_parallel:
             k_pe = gather_from_sequence_parallel_region(k_pe, self.tp_group)
         else:
@@ -129,14 +132,20 @@ class MultiLatentAttention(nn.Module):
         s, b = q.shape[:2]
         q_nope, q_pe = q.view(s, b, self.heads, self.q_head_dim).split(
             [c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
-        k_nope, v = kv.view(s, b, self.heads, c.qk_head_dim + c.v_head_dim).split(
-            [c.qk_head_dim, c.v_head_dim], dim=-1)
         table = rope_table[:s]
         q_pe = apply_rotary(deinterleave(q_pe), table)
         k_pe = apply_rotary(deinterleave(k_pe.unsqueeze(2)), table)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        return q, k, v
+        return torch.cat([q_nope, q_pe], dim=-1), kv_latent, k_pe
+
+    def key_value(self, kv_latent: torch.Tensor, k_pe: torch.Tensor):
+        """k [seq, batch, local heads, qk_head_dim + r] and v [..., v_head_dim] from the
+        latent and the rotated k_pe (query_and_latent's, or a cache's of every position)."""
+        c = self.config
+        kv = self.linear_kv_up_proj(kv_latent)
+        s, b = kv.shape[:2]
+        k_nope, v = kv.view(s, b, self.heads, c.qk_head_dim + c.v_head_dim).split(
+            [c.qk_head_dim, c.v_head_dim], dim=-1)
+        return torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1), v
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         documents: Documents | None = None) -> torch.Tensor:

@@ -6,6 +6,9 @@ Each token's logits over the E experts pick its top k experts and their gate pro
 - sigmoid: sigmoid scores, the top k normalised to sum to 1 (DeepSeek-V3 §2.1.1); with the
   expert bias (auxiliary-loss-free balancing, DeepSeek-V3 §2.1.2) the bias is added to the
   scores for the choice only, never to the gate values.
+With --moe-router-num-groups the top k is taken among the experts of each token's best
+groups only (group_limited_topk); --moe-router-topk-scaling-factor then scales the gate
+values (DeepSeek-V3's routed_scaling_factor).
 A capacity factor then keeps at most C = ceil(T k / E x factor) (token, expert) pairs per
 expert: the most probable ones (policy "probs") or the earliest tokens ("position").
 
@@ -67,8 +70,11 @@ class TopKRouter(nn.Module):
         c = self.config
         with torch.autocast(tokens.device.type, enabled=False):
             logits = F.linear(tokens.float(), self.weight.float())
+        groups = (None if c.moe_router_num_groups is None
+                  else (c.moe_router_num_groups, c.moe_router_group_topk))
         probs, indices = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
-                                      c.moe_router_pre_softmax, self.expert_bias)
+                                      c.moe_router_pre_softmax, self.expert_bias, groups,
+                                      c.moe_router_topk_scaling_factor)
         keep = torch.ones_like(indices, dtype=torch.bool)
         if c.moe_expert_capacity_factor is not None:
             capacity = expert_capacity(tokens.shape[0], c.num_experts, c.moe_router_topk,
@@ -108,20 +114,45 @@ def counting_forward() -> bool:
 
 
 def topk_routing(logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool,
-                 expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """([T, k] gate values, [T, k] chosen experts) from fp32 logits [T, E]."""
+                 expert_bias: torch.Tensor | None, groups: tuple[int, int] | None = None,
+                 scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, k] gate values, [T, k] chosen experts) from fp32 logits [T, E]; `groups`
+    (num_groups, group_topk) limits each token to its best groups (group_limited_topk);
+    `scaling_factor` multiplies the gate values (DeepSeek-V3's routed_scaling_factor)."""
     if score_function == "softmax":
         if pre_softmax:
-            return torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-        top, indices = torch.topk(logits, k, dim=-1)
-        return torch.softmax(top, dim=-1), indices
-    scores = torch.sigmoid(logits)
-    choice = scores if expert_bias is None else scores + expert_bias
-    indices = torch.topk(choice, k, dim=-1).indices
-    probs = scores.gather(1, indices)
-    if k > 1:
-        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-    return probs, indices
+            probs, indices = _topk(torch.softmax(logits, dim=-1), k, groups)
+        else:
+            top, indices = _topk(logits, k, groups)
+            probs = torch.softmax(top, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        choice = scores if expert_bias is None else scores + expert_bias
+        indices = _topk(choice, k, groups)[1]
+        probs = scores.gather(1, indices)
+        if k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    return (probs if scaling_factor is None else probs * scaling_factor), indices
+
+
+def _topk(scores: torch.Tensor, k: int, groups: tuple[int, int] | None):
+    return (torch.topk(scores, k, dim=-1) if groups is None
+            else group_limited_topk(scores, k, *groups))
+
+
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int,
+                       group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's group-limited top k (DeepSeek-V3 §2.1.2, its node-limited routing): the
+    E experts in `num_groups` groups of consecutive ids, each group scored by the sum of
+    its top k // group_topk scores; the top k of [T, E] `scores` among the experts of each
+    token's `group_topk` best groups."""
+    tokens, experts = scores.shape
+    per_group = scores.view(tokens, num_groups, experts // num_groups)
+    group_scores = per_group.topk(k // group_topk, dim=-1).values.sum(dim=-1)
+    chosen = torch.topk(group_scores, group_topk, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    allowed = allowed.repeat_interleave(experts // num_groups, dim=1)
+    return torch.topk(scores.masked_fill(~allowed, float("-inf")), k, dim=-1)
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, factor: float) -> int:

@@ -25,9 +25,8 @@ class MoeFlags:
 RefusedMoeFlags = make_dataclass("RefusedMoeFlags", [
     (name, object, flag(None, nargs="?", const=True, metavar="X",
                         help="Megatron's; not built in megalite (refused)."))
-    for name in ("moe_router_group_topk", "moe_router_num_groups",
-                 "expert_tensor_parallel_size", "moe_use_upcycling",
-                 "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_input_jitter_eps",
+    for name in ("expert_tensor_parallel_size", "moe_use_upcycling",
+                 "moe_router_dtype", "moe_input_jitter_eps",
                  "moe_layer_recompute", "moe_shared_expert_overlap", "moe_permute_fusion",
                  "moe_router_fusion", "moe_enable_deepep", "moe_extended_tp",
                  "moe_use_legacy_grouped_gemm", "moe_per_layer_logging")],
@@ -137,6 +136,28 @@ def _check_router(args):
     if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                           "--moe-expert-capacity-factor")
+    check_positive(args, "moe_router_topk_scaling_factor")
+    _check_groups(args)
+
+
+def _check_groups(args):
+    """Group-limited routing: groups of whole experts, enough of them chosen for the top k,
+    each scored by at least its best expert (k // group_topk)."""
+    groups, top = args.moe_router_num_groups, args.moe_router_group_topk
+    if (groups is None) != (top is None):
+        raise ConfigError("--moe-router-num-groups and --moe-router-group-topk go together "
+                          f"(got {groups} and {top})")
+    if groups is None:
+        return
+    check_positive(args, "moe_router_num_groups", "moe_router_group_topk")
+    k, experts = args.moe_router_topk, args.num_experts
+    if experts % groups:
+        raise ConfigError(f"--moe-router-num-groups={groups} does not divide "
+                          f"--num-experts={experts}")
+    if top > groups or top > k or k > top * (experts // groups):
+        raise ConfigError(f"--moe-router-group-topk={top} must be at most "
+                          f"--moe-router-num-groups={groups} and --moe-router-topk={k}, and "
+                          f"its groups ({experts // groups} experts each) must hold the top k")
 
 
 def _check_widths(args, parallel: ParallelConfig, ffn: int):
