@@ -35,6 +35,18 @@ def run_schedule(plan: RankPlan, chunks, microbatches: list[dict],
                             linear_step if split else None)
 
 
+def _chunk_forward(chunk, stage, x, mb: dict, loss_fn: Callable, autocast: Callable):
+    """One micro-batch through one chunk: its output, on the last stage its loss. Every stage
+    reads the documents (--reset-attention-mask), the last the MTP targets
+    (--mtp-num-layers)."""
+    with autocast():
+        mtp = ({"mtp_targets": (mb["mtp_labels"], mb["mtp_loss_mask"])}
+               if stage.is_last and "mtp_labels" in mb else {})
+        out = chunk(x, mb["labels"] if stage.is_last else None,
+                    document_starts=mb.get("document_starts"), **mtp)
+    return loss_fn(out, mb) if stage.is_last else out
+
+
 def _run_actions(plan: RankPlan, chunks, microbatches: list[dict],
                  comm: PipelineCommunicator | None, loss_fn: Callable, backward_scale: Callable,
                  autocast: Callable, forward_only: bool, timers: Timers,
@@ -59,15 +71,7 @@ def _run_actions(plan: RankPlan, chunks, microbatches: list[dict],
             if wanted is not None and not forward_only:
                 x.requires_grad_()
             with timers("forward-compute"):
-                with autocast():
-                    # Every stage reads the documents (--reset-attention-mask), the last
-                    # the MTP targets (--mtp-num-layers).
-                    mtp = ({"mtp_targets": (mb["mtp_labels"], mb["mtp_loss_mask"])}
-                           if stage.is_last and "mtp_labels" in mb else {})
-                    out = chunks[action.chunk](x, mb["labels"] if stage.is_last else None,
-                                               document_starts=mb.get("document_starts"), **mtp)
-                if stage.is_last:
-                    out = loss_fn(out, mb)
+                out = _chunk_forward(chunks[action.chunk], stage, x, mb, loss_fn, autocast)
             if stage.is_last:
                 total += out.detach()
             else:
