@@ -21,9 +21,11 @@ MODEL_FIELDS = (
 resharded on load. Not norm_epsilon: it shapes no weight, and checkpoints converted from other
 codebases legitimately run with another epsilon (1e-5 vs 1e-6). A dense model records no
 MoE field, a model without --multi-latent-attention no MLA field, and a model without
---qk-layernorm or --mtp-num-layers not those (saving.model_fields), so checkpoints from before
-them compare as they did."""
-RECORDED_WHEN_SET = ("qk_layernorm", "mtp_num_layers")
+--qk-layernorm, --mtp-num-layers or DeepSeek's routing flags (group-limited routing, the top-k
+scaling factor) not those (saving.model_fields), so checkpoints from before them compare, and
+are written, as they were."""
+RECORDED_WHEN_SET = ("qk_layernorm", "mtp_num_layers", "moe_router_topk_scaling_factor",
+                     "moe_router_num_groups", "moe_router_group_topk")
 MOE_FIELDS = MOE_MODEL_FIELDS + ("moe_router_topk", "moe_router_score_function",
                                  "moe_router_pre_softmax", "moe_router_enable_expert_bias",
                                  "moe_router_topk_scaling_factor", "moe_router_num_groups",
