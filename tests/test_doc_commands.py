@@ -32,6 +32,11 @@ RUN_ELSEWHERE = {"TIER=all bash benchmarks/gpu_check.sh": "tests/test_gpu_check_
                      "tests/test_gpu_check_smoke.py",
                  'STEPS="env_info gpu_tests matmul_peak mfu_llama_1b mfu_llama_1b_eager" bash '
                  'benchmarks/gpu_check.sh': "tests/test_gpu_check_smoke.py",
+                 # the same steps; under SMOKE the smoke test's mfu_llama_1b runs compiled
+                 # layers already (the flag this line adds to mfu_gpt_1b3)
+                 'EXTRA_PERF_FLAGS=--compile-layers STEPS="env_info gpu_tests matmul_peak '
+                 'mfu_gpt_1b3 mfu_llama_1b" BUDGET_S=260 bash benchmarks/gpu_check.sh':
+                     "tests/test_gpu_check_smoke.py",
                  # SMOKE=1 makes it the 12-fault campaign, whose outcomes that test checks
                  "python tools/chaos.py --faults 225 --seed 46 --output-dir /tmp/chaos-46":
                      "tests/test_chaos.py"}
