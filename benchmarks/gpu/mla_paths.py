@@ -21,13 +21,11 @@ if __spec__ is None:  # run as a file: benchmarks.* and megalite from this check
 
 import torch
 
+from benchmarks.gpu.ring_emulation import emulated_ring
 from benchmarks.gpu.runs import GPU, Checks
 from megalite.attention_backends import core_attention, flash_attn_available
 from megalite.config import GPTConfig
 from megalite.context_parallel import fused_blocks
-from megalite.context_parallel.blocks import merge
-from megalite.context_parallel.ring import ring_blocks
-from megalite.context_split import load_balanced_chunks
 from megalite.documents import Documents
 from megalite.model.gpt import GPTModel
 
@@ -51,37 +49,6 @@ def attention(backend, q, k, v, dout, dtype, documents=None):
     out = core_attention(q, k, v, backend=backend, documents=documents)
     out.backward(dout.to(dtype))
     return [t.detach().float() for t in (out, q.grad, k.grad, v.grad)]
-
-
-def emulated_ring(q, k, v, dout, cp=2):
-    """CP `cp`'s fused ring blocks in one process (ring_attention.py's emulation)."""
-    c, scale = S // (2 * cp), DQ ** -0.5
-    q, k, v, dout = (t.to(DTYPE) for t in (q, k, v, dout))
-    rows_of = [torch.cat([torch.arange(j * c, (j + 1) * c) for j in load_balanced_chunks(cp, r)])
-               .to(DEVICE) for r in range(cp)]
-    out_all = torch.zeros(B, S, H, DV, device=DEVICE)
-    dq_all, dk, dv = (torch.zeros(t.shape, device=DEVICE) for t in (q, k, v))
-    for rank, idx in enumerate(rows_of):
-        out = torch.zeros(B, 2 * c, H, DV, device=DEVICE)
-        lse = torch.full((B, H, 2 * c), float("-inf"), device=DEVICE)
-        plan = []
-        for src in range(cp):
-            for rows, keys, causal in ring_blocks(cp, rank, src, c):
-                keys = rows_of[src][keys]
-                o, l_, state = fused_blocks.block_forward(q[:, idx[rows]], k[:, keys],
-                                                          v[:, keys], causal=causal, scale=scale)
-                out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
-                plan.append((rows, keys, causal, state))
-        out = out.to(DTYPE)
-        out_all[:, idx] = out.float()
-        for rows, keys, causal, state in plan:
-            dq_b, dk_b, dv_b = fused_blocks.block_backward(
-                dout[:, idx[rows]], q[:, idx[rows]], k[:, keys], v[:, keys], out[:, rows],
-                lse[:, :, rows], causal=causal, scale=scale, rng_state=state)
-            dq_all[:, idx[rows]] += dq_b
-            dk[:, keys] += dk_b
-            dv[:, keys] += dv_b
-    return [out_all, dq_all, dk, dv]
 
 
 def close(got, ref, floor=FLOOR) -> tuple[bool, str]:
@@ -120,7 +87,7 @@ def main():
             check(f"{backend}{' documents' if documents else ''}", ok, detail)
     reason = fused_blocks.unavailable_reason(DEVICE, DTYPE, DQ)
     if check("ring fused blocks available", reason is None, reason or "taken"):
-        ok, detail = close(emulated_ring(q, k, v, dout), attention("unfused", q, k, v, dout,
+        ok, detail = close(emulated_ring(2, *(t.to(DTYPE) for t in (q, k, v, dout))), attention("unfused", q, k, v, dout,
                                                                    torch.float32))
         check("CP 2 ring, fused blocks, V padded", ok, detail)
     ref = model_grads("unfused")

@@ -24,11 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.gpu.ring_emulation import emulated_ring
 from benchmarks.gpu.runs import GPU, Checks
 from megalite.context_parallel import fused_blocks
-from megalite.context_parallel.blocks import merge
-from megalite.context_parallel.ring import block_kernels, ring_attention, ring_blocks
-from megalite.context_split import load_balanced_chunks
+from megalite.context_parallel.ring import block_kernels, ring_attention
 
 DEVICE = torch.device("cuda", 0) if GPU else torch.device("cpu")
 DTYPE = torch.bfloat16 if GPU else torch.float32
@@ -55,38 +54,6 @@ def sdpa(q, k, v, dout, math: bool):
                                              is_causal=True, enable_gqa=True).transpose(1, 2)
     out.backward(dout.to(out.dtype))
     return [t.detach().float() for t in (out, q.grad, k.grad, v.grad)]
-
-
-def emulated_ring(cp, q, k, v, dout):
-    """(out, dq, dk, dv) in sequence order from every CP rank's fused ring blocks."""
-    b, s, h, d = q.shape
-    c, scale = s // (2 * cp), d ** -0.5
-    rows_of = [torch.cat([torch.arange(j * c, (j + 1) * c) for j in load_balanced_chunks(cp, r)])
-               .to(DEVICE) for r in range(cp)]
-    out_all, dq_all = torch.zeros(b, s, h, d, device=DEVICE), torch.zeros(b, s, h, d, device=DEVICE)
-    dk, dv = torch.zeros(k.shape, device=DEVICE), torch.zeros(v.shape, device=DEVICE)
-    for rank, idx in enumerate(rows_of):
-        out = torch.zeros(b, 2 * c, h, d, device=DEVICE)
-        lse = torch.full((b, h, 2 * c), float("-inf"), device=DEVICE)
-        plan = []
-        for src in range(cp):
-            kidx = rows_of[src]
-            for rows, keys, causal in ring_blocks(cp, rank, src, c):
-                o, l_, state = fused_blocks.block_forward(
-                    q[:, idx[rows]], k[:, kidx[keys]], v[:, kidx[keys]], causal=causal,
-                    scale=scale)
-                out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
-                plan.append((rows, kidx[keys], causal, state))
-        out = out.to(DTYPE)  # as ring.py returns and saves it
-        out_all[:, idx] = out.float()
-        for rows, keys, causal, state in plan:
-            dq_b, dk_b, dv_b = fused_blocks.block_backward(
-                dout[:, idx[rows]], q[:, idx[rows]], k[:, keys], v[:, keys], out[:, rows],
-                lse[:, :, rows], causal=causal, scale=scale, rng_state=state)
-            dq_all[:, idx[rows]] += dq_b
-            dk[:, keys] += dk_b
-            dv[:, keys] += dv_b
-    return [out_all, dq_all, dk, dv]
 
 
 def one_rank_ring(q, k, v, dout):
