@@ -1,11 +1,13 @@
 """Multi-token prediction and DeepSeek's routing flags in Megatron-LM checkpoints, both
 directions, both formats (megalite/megatron_checkpoint; docs/design.md §33).
 
-The expected keys are written out here from Megatron's own names (multi_token_prediction.py:
-MultiTokenPredictionLayer registers enorm, hnorm, eh_proj, the transformer layer, whose
-sharded_state_dict names it `transformer_layer`, and final_layernorm; GPTModel builds its
-embedding on the last stage too when that stage runs the MTP), not from megalite's code.
-No Megatron-written MTP checkpoint is kept as test data: Megatron-LM was not run here.
+The reference is Megatron itself: tests/data/megatron_mtp holds a dense GPT with one MTP depth
+megatron.core wrote in both its formats, its logits and the MTP loss it logged (README there).
+The expected keys of the layouts Megatron did not write here (TP 2 x PP 2, MoE and MLA in the
+depth) are written out from Megatron's names (multi_token_prediction.py: MultiTokenPredictionLayer
+registers enorm, hnorm, eh_proj, `mtp_model_layer`, which its sharded_state_dict names
+`transformer_layer`, and final_layernorm; GPTModel builds its embedding on the last stage too
+when that stage runs the MTP), not from megalite's code.
 """
 
 import pytest
@@ -20,7 +22,13 @@ from megalite.model.mtp import set_mtp_loss_weights, take_mtp_loss_sums
 from megalite.data.sampler import add_mtp_targets
 
 from tests.helpers import LLAMA_STYLE, tiny_gpt_config
-from tests.test_megatron_checkpoint import _dcp_entries, convert, megalite_model, megatron_legacy
+from tests.test_megatron_checkpoint import (ROOT, _dcp_entries, assert_torch_dist_matches,
+                                            convert, megalite_model,
+                                            megatron_legacy)
+
+DATA = ROOT / "tests" / "data" / "megatron_mtp"
+REFERENCE = torch.load(DATA / "reference_logits.pt", weights_only=True)
+LEGACY = "iter_0000010/mp_rank_00/model_optim_rng.pt"
 
 MLA = dict(LLAMA_STYLE, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16,
            qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, kv_channels=24,
@@ -48,7 +56,7 @@ LAST_STAGE = ([("embedding.word_embeddings.weight", (32, 32))]
               + [("decoder.final_layernorm.weight", (32,)), ("mtp.layers.0.enorm.weight", (32,)),
                  ("mtp.layers.0.hnorm.weight", (32,)), ("mtp.layers.0.eh_proj.weight", (16, 64)),
                  ("mtp.layers.0.eh_proj._extra_state", None)]
-              + [(f"mtp.layers.0.transformer_layer.{k}", s) for k, s in LAYER]
+              + [(f"mtp.layers.0.mtp_model_layer.{k}", s) for k, s in LAYER]
               + [("mtp.layers.0.final_layernorm.weight", (32,)), ("output_layer.weight", (32, 32)),
                  ("output_layer._extra_state", None)])
 # torch_dist's MTP entries of the dense case: whole tensors, not stacked (no layer offset),
@@ -68,19 +76,55 @@ MTP_TORCH_DIST = {
         "transformer_layer.mlp.linear_fc2")}}
 
 
-def mtp_losses(model: GPTModel, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, each depth's summed MTP token losses) of `model` on `tokens` [b, s + 1]."""
+def mtp_losses(model: GPTModel, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(logits, per-token lm losses, each depth's token-mean MTP loss) of `model` on `tokens`
+    [b, s + 1] (its first s the input)."""
     depths = model.config.mtp_depths
     labels = tokens[:, 1:]
     batch = add_mtp_targets({"labels": labels, "loss_mask": torch.ones(labels.shape)}, depths)
     set_mtp_loss_weights([model], torch.ones(depths))
     model.train()
     with torch.no_grad():
-        model(tokens[:, :-1], labels, mtp_targets=(batch["mtp_labels"],
-                                                          batch["mtp_loss_mask"]))
+        lm = model(tokens[:, :-1], labels, mtp_targets=(batch["mtp_labels"],
+                                                        batch["mtp_loss_mask"]))
         sums = take_mtp_loss_sums([model], depths, torch.device("cpu"))
         logits = model.eval()(tokens[:, :-1])
-    return logits, sums
+    return logits, lm, sums / batch["mtp_loss_mask"].sum(dim=(0, 1))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_import_gives_megatrons_logits_and_mtp_loss(tmp_path, fmt):
+    assert convert("--import-megatron", DATA / fmt, "--save", tmp_path / "ckpt") == 0
+    model = megalite_model(tmp_path / "ckpt")
+    assert model.config.mtp_num_layers == 1
+    logits, lm, mtp = mtp_losses(model, REFERENCE["sequence"])
+    torch.testing.assert_close(logits, REFERENCE["logits"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lm, REFERENCE["lm_losses"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(mtp, REFERENCE["mtp_loss"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_export_writes_megatrons_files(tmp_path):
+    """Megatron's checkpoint imported and exported in both formats: Megatron's keys (in order
+    in the legacy file), tensors and args; imported again, the same model bit for bit."""
+    assert convert("--import-megatron", DATA / "torch_dist", "--save", tmp_path / "a") == 0
+    first = megalite_model(tmp_path / "a")
+    for fmt in ("torch", "torch_dist"):
+        out = tmp_path / f"megatron_{fmt}"  # Megatron's 64 rows: divisible by 64, not 128
+        assert convert("--load", tmp_path / "a", "--export-megatron", out, "--ckpt-format", fmt,
+                       "--make-vocab-size-divisible-by", "64") == 0
+        assert convert("--import-megatron", out, "--save", tmp_path / f"b_{fmt}") == 0
+        again = megalite_model(tmp_path / f"b_{fmt}")
+        for (name, x), (_, y) in zip(first.state_dict().items(), again.state_dict().items()):
+            assert torch.equal(x, y), (fmt, name)
+    assert_torch_dist_matches(tmp_path / "megatron_torch_dist" / "iter_0000010",
+                              DATA / "torch_dist" / "iter_0000010")
+    ours, megatrons = (megatron_legacy(d / LEGACY) for d in (tmp_path / "megatron_torch",
+                                                             DATA / "torch"))
+    assert list(ours["model"]) == list(megatrons["model"])
+    for name, t in megatrons["model"].items():
+        assert (t is None and ours["model"][name] is None) or \
+            torch.equal(ours["model"][name], t), name
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
@@ -164,19 +208,17 @@ def test_an_mtp_moe_mla_layer_has_megatrons_torch_dist_keys(tmp_path):
         <= objects
 
 
-def test_megatrons_newer_legacy_module_name_reads_as_transformer_layer(tmp_path):
-    """A legacy file of a Megatron whose MTP layer's module is `mtp_model_layer` (its
-    sharded_state_dict maps it to `transformer_layer`; a plain state dict does not)."""
-    config = tiny_gpt_config(**CASES["dense"], vocab_size=64)
-    model = GPTModel(config, seed=4)
-    write_megalite_checkpoint(tmp_path / "a", config, model.state_dict(), 7, 0, 0, None, {})
-    assert convert("--load", tmp_path / "a", "--export-megatron", tmp_path / "m",
-                   "--ckpt-format", "torch", "--make-vocab-size-divisible-by", "32") == 0
-    path = tmp_path / "m/iter_0000007/mp_rank_00/model_optim_rng.pt"
-    record = megatron_legacy(path)
-    record["model"] = {k.replace(".transformer_layer.", ".mtp_model_layer."): v
+def test_older_megatrons_legacy_name_transformer_layer_reads_the_same(tmp_path):
+    """Before Megatron named the module `mtp_model_layer`, its legacy files said
+    `transformer_layer`: the same tensors."""
+    record = megatron_legacy(DATA / "torch" / LEGACY)
+    record["model"] = {k.replace(".mtp_model_layer.", ".transformer_layer."): v
                        for k, v in record["model"].items()}
+    path = tmp_path / "old" / LEGACY
+    path.parent.mkdir(parents=True)
     torch.save(record, path)
-    state = reader.read_checkpoint(tmp_path / "m").state
-    for name, t in model.state_dict().items():
-        assert torch.equal(state[name], t), name
+    (tmp_path / "old/latest_checkpointed_iteration.txt").write_text("10")
+    old, new = (reader.read_checkpoint(d) for d in (tmp_path / "old", DATA / "torch"))
+    assert old.state.keys() == new.state.keys()
+    for name, t in new.state.items():
+        assert torch.equal(old.state[name], t), name

@@ -39,9 +39,10 @@ READ_FUSED_NORMS = {**FUSED_NORMS, **mla.FUSED_NORMS}  # read: the TE spec's too
 EMBEDDING, OUTPUT = VOCAB_PARAMS
 LAYER_PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp.layers."
-# An MTP layer's transformer layer: Megatron's module is `mtp_model_layer` since it also
-# builds hybrid MTP layers, saved under the older `transformer_layer` (its sharded_state_dict
-# maps it back; a legacy file of such a Megatron holds the new name, read too).
+# An MTP layer's transformer layer: megalite's and torch_dist's `transformer_layer`; Megatron's
+# module is `mtp_model_layer` (it also builds hybrid MTP layers), the name its legacy files
+# hold, while its sharded_state_dict maps it back. Older Megatron's legacy files say
+# `transformer_layer`: both are read.
 MTP_LAYER, MTP_LAYER_MODULE = "transformer_layer.", "mtp_model_layer."
 
 # Megatron args -> GPTConfig fields megalite reads, with Megatron's defaults.
@@ -135,6 +136,13 @@ def megalite_name(name: str) -> str | None:
     for fused, plain in READ_FUSED_NORMS.items():
         if fused in name:
             return name.replace(fused, plain)
+    return name
+
+
+def legacy_name(name: str) -> str:
+    """The legacy file's key of a megalite name (global layer numbers kept)."""
+    if name.startswith(MTP_PREFIX):
+        return name.replace(MTP_LAYER, MTP_LAYER_MODULE, 1)
     return name
 
 

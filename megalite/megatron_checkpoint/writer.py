@@ -105,8 +105,9 @@ def _write_legacy(directory: Path, config: GPTConfig, state: dict, common: dict,
         for t in range(tp):
             model, stacked_shards = {}, {}
             for name in _stage_names(config, layers, p == 0, p == pp - 1):
+                key = layout.legacy_name(layout.local_layer_name(name, layers.start))
                 if name.endswith("._extra_state"):
-                    model[layout.local_layer_name(name, layers.start)] = None
+                    model[key] = None
                     continue
                 expert = moe.legacy_expert(name, "export")
                 source = (expert[0] if expert else
@@ -116,8 +117,7 @@ def _write_legacy(directory: Path, config: GPTConfig, state: dict, common: dict,
                     # no name: the vocabulary rows are padded for the target TP already.
                     stacked_shards[source] = tp_shard(state[source], params[source], "", t, tp)
                 shard = stacked_shards[source]
-                model[layout.local_layer_name(name, layers.start)] = (
-                    shard[expert[1]] if expert else shard).clone()
+                model[key] = (shard[expert[1]] if expert else shard).clone()
             path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
             path.parent.mkdir()
             torch.save({"model": model, **common}, path)
