@@ -16,6 +16,7 @@ import torch
 from megalite.checkpointing.saving import model_fields
 from megalite.megatron_checkpoint import reader
 from megalite.megatron_checkpoint.convert import write_megalite_checkpoint
+from megalite.megatron_checkpoint.optimizer_state import adam_state
 from megalite.megatron_checkpoint.writer import write_checkpoint
 from megalite.model.gpt import GPTModel
 from megalite.model.mtp import set_mtp_loss_weights, take_mtp_loss_sums
@@ -40,6 +41,7 @@ GROUPED_MOE = dict(num_experts=4, moe_layer_pattern=(True, True), moe_router_top
                    moe_router_enable_expert_bias=True, moe_router_num_groups=2,
                    moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)
 CASES = {"dense": dict(LLAMA_STYLE, mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
+         "tied": dict(LLAMA_STYLE, untie_embeddings_and_output_weights=False, mtp_num_layers=1),
          "mla-moe-groups": dict(MLA, **GROUPED_MOE, mtp_num_layers=1)}
 LAYOUTS = [("torch", "2", "2"), ("torch", "1", "1"), ("torch_dist", "1", "1")]
 
@@ -222,3 +224,33 @@ def test_older_megatrons_legacy_name_transformer_layer_reads_the_same(tmp_path):
     assert old.state.keys() == new.state.keys()
     for name, t in new.state.items():
         assert torch.equal(old.state[name], t), name
+
+
+def _add_adam_state(path, shift: float) -> None:
+    """Adam's state in a legacy file as Megatron's FP32Optimizer saves it (param groups:
+    decayed, then 1-D), moments made from each saved tensor plus `shift`."""
+    record = megatron_legacy(path)
+    params = [(n, t) for n, t in record["model"].items() if t is not None]
+    order = [p for p in params if p[1].dim() > 1] + [p for p in params if p[1].dim() == 1]
+    decayed = sum(t.dim() > 1 for _, t in params)
+    state = {i: {"step": torch.tensor(2.0), "exp_avg": t + shift, "exp_avg_sq": t * t}
+             for i, (_, t) in enumerate(order)}
+    groups = [{"params": list(range(decayed))}, {"params": list(range(decayed, len(order)))}]
+    torch.save({**record, "optimizer": {"state": state, "param_groups": groups}}, path)
+
+
+def test_adam_state_at_pp2_takes_the_first_stages_embedding(tmp_path):
+    """The last stage's word-embedding copy has Adam state too (Megatron keeps the two equal);
+    the import takes the first stage's, once, and the MTP's own."""
+    config = tiny_gpt_config(**CASES["dense"], vocab_size=64)
+    model = GPTModel(config, seed=4)
+    write_checkpoint(tmp_path / "m", config, model.state_dict(), 7, "torch", 1, 2, 32)
+    for stage in range(2):
+        _add_adam_state(tmp_path / f"m/iter_0000007/mp_rank_00_{stage:03d}/model_optim_rng.pt",
+                        shift=1.0 + stage)
+    adam, why = adam_state(reader.read_checkpoint(tmp_path / "m"))
+    assert adam is not None, why
+    embedding = model.embedding.word_embeddings.weight
+    assert torch.equal(adam.tensors["embedding.word_embeddings.weight"]["exp_avg"], embedding + 1)
+    eh_proj = model.mtp.layers[0].eh_proj.weight
+    assert torch.equal(adam.tensors["mtp.layers.0.eh_proj.weight"]["exp_avg"], eh_proj + 2)
