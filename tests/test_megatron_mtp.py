@@ -46,7 +46,8 @@ CASES = {"dense": dict(LLAMA_STYLE, mtp_num_layers=1, mtp_loss_scaling_factor=0.
 LAYOUTS = [("torch", "2", "2"), ("torch", "1", "1"), ("torch_dist", "1", "1")]
 
 # Megatron's legacy file of the last stage (TP rank 0 of 2, PP rank 1 of 2) of the dense case:
-# key and shard shape, in its state-dict order (hidden 32, 4 heads of 8, FFN 64, vocab 64).
+# key and shard shape, in its state-dict order (hidden 32, 4 heads of 8, FFN 64, vocab 64): the
+# keys Megatron-LM wrote at TP 1 x PP 2, tied or not (tests/data/megatron_mtp/README.md).
 LAYER = [("input_layernorm.weight", (32,)), ("self_attention.linear_proj.weight", (32, 16)),
          ("self_attention.linear_proj._extra_state", None),
          ("self_attention.linear_qkv.weight", (48, 32)),
