@@ -118,11 +118,12 @@ def _missing_expert(record):
 
 @pytest.mark.parametrize("change, message", [
     (_set_arg("moe_shared_expert_gate", True), "moe_shared_expert_gate=True"),
-    (_set_arg("moe_router_group_topk", 2), "moe_router_group_topk=2"),
+    (_set_arg("moe_router_group_topk", 2), "--moe-router-num-groups and "
+                                            "--moe-router-group-topk go together (got None and 2)"),
     (_set_arg("moe_router_load_balancing_type", "sinkhorn"), "'sinkhorn'"),
     (_legacy_grouped, "legacy GroupedMLP"),
     (_missing_expert, "holds experts [0, 1, 2] of decoder.layers.1.mlp.experts.linear_fc1"),
-], ids=["shared-expert-gate", "group-topk", "sinkhorn", "legacy-grouped-gemm", "missing-expert"])
+], ids=["shared-expert-gate", "group-topk-without-groups", "sinkhorn", "legacy-grouped-gemm", "missing-expert"])
 def test_what_megalite_cannot_express_is_refused_by_name(tmp_path, change, message):
     source = _legacy_with(tmp_path, change)
     with pytest.raises(Exception, match=re.escape(message)):

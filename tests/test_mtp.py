@@ -6,7 +6,6 @@ k + 1 ahead is averaged over the positions that have one. Depth k sees only the 
 positions in the reference (causal attention: the later ones cannot change them), so the
 reference needs no rolled or padded tensors at all."""
 
-import argparse
 import copy
 
 import pytest
@@ -14,11 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from megalite.data.sampler import add_mtp_targets
-from megalite.errors import CheckpointError, ConfigError
+from megalite.errors import ConfigError
 from megalite.hf_convert import model_style
 from megalite.layout_check import build_run
-from megalite.megatron_checkpoint.layout import config_from_args
-from megalite.megatron_checkpoint.writer import write_checkpoint
 from megalite.model.gpt import GPTModel
 from megalite.model.mtp import set_mtp_loss_weights, take_mtp_loss_sums
 from megalite.arguments import parse_args
@@ -161,13 +158,8 @@ def test_the_flops_count_the_depths_as_megatron_does(moe):
             num_floating_point_operations(base, B) + depths * per_depth, rel=1e-12)
 
 
-def test_conversions_refuse_the_mtp_weights_by_name(tmp_path):
+def test_hf_conversion_refuses_the_mtp_weights_by_name():
+    """(Megatron's checkpoints carry them: tests/test_megatron_mtp.py.)"""
     config = tiny_gpt_config(**LLAMA_STYLE, mtp_num_layers=1)
     with pytest.raises(ConfigError, match="mtp_num_layers=1"):
         model_style(config)
-    with pytest.raises(ConfigError, match="--mtp-num-layers 1"):
-        write_checkpoint(tmp_path / "out", config, {}, 1, "torch")
-    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
-                              padded_vocab_size=64, mtp_num_layers=1)
-    with pytest.raises(CheckpointError, match="mtp_num_layers=1"):
-        config_from_args(args, "in the test")

@@ -12,6 +12,11 @@ column-parallel, QKV grouped per query group and SwiGLU's fc1 stacked [gate; up]
 rank; linear_proj and fc2 row-parallel; the embedding and output layer split the padded
 vocabulary; norms, row-parallel biases and learned positions are replicated. A mixture of
 experts' names and args: moe.py; multi-latent attention's: mla.py.
+Multi-token prediction's modules (`mtp.layers.{k}.enorm / hnorm / eh_proj /
+transformer_layer / final_layernorm`, megalite/model/mtp.py) carry Megatron's names too, the
+transformer layer's keys as a decoder layer's (fused norms, experts); eh_proj is
+column-parallel. They live on the last pipeline stage, which with MTP holds a copy of the word
+embeddings (and learned positions) as well: written there, read from the first stage.
 """
 
 import argparse
@@ -33,12 +38,19 @@ FUSED_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
 READ_FUSED_NORMS = {**FUSED_NORMS, **mla.FUSED_NORMS}  # read: the TE spec's too
 EMBEDDING, OUTPUT = VOCAB_PARAMS
 LAYER_PREFIX = "decoder.layers."
+MTP_PREFIX = "mtp.layers."
+# An MTP layer's transformer layer: megalite's and torch_dist's `transformer_layer`; Megatron's
+# module is `mtp_model_layer` (it also builds hybrid MTP layers), the name its legacy files
+# hold, while its sharded_state_dict maps it back. Older Megatron's legacy files say
+# `transformer_layer`: both are read.
+MTP_LAYER, MTP_LAYER_MODULE = "transformer_layer.", "mtp_model_layer."
 
 # Megatron args -> GPTConfig fields megalite reads, with Megatron's defaults.
 _ARG_DEFAULTS = dict(position_embedding_type="learned_absolute", rotary_base=10000,
                      rotary_percent=1.0, normalization="LayerNorm", norm_epsilon=1e-5,
                      swiglu=False, qk_layernorm=False, add_bias_linear=True,
-                     untie_embeddings_and_output_weights=False, init_method_std=0.02)
+                     untie_embeddings_and_output_weights=False, init_method_std=0.02,
+                     mtp_num_layers=None, mtp_loss_scaling_factor=0.1)
 # Megatron features megalite's model does not have (set in args: refused).
 _UNSUPPORTED = ("rotary_interleaved", "squared_relu",
                 "openai_gelu", "apply_residual_connection_post_layernorm",
@@ -59,10 +71,6 @@ def config_from_args(args: argparse.Namespace, where: str) -> GPTConfig:
     if differing:
         raise CheckpointError(f"Megatron checkpoint {where} uses features megalite's GPT "
                               f"does not have: {', '.join(differing)}")
-    if getattr(args, "mtp_num_layers", None):
-        raise CheckpointError(f"Megatron checkpoint {where} holds multi-token prediction "
-                              f"layers (mtp_num_layers={args.mtp_num_layers}): importing them "
-                              "is not built")
     heads, hidden = args.num_attention_heads, args.hidden_size
     groups = (getattr(args, "num_query_groups", None) or heads
               if getattr(args, "group_query_attention", False) else heads)
@@ -100,7 +108,8 @@ def args_for(config: GPTConfig, tp: int, pp: int, divisible_by: int,
         norm_epsilon=c.norm_epsilon, swiglu=c.swiglu, qk_layernorm=c.qk_layernorm,
         add_bias_linear=c.add_bias_linear,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
-        init_method_std=c.init_method_std, vocab_size=c.vocab_size,
+        init_method_std=c.init_method_std, mtp_num_layers=c.mtp_num_layers,
+        mtp_loss_scaling_factor=c.mtp_loss_scaling_factor, vocab_size=c.vocab_size,
         make_vocab_size_divisible_by=divisible_by,
         padded_vocab_size=pad_vocab_size(c.vocab_size or c.padded_vocab_size, divisible_by, tp),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -122,9 +131,18 @@ def megalite_name(name: str) -> str | None:
     if "._extra_state" in name:  # torch_dist's expert ones end in /shard_{layer}.{expert}_...
         return None
     name = moe.from_torch_dist_name(name)
+    if name.startswith(MTP_PREFIX):
+        name = name.replace(MTP_LAYER_MODULE, MTP_LAYER, 1)
     for fused, plain in READ_FUSED_NORMS.items():
         if fused in name:
             return name.replace(fused, plain)
+    return name
+
+
+def legacy_name(name: str) -> str:
+    """The legacy file's key of a megalite name (global layer numbers kept)."""
+    if name.startswith(MTP_PREFIX):
+        return name.replace(MTP_LAYER, MTP_LAYER_MODULE, 1)
     return name
 
 

@@ -28,18 +28,18 @@ import re
 
 from megalite.config import GPTConfig
 from megalite.errors import CheckpointError, ConfigError
-from megalite.validation.moe import layer_pattern
+from megalite.validation.moe import check_groups, layer_pattern
 
 # Megatron args megalite copies as they are (GPTConfig fields of the same name).
 _COPIED = ("moe_router_topk", "moe_shared_expert_intermediate_size",
            "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
            "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
            "moe_router_score_function", "moe_router_pre_softmax", "moe_expert_capacity_factor",
-           "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_grouped_gemm")
+           "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_grouped_gemm",
+           "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor")
 # Megatron MoE args that change what the model computes and megalite does not build (set in
 # args: refused).
-_UNBUILT = ("moe_router_group_topk", "moe_router_num_groups", "moe_router_topk_scaling_factor",
-            "moe_input_jitter_eps", "moe_shared_expert_gate", "moe_apply_probs_on_input",
+_UNBUILT = ("moe_input_jitter_eps", "moe_shared_expert_gate", "moe_apply_probs_on_input",
             "moe_use_legacy_grouped_gemm")
 _LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 
@@ -64,6 +64,10 @@ def moe_fields(args: argparse.Namespace, where: str) -> dict:
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     fields = {n: getattr(args, n) if getattr(args, n, None) is not None else defaults[n]
               for n in _COPIED}
+    try:  # as Megatron's TransformerConfig checks them
+        check_groups(argparse.Namespace(**fields, num_experts=args.num_experts))
+    except ConfigError as error:
+        raise CheckpointError(f"Megatron checkpoint {where}: {error}") from None
     try:
         pattern = layer_pattern(getattr(args, "moe_layer_freq", None) or 1, args.num_layers)
     except ConfigError as error:
@@ -136,15 +140,18 @@ def layer_mlp_names(config: GPTConfig, layer: int) -> list[str] | None:
     return names
 
 
-def torch_dist_extra_states(config: GPTConfig, layer: int) -> list[str] | None:
+def torch_dist_extra_states(config: GPTConfig, layer: int,
+                            stacked: bool = True) -> list[str] | None:
     """torch_dist's `_extra_state` keys of MoE layer `layer`'s MLP (layers stacked, so
-    without the layer number in the module path); None for a dense layer."""
+    without the layer number in the module path); None for a dense layer. `stacked` False:
+    an MTP layer's, which no layer offset shards (`shard_{e}_{E}`, `shard_0_1`)."""
     if not config.is_moe_layer(layer):
         return None
     layers, experts = config.num_layers, config.num_experts
-    keys = [f"{TORCH_DIST_EXPERTS}linear_fc{k}._extra_state/shard_{layer}.{e}_{layers}.{experts}"
+    at, of = (f"{layer}.", f"{layers}.") if stacked else ("", "")
+    keys = [f"{TORCH_DIST_EXPERTS}linear_fc{k}._extra_state/shard_{at}{e}_{of}{experts}"
             for e in range(experts) for k in (1, 2)]
     if config.moe_shared_expert_intermediate_size:
-        keys += [f"mlp.shared_experts.linear_fc{k}._extra_state/shard_{layer}_{layers}"
-                 for k in (1, 2)]
+        shard = f"shard_{layer}_{layers}" if stacked else "shard_0_1"
+        keys += [f"mlp.shared_experts.linear_fc{k}._extra_state/{shard}" for k in (1, 2)]
     return keys

@@ -98,6 +98,8 @@ def adam_state(ckpt) -> tuple[AdamState | None, str]:
         except _NotOneToOne as why:
             return None, f"mp rank (TP {tp}, PP {pp}): {why}"
         for name, tensors in state.items():
+            if pp > 0 and name.startswith("embedding."):
+                continue  # the MTP's copy on the last stage (kept equal): the first stage's
             per_name.setdefault(name, []).append(tensors)
     params, merged = layout.meta_params(ckpt.config), {}
     for name, shards in per_name.items():

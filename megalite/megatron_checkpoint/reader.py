@@ -202,6 +202,8 @@ def _read_legacy_model(model: dict, config: GPTConfig, first_layer: int, names: 
         shapes[name] = tensor.shape
         if name == layout.OUTPUT and not config.untie_embeddings_and_output_weights:
             continue  # a tied output layer (PP > 1) is the embedding's copy
+        if first_layer > 0 and name.startswith("embedding."):
+            continue  # the MTP's copy on the last stage: the first stage's is read
         if names is None or name in names:
             shards.setdefault(name, []).append(tensor)
     return saved, shapes

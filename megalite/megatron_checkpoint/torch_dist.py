@@ -60,7 +60,7 @@ class _RawBytesPlanner(DefaultLoadPlanner):
 
 
 def _is_model_key(key: str) -> bool:
-    return key.startswith(("embedding.", "decoder.", "output_layer.")) and \
+    return key.startswith(("embedding.", "decoder.", "mtp.", "output_layer.")) and \
         "_extra_state" not in key
 
 

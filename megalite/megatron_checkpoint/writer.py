@@ -70,10 +70,6 @@ def write_checkpoint(out: str | Path, config: GPTConfig, state: dict[str, torch.
         raise ConfigError(f"--export-megatron {out} already exists; pass --overwrite to "
                           f"replace it")
     check_target_layout(config, tp, pp)
-    if config.mtp_num_layers:
-        raise ConfigError(f"--export-megatron of a model with --mtp-num-layers "
-                          f"{config.mtp_num_layers} is not built: Megatron's names of the MTP "
-                          "layers are not mapped")
     if ckpt_format == "torch_dist" and any(config.is_moe_layer(i) != config.is_moe_layer(0)
                                            for i in range(config.num_layers)):
         raise ConfigError("--ckpt-format torch_dist stacks the layers, which needs every layer "
@@ -109,8 +105,9 @@ def _write_legacy(directory: Path, config: GPTConfig, state: dict, common: dict,
         for t in range(tp):
             model, stacked_shards = {}, {}
             for name in _stage_names(config, layers, p == 0, p == pp - 1):
+                key = layout.legacy_name(layout.local_layer_name(name, layers.start))
                 if name.endswith("._extra_state"):
-                    model[layout.local_layer_name(name, layers.start)] = None
+                    model[key] = None
                     continue
                 expert = moe.legacy_expert(name, "export")
                 source = (expert[0] if expert else
@@ -120,8 +117,7 @@ def _write_legacy(directory: Path, config: GPTConfig, state: dict, common: dict,
                     # no name: the vocabulary rows are padded for the target TP already.
                     stacked_shards[source] = tp_shard(state[source], params[source], "", t, tp)
                 shard = stacked_shards[source]
-                model[layout.local_layer_name(name, layers.start)] = (
-                    shard[expert[1]] if expert else shard).clone()
+                model[key] = (shard[expert[1]] if expert else shard).clone()
             path = directory / legacy_rank_dir(t, p, pp) / LEGACY_FILE
             path.parent.mkdir()
             torch.save({"model": model, **common}, path)
@@ -130,29 +126,16 @@ def _write_legacy(directory: Path, config: GPTConfig, state: dict, common: dict,
 def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> list[str]:
     """Megatron's state-dict keys of one pipeline stage (global layer numbers)."""
     names = []
-    if first:
+    norm_kinds = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
+    if first or (last and config.mtp_depths):  # the MTP embeds tokens on the last stage
         names.append(layout.EMBEDDING)
         if config.position_embedding_type == "learned_absolute":
             names.append("embedding.position_embeddings.weight")
-    kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
-    norm_kinds = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
     for i in layers:
-        prefix = f"{layout.LAYER_PREFIX}{i}."
-        moe_mlp = moe.layer_mlp_names(config, i)
-        for module in _layer_modules(config):
-            if module in QK_NORMS and not config.qk_layernorm:
-                continue
-            if moe_mlp is not None and module.startswith("mlp."):
-                if module == LAYER_MODULES[-1]:
-                    names += [prefix + n for n in moe_mlp]
-                continue
-            if module in LINEARS or mla.is_linear(module):
-                names += [f"{prefix}{module}.{k}" for k in kinds]
-                names.append(f"{prefix}{module}._extra_state")
-            else:
-                names += [f"{prefix}{module}.{k}" for k in norm_kinds]
+        names += _layer_names(config, f"{layout.LAYER_PREFIX}{i}.", i)
     if last:
         names += [f"decoder.final_layernorm.{k}" for k in norm_kinds]
+        names += [n for k in range(config.mtp_depths) for n in _mtp_names(config, k)]
         # Tied on one stage: the embedding is the output weight; on PP > 1 the last stage
         # keeps its own copy (Megatron syncs it at start).
         if config.untie_embeddings_and_output_weights or not first:
@@ -161,11 +144,58 @@ def _stage_names(config: GPTConfig, layers: range, first: bool, last: bool) -> l
     return names
 
 
+def _layer_names(config: GPTConfig, prefix: str, i: int) -> list[str]:
+    """Megatron's keys of a transformer layer of layer i's kind under `prefix`."""
+    kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    norm_kinds = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
+    names = []
+    moe_mlp = moe.layer_mlp_names(config, i)
+    for module in _layer_modules(config):
+        if module in QK_NORMS and not config.qk_layernorm:
+            continue
+        if moe_mlp is not None and module.startswith("mlp."):
+            if module == LAYER_MODULES[-1]:
+                names += [prefix + n for n in moe_mlp]
+            continue
+        if module in LINEARS or mla.is_linear(module):
+            names += [f"{prefix}{module}.{k}" for k in kinds]
+            names.append(f"{prefix}{module}._extra_state")
+        else:
+            names += [f"{prefix}{module}.{k}" for k in norm_kinds]
+    return names
+
+
+def _mtp_names(config: GPTConfig, k: int) -> list[str]:
+    """Megatron's keys of MTP layer k, in its registration order; its transformer layer is
+    of the decoder's last layer's kind (model/mtp.py)."""
+    prefix = f"{layout.MTP_PREFIX}{k}."
+    norm_kinds = ("weight", "bias") if config.normalization == "LayerNorm" else ("weight",)
+    norms = [f"{prefix}{norm}.{kind}" for norm in ("enorm", "hnorm") for kind in norm_kinds]
+    return (norms + [f"{prefix}eh_proj.weight", f"{prefix}eh_proj._extra_state"]
+            + _layer_names(config, prefix + layout.MTP_LAYER, config.num_layers - 1)
+            + [f"{prefix}final_layernorm.{kind}" for kind in norm_kinds])
+
+
 def _layer_modules(config: GPTConfig) -> tuple[str, ...]:
     """A layer's modules in Megatron's state-dict order, MLA's attention in place of QKV."""
     if not config.multi_latent_attention:
         return LAYER_MODULES
     return (LAYER_MODULES[0], *mla.attention_modules(config), *LAYER_MODULES[5:])
+
+
+def _mtp_extra_states(config: GPTConfig) -> list[str]:
+    """torch_dist's `_extra_state` keys of the MTP layers, unstacked (no layer offset)."""
+    last = config.num_layers - 1
+    moe_extra = moe.torch_dist_extra_states(config, last, stacked=False)
+    keys = []
+    for k in range(config.mtp_depths):
+        prefix = f"{layout.MTP_PREFIX}{k}."
+        layer = prefix + layout.MTP_LAYER
+        keys += [f"{prefix}eh_proj._extra_state/shard_0_1"]
+        keys += [f"{layer}{linear}._extra_state/shard_0_1" for linear in _linears(config)
+                 if moe_extra is None or not linear.startswith("mlp.")]
+        keys += [layer + key for key in moe_extra or []]
+    return keys
 
 
 def _linears(config: GPTConfig) -> tuple[str, ...]:
@@ -180,6 +210,8 @@ def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: d
             index, rest = name[len(layout.LAYER_PREFIX):].split(".", 1)
             key = layout.LAYER_PREFIX + layout.fused_name(rest, config)
             stacked.setdefault(key, {})[int(index)] = tensor
+        elif name.startswith(layout.MTP_PREFIX):  # unstacked, a decoder layer's names
+            flat[layout.fused_name(name, config)] = tensor.contiguous()
         else:
             flat[name] = tensor.contiguous()
     layers = config.num_layers
@@ -192,6 +224,7 @@ def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: d
         for key in extra:
             # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.
             flat[layout.LAYER_PREFIX + key] = [None]
+    flat.update({key: [None] for key in _mtp_extra_states(config)})
     flat["common_state/shard_0_1"] = [common]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")

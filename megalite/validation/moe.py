@@ -137,10 +137,10 @@ def _check_router(args):
         raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                           "--moe-expert-capacity-factor")
     check_positive(args, "moe_router_topk_scaling_factor")
-    _check_groups(args)
+    check_groups(args)
 
 
-def _check_groups(args):
+def check_groups(args):
     """Group-limited routing: groups of whole experts, enough of them chosen for the top k,
     each scored by at least its best expert (k // group_topk)."""
     groups, top = args.moe_router_num_groups, args.moe_router_group_topk
