@@ -48,7 +48,11 @@ def run_pretrain(log: str, flags: list[str], *, nproc: int = 0,
     """run_pretrain.py (megalite's pretrain() with instruments) on `flags`, under torchrun
     with `nproc` processes if not 0; its output goes to `log`. Returns (exit code, output)."""
     script, args = os.path.join(HELPERS, "run_pretrain.py"), [*instruments, "--", *flags]
-    command = torchrun_command(nproc, script, args) if nproc else [sys.executable, script, *args]
+    # One rank on a CPU is the same gloo world of one with or without torchrun (pretrain()
+    # makes it); torchrun's agent would only add a process start to each of SMOKE's runs.
+    torchrun = nproc > 1 or (nproc == 1 and GPU)
+    command = (torchrun_command(nproc, script, args) if torchrun
+               else [sys.executable, script, *args])
     # Deterministic cuBLAS (run_pretrain --deterministic): its workspace must be fixed.
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", **(env or {}))
     with open(log, "w") as out:
