@@ -69,6 +69,21 @@ def megatron_legacy(path: Path = DATA / "torch" / LEGACY) -> dict:
         return torch.load(path, weights_only=True)
 
 
+def assert_renamed_keys_read_the_same(data: Path, directory: Path, rename) -> None:
+    """Megatron's legacy checkpoint in `data` with each key renamed by `rename` (another
+    spelling Megatron writes), saved in `directory`: the reader gives the same tensors."""
+    record = megatron_legacy(data / "torch" / LEGACY)
+    record["model"] = {rename(k): v for k, v in record["model"].items()}
+    path = directory / LEGACY
+    path.parent.mkdir(parents=True)
+    torch.save(record, path)
+    (directory / "latest_checkpointed_iteration.txt").write_text("10")
+    renamed, original = (reader.read_checkpoint(d) for d in (directory, data / "torch"))
+    assert renamed.state.keys() == original.state.keys()
+    for name, t in original.state.items():
+        assert torch.equal(renamed.state[name], t), name
+
+
 def split_like_megatron(record: dict, tp: int = 2) -> list[dict]:
     """Each TP rank's legacy file of the Megatron checkpoint, cut by hand (module doc)."""
     args = argparse.Namespace(**{**vars(record["args"]), "tensor_model_parallel_size": tp,

@@ -20,7 +20,8 @@ from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint import reader
 from megalite.validation import validate_model_args
 
-from tests.test_megatron_checkpoint import (LEGACY, ROOT, assert_torch_dist_matches, convert,
+from tests.test_megatron_checkpoint import (LEGACY, ROOT, assert_renamed_keys_read_the_same,
+                                            assert_torch_dist_matches, convert,
                                             export_and_reimport, logits, megalite_model,
                                             megatron_legacy, tool)
 
@@ -122,18 +123,8 @@ def test_local_spec_tp2_legacy_checkpoint_gives_megatrons_logits(tmp_path):
 def test_transformer_engine_fused_latent_norms_read_as_the_local_specs(tmp_path):
     """Megatron's TE spec fuses the latent norms into the up-projections
     (`linear_q_up_proj.layer_norm_weight`): the same tensors as q_layernorm / kv_layernorm."""
-    record = megatron_legacy(DATA / "torch" / LEGACY)
-    record["model"] = {re.sub(r"self_attention\.(q|kv)_layernorm\.",
-                              r"self_attention.linear_\1_up_proj.layer_norm_", k): v
-                       for k, v in record["model"].items()}
-    path = tmp_path / "te" / LEGACY
-    path.parent.mkdir(parents=True)
-    torch.save(record, path)
-    (tmp_path / "te/latest_checkpointed_iteration.txt").write_text("10")
-    te, local = (reader.read_checkpoint(d) for d in (tmp_path / "te", DATA / "torch"))
-    assert te.state.keys() == local.state.keys()
-    for name, t in local.state.items():
-        assert torch.equal(te.state[name], t), name
+    assert_renamed_keys_read_the_same(DATA, tmp_path / "te", lambda k: re.sub(
+        r"self_attention\.(q|kv)_layernorm\.", r"self_attention.linear_\1_up_proj.layer_norm_", k))
 
 
 @pytest.mark.parametrize("name, value, message", [

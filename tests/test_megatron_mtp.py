@@ -23,13 +23,13 @@ from megalite.model.mtp import set_mtp_loss_weights, take_mtp_loss_sums
 from megalite.data.sampler import add_mtp_targets
 
 from tests.helpers import LLAMA_STYLE, tiny_gpt_config
-from tests.test_megatron_checkpoint import (ROOT, _dcp_entries, assert_torch_dist_matches,
-                                            convert, megalite_model,
+from tests.test_megatron_checkpoint import (LEGACY, ROOT, _dcp_entries,
+                                            assert_renamed_keys_read_the_same,
+                                            assert_torch_dist_matches, convert, megalite_model,
                                             megatron_legacy)
 
 DATA = ROOT / "tests" / "data" / "megatron_mtp"
 REFERENCE = torch.load(DATA / "reference_logits.pt", weights_only=True)
-LEGACY = "iter_0000010/mp_rank_00/model_optim_rng.pt"
 
 MLA = dict(LLAMA_STYLE, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16,
            qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, kv_channels=24,
@@ -214,17 +214,8 @@ def test_an_mtp_moe_mla_layer_has_megatrons_torch_dist_keys(tmp_path):
 def test_older_megatrons_legacy_name_transformer_layer_reads_the_same(tmp_path):
     """Before Megatron named the module `mtp_model_layer`, its legacy files said
     `transformer_layer`: the same tensors."""
-    record = megatron_legacy(DATA / "torch" / LEGACY)
-    record["model"] = {k.replace(".mtp_model_layer.", ".transformer_layer."): v
-                       for k, v in record["model"].items()}
-    path = tmp_path / "old" / LEGACY
-    path.parent.mkdir(parents=True)
-    torch.save(record, path)
-    (tmp_path / "old/latest_checkpointed_iteration.txt").write_text("10")
-    old, new = (reader.read_checkpoint(d) for d in (tmp_path / "old", DATA / "torch"))
-    assert old.state.keys() == new.state.keys()
-    for name, t in new.state.items():
-        assert torch.equal(old.state[name], t), name
+    assert_renamed_keys_read_the_same(DATA, tmp_path / "old", lambda k: k.replace(
+        ".mtp_model_layer.", ".transformer_layer."))
 
 
 def _add_adam_state(path, shift: float) -> None:
