@@ -189,7 +189,7 @@ def _hf_config(style: str, c: GPTConfig, vocab: int, **kwargs):
         del llama["mlp_bias"]  # Qwen3 has no such field (and no MLP bias)
     if not c.num_experts:
         cls = tf.Qwen3Config if c.qk_layernorm else tf.LlamaConfig
-        return cls(**llama, **kwargs)
+        return cls(**{**llama, **kwargs})
     moe = hf_moe.moe_style(c)
     cls = getattr(tf, hf_moe.CONFIGS[moe])
     return cls(**{**llama, **hf_moe.config_kwargs(moe, c), **kwargs})

@@ -168,6 +168,17 @@ def test_unsupported_config_is_refused(kw, field):
         hf_config_and_state_dict(config, GPTModel(config, seed=1).state_dict())
 
 
+@pytest.mark.parametrize("style", [GPT2_STYLE, LLAMA_STYLE, QWEN3_STYLE],
+                         ids=["gpt2", "llama", "qwen3"])
+def test_token_ids_reach_the_config(style):
+    """hf_config_kwargs override the config's defaults (hf_convert's docstring: the
+    tokenizer's eos_token_id), in every style."""
+    config = make_config(**style)
+    hf_config, _ = hf_config_and_state_dict(config, GPTModel(config, seed=1).state_dict(),
+                                            eos_token_id=7, bos_token_id=3)
+    assert (hf_config.eos_token_id, hf_config.bos_token_id) == (7, 3)
+
+
 def test_state_dict_must_match_config():
     config = make_config()
     state = GPTModel(make_config(num_layers=1), seed=1).state_dict()
