@@ -72,8 +72,9 @@ _LLAMA_LAYER = {"input_layernorm": "input_layernorm",
                 "mlp.linear_fc2": "mlp.down_proj"}
 _QK_NORMS = {"self_attention.q_layernorm": "self_attn.q_norm",
              "self_attention.k_layernorm": "self_attn.k_norm"}
-_DENSE_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                        "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", **hf_moe.ARCHITECTURES,
+                  hf_deepseek.MODEL_TYPE: hf_deepseek.ARCHITECTURE}
 _EMBEDDING, _OUTPUT = VOCAB_PARAMS
 # HF config attribute -> GPTConfig field, in both directions; STYLES fixes the rest.
 _CONFIG_NAMES = {
@@ -106,8 +107,7 @@ def model_style(c: GPTConfig) -> str:
         raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: no GPT-2, Llama or Qwen3 "
                           "HuggingFace model holds multi-token-prediction weights (DeepSeek-V3 "
                           "does: --multi-latent-attention)")
-    misses = {style: [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in want.items()
-                      if getattr(c, k) != v] for style, want in STYLES.items()}
+    misses = {style: hf_moe.differences(c, want) for style, want in STYLES.items()}
     style = min(misses, key=lambda s: len(misses[s]))
     if misses[style]:
         raise ConfigError(f"no HuggingFace model matches this model; closest is {style} "
@@ -187,29 +187,24 @@ def _hf_config(style: str, c: GPTConfig, vocab: int, **kwargs):
         tie_word_embeddings=not c.untie_embeddings_and_output_weights)}
     if c.qk_layernorm:
         del llama["mlp_bias"]  # Qwen3 has no such field (and no MLP bias)
-    if not c.num_experts:
-        cls = tf.Qwen3Config if c.qk_layernorm else tf.LlamaConfig
-        return cls(**{**llama, **kwargs})
-    moe = hf_moe.moe_style(c)
-    cls = getattr(tf, hf_moe.CONFIGS[moe])
-    return cls(**{**llama, **hf_moe.config_kwargs(moe, c), **kwargs})
+    model_type = hf_moe.moe_style(c) if c.num_experts else "qwen3" if c.qk_layernorm else "llama"
+    moe = hf_moe.config_kwargs(model_type, c) if c.num_experts else {}
+    return tf.AutoConfig.for_model(model_type, **{**llama, **moe, **kwargs})
 
 
 def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
                              **hf_config_kwargs):
-    """The HF config (GPT2Config, LlamaConfig, Qwen3Config, or hf_moe.CONFIGS') and the
-    state dict of its *ForCausalLM model (a MoE's experts under the hub's per-expert names),
-    lm_head included (the same tensor as the embedding when tied). Tensors may share memory
-    with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
+    """The HF config (GPT2Config, LlamaConfig, Qwen3Config, a MoE's of hf_moe.ARCHITECTURES,
+    DeepseekV3Config) and the state dict of its *ForCausalLM model (experts under the hub's
+    per-expert names), lm_head included (the same tensor as the embedding when tied). Tensors
+    may share memory with `state_dict`. hf_config_kwargs go to the config (token ids, say)."""
     c = model_config
     if c.multi_latent_attention:
-        hf = hf_deepseek.to_hf(c, state_dict)
-        config = _transformers().DeepseekV3Config(**{
-            **hf_deepseek.config_kwargs(c, c.vocab_size or c.padded_vocab_size),
-            **hf_config_kwargs})
-        return config, hf
-    style = model_style(c)
-    pairs = _name_pairs(style, c)
+        hf_deepseek.check_exportable(c)
+        pairs = [(ours, theirs, False) for ours, theirs in hf_deepseek.name_pairs(c)]
+    else:
+        style = model_style(c)
+        pairs = _name_pairs(style, c)
     expected = {ours for ours, _, _ in pairs}
     if set(state_dict) != expected:
         raise ConfigError(f"state dict does not match the config: missing "
@@ -226,6 +221,10 @@ def hf_config_and_state_dict(model_config: GPTConfig, state_dict: dict[str, torc
             parts = (torch.cat(parts),)  # GPT-2's c_attn is [Q; K; V]
         for name, part in zip(theirs, parts):
             hf[name] = (part.t() if transposed else part).contiguous()
+    if c.multi_latent_attention:
+        hf_deepseek.add_hub_tensors(c, hf)
+        return _transformers().DeepseekV3Config(**{**hf_deepseek.config_kwargs(c, vocab),
+                                                   **hf_config_kwargs}), hf
     if c.num_experts:
         hf_moe.add_shared_expert_gate(hf_moe.moe_style(c), c, hf, "model.layers.")
     if not c.untie_embeddings_and_output_weights:
@@ -249,7 +248,7 @@ def export_to_hf(model_config: GPTConfig, state_dict: dict[str, torch.Tensor],
               for name, t in hf.items()}
     if model_config.num_experts or model_config.multi_latent_attention:
         return _save_hub_files(config, hf, output_dir)
-    cls = getattr(tf, _DENSE_ARCHITECTURES[config.model_type])
+    cls = getattr(tf, _ARCHITECTURES[config.model_type])
     with torch.device("meta"):  # no random init of weights that are overwritten anyway
         model = cls(config)
     model.load_state_dict(hf, strict=True, assign=True)
@@ -269,8 +268,7 @@ def _save_hub_files(config, hf: dict[str, torch.Tensor], output_dir: Path) -> Pa
         hf = {name: t for name, t in hf.items() if name != "lm_head.weight"}
     # What save_pretrained would record: the class (vLLM and others pick the model by it)
     # and the dtype (from_pretrained(dtype="auto")).
-    config.architectures = [{**hf_moe.ARCHITECTURES, hf_deepseek.MODEL_TYPE:
-                             hf_deepseek.ARCHITECTURE}[config.model_type]]
+    config.architectures = [_ARCHITECTURES[config.model_type]]
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype",
             next(iter(hf.values())).dtype)
     with staged_directory(output_dir) as staging:
@@ -328,8 +326,8 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
         hf = hf_dir_or_model.config
     if hf.model_type == hf_deepseek.MODEL_TYPE:
         return _import_deepseek(hf, hf_dir_or_model)
-    moe = hf.model_type in hf_moe.MODEL_TYPES
-    if hf.model_type not in _DENSE_ARCHITECTURES and not moe:
+    moe = hf.model_type in hf_moe.ARCHITECTURES
+    if hf.model_type not in _ARCHITECTURES:
         raise ConfigError(f"HF config model_type={hf.model_type!r} is not supported "
                           "(megalite converts gpt2, llama, qwen3, mixtral, qwen2_moe, "
                           "qwen3_moe and deepseek_v3)")
@@ -349,11 +347,9 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
                   ffn_hidden_size=fields["ffn_hidden_size"] or 4 * hidden,  # GPT-2's n_inner
                   num_query_groups=fields.get("num_query_groups") or heads,
                   kv_channels=fields.get("kv_channels") or hidden // heads)
-    if isinstance(hf_dir_or_model, (str, os.PathLike)):
-        hf_dir_or_model = tf.AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
-    sd = {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
+    sd = _state_dict(hf_dir_or_model)
     if moe:
-        sd = hf_moe.hub_state_dict(hf.model_type, sd, fields["num_experts"])
+        sd = hf_moe.hub_state_dict(sd, fields["num_experts"], *hf_moe.EXPERTS[hf.model_type])
         hf_moe.remove_shared_expert_gate(sd, fields.get("moe_shared_expert_intermediate_size"))
     c = GPTConfig(**fields, padded_vocab_size=fields["vocab_size"])
     ours = {}
@@ -366,17 +362,22 @@ def import_from_hf(hf_dir_or_model, allow_gelu_approximation: bool = False
     return fields, ours
 
 
+def _state_dict(hf_dir_or_model) -> dict[str, torch.Tensor]:
+    """The tensors of a loaded model, or of the one a directory or hub name holds."""
+    if isinstance(hf_dir_or_model, (str, os.PathLike)):
+        hf_dir_or_model = _transformers().AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
+    return {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
+
+
 def _import_deepseek(hf, hf_dir_or_model) -> tuple[dict, dict[str, torch.Tensor]]:
     """import_from_hf's DeepseekV3ForCausalLM (hf_deepseek.py): the config refused or
     accepted before any weight is loaded."""
-    fields, mtp = hf_deepseek.config_fields(hf), {}
+    fields, mtp, depths = hf_deepseek.config_fields(hf), {}, 0
     if isinstance(hf_dir_or_model, (str, os.PathLike)):
         # DeepSeek's MTP layers: in the files, not in the model transformers loads.
-        mtp = hf_deepseek_mtp.read_mtp(hf_dir_or_model, hf)
-        hf_dir_or_model = _transformers().AutoModelForCausalLM.from_pretrained(hf_dir_or_model)
-    sd = {name: t.detach() for name, t in hf_dir_or_model.state_dict().items()}
-    depths = hf_deepseek_mtp.mtp_depths(mtp)
-    sd.update(mtp)
+        mtp, depths = hf_deepseek_mtp.read_mtp(hf_dir_or_model, hf)
+    sd = {**hf_moe.hub_state_dict(_state_dict(hf_dir_or_model), fields.get("num_experts", 0)),
+          **mtp}
     hf_deepseek_mtp.drop_shared_copies(sd, hf.num_hidden_layers, depths)
     fields.update(mtp_num_layers=depths or None)
     c = GPTConfig(**fields, padded_vocab_size=fields["vocab_size"])

@@ -44,6 +44,7 @@ import warnings
 
 import torch
 
+from megalite import hf_moe
 from megalite.config import GPTConfig
 from megalite.errors import ConfigError
 from megalite.model.rotary import yarn_mscale
@@ -76,8 +77,6 @@ _SHARED = {"mlp.shared_experts.linear_fc1.weight": ("mlp.shared_experts.gate_pro
            "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight",)}
 _ROUTER = {"mlp.router.weight": ("mlp.gate.weight",),
            "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias",)}
-_FUSED = {"mlp.experts.linear_fc1.weight": "mlp.experts.gate_up_proj",
-          "mlp.experts.linear_fc2.weight": "mlp.experts.down_proj"}
 # An MTP depth k's own tensors, in DeepSeek's layer num_layers + k; the rest of that layer is a
 # transformer layer's (layer_prefixes), and it holds copies of the embedding and output layer.
 _MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
@@ -86,22 +85,17 @@ MTP_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight",
               "shared_head.head.weight": "lm_head.weight"}
 
 
-def _differ(name: str, value, want) -> str | None:
-    return None if value == want else f"{name}={value!r} (needs {want!r})"
-
-
 def check_exportable(c: GPTConfig) -> None:
     """A ConfigError naming each field DeepseekV3ForCausalLM would compute differently."""
-    misses = [_differ(n, getattr(c, n), want) for n, want in (
-        ("normalization", "RMSNorm"), ("swiglu", True), ("add_bias_linear", False),
-        ("qk_layernorm", True))]  # HF always has the latent norms
+    misses = hf_moe.differences(c, dict(normalization="RMSNorm", swiglu=True,
+                                        add_bias_linear=False,
+                                        qk_layernorm=True))  # HF always has the latent norms
     if c.num_experts:
-        misses += [_differ(n, getattr(c, n), want) for n, want in (
-            ("moe_router_score_function", "sigmoid"), ("moe_router_pre_softmax", False),
-            ("moe_expert_capacity_factor", None))]
         dense = first_dense_layers(c)
-        misses.append(_differ("moe_layer_pattern", c.moe_layer_pattern,
-                              (False,) * dense + (True,) * (c.num_layers - dense)))
+        misses += hf_moe.differences(c, dict(
+            moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+            moe_expert_capacity_factor=None,
+            moe_layer_pattern=(False,) * dense + (True,) * (c.num_layers - dense)))
         shared = c.moe_shared_expert_intermediate_size or 0
         if shared % c.moe_ffn_hidden_size:
             misses.append(f"moe_shared_expert_intermediate_size={shared} (needs a multiple of "
@@ -113,7 +107,6 @@ def check_exportable(c: GPTConfig) -> None:
     if c.mtp_depths and not c.num_experts:  # DeepSeek's MTP layer is past first_k_dense_replace
         misses.append(f"mtp_num_layers={c.mtp_num_layers} with a dense model (DeepSeek's MTP "
                       "layers are MoE layers)")
-    misses = [m for m in misses if m]
     if misses:
         raise ConfigError("no HuggingFace DeepseekV3ForCausalLM computes this multi-latent "
                           f"attention model: {', '.join(misses)}")
@@ -136,7 +129,7 @@ def first_dense_layers(c: GPTConfig) -> int:
 
 def name_pairs(c: GPTConfig) -> list[tuple[str, tuple[str, ...]]]:
     """(megalite name, its HF names) for every megalite tensor; the routed experts under
-    transformers' fused in-memory names (hub_names splits them per expert)."""
+    the hub's per-expert names."""
     pairs = [(VOCAB_PARAMS[0], ("model.embed_tokens.weight",)),
              ("decoder.final_layernorm.weight", ("model.norm.weight",))]
     if c.untie_embeddings_and_output_weights:
@@ -166,60 +159,28 @@ def _layer_pairs(c: GPTConfig, moe: bool) -> dict[str, tuple[str, ...]]:
     layer = {f"{k}.weight": (f"{v}.weight",) for k, v in modules.items()}
     if not moe:
         return {**layer, **_DENSE}
-    layer.update(_ROUTER, **{k: (v,) for k, v in _FUSED.items()})
+    layer.update(_ROUTER, **{f"{k}.weight": tuple(f"{n}.weight" for n in v)
+                             for k, v in hf_moe.expert_modules(c.num_experts).items()})
     return {**layer, **(_SHARED if c.moe_shared_expert_intermediate_size else {})}
 
 
-def to_hf(c: GPTConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The HF state dict (hub names, lm_head included, the real vocabulary rows)."""
-    check_exportable(c)
-    pairs = name_pairs(c)
-    expected = {ours for ours, _ in pairs}
-    if set(state_dict) != expected:
-        raise ConfigError(f"state dict does not match the config: missing "
-                          f"{sorted(expected - set(state_dict))}, unexpected "
-                          f"{sorted(set(state_dict) - set(expected))}")
-    vocab = c.vocab_size or c.padded_vocab_size
-    hf = {}
-    for ours, theirs in pairs:
-        t = state_dict[ours][:vocab] if ours in VOCAB_PARAMS else state_dict[ours]
-        for name, part in zip(theirs, t.chunk(len(theirs))):  # [gate; up]
-            hf[name] = part.contiguous()
+def add_hub_tensors(c: GPTConfig, hf: dict[str, torch.Tensor]) -> None:
+    """What DeepSeek's hub files hold besides the tensors of name_pairs: a 0-wide shared expert
+    in a MoE layer without one, lm_head when tied, each MTP depth's copies of the two."""
     for _, prefix, moe in layer_prefixes(c):
-        if moe and not c.moe_shared_expert_intermediate_size:  # HF's shared expert, 0 wide
-            for name, shape in (("gate_proj", (0, c.hidden_size)),
-                                ("up_proj", (0, c.hidden_size)), ("down_proj", (c.hidden_size, 0))):
-                hf[f"{prefix}mlp.shared_experts.{name}.weight"] = hf[
-                    "model.norm.weight"].new_zeros(shape)
+        if moe and not c.moe_shared_expert_intermediate_size:
+            hf_moe.add_zero_width_expert(hf, f"{prefix}mlp.shared_experts.", c.hidden_size,
+                                         hf["model.norm.weight"])
     if not c.untie_embeddings_and_output_weights:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     for k in range(c.mtp_depths):  # DeepSeek's checkpoints hold copies of the shared two
         hf.update({f"model.layers.{c.num_layers + k}.{copy}": hf[main]
                    for copy, main in MTP_COPIES.items()})
-    return hub_names(hf, c.num_experts or 0)
-
-
-def hub_names(hf: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """Fused experts (gate_up_proj [E, 2F, h], down_proj [E, h, F]) as the hub holds them:
-    mlp.experts.{e}.gate_proj / up_proj / down_proj."""
-    out = {}
-    for name, t in hf.items():
-        fused = name.endswith(".mlp.experts.gate_up_proj")
-        if not (fused or name.endswith(".mlp.experts.down_proj")):
-            out[name] = t
-            continue
-        prefix = name.rsplit(".", 1)[0]
-        for e in range(num_experts):
-            parts = t[e].chunk(2) if fused else (t[e],)
-            names = ("gate_proj", "up_proj") if fused else ("down_proj",)
-            for part_name, part in zip(names, parts):
-                out[f"{prefix}.{e}.{part_name}.weight"] = part.contiguous()
-    return out
 
 
 def from_hf(c: GPTConfig, sd: dict[str, torch.Tensor],
             rope_interleave: bool = True) -> dict[str, torch.Tensor]:
-    """megalite's state dict from a loaded DeepseekV3ForCausalLM's (fused expert names)."""
+    """megalite's state dict from a DeepseekV3ForCausalLM's (hf_moe.hub_state_dict's names)."""
     pairs = name_pairs(c)
     missing = [t for _, theirs in pairs for t in theirs if t not in sd]
     if missing:
@@ -227,7 +188,9 @@ def from_hf(c: GPTConfig, sd: dict[str, torch.Tensor],
                           "a DeepseekV3ForCausalLM of its config holds")
     ours = {}
     for name, theirs in pairs:
-        ours[name] = torch.cat([sd[t] for t in theirs]).contiguous()
+        parts = [sd[t] for t in theirs]
+        ours[name] = (hf_moe.join_experts(c, parts) if ".experts." in name
+                      else torch.cat(parts).contiguous())
     if not rope_interleave:
         _interleave_rope_rows(c, ours)
     return ours
@@ -290,30 +253,24 @@ def config_kwargs(c: GPTConfig, vocab: int) -> dict:
         eos_token_id=None)
 
 
-def _refuse(name: str, value, want) -> None:
-    if value != want:
-        raise ConfigError(f"HF config {name}={value!r} is not supported (megalite needs "
-                          f"{want!r})")
-
-
 def _rope_fields(hf) -> dict:
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     kind = rope.get("rope_type", "default")
     if kind not in ("default", "yarn"):
         raise ConfigError(f"HF config rope_parameters rope_type={kind!r} is not supported "
                           "(megalite's MLA has default and yarn)")
-    _refuse("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0), 1.0)
+    hf_moe.refuse("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0), 1.0)
     theta = rope.get("rope_theta", 10000.0)
     fields = dict(rotary_base=int(theta) if float(theta).is_integer() else theta,
                   rope_type="rope" if kind == "default" else "yarn")
     if kind == "default":
         return fields
-    _refuse("rope_parameters truncate", rope.get("truncate", True), True)
+    hf_moe.refuse("rope_parameters truncate", rope.get("truncate", True), True)
     factor = rope.get("factor") or hf.max_position_embeddings / rope[
         "original_max_position_embeddings"]
     mscale, all_dim = rope.get("mscale") or 0.0, rope.get("mscale_all_dim") or 0.0
     if not (mscale and all_dim):  # HF then takes mscale 1 over nothing (_compute_yarn_parameters)
-        _refuse("rope_parameters mscale_all_dim (without mscale)", all_dim, 0.0)
+        hf_moe.refuse("rope_parameters mscale_all_dim (without mscale)", all_dim, 0.0)
         mscale = 1.0
     ours = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
     given = rope.get("attention_factor")
@@ -333,7 +290,7 @@ def config_fields(hf) -> dict:
     for name, want in (("attention_bias", False),
                        ("hidden_act", "silu"), ("num_key_value_heads", hf.num_attention_heads),
                        ("pretraining_tp", 1)):
-        _refuse(name, getattr(hf, name, want), want)
+        hf_moe.refuse(name, getattr(hf, name, want), want)
     layers, dense = hf.num_hidden_layers, min(hf.first_k_dense_replace, hf.num_hidden_layers)
     fields = dict(
         num_layers=layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
@@ -357,10 +314,10 @@ def config_fields(hf) -> dict:
 def _moe_fields(hf, dense: int) -> dict:
     k, groups = hf.num_experts_per_tok, hf.n_group or 1
     # megalite's sigmoid router renormalises exactly when k > 1 (Megatron's).
-    _refuse("norm_topk_prob", hf.norm_topk_prob, k > 1)
+    hf_moe.refuse("norm_topk_prob", hf.norm_topk_prob, k > 1)
     if groups > 1:
-        _refuse("num_experts_per_tok // topk_group (HF's top-2 group score, Megatron's "
-                "top k // group_topk)", k // hf.topk_group, _HF_GROUP_SCORE_TOP)
+        hf_moe.refuse("num_experts_per_tok // topk_group (HF's top-2 group score, "
+                      "Megatron's top k // group_topk)", k // hf.topk_group, _HF_GROUP_SCORE_TOP)
     shared = hf.n_shared_experts * hf.moe_intermediate_size
     return dict(num_experts=hf.n_routed_experts, moe_router_topk=k,
                 moe_ffn_hidden_size=hf.moe_intermediate_size,

@@ -20,22 +20,22 @@ import torch
 from megalite.errors import ConfigError
 from megalite.hf_deepseek import MTP_COPIES
 
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def read_mtp(directory: str | Path, hf_config) -> dict[str, torch.Tensor]:
-    """The tensors of the layers after num_hidden_layers in `directory`'s safetensors files,
-    the experts fused as transformers holds them in memory (gate_up_proj, down_proj)."""
+def read_mtp(directory: str | Path, hf_config) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors of the layers after num_hidden_layers in `directory`'s safetensors files
+    (the hub's names, experts per expert), and how many depths they hold."""
     from safetensors import safe_open  # a dependency of transformers
 
     first, found = hf_config.num_hidden_layers, {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                layer = _LAYER.match(name)
                 if layer and int(layer[1]) >= first:
                     found[name] = f.get_tensor(name)
-    depths = sorted({int(re.match(r"model\.layers\.(\d+)\.", n)[1]) - first for n in found})
+    depths = sorted({int(_LAYER.match(n)[1]) - first for n in found})
     if depths != list(range(len(depths))):
         raise ConfigError(f"{directory}: the multi-token-prediction layers after layer "
                           f"{first - 1} are not consecutive: {[first + d for d in depths]}")
@@ -44,24 +44,7 @@ def read_mtp(directory: str | Path, hf_config) -> dict[str, torch.Tensor]:
     if said != len(depths):
         warnings.warn(f"{directory}: config.json gives {said} multi-token-prediction layers, "
                       f"its weights hold {len(depths)}: importing {len(depths)}")
-    return _fused_experts(found)
-
-
-def _fused_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """hf_deepseek.hub_names' inverse: per-expert tensors stacked to [E, ...]."""
-    out, experts = {}, {}
-    for name, t in sd.items():
-        match = _PER_EXPERT.fullmatch(name)
-        if match is None:
-            out[name] = t
-        else:
-            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = t
-    for prefix, parts in experts.items():
-        count = 1 + max(e for e, _ in parts)
-        out[prefix + "gate_up_proj"] = torch.stack(
-            [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)])
-        out[prefix + "down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
-    return out
+    return found, len(depths)
 
 
 def drop_shared_copies(sd: dict[str, torch.Tensor], num_layers: int, depths: int) -> None:
@@ -74,8 +57,3 @@ def drop_shared_copies(sd: dict[str, torch.Tensor], num_layers: int, depths: int
                 raise ConfigError(f"HF tensor {name} differs from {main}: megalite's "
                                   "multi-token prediction shares the embedding and the output "
                                   "layer with the main model")
-
-
-def mtp_depths(tensors: dict[str, torch.Tensor]) -> int:
-    """The depths among read_mtp's tensors."""
-    return len({re.match(r"model\.layers\.(\d+)\.", n)[1] for n in tensors})

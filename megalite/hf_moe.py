@@ -40,16 +40,14 @@ import torch
 from megalite.config import GPTConfig
 from megalite.errors import ConfigError
 
-MODEL_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
-CONFIGS = {"Mixtral": "MixtralConfig", "Qwen2-MoE": "Qwen2MoeConfig",
-           "Qwen3-MoE": "Qwen3MoeConfig"}
-_BLOCK = {"Mixtral": "block_sparse_moe", "Qwen2-MoE": "mlp", "Qwen3-MoE": "mlp"}
-# Per expert: HF names of (gate, up) and of down.
-_EXPERT = {"Mixtral": (("w1", "w3"), ("w2",)),
-           "Qwen2-MoE": (("gate_proj", "up_proj"), ("down_proj",)),
-           "Qwen3-MoE": (("gate_proj", "up_proj"), ("down_proj",))}
+"""HF model_type -> class, of the MoE models here (DeepSeek-V3's is hf_deepseek.py's)."""
+GATE_UP_DOWN = (("gate_proj", "up_proj"), ("down_proj",))
+"""An expert's HF names of (gate, up) and of down, in Qwen's models and DeepSeek-V3."""
+# Per model_type: the MoE block's name and its experts' names (Mixtral's w1, w3 and w2).
+EXPERTS = {"mixtral": ("block_sparse_moe", (("w1", "w3"), ("w2",))),
+           "qwen2_moe": ("mlp", GATE_UP_DOWN), "qwen3_moe": ("mlp", GATE_UP_DOWN)}
 _SHARED = "shared_expert"
 _SHARED_GATE = "shared_expert_gate.weight"
 
@@ -59,14 +57,18 @@ def moe_layers(c: GPTConfig) -> list[bool]:
     return [c.is_moe_layer(i) for i in range(c.num_layers)]
 
 
+def differences(c: GPTConfig, wants: dict) -> list[str]:
+    """"field=value (needs want)" for each field of `c` that HF needs to be another value."""
+    return [f"{name}={getattr(c, name)!r} (needs {want!r})" for name, want in wants.items()
+            if getattr(c, name) != want]
+
+
 def moe_style(c: GPTConfig) -> str:
-    """"Mixtral", "Qwen2-MoE" or, with --qk-layernorm, "Qwen3-MoE" for a MoE model (Llama
-    style otherwise), or a ConfigError naming what none computes."""
-    refused = {"moe_router_score_function": (c.moe_router_score_function, "softmax"),
-               "moe_router_enable_expert_bias": (c.moe_router_enable_expert_bias, False),
-               "moe_expert_capacity_factor": (c.moe_expert_capacity_factor, None)}
-    differing = [f"{name}={value!r} (needs {want!r})"
-                 for name, (value, want) in refused.items() if value != want]
+    """The HF model_type of a MoE model (Llama style otherwise): "mixtral", "qwen2_moe" or,
+    with --qk-layernorm, "qwen3_moe"; or a ConfigError naming what none computes."""
+    differing = differences(c, dict(moe_router_score_function="softmax",
+                                    moe_router_enable_expert_bias=False,
+                                    moe_expert_capacity_factor=None))
     if differing:
         raise ConfigError(f"no HuggingFace MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE) computes "
                           f"this model's routing: {', '.join(differing)}")
@@ -75,24 +77,29 @@ def moe_style(c: GPTConfig) -> str:
             raise ConfigError("qk_layernorm=True with moe_shared_expert_intermediate_size="
                               f"{c.moe_shared_expert_intermediate_size}: Qwen3-MoE, the "
                               "HuggingFace MoE model with QK-norm, has no shared expert")
-        return "Qwen3-MoE"
+        return "qwen3_moe"
     mixtral = (all(moe_layers(c)) and not c.moe_shared_expert_intermediate_size
                and not c.moe_router_pre_softmax)
-    return "Mixtral" if mixtral else "Qwen2-MoE"
+    return "mixtral" if mixtral else "qwen2_moe"
 
 
-def layer_modules(style: str, c: GPTConfig, layer: int) -> dict[str, tuple[str, ...]]:
+def expert_modules(num_experts: int, block: str = "mlp",
+                   names: tuple = GATE_UP_DOWN) -> dict[str, tuple[str, ...]]:
+    """megalite's routed experts -> their HF modules (in the layer), expert-major: expert
+    0's gate and up, expert 1's, ..."""
+    fc1, fc2 = names
+    experts = [f"{block}.experts.{e}." for e in range(num_experts)]
+    return {"mlp.experts.linear_fc1": tuple(e + n for e in experts for n in fc1),
+            "mlp.experts.linear_fc2": tuple(e + n for e in experts for n in fc2)}
+
+
+def layer_modules(model_type: str, c: GPTConfig, layer: int) -> dict[str, tuple[str, ...]]:
     """megalite module -> its HF modules (in the layer), for the MLP of MoE layer `layer`;
-    each takes ".weight". An expert tensor's HF pieces are expert-major: expert 0's gate and
-    up, expert 1's, ..."""
+    each takes ".weight"."""
     if not moe_layers(c)[layer]:
         return {}
-    block = _BLOCK[style]
-    fc1, fc2 = _EXPERT[style]
-    experts = [f"{block}.experts.{e}." for e in range(c.num_experts)]
-    modules = {"mlp.router": (f"{block}.gate",),
-               "mlp.experts.linear_fc1": tuple(e + n for e in experts for n in fc1),
-               "mlp.experts.linear_fc2": tuple(e + n for e in experts for n in fc2)}
+    block, names = EXPERTS[model_type]
+    modules = {"mlp.router": (f"{block}.gate",), **expert_modules(c.num_experts, block, names)}
     if c.moe_shared_expert_intermediate_size:
         modules["mlp.shared_experts.linear_fc1"] = (f"mlp.{_SHARED}.gate_proj",
                                                     f"mlp.{_SHARED}.up_proj")
@@ -101,14 +108,14 @@ def layer_modules(style: str, c: GPTConfig, layer: int) -> dict[str, tuple[str, 
 
 
 def join_experts(c: GPTConfig, parts: list[torch.Tensor]) -> torch.Tensor:
-    """megalite's [E, ...] expert tensor from its expert-major HF pieces (layer_modules)."""
+    """megalite's [E, ...] expert tensor from its expert-major HF pieces (expert_modules)."""
     return torch.stack(parts).reshape(c.num_experts, -1, parts[0].shape[-1])
 
 
-def config_kwargs(style: str, c: GPTConfig) -> dict:
+def config_kwargs(model_type: str, c: GPTConfig) -> dict:
     """The HF config fields of the MoE part (the Llama ones come from hf_convert.py)."""
     k = dict(num_experts_per_tok=c.moe_router_topk)
-    if style == "Mixtral":
+    if model_type == "mixtral":
         return dict(k, num_local_experts=c.num_experts, intermediate_size=c.moe_ffn_hidden_size,
                     router_jitter_noise=0.0, sliding_window=None)
     pattern = moe_layers(c)
@@ -116,17 +123,25 @@ def config_kwargs(style: str, c: GPTConfig) -> dict:
                 norm_topk_prob=not c.moe_router_pre_softmax, decoder_sparse_step=1,
                 mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
                 use_sliding_window=False)
-    if style == "Qwen3-MoE":
+    if model_type == "qwen3_moe":
         return qwen
     return dict(qwen, shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size or 0,
                 qkv_bias=False)
 
 
-def add_shared_expert_gate(style: str, c: GPTConfig, hf: dict[str, torch.Tensor],
+def add_zero_width_expert(hf: dict[str, torch.Tensor], prefix: str, hidden_size: int,
+                          like: torch.Tensor) -> None:
+    """The HF shared expert of a model without one: 0 wide, it adds zero."""
+    for name, shape in (("gate_proj", (0, hidden_size)), ("up_proj", (0, hidden_size)),
+                        ("down_proj", (hidden_size, 0))):
+        hf[f"{prefix}{name}.weight"] = like.new_zeros(shape)
+
+
+def add_shared_expert_gate(model_type: str, c: GPTConfig, hf: dict[str, torch.Tensor],
                            prefix: str) -> None:
     """Qwen2-MoE's tensors megalite lacks (module docstring): a zero shared_expert_gate and a
     doubled down_proj in each MoE layer, or a 0-wide shared expert."""
-    if style != "Qwen2-MoE":
+    if model_type != "qwen2_moe":
         return
     for i in (i for i, moe in enumerate(moe_layers(c)) if moe):
         mlp = f"{prefix}{i}.mlp."
@@ -135,9 +150,7 @@ def add_shared_expert_gate(style: str, c: GPTConfig, hf: dict[str, torch.Tensor]
         if c.moe_shared_expert_intermediate_size:
             hf[f"{mlp}{_SHARED}.down_proj.weight"] = hf[f"{mlp}{_SHARED}.down_proj.weight"] * 2
         else:
-            for name, shape in (("gate_proj", (0, c.hidden_size)), ("up_proj", (0, c.hidden_size)),
-                                ("down_proj", (c.hidden_size, 0))):
-                hf[f"{mlp}{_SHARED}.{name}.weight"] = router.new_zeros(shape)
+            add_zero_width_expert(hf, f"{mlp}{_SHARED}.", c.hidden_size, router)
 
 
 def remove_shared_expert_gate(sd: dict[str, torch.Tensor], shared: int | None) -> None:
@@ -158,11 +171,10 @@ def remove_shared_expert_gate(sd: dict[str, torch.Tensor], shared: int | None) -
                 del sd[f"{mlp}{_SHARED}.{part}.weight"]
 
 
-def hub_state_dict(model_type: str, sd: dict[str, torch.Tensor],
-                   num_experts: int) -> dict[str, torch.Tensor]:
-    """A loaded model's state dict under the hub's per-expert names (module docstring)."""
-    style = MODEL_TYPES[model_type]
-    block = _BLOCK[style]
+def hub_state_dict(sd: dict[str, torch.Tensor], num_experts: int, block: str = "mlp",
+                   names: tuple = GATE_UP_DOWN) -> dict[str, torch.Tensor]:
+    """A loaded model's state dict under the hub's per-expert names (module docstring), the
+    router as {block}.gate; `block` and `names` as in EXPERTS."""
     out = {}
     for name, t in sd.items():
         fused = re.fullmatch(r"(.*\.)mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)", name)
@@ -171,11 +183,11 @@ def hub_state_dict(model_type: str, sd: dict[str, torch.Tensor],
         elif fused[2] == "gate.weight":
             out[f"{fused[1]}{block}.gate.weight"] = t
         else:
-            names = _EXPERT[style][fused[3] == "down_proj"]
-            pieces = t.reshape(num_experts * len(names), -1, t.shape[-1]).unbind(0)
+            parts = names[fused[3] == "down_proj"]
+            pieces = t.reshape(num_experts * len(parts), -1, t.shape[-1]).unbind(0)
             for index, piece in enumerate(pieces):
-                e, n = divmod(index, len(names))
-                out[f"{fused[1]}{block}.experts.{e}.{names[n]}.weight"] = piece
+                e, n = divmod(index, len(parts))
+                out[f"{fused[1]}{block}.experts.{e}.{parts[n]}.weight"] = piece
     return out
 
 
@@ -189,16 +201,15 @@ def refuse(name: str, value, want) -> None:
 def moe_fields(hf) -> dict:
     """GPTConfig's MoE fields (and the MLP widths) of a Mixtral or Qwen2-MoE HF config, once
     what megalite would compute differently is refused."""
-    style = MODEL_TYPES[hf.model_type]
     layers = hf.num_hidden_layers
     fields = dict(moe_router_topk=hf.num_experts_per_tok, moe_router_score_function="softmax")
-    if style == "Mixtral":
+    if hf.model_type == "mixtral":
         refuse("sliding_window", getattr(hf, "sliding_window", None), None)
         refuse("router_jitter_noise", getattr(hf, "router_jitter_noise", 0.0) or 0.0, 0.0)
         return dict(fields, num_experts=hf.num_local_experts, moe_layer_pattern=(True,) * layers,
                     moe_ffn_hidden_size=hf.intermediate_size,
                     ffn_hidden_size=hf.intermediate_size, moe_router_pre_softmax=False)
-    if style == "Qwen2-MoE":
+    if hf.model_type == "qwen2_moe":
         refuse("qkv_bias", getattr(hf, "qkv_bias", True), False)
     refuse("use_sliding_window", getattr(hf, "use_sliding_window", False), False)
     skipped = set(hf.mlp_only_layers or ())
