@@ -83,6 +83,13 @@ _MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
         "eh_proj.weight": "eh_proj.weight", "final_layernorm.weight": "shared_head.norm.weight"}
 MTP_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight",
               "shared_head.head.weight": "lm_head.weight"}
+# DeepseekV3Config field -> GPTConfig field, in both directions.
+_CONFIG_NAMES = dict(
+    num_hidden_layers="num_layers", hidden_size="hidden_size", intermediate_size="ffn_hidden_size",
+    num_attention_heads="num_attention_heads", max_position_embeddings="max_position_embeddings",
+    rms_norm_eps="norm_epsilon", initializer_range="init_method_std", q_lora_rank="q_lora_rank",
+    kv_lora_rank="kv_lora_rank", qk_nope_head_dim="qk_head_dim",
+    qk_rope_head_dim="qk_pos_emb_head_dim", v_head_dim="v_head_dim")
 
 
 def check_exportable(c: GPTConfig) -> None:
@@ -237,20 +244,15 @@ def config_kwargs(c: GPTConfig, vocab: int) -> dict:
                    // c.moe_ffn_hidden_size,
                    norm_topk_prob=c.moe_router_topk > 1)
     return dict(
-        moe, vocab_size=vocab, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank,
-        kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_head_dim,
-        qk_rope_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
+        moe, **{hf: getattr(c, field) for hf, field in _CONFIG_NAMES.items()}, vocab_size=vocab,
+        num_key_value_heads=c.num_attention_heads,
         routed_scaling_factor=c.moe_router_topk_scaling_factor or 1.0,
         n_group=c.moe_router_num_groups or 1, topk_group=c.moe_router_group_topk or 1,
         first_k_dense_replace=first_dense_layers(c), hidden_act="silu",
-        max_position_embeddings=c.max_position_embeddings, initializer_range=c.init_method_std,
-        rms_norm_eps=c.norm_epsilon, tie_word_embeddings=not c.untie_embeddings_and_output_weights,
+        tie_word_embeddings=not c.untie_embeddings_and_output_weights,
         rope_parameters=rope_parameters(c), rope_interleave=True, attention_bias=False,
         attention_dropout=c.attention_dropout, num_mtp_layers=c.mtp_depths,
-        num_nextn_predict_layers=c.mtp_depths, bos_token_id=None,
-        eos_token_id=None)
+        num_nextn_predict_layers=c.mtp_depths, bos_token_id=None, eos_token_id=None)
 
 
 def _rope_fields(hf) -> dict:
@@ -293,17 +295,11 @@ def config_fields(hf) -> dict:
         hf_moe.refuse(name, getattr(hf, name, want), want)
     layers, dense = hf.num_hidden_layers, min(hf.first_k_dense_replace, hf.num_hidden_layers)
     fields = dict(
-        num_layers=layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
-        num_attention_heads=hf.num_attention_heads, num_query_groups=hf.num_attention_heads,
-        max_position_embeddings=hf.max_position_embeddings,
-        seq_length=hf.max_position_embeddings, norm_epsilon=hf.rms_norm_eps,
-        init_method_std=hf.initializer_range, vocab_size=hf.vocab_size,
-        normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+        {field: getattr(hf, name) for name, field in _CONFIG_NAMES.items()},
+        num_query_groups=hf.num_attention_heads, seq_length=hf.max_position_embeddings,
+        vocab_size=hf.vocab_size, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
         position_embedding_type="rope", untie_embeddings_and_output_weights=not
-        hf.tie_word_embeddings, multi_latent_attention=True, qk_layernorm=True,
-        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank,
-        qk_head_dim=hf.qk_nope_head_dim, qk_pos_emb_head_dim=hf.qk_rope_head_dim,
-        v_head_dim=hf.v_head_dim, **_rope_fields(hf),
+        hf.tie_word_embeddings, multi_latent_attention=True, qk_layernorm=True, **_rope_fields(hf),
         kv_channels=hf.qk_nope_head_dim + hf.qk_rope_head_dim)  # as validation/model.py sets it
     if dense < layers:
         fields.update(_moe_fields(hf, dense))
