@@ -14,6 +14,7 @@ publish waits for every rank's), and a download is checked against them before u
 
 import os
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -110,25 +111,29 @@ class S3Store:
         name = code or type(error).__name__
         return StorageError(f"cannot {what} {url}: {error}{hint.get(name, '')}")
 
+    @contextmanager
+    def _failing(self, what: str, url: S3Url) -> Iterator[None]:
+        """The block's client errors as _failed's StorageError."""
+        try:
+            yield
+        except self._errors as error:
+            raise self._failed(what, url, error) from error
+
     def upload(self, path: Path, url: S3Url) -> ObjectRecord:
         record = file_record(path)
         metadata = {_CRC: record.crc32, _SIZE: str(record.size)}
-        try:
+        with self._failing("upload to", url):
             self.client.upload_file(str(path), url.bucket, url.key, Config=self.transfer,
                                     ExtraArgs={"Metadata": metadata})
-        except self._errors as error:
-            raise self._failed("upload to", url, error) from error
         return record
 
     def put(self, url: S3Url, data: bytes) -> None:
         """A small object in one request (S3 replaces an object whole: a reader sees the
         old or the new)."""
-        try:
+        with self._failing("write", url):
             self.client.put_object(Bucket=url.bucket, Key=url.key, Body=data,
                                    Metadata={_CRC: f"{zlib.crc32(data):08x}",
                                              _SIZE: str(len(data))})
-        except self._errors as error:
-            raise self._failed("write", url, error) from error
 
     def head(self, url: S3Url) -> ObjectRecord | None:
         """The object's size and recorded CRC-32 ("" if none), or None if absent."""
@@ -143,10 +148,8 @@ class S3Store:
     def version(self, url: S3Url) -> str:
         """What identifies the object's current bytes (size, ETag, recorded CRC-32): a
         cached copy whose version matches needs no download."""
-        try:
+        with self._failing("read", url):
             reply = self.client.head_object(Bucket=url.bucket, Key=url.key)
-        except self._errors as error:
-            raise self._failed("read", url, error) from error
         return f"{reply['ContentLength']} {reply.get('ETag', '')} " \
                f"{reply.get('Metadata', {}).get(_CRC, '')}"
 
@@ -167,12 +170,10 @@ class S3Store:
 
     def get_range(self, url: S3Url, start: int, length: int) -> bytes:
         """`length` bytes from `start` (an HTTP range request)."""
-        try:
+        with self._failing("read", url):
             reply = self.client.get_object(Bucket=url.bucket, Key=url.key,
                                            Range=f"bytes={start}-{start + length - 1}")
             data = reply["Body"].read()
-        except self._errors as error:
-            raise self._failed("read", url, error) from error
         if len(data) != length:
             raise StorageError(f"{url}: asked for {length} bytes at {start}, got {len(data)}")
         return data
@@ -185,13 +186,10 @@ class S3Store:
             raise StorageError(f"{url} does not exist")
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path, f".{os.getpid()}.part") as tmp:
-            try:
-                # download_fileobj, not download_file: that one names its temporary file from
-                # Python's global `random`, whose state a checkpoint saves.
-                with open(tmp, "wb") as f:
-                    self.client.download_fileobj(url.bucket, url.key, f, Config=self.transfer)
-            except self._errors as error:
-                raise self._failed("download", url, error) from error
+            # download_fileobj, not download_file: that one names its temporary file from
+            # Python's global `random`, whose state a checkpoint saves.
+            with self._failing("download", url), open(tmp, "wb") as f:
+                self.client.download_fileobj(url.bucket, url.key, f, Config=self.transfer)
             got = file_record(tmp)
             if got.size != expected.size or (expected.crc32 and got.crc32 != expected.crc32):
                 raise StorageError(f"{url}: downloaded {got.size} bytes of CRC-32 {got.crc32}, "
@@ -217,24 +215,18 @@ class S3Store:
         keys = [o["Key"] for page in self._pages(url, url.key + "/", None)
                 for o in page.get("Contents", [])]
         for i in range(0, len(keys), 1000):  # DeleteObjects takes 1000 keys a request
-            try:
+            with self._failing("delete objects under", url):
                 self.client.delete_objects(Bucket=url.bucket, Delete={
                     "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-            except self._errors as error:
-                raise self._failed("delete objects under", url, error) from error
         return len(keys)
 
     def delete(self, url: S3Url) -> None:
-        try:
+        with self._failing("delete", url):
             self.client.delete_object(Bucket=url.bucket, Key=url.key)
-        except self._errors as error:
-            raise self._failed("delete", url, error) from error
 
     def _pages(self, url: S3Url, prefix: str, delimiter: str | None) -> Iterator[dict]:
         args = {"Bucket": url.bucket, "Prefix": prefix}
         if delimiter:
             args["Delimiter"] = delimiter
-        try:
+        with self._failing("list", url):
             yield from self.client.get_paginator("list_objects_v2").paginate(**args)
-        except self._errors as error:
-            raise self._failed("list", url, error) from error
