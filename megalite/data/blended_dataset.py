@@ -124,7 +124,7 @@ class BlendedDataset(torch.utils.data.Dataset):
             "datasets": [description_hash(d.description) for d in self.datasets],
             "weights": self.weights, "num_samples": num_samples}
         self.description_hash = description_hash(self.description)
-        arrays, self.cache_prefix = build_or_load_indices(
+        arrays = build_or_load_indices(
             self.description, ["dataset_index", "dataset_sample_index"],
             lambda: build_blending_indices(self.weights, num_samples),
             cache_dir, is_builder, barrier)

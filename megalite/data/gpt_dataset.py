@@ -98,9 +98,8 @@ def array_digest(array: np.ndarray) -> str:
 
 def build_or_load_indices(description: dict, names: Sequence[str],
                           build: Callable[[], dict[str, np.ndarray]], cache_dir: str | None,
-                          is_builder: bool, barrier: Callable[[], None],
-                          ) -> tuple[dict[str, np.ndarray], str | None]:
-    """Return the arrays `names` for `description`, and the cache file prefix (or None).
+                          is_builder: bool, barrier: Callable[[], None]) -> dict[str, np.ndarray]:
+    """Return the arrays `names` for `description`.
 
     With no `cache_dir` every process builds in memory. Otherwise the builder builds on a
     cache miss and writes `<hash>-<name>.npy` (each through a temp name, the description
@@ -108,7 +107,7 @@ def build_or_load_indices(description: dict, names: Sequence[str],
     `barrier` exactly once, and the others load what the builder wrote.
     """
     if cache_dir is None:
-        return build(), None
+        return build()
 
     prefix = os.path.join(cache_dir, f"{description_hash(description)}-{description['class']}")
     paths = {name: f"{prefix}-{name}.npy" for name in names}
@@ -128,7 +127,7 @@ def build_or_load_indices(description: dict, names: Sequence[str],
                     time.perf_counter() - t0, prefix)
     barrier()
     if arrays is not None:
-        return arrays, prefix
+        return arrays
     if not all(map(os.path.isfile, files)):
         raise DataError(f"index cache {prefix}-*.npy is missing after the builder rank's "
                         f"turn: is the data cache directory {cache_dir!r} on a filesystem "
@@ -140,7 +139,7 @@ def build_or_load_indices(description: dict, names: Sequence[str],
         except (OSError, ValueError) as err:
             raise DataError(f"cannot read index cache file {path}: {err}; delete it to "
                             "rebuild") from err
-    return loaded, prefix
+    return loaded
 
 
 # --- The three indices (pure functions of lengths, documents, sizes and seed) ---
@@ -151,17 +150,6 @@ def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) 
     return max(1, -(-tokens_needed // tokens_per_epoch))
 
 
-def _separate_final_epoch(tokens_per_epoch, num_epochs, num_samples, seq_length):
-    """Megatron-core's rule -> (separate?, number of samples before the final epoch)."""
-    if num_epochs == 1:
-        return False, 0
-    samples_before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
-    samples_from_final = num_samples - samples_before_final
-    samples_per_epoch = (tokens_per_epoch - 1) // seq_length
-    separate = samples_from_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
-    return separate, samples_before_final
-
-
 def build_document_index(document_ids, num_epochs, rng: np.random.RandomState,
                          separate_final_epoch: bool):
     """The split's documents repeated `num_epochs` times, shuffled together.
@@ -169,11 +157,10 @@ def build_document_index(document_ids, num_epochs, rng: np.random.RandomState,
     With `separate_final_epoch` the first num_epochs-1 epochs are shuffled together and the
     last one on its own after them (Megatron's `_build_document_index`).
     """
-    dtype = np.int32 if int(np.max(document_ids)) < 2**31 else np.int64
     if separate_final_epoch and num_epochs > 1:
-        first = build_document_index(document_ids, num_epochs - 1, rng, False)
-        last = build_document_index(document_ids, 1, rng, False)
-        return np.concatenate([first, last])
+        return np.concatenate([build_document_index(document_ids, num_epochs - 1, rng, False),
+                               build_document_index(document_ids, 1, rng, False)])
+    dtype = np.int32 if int(np.max(document_ids)) < 2**31 else np.int64
     document_index = np.tile(np.asarray(document_ids, dtype=dtype), num_epochs)
     rng.shuffle(document_index)
     return document_index
@@ -227,12 +214,13 @@ def build_shuffle_index(num_samples_first, num_samples_total, rng: np.random.Ran
 def build_gpt_indices(sequence_lengths, document_ids, num_samples, seq_length, seed):
     """The document, sample and shuffle indices (see the module docstring)."""
     tokens_per_epoch = int(np.sum(sequence_lengths[document_ids], dtype=np.int64))
-    if num_samples is None:  # one epoch, as Megatron
-        num_epochs, separate, samples_before_final = 1, False, 0
-    else:
-        num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
-        separate, samples_before_final = _separate_final_epoch(
-            tokens_per_epoch, num_epochs, num_samples, seq_length)
+    num_epochs = (1 if num_samples is None  # one epoch, as Megatron
+                  else num_epochs_needed(tokens_per_epoch, num_samples, seq_length))
+    # Megatron-core's separate final epoch, for when it supplies few of the samples.
+    samples_before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+    separate = num_epochs > 1 and (num_samples - samples_before_final
+                                   < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch))
     rng = np.random.RandomState(seed)
     document_index = build_document_index(document_ids, num_epochs, rng, separate)
     num_samples_total = (num_epochs * tokens_per_epoch - 1) // seq_length
@@ -306,7 +294,7 @@ class GPTDataset(torch.utils.data.Dataset):
             "document_ids_sha256": array_digest(document_ids.astype(np.int64)),
             "num_samples": num_samples, "seq_length": seq_length, "seed": seed}
         self.description_hash = description_hash(self.description)
-        arrays, self.cache_prefix = build_or_load_indices(
+        arrays = build_or_load_indices(
             self.description, ["document_index", "sample_index", "shuffle_index"],
             lambda: build_gpt_indices(lengths, document_ids, num_samples, seq_length, seed),
             cache_dir, is_builder, barrier)
@@ -316,22 +304,14 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
-    def sample_tokens(self, sample: int) -> np.ndarray:
-        """The seq_length+1 tokens of sample `sample` in stream order (before shuffling)."""
-        return np.concatenate(self.sample_parts(sample)).astype(np.int64)
-
     def sample_parts(self, sample: int) -> list[np.ndarray]:
         """The tokens of sample `sample`, one array per document it touches."""
         doc_begin, offset_begin = (int(x) for x in self.sample_index[sample])
         doc_end, offset_end = (int(x) for x in self.sample_index[sample + 1])
-        get = self.indexed_dataset.get
-        if doc_begin == doc_end:
-            parts = [get(int(self.document_index[doc_begin]), offset=offset_begin,
-                         length=offset_end - offset_begin + 1)]
-        else:
-            parts = [get(int(self.document_index[doc_begin]), offset=offset_begin)]
-            parts += [get(int(self.document_index[d])) for d in range(doc_begin + 1, doc_end)]
-            parts.append(get(int(self.document_index[doc_end]), offset=0, length=offset_end + 1))
+        parts = [self.indexed_dataset.get(int(self.document_index[d]))
+                 for d in range(doc_begin, doc_end + 1)]
+        parts[-1] = parts[-1][:offset_end + 1]  # the last first: it may be the first as well
+        parts[0] = parts[0][offset_begin:]
         return parts
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
