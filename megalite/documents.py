@@ -33,14 +33,8 @@ def starts_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
 def starts_from_lengths(lengths: Sequence[int], s: int) -> torch.Tensor:
     """[s] document starts of a sample cut from documents of `lengths` tokens in order (the
     first may be a document's tail, the last is cut at s): the dataset's own boundaries."""
-    starts = torch.empty(s, dtype=torch.int64)
-    begin = 0
-    for length in lengths:
-        if begin >= s:
-            break
-        starts[begin:begin + length] = begin
-        begin += length
-    return starts
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    return torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)[:s]
 
 
 class Run(NamedTuple):
