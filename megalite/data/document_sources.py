@@ -32,10 +32,10 @@ import zlib
 from megalite.errors import ConfigError, DataError
 
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
-_SUFFIXES = [(".jsonl.gz", "jsonl.gz"), (".json.gz", "jsonl.gz"), (".jsonl.zst", "jsonl.zst"),
-             (".json.zst", "jsonl.zst"), (".jsonl.zstd", "jsonl.zst"),
-             (".json.zstd", "jsonl.zst"), (".jsonl", "jsonl"), (".json", "jsonl"),
-             (".parquet", "parquet"), (".arrow", "arrow")]
+# Suffix -> format, the longer suffixes first (".jsonl.gz" before ".jsonl").
+_SUFFIXES = {".jsonl.gz": "jsonl.gz", ".json.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst",
+             ".json.zst": "jsonl.zst", ".jsonl.zstd": "jsonl.zst", ".json.zstd": "jsonl.zst",
+             ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
 _EXTRA_OF = {"pyarrow": "parquet", "zstandard": "zstd"}
 
 
@@ -66,10 +66,8 @@ class Source:
     def stem(self):
         """The file name without its format suffix (names per-input outputs)."""
         name = os.path.basename(self.path)
-        for suffix, _ in _SUFFIXES:
-            if name.endswith(suffix):
-                return name[:-len(suffix)]
-        return os.path.splitext(name)[0]
+        suffix = _suffix_of(name)
+        return name[:-len(suffix)] if suffix else os.path.splitext(name)[0]
 
     def where(self, row):
         """`file:line` for JSONL (as compilers and Megatron's users read it), else `file: row n`."""
@@ -78,12 +76,14 @@ class Source:
 
 # ---- --input -> Sources ----
 
+def _suffix_of(path):
+    """The format suffix a file's name ends with, or None."""
+    return next((suffix for suffix in _SUFFIXES if path.endswith(suffix)), None)
+
+
 def format_of(path):
     """The format a file's name says, or None."""
-    for suffix, fmt in _SUFFIXES:
-        if path.endswith(suffix):
-            return fmt
-    return None
+    return _SUFFIXES.get(_suffix_of(path))
 
 
 def resolve_inputs(spec, input_format=None):
@@ -101,7 +101,7 @@ def resolve_inputs(spec, input_format=None):
         sources = [s for m in matches for s in resolve_inputs(m, input_format)]
     if not sources:
         raise DataError(f"--input {spec}: no input files (expected names ending in "
-                        f"{', '.join(s for s, _ in _SUFFIXES)}, or --input-format)")
+                        f"{', '.join(_SUFFIXES)}, or --input-format)")
     return sources
 
 
@@ -194,7 +194,7 @@ class _ZstdReader(io.RawIOBase):
 
     def readinto(self, buffer):
         while not self._pending:
-            data = self._next_input()
+            data = self._file.read(1 << 20)
             if not data:
                 if self._frame is not None:
                     raise EOFError("zstd stream ended inside a frame (truncated file?)")
@@ -203,9 +203,6 @@ class _ZstdReader(io.RawIOBase):
         size = min(len(buffer), len(self._pending))
         buffer[:size], self._pending = self._pending[:size], self._pending[size:]
         return size
-
-    def _next_input(self):
-        return self._file.read(1 << 20)
 
     def _decompress(self, data):
         while data:
