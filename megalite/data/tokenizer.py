@@ -133,7 +133,10 @@ def _special_token_names(folder):
     return names
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    """vocab.json and merges.txt through `tokenizers`, as HuggingFaceTokenizer (no added or
+    special tokens: detokenize skips none)."""
+
     def __init__(self, vocab_file, merge_file):
         tokenizers = _import_tokenizers("GPT2BPETokenizer")
         with open(vocab_file, encoding="utf-8") as f:
@@ -146,12 +149,6 @@ class GPT2BPETokenizer:
         self._tok.decoder = tokenizers.decoders.ByteLevel()
         self.vocab_size, self.eod = len(vocab), vocab["<|endoftext|>"]
         self.bos = self.pad = None
-
-    def tokenize(self, text):
-        return self._tok.encode(text).ids
-
-    def detokenize(self, ids):
-        return self._tok.decode([int(i) for i in ids])
 
 
 class NullTokenizer:
