@@ -107,9 +107,7 @@ class ShareBalancer:
 
     def after_step(self, iteration: int) -> bool:
         """Every rank after each step; True when the shares changed (from the next step)."""
-        if not self.auto:
-            return False
-        if iteration == 1:  # the first step pays for warm-up, not for speed
+        if not self.auto or iteration == 1:  # the first step pays for warm-up, not for speed
             return False
         self._seconds += self._compute_seconds() - self._before
         self._microbatches += self.local
@@ -123,9 +121,8 @@ class ShareBalancer:
                 abs(s - old) <= self.threshold * old for s, old in zip(speeds, self.speeds)):
             return False
         self.speeds = speeds
-        shares = split_microbatches(speeds, sum(self.shares), self.unit)
-        changed, self.shares = shares != self.shares, shares
-        return changed
+        old, self.shares = self.shares, split_microbatches(speeds, sum(self.shares), self.unit)
+        return self.shares != old
 
     def _gather_speeds(self) -> list[float]:
         """Micro-batches per second of each DP replica: its slowest rank's (TP, CP and
