@@ -107,16 +107,15 @@ def _build_split(split: int, num_samples: int, weights, prefixes, indexed, data:
         parts.append(GPTDataset(
             ds, np.arange(start, end), n, seq_length, seed,
             name=f"{prefix}/{SPLITS[split]}", eod_token=eod, eod_mask_loss=data.eod_mask_loss,
-            documents=documents,
-            cache_dir=data.data_cache_path or _default_cache_dir(prefix),
-            is_builder=is_builder, barrier=barrier))
+            documents=documents, cache_dir=_cache_dir(data, prefix), is_builder=is_builder,
+            barrier=barrier))
     if len(parts) == 1:
         return parts[0]
-    return BlendedDataset(parts, weights, num_samples, cache_dir=data.data_cache_path or
-                          _default_cache_dir(prefixes[0]), is_builder=is_builder,
-                          barrier=barrier)
+    return BlendedDataset(parts, weights, num_samples, cache_dir=_cache_dir(data, prefixes[0]),
+                          is_builder=is_builder, barrier=barrier)
 
 
-def _default_cache_dir(prefix: str) -> str:
-    """Megatron's default: a cache folder beside the data."""
-    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
+def _cache_dir(data: DataConfig, prefix: str) -> str:
+    """--data-cache-path, or Megatron's default: a cache folder beside the data."""
+    return data.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefix)),
+                                                "cache", "GPTDataset_indices")
