@@ -68,8 +68,7 @@ _LLAMA_LAYER = {"input_layernorm": "input_layernorm",
                                               "self_attn.v_proj"),
                 "self_attention.linear_proj": "self_attn.o_proj",
                 "pre_mlp_layernorm": "post_attention_layernorm",
-                "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-                "mlp.linear_fc2": "mlp.down_proj"}
+                **hf_moe.mlp_modules("mlp.", "mlp.")}
 _QK_NORMS = {"self_attention.q_layernorm": "self_attn.q_norm",
              "self_attention.k_layernorm": "self_attn.k_norm"}
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",

@@ -70,11 +70,6 @@ _ATTENTION = {"input_layernorm": "input_layernorm",
               "self_attention.kv_layernorm": "self_attn.kv_a_layernorm",
               "self_attention.linear_kv_up_proj": "self_attn.kv_b_proj",
               "self_attention.linear_proj": "self_attn.o_proj"}
-_DENSE = {"mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-          "mlp.linear_fc2.weight": ("mlp.down_proj.weight",)}
-_SHARED = {"mlp.shared_experts.linear_fc1.weight": ("mlp.shared_experts.gate_proj.weight",
-                                                    "mlp.shared_experts.up_proj.weight"),
-           "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight",)}
 _ROUTER = {"mlp.router.weight": ("mlp.gate.weight",),
            "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias",)}
 # An MTP depth k's own tensors, in DeepSeek's layer num_layers + k; the rest of that layer is a
@@ -162,13 +157,18 @@ def layer_prefixes(c: GPTConfig) -> list[tuple[str, str, bool]]:
 def _layer_pairs(c: GPTConfig, moe: bool) -> dict[str, tuple[str, ...]]:
     latent_q = ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
     unused = ("linear_q_proj",) if c.q_lora_rank is not None else latent_q
-    modules = {k: v for k, v in _ATTENTION.items() if k.split(".")[-1] not in unused}
-    layer = {f"{k}.weight": (f"{v}.weight",) for k, v in modules.items()}
+    modules = {k: (v,) for k, v in _ATTENTION.items() if k.split(".")[-1] not in unused}
     if not moe:
-        return {**layer, **_DENSE}
-    layer.update(_ROUTER, **{f"{k}.weight": tuple(f"{n}.weight" for n in v)
-                             for k, v in hf_moe.expert_modules(c.num_experts).items()})
-    return {**layer, **(_SHARED if c.moe_shared_expert_intermediate_size else {})}
+        return _weights({**modules, **hf_moe.mlp_modules("mlp.", "mlp.")})
+    layer = {**_weights(modules), **_ROUTER, **_weights(hf_moe.expert_modules(c.num_experts))}
+    if c.moe_shared_expert_intermediate_size:
+        layer.update(_weights(hf_moe.mlp_modules("mlp.shared_experts.", "mlp.shared_experts.")))
+    return layer
+
+
+def _weights(modules: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """megalite module -> HF modules, as the names of their weights."""
+    return {f"{k}.weight": tuple(f"{t}.weight" for t in v) for k, v in modules.items()}
 
 
 def add_hub_tensors(c: GPTConfig, hf: dict[str, torch.Tensor]) -> None:

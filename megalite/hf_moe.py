@@ -83,6 +83,13 @@ def moe_style(c: GPTConfig) -> str:
     return "mixtral" if mixtral else "qwen2_moe"
 
 
+def mlp_modules(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
+    """A SwiGLU MLP's modules under `ours` -> HF's under `theirs`: fc1 is [gate_proj; up_proj]
+    (megalite/model/transformer.py's MLP), fc2 is down_proj."""
+    return {f"{ours}linear_fc1": (f"{theirs}gate_proj", f"{theirs}up_proj"),
+            f"{ours}linear_fc2": (f"{theirs}down_proj",)}
+
+
 def expert_modules(num_experts: int, block: str = "mlp",
                    names: tuple = GATE_UP_DOWN) -> dict[str, tuple[str, ...]]:
     """megalite's routed experts -> their HF modules (in the layer), expert-major: expert
@@ -101,9 +108,7 @@ def layer_modules(model_type: str, c: GPTConfig, layer: int) -> dict[str, tuple[
     block, names = EXPERTS[model_type]
     modules = {"mlp.router": (f"{block}.gate",), **expert_modules(c.num_experts, block, names)}
     if c.moe_shared_expert_intermediate_size:
-        modules["mlp.shared_experts.linear_fc1"] = (f"mlp.{_SHARED}.gate_proj",
-                                                    f"mlp.{_SHARED}.up_proj")
-        modules["mlp.shared_experts.linear_fc2"] = (f"mlp.{_SHARED}.down_proj",)
+        modules.update(mlp_modules("mlp.shared_experts.", f"mlp.{_SHARED}."))
     return modules
 
 
