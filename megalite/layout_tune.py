@@ -35,8 +35,6 @@ from megalite.model.gpt import activation_shape, build_model_chunks
 from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_args
 
-OPS = ("all-reduce", "all-gather", "reduce-scatter", "p2p")
-
 
 @dataclass(frozen=True)
 class Message:
