@@ -25,6 +25,7 @@ Where training must be launched as users launch it, `torchrun_command` is the on
 command line, and `torchrun_workers` finds its workers (to kill one).
 """
 
+import contextlib
 import datetime
 import multiprocessing.connection
 import os
@@ -153,19 +154,30 @@ def torchrun_command(nproc: int, script: str, args=(), max_restarts: int | None 
     return [*torchrun_launcher(nproc, max_restarts), script, *args]
 
 
+def process_environments():
+    """(pid, environment) of every process whose environment this one may read, from /proc
+    (Linux)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        yield int(pid), env
+
+
+def process_parent(pid: int) -> int:
+    """The parent's pid of `pid`, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def torchrun_workers(agent_pid: int) -> dict[int, int]:
     """LOCAL_RANK -> pid of a torchrun agent's workers (its children with LOCAL_RANK set), read
     from /proc (Linux): how a test or the cluster check kills one rank of a live job."""
     workers = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != agent_pid:
-                    continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except (OSError, ValueError):
-            continue
-        if b"LOCAL_RANK" in env:
-            workers[int(env[b"LOCAL_RANK"])] = int(pid)
+    for pid, env in process_environments():
+        with contextlib.suppress(OSError):
+            if b"LOCAL_RANK" in env and process_parent(pid) == agent_pid:
+                workers[int(env[b"LOCAL_RANK"])] = pid
     return workers
