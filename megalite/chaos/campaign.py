@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megalite.atomic_write import atomic_write
 from megalite.chaos.faults import SIGNALS, Fault, RunPlan
 from megalite.chaos.inject import ARMED, DIR_ENV, fired_path
 from megalite.chaos.job import Job
@@ -138,10 +139,7 @@ class RunDriver:
         return max((k for t, k in self.iterations if since <= t <= moment), default=start)
 
     def finished(self) -> bool:
-        try:
-            return tracked_checkpoint(self.save)[0] == self.settings.train_iters
-        except CheckpointError:
-            return False
+        return tracked_iteration(self.save) == self.settings.train_iters
 
     # ------------------------------------------------------------------ one attempt
 
@@ -204,9 +202,7 @@ class RunDriver:
     def _write_armed(self, fault: Fault, iteration: int) -> None:
         armed = {"id": fault.id, "where": fault.kind.where, "rank": fault.rank,
                  "iteration": iteration, "occurrence": fault.occurrence, "pick": fault.pick}
-        tmp = self.dir / (ARMED + ".tmp")
-        tmp.write_text(json.dumps(armed))
-        tmp.replace(self.dir / ARMED)
+        atomic_write(self.dir / ARMED, lambda f: f.write(json.dumps(armed).encode()))
 
     # ------------------------------------------------------------------ firing
 
@@ -257,10 +253,7 @@ class RunDriver:
 
     def _fired(self, record: Record, stamp: float) -> None:
         record.fired_at, record.state = stamp, "fired"
-        try:
-            record.durable = tracked_checkpoint(self.save)[0]
-        except CheckpointError:
-            record.durable = None
+        record.durable = tracked_iteration(self.save)
 
     # ------------------------------------------------------------------ between attempts
 
@@ -348,6 +341,14 @@ def fix(fault: Fault, record: Record, save: Path, data: Path, pristine: Path) ->
         return f"{removed}tracker set to iteration {whole[0]}"
     (save / TRACKER_FILENAME).unlink(missing_ok=True)
     return f"{removed}no whole checkpoint left: tracker removed (a fresh start)"
+
+
+def tracked_iteration(save: Path) -> int | None:
+    """The tracker's iteration, None without a readable tracker."""
+    try:
+        return tracked_checkpoint(save)[0]
+    except CheckpointError:
+        return None
 
 
 def _readable(directory: Path) -> bool:
