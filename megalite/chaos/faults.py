@@ -82,6 +82,10 @@ class Fault:
     pick: float  # which file / byte / gradient element, as a fraction
 
 
+# A kind's `mode` as the run's setting it needs: (attribute, value).
+SAVES = {"sync": ("async_save", False), "async": ("async_save", True), "local": ("local", True)}
+
+
 @dataclass
 class RunPlan:
     index: int
@@ -91,14 +95,12 @@ class RunPlan:
     faults: list[Fault] = field(default_factory=list)
 
     def fits(self, kind: Kind, per_run: int) -> bool:
-        wants = {"sync": ("async_save", False), "async": ("async_save", True),
-                 "local": ("local", True)}.get(kind.mode)
+        wants = SAVES.get(kind.mode)
         return len(self.faults) < per_run and (
             wants is None or getattr(self, wants[0]) in (None, wants[1]))
 
     def add(self, fault: Fault) -> None:
-        wants = {"sync": ("async_save", False), "async": ("async_save", True),
-                 "local": ("local", True)}.get(fault.kind.mode)
+        wants = SAVES.get(fault.kind.mode)
         if wants is not None:
             setattr(self, *wants)
         self.faults.append(fault)
