@@ -25,7 +25,8 @@ from megalite.distributed.fsdp import full_tensor
 from megalite.initialize import set_seed
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.params import (is_expert_parallel, partition_dim,
-                                             partition_stride, single_process_name)
+                                             partition_stride, single_process_name,
+                                             tp_unshard)
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
@@ -61,11 +62,14 @@ def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
     full tensor is all ranks' gate blocks, then all ranks' up blocks."""
     if partition_dim(param) is None or group is None or dist.get_world_size(group) == 1:
         return tensor
+    return tp_unshard(_all_gathered(tensor, group), partition_dim(param), partition_stride(param))
+
+
+def _all_gathered(tensor, group) -> list[torch.Tensor]:
+    """Every rank's `tensor` of `group`, with plain dist.all_gather."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    dim, stride = partition_dim(param), partition_stride(param)
-    blocks = [part.chunk(stride, dim=dim) for part in parts]
-    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
+    return parts
 
 
 def reference_name(name: str, param) -> str:
@@ -158,9 +162,7 @@ def gather_experts(tensor, param, group) -> torch.Tensor:
     gathered with plain dist.all_gather over the EP `group`; other tensors as they are."""
     if not is_expert_parallel(param) or group is None or dist.get_world_size(group) == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts)
+    return torch.cat(_all_gathered(tensor, group))
 
 
 def _full_values(model, state) -> dict[str, torch.Tensor]:

@@ -220,16 +220,13 @@ class RunDriver:
             return
         last = self.iterations[-1][1] if self.iterations else 0
         needs_checkpoint = fault.kind.how == "between" or fault.kind.where == "load"
-        if last < record.target or needs_checkpoint and not self.has_tracker():
+        if last < record.target or needs_checkpoint and not (self.save / TRACKER_FILENAME).exists():
             return
         if self.signal_at is None:
             self.signal_at = time.time() + fault.delay_s
         if time.time() < self.signal_at:
             return
         self._inject(job, fault, record)
-
-    def has_tracker(self) -> bool:
-        return (self.save / TRACKER_FILENAME).exists()
 
     def _inject(self, job: Job, fault: Fault, record: Record) -> None:
         kind = fault.kind
