@@ -3,6 +3,8 @@
 
 import os
 
+from megalite.atomic_write import atomic_path
+
 
 def import_pyplot():
     """matplotlib.pyplot on the Agg backend, or None when the `plot` extra is missing."""
@@ -58,8 +60,8 @@ def write_charts(output_dir: str, charts: dict) -> list[str]:
     lines = []
     for name, data in charts.items():
         fn, title = draw[name]
-        fn(plt, data, os.path.join(output_dir, name + ".tmp.png"))
-        os.replace(os.path.join(output_dir, name + ".tmp.png"), os.path.join(output_dir, name))
+        with atomic_path(os.path.join(output_dir, name), ".tmp.png") as tmp:
+            fn(plt, data, str(tmp))
         lines += [f"![{title}]({name})", ""]
     return lines
 

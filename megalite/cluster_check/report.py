@@ -5,6 +5,7 @@ written by rank 0 under a temporary name and renamed; and its tables read back
 import os
 from dataclasses import dataclass, field
 
+from megalite.atomic_write import atomic_write
 from megalite.cluster_check.charts import write_charts
 
 
@@ -50,10 +51,8 @@ def write_report(output_dir: str, sections: list[Section], charts: dict, header:
         took = f" ({section.seconds:.0f} s)" if section.seconds is not None else ""
         lines += [f"## {section.title}{' — FAILED' if section.failed else ''}{took}", ""]
         lines += section.lines + [""]
-    path = os.path.join(output_dir, "REPORT.md")
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines))
-    os.replace(path + ".tmp", path)
+    text = "\n".join(lines).encode()
+    atomic_write(os.path.join(output_dir, "REPORT.md"), lambda f: f.write(text))
 
 
 def publish(output_dir: str, sections: list[Section], charts: dict, launch: str):

@@ -7,11 +7,8 @@ from megalite.errors import MegaliteError
 
 
 def world_sizes(world: int) -> list[int]:
-    sizes, n = [], 1
-    while n < world:
-        sizes.append(n)
-        n *= 2
-    return sizes + [world]
+    """1, 2, 4, ... below `world`, then `world`."""
+    return [2 ** i for i in range((world - 1).bit_length())] + [world]
 
 
 def check_scaling(model: list[str], args, rank: int, world: int, device, charts) -> Section:
