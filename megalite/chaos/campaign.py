@@ -10,6 +10,7 @@ repeats. The next fault is armed when one has recovered, `after` iterations past
 resume.
 """
 
+import contextlib
 import json
 import queue
 import random
@@ -145,10 +146,8 @@ class RunDriver:
 
     def _attempt(self, job: Job, deadline: float) -> None:
         while time.time() < deadline:
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._on_line(*job.lines.get(timeout=0.05))
-            except queue.Empty:
-                pass
             self._tick(job)
             job.replace_lost_node()
             if not job.running_agents():

@@ -7,6 +7,7 @@ they are orphans; `kill_all` ends them as Slurm ends a job step whose task died.
 every process, stamped with its arrival time, goes to one queue and one log file.
 """
 
+import contextlib
 import os
 import queue
 import signal
@@ -142,10 +143,8 @@ class Job:
         if self.store is not None:
             self.store.kill()
         for proc in [*self.agents, *([self.store] if self.store else [])]:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         for reader in self.readers:
             reader.join(timeout=10)
         with self._log_lock:
