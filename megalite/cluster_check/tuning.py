@@ -74,14 +74,14 @@ def time_candidate(candidate: Candidate, model: list[str], args, rank: int, worl
     """Time `candidate` into `timed` {name: (seconds, memory, config)}; or, when a rank ran
     out of memory, say which in `short` {name: words for the report}. True if timed."""
     print_rank_0(f"  tune {candidate.name}{what}")
-    trial, config = time_steps(model + list(candidate.flags), world, rank, device,
-                               args.timed_steps, candidate.name)
+    trial = time_steps(model + list(candidate.flags), world, rank, device, args.timed_steps,
+                       candidate.name)
     if trial.out_of_memory:
         r, message = trial.out_of_memory
         short[candidate.name] = f"out of memory on rank {r}"
         print_rank_0(f"  tune {candidate.name}: out of memory on rank {r}: {message}")
         return False
-    timed[candidate.name] = (trial.seconds, trial.peak_bytes, config)
+    timed[candidate.name] = (trial.seconds, trial.peak_bytes, candidate.config)
     return True
 
 
