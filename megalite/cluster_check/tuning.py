@@ -190,8 +190,8 @@ def verdict(rows, by_name, default, model, world: int, short) -> list[str]:
            f"the estimate ranked {estimated_best} first, but measured it is slower: the "
            "estimate's FLOP rate comes from the default layout, and smaller matrix "
            "multiplies (TP, CP) or more micro-batches run at a lower rate than it")
-    if default.flags != tuple(batch_flags(tune_global_batch(world))):
-        plain = tuple(batch_flags(tune_global_batch(world)))
+    plain = tuple(batch_flags(tune_global_batch(world)))
+    if default.flags != plain:
         ran_out = any(e.candidate.flags == plain and name in short
                       for name, e in by_name.items())
         why = ("plain DP at micro-batch 1 ran out of memory" if ran_out else
