@@ -239,12 +239,11 @@ class RunDriver:
             return
         if not job.signal_rank(fault.rank, signal.SIGKILL):  # the prelude: a stop
             return
-        stamp = time.time()
         if kind.where == "load":
             self._write_armed(fault, 0)
             record.state = "prelude"
             return
-        self._fired(record, stamp)
+        self._fired(record, time.time())
         record.hit = damage(fault, self.save, self.dir / "data" / DATA_NAME, self.dir / "local")
 
     def _fired(self, record: Record, stamp: float) -> None:
