@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -71,11 +72,9 @@ def _worker(rank, world_size, workdir, timeout, device_type, fn, args):
         _join_group(rank, world_size, workdir, timeout, device_type)
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
-        with open(f"{workdir}/result{rank}.pkl", "wb") as f:
-            pickle.dump(result, f)
+        Path(workdir, f"result{rank}.pkl").write_bytes(pickle.dumps(result))
     except BaseException:
-        with open(f"{workdir}/error{rank}.txt", "w") as f:
-            f.write(traceback.format_exc())
+        Path(workdir, f"error{rank}.txt").write_text(traceback.format_exc())
         # Exit without running exit handlers: they could block on a peer stuck in a
         # collective, and the parent is about to kill the peers anyway.
         os._exit(1)
@@ -104,20 +103,16 @@ def run_distributed(world_size: int, fn, *args, timeout: float | None = 120,
                     p.join()
         _raise_failures(procs, workdir, killed, f"{fn.__name__} on {world_size} ranks",
                         timeout)
-        results = []
-        for rank in range(world_size):
-            with open(f"{workdir}/result{rank}.pkl", "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        return [pickle.loads(Path(workdir, f"result{rank}.pkl").read_bytes())
+                for rank in range(world_size)]
 
 
 def _raise_failures(procs, workdir: str, killed: list[int], what: str, timeout):
     errors = []
     for rank, p in enumerate(procs):
-        path = f"{workdir}/error{rank}.txt"
-        if os.path.exists(path):
-            with open(path) as f:
-                errors.append((os.path.getmtime(path), f"--- rank {rank} raised:\n{f.read()}"))
+        path = Path(workdir, f"error{rank}.txt")
+        if path.exists():
+            errors.append((path.stat().st_mtime, f"--- rank {rank} raised:\n{path.read_text()}"))
         elif p.exitcode != 0 and rank not in killed:
             errors.append((0.0, f"--- rank {rank} died with exit code {p.exitcode}"))
     if errors:
