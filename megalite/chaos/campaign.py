@@ -12,6 +12,7 @@ resume.
 
 import contextlib
 import json
+import os
 import queue
 import random
 import re
@@ -294,17 +295,14 @@ def damage(fault: Fault, save: Path, data: Path, local: Path | None = None) -> s
     if name.startswith("delete"):
         path.unlink()
     elif name.startswith("truncate"):
-        with open(path, "r+b") as f:
-            f.truncate(int(rng.random() * size))
+        os.truncate(path, int(rng.random() * size))
     elif name == "garble_tracker":
         path.write_bytes(rng.choice([b"", b"\x00\x17garbage", b"9999999", b"4\n2"]))
     else:
         offset = int(rng.random() * size)
-        with open(path, "r+b") as f:
-            f.seek(offset)
-            byte = f.read(1)
-            f.seek(offset)
-            f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
+        flipped = bytearray(path.read_bytes())
+        flipped[offset] ^= 1 << rng.randrange(8)
+        path.write_bytes(flipped)
     return str(path)
 
 
