@@ -2,6 +2,7 @@
 written by rank 0 under a temporary name and renamed; and its tables read back
 (tools/estimate_cost.py takes the measured MFU and save rate from them)."""
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -31,12 +32,9 @@ def read_tables(text: str, title: str) -> list[list[dict[str, str]]]:
             section = line[3:]
         elif (section or "").startswith(title) and line.startswith("| ") and \
                 i + 1 < len(lines) and lines[i + 1].startswith("|---|"):
-            header, rows = _cells(line), []
-            for row in lines[i + 2:]:
-                if not row.startswith("| "):
-                    break
-                rows.append(dict(zip(header, _cells(row))))
-            tables.append(rows)
+            header = _cells(line)
+            body = itertools.takewhile(lambda row: row.startswith("| "), lines[i + 2:])
+            tables.append([dict(zip(header, _cells(row))) for row in body])
     return tables
 
 
