@@ -221,6 +221,14 @@ def first_difference(run: LayoutRun, reference: LayoutRun,
 
 # ------------------------------------------------------------------ the layouts to check
 
+# The optimizer's sharding over DP x CP, by its name in a layout's: plain DP, ZeRO-1, FSDP2
+# in either strategy.
+SHARDING = {"": (), " ZeRO-1": ("--use-distributed-optimizer",),
+            " FSDP2 optim_grads_params": ("--use-torch-fsdp2",),
+            " FSDP2 optim_grads": ("--use-torch-fsdp2", "--data-parallel-sharding-strategy",
+                                   "optim_grads")}
+
+
 @dataclass(frozen=True)
 class Layout:
     name: str
@@ -282,17 +290,16 @@ def _variants(tp: int, pp: int, cp: int, dp: int) -> list[Layout]:
     if cp > 1 and alone:
         kinds = {" p2p": ["--cp-comm-type", "p2p"],
                  " all_gather": ["--cp-comm-type", "all_gather"]}
-    zero1 = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    fsdp = ["--use-torch-fsdp2"]
-    sharding = {"": [], " ZeRO-1": zero1, " FSDP2 optim_grads_params": fsdp}
+    zero1 = (*SHARDING[" ZeRO-1"], "--overlap-grad-reduce", "--overlap-param-gather")
+    sharding = {**SHARDING, " ZeRO-1": zero1}
     if tp == pp == cp == 1:  # every FSDP2 strategy, with and without offload, over DP
-        optim_grads = [*fsdp, "--data-parallel-sharding-strategy", "optim_grads"]
-        sharding.update({" FSDP2 optim_grads": optim_grads,
-                         " FSDP2 optim_grads_params + offload": [*fsdp, "--optimizer-cpu-offload"],
-                         " FSDP2 optim_grads + offload": [*optim_grads, "--optimizer-cpu-offload"]})
+        sharding.update({f"{name} + offload": (*flags, "--optimizer-cpu-offload")
+                         for name, flags in SHARDING.items() if "FSDP2" in name})
+    else:
+        del sharding[" FSDP2 optim_grads"]
     if dp * cp == 1:  # nothing to shard over
-        sharding = {"": []}
+        sharding = {"": ()}
     first = next(iter(kinds))  # the other schedules and CP kinds unsharded only
-    return [Layout(name + kind + shard, tuple(grid + kind_flags + shard_flags))
+    return [Layout(name + kind + shard, (*grid, *kind_flags, *shard_flags))
             for kind, kind_flags in kinds.items() for shard, shard_flags in sharding.items()
             if kind == first or not shard]

@@ -28,7 +28,7 @@ from megalite.context_parallel.attention import cp_comm_bytes
 from megalite.distributed.fsdp import ZERO3, fsdp_units
 from megalite.distributed.hybrid_bytes import algorithm_factor
 from megalite.errors import ConfigError
-from megalite.layout_check import axes_name, grid_flags, grids
+from megalite.layout_check import SHARDING, axes_name, grid_flags, grids
 from megalite.memory_estimate import most_loaded_rank
 from megalite.memory_estimate.weights import grad_buckets, rank_parameters, shard_numel
 from megalite.model.gpt import activation_shape, build_model_chunks
@@ -143,10 +143,6 @@ class Candidate:
     config: Config
 
 
-SHARDING = {"": (), " ZeRO-1": ("--use-distributed-optimizer",),
-            " FSDP2 optim_grads_params": ("--use-torch-fsdp2",),
-            " FSDP2 optim_grads": ("--use-torch-fsdp2", "--data-parallel-sharding-strategy",
-                                   "optim_grads")}
 RECOMPUTE = {"": (), " selective": ("--recompute-granularity", "selective"),
              " full": ("--recompute-granularity", "full", "--recompute-method", "uniform",
                        "--recompute-num-layers", "1")}
