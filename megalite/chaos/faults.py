@@ -106,12 +106,6 @@ class RunPlan:
         self.faults.append(fault)
 
 
-def _fault(i: int, kind: Kind, rng: random.Random) -> Fault:
-    return Fault(i, kind, 0 if kind.rank0 else rng.randrange(2), rng.randint(1, 6),
-                 rng.randint(1, kind.occurrences), round(rng.uniform(0.0, 0.05), 4),
-                 rng.random())
-
-
 def schedule(seed: int, n_faults: int, per_run: int, kinds: list[Kind] = KINDS,
              policies: tuple[str, ...] = POLICIES) -> list[RunPlan]:
     """`n_faults` faults, the kinds dealt as shuffled decks (every kind once before any
@@ -126,7 +120,9 @@ def schedule(seed: int, n_faults: int, per_run: int, kinds: list[Kind] = KINDS,
         if run is None:
             run = RunPlan(len(runs), policies[len(runs) % len(policies)])
             runs.append(run)
-        run.add(_fault(i, kind, rng))
+        run.add(Fault(i, kind, 0 if kind.rank0 else rng.randrange(2), rng.randint(1, 6),
+                      rng.randint(1, kind.occurrences), round(rng.uniform(0.0, 0.05), 4),
+                      rng.random()))
     for run in runs:
         run.async_save = rng.random() < 0.5 if run.async_save is None else run.async_save
         run.local = rng.random() < 0.5 if run.local is None else run.local
