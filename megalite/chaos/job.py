@@ -22,7 +22,6 @@ from megalite.spawn import process_environments, process_parent
 
 TAG = "MEGALITE_CHAOS_RUN"
 ROOT = Path(__file__).resolve().parents[2]
-INJECT = ["-m", "megalite.chaos.inject"]
 
 
 class Job:
@@ -70,7 +69,7 @@ class Job:
     def _agent(self, launch: list[str]) -> None:
         command = [sys.executable, "-m", "torch.distributed.run", *launch,
                    "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
-                   *INJECT, *self.flags]
+                   "-m", "megalite.chaos.inject", *self.flags]
         env = {**self.env, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
                               if self.policy == "elastic" else {})}
         proc = subprocess.Popen(command, cwd=ROOT, env=env, text=True,
