@@ -172,9 +172,8 @@ def candidates(model: list[str], world: int, global_batch: int, fits,
     for tp, pp, cp, dp in grids(world, max_degree):
         for vp in (1, 2) if pp > 1 and num_layers % (2 * pp) == 0 else (1,):
             grid = grid_flags(tp, pp, cp, num_layers // (pp * vp) if vp > 1 else None)
-            virtual = f" (v{vp})" if vp > 1 else ""
-            where = axes_name(("TP", tp), ("PP", pp), ("CP", cp)) + virtual
-            where = " x ".join(filter(None, [where, f"DP{dp}" if dp > 1 else ""]))
+            where = axes_name(("TP", tp), ("PP", pp), ("CP", cp)) + (f" (v{vp})" if vp > 1 else "")
+            where = " x ".join(filter(None, [where, axes_name(("DP", dp))]))
             for shard, shard_flags in hybrid_sharding(nodes, dp * cp).items():
                 if shard and dp * cp == 1:
                     continue  # nothing to shard over
