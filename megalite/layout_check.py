@@ -25,7 +25,8 @@ from megalite.distributed.fsdp import full_tensor
 from megalite.initialize import set_seed
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.params import (is_expert_parallel, partition_dim,
-                                             partition_stride, single_process_name)
+                                             partition_stride, single_process_name,
+                                             tp_unshard)
 from megalite.tensor_parallel.random import build_rng_tracker
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
@@ -61,11 +62,14 @@ def gather_tensor_parallel(tensor, param, group) -> torch.Tensor:
     full tensor is all ranks' gate blocks, then all ranks' up blocks."""
     if partition_dim(param) is None or group is None or dist.get_world_size(group) == 1:
         return tensor
+    return tp_unshard(_all_gathered(tensor, group), partition_dim(param), partition_stride(param))
+
+
+def _all_gathered(tensor, group) -> list[torch.Tensor]:
+    """Every rank's `tensor` of `group`, with plain dist.all_gather."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    dim, stride = partition_dim(param), partition_stride(param)
-    blocks = [part.chunk(stride, dim=dim) for part in parts]
-    return torch.cat([b[i] for i in range(stride) for b in blocks], dim=dim)
+    return parts
 
 
 def reference_name(name: str, param) -> str:
@@ -158,9 +162,7 @@ def gather_experts(tensor, param, group) -> torch.Tensor:
     gathered with plain dist.all_gather over the EP `group`; other tensors as they are."""
     if not is_expert_parallel(param) or group is None or dist.get_world_size(group) == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts)
+    return torch.cat(_all_gathered(tensor, group))
 
 
 def _full_values(model, state) -> dict[str, torch.Tensor]:
@@ -218,6 +220,14 @@ def first_difference(run: LayoutRun, reference: LayoutRun,
 
 
 # ------------------------------------------------------------------ the layouts to check
+
+# The optimizer's sharding over DP x CP, by its name in a layout's: plain DP, ZeRO-1, FSDP2
+# in either strategy.
+SHARDING = {"": (), " ZeRO-1": ("--use-distributed-optimizer",),
+            " FSDP2 optim_grads_params": ("--use-torch-fsdp2",),
+            " FSDP2 optim_grads": ("--use-torch-fsdp2", "--data-parallel-sharding-strategy",
+                                   "optim_grads")}
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -280,17 +290,16 @@ def _variants(tp: int, pp: int, cp: int, dp: int) -> list[Layout]:
     if cp > 1 and alone:
         kinds = {" p2p": ["--cp-comm-type", "p2p"],
                  " all_gather": ["--cp-comm-type", "all_gather"]}
-    zero1 = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    fsdp = ["--use-torch-fsdp2"]
-    sharding = {"": [], " ZeRO-1": zero1, " FSDP2 optim_grads_params": fsdp}
+    zero1 = (*SHARDING[" ZeRO-1"], "--overlap-grad-reduce", "--overlap-param-gather")
+    sharding = {**SHARDING, " ZeRO-1": zero1}
     if tp == pp == cp == 1:  # every FSDP2 strategy, with and without offload, over DP
-        optim_grads = [*fsdp, "--data-parallel-sharding-strategy", "optim_grads"]
-        sharding.update({" FSDP2 optim_grads": optim_grads,
-                         " FSDP2 optim_grads_params + offload": [*fsdp, "--optimizer-cpu-offload"],
-                         " FSDP2 optim_grads + offload": [*optim_grads, "--optimizer-cpu-offload"]})
+        sharding.update({f"{name} + offload": (*flags, "--optimizer-cpu-offload")
+                         for name, flags in SHARDING.items() if "FSDP2" in name})
+    else:
+        del sharding[" FSDP2 optim_grads"]
     if dp * cp == 1:  # nothing to shard over
-        sharding = {"": []}
+        sharding = {"": ()}
     first = next(iter(kinds))  # the other schedules and CP kinds unsharded only
-    return [Layout(name + kind + shard, tuple(grid + kind_flags + shard_flags))
+    return [Layout(name + kind + shard, (*grid, *kind_flags, *shard_flags))
             for kind, kind_flags in kinds.items() for shard, shard_flags in sharding.items()
             if kind == first or not shard]

@@ -127,7 +127,6 @@ def time_layout(flags: list[str], world: int, rank: int, device: torch.device, s
 
 def _trial_store(rank: int) -> tuple[dist.TCPStore, tuple[str, int]]:
     """A store for one trial, hosted by rank 0 on a free port, and its address."""
-    store = None
     if rank == 0:
         store = dist.TCPStore(socket.getfqdn(), 0, is_master=True, wait_for_workers=False)
     address = [(socket.getfqdn(), store.port) if rank == 0 else None]

@@ -28,14 +28,12 @@ from megalite.context_parallel.attention import cp_comm_bytes
 from megalite.distributed.fsdp import ZERO3, fsdp_units
 from megalite.distributed.hybrid_bytes import algorithm_factor
 from megalite.errors import ConfigError
-from megalite.layout_check import axes_name, grid_flags, grids
+from megalite.layout_check import SHARDING, axes_name, grid_flags, grids
 from megalite.memory_estimate import most_loaded_rank
 from megalite.memory_estimate.weights import grad_buckets, rank_parameters, shard_numel
 from megalite.model.gpt import activation_shape, build_model_chunks
 from megalite.training_log import num_floating_point_operations
 from megalite.validation import validate_args
-
-OPS = ("all-reduce", "all-gather", "reduce-scatter", "p2p")
 
 
 @dataclass(frozen=True)
@@ -145,10 +143,6 @@ class Candidate:
     config: Config
 
 
-SHARDING = {"": (), " ZeRO-1": ("--use-distributed-optimizer",),
-            " FSDP2 optim_grads_params": ("--use-torch-fsdp2",),
-            " FSDP2 optim_grads": ("--use-torch-fsdp2", "--data-parallel-sharding-strategy",
-                                   "optim_grads")}
 RECOMPUTE = {"": (), " selective": ("--recompute-granularity", "selective"),
              " full": ("--recompute-granularity", "full", "--recompute-method", "uniform",
                        "--recompute-num-layers", "1")}
@@ -178,9 +172,8 @@ def candidates(model: list[str], world: int, global_batch: int, fits,
     for tp, pp, cp, dp in grids(world, max_degree):
         for vp in (1, 2) if pp > 1 and num_layers % (2 * pp) == 0 else (1,):
             grid = grid_flags(tp, pp, cp, num_layers // (pp * vp) if vp > 1 else None)
-            virtual = f" (v{vp})" if vp > 1 else ""
-            where = axes_name(("TP", tp), ("PP", pp), ("CP", cp)) + virtual
-            where = " x ".join(filter(None, [where, f"DP{dp}" if dp > 1 else ""]))
+            where = axes_name(("TP", tp), ("PP", pp), ("CP", cp)) + (f" (v{vp})" if vp > 1 else "")
+            where = " x ".join(filter(None, [where, axes_name(("DP", dp))]))
             for shard, shard_flags in hybrid_sharding(nodes, dp * cp).items():
                 if shard and dp * cp == 1:
                     continue  # nothing to shard over

@@ -87,11 +87,11 @@ def launch(argv: list[str], settings: Launch, address: str | None = None) -> int
     check_resumable(argv)
     ray = import_ray()
     ray.init(address=address)
-    failures, round_ = 0, 0
+    failures = 0  # also the round's number
     limit = settings.max_failures if settings.max_failures >= 0 else "no limit"
     try:
         while True:
-            status, why = run_round(ray, argv, settings, round_)
+            status, why = run_round(ray, argv, settings, failures)
             if why is None:
                 return status
             failures += 1
@@ -101,7 +101,6 @@ def launch(argv: list[str], settings: Launch, address: str | None = None) -> int
                 return 1
             print(f"ray launch: {why}; restarting the group from the newest checkpoint "
                   f"(failure {failures} of {limit})", flush=True)
-            round_ += 1
     finally:
         time.sleep(LOG_GRACE_S)
         ray.shutdown()

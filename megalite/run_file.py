@@ -121,8 +121,7 @@ def _scalar(action: argparse.Action, value, where: str):
     if action.type is float and not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     try:
-        converted = action.type(value) if action.type in (int, float) else (
-            action.type(str(value)) if action.type else str(value))
+        converted = (action.type or str)(value if action.type in (int, float) else str(value))
     except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
         raise ConfigError(f"{where}: invalid value {value!r}: {error}") from error
     if action.choices is not None and converted not in action.choices:

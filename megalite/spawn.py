@@ -25,6 +25,7 @@ Where training must be launched as users launch it, `torchrun_command` is the on
 command line, and `torchrun_workers` finds its workers (to kill one).
 """
 
+import contextlib
 import datetime
 import multiprocessing.connection
 import os
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -70,11 +72,9 @@ def _worker(rank, world_size, workdir, timeout, device_type, fn, args):
         _join_group(rank, world_size, workdir, timeout, device_type)
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
-        with open(f"{workdir}/result{rank}.pkl", "wb") as f:
-            pickle.dump(result, f)
+        Path(workdir, f"result{rank}.pkl").write_bytes(pickle.dumps(result))
     except BaseException:
-        with open(f"{workdir}/error{rank}.txt", "w") as f:
-            f.write(traceback.format_exc())
+        Path(workdir, f"error{rank}.txt").write_text(traceback.format_exc())
         # Exit without running exit handlers: they could block on a peer stuck in a
         # collective, and the parent is about to kill the peers anyway.
         os._exit(1)
@@ -103,20 +103,16 @@ def run_distributed(world_size: int, fn, *args, timeout: float | None = 120,
                     p.join()
         _raise_failures(procs, workdir, killed, f"{fn.__name__} on {world_size} ranks",
                         timeout)
-        results = []
-        for rank in range(world_size):
-            with open(f"{workdir}/result{rank}.pkl", "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        return [pickle.loads(Path(workdir, f"result{rank}.pkl").read_bytes())
+                for rank in range(world_size)]
 
 
 def _raise_failures(procs, workdir: str, killed: list[int], what: str, timeout):
     errors = []
     for rank, p in enumerate(procs):
-        path = f"{workdir}/error{rank}.txt"
-        if os.path.exists(path):
-            with open(path) as f:
-                errors.append((os.path.getmtime(path), f"--- rank {rank} raised:\n{f.read()}"))
+        path = Path(workdir, f"error{rank}.txt")
+        if path.exists():
+            errors.append((path.stat().st_mtime, f"--- rank {rank} raised:\n{path.read_text()}"))
         elif p.exitcode != 0 and rank not in killed:
             errors.append((0.0, f"--- rank {rank} died with exit code {p.exitcode}"))
     if errors:
@@ -153,19 +149,30 @@ def torchrun_command(nproc: int, script: str, args=(), max_restarts: int | None 
     return [*torchrun_launcher(nproc, max_restarts), script, *args]
 
 
+def process_environments():
+    """(pid, environment) of every process whose environment this one may read, from /proc
+    (Linux)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        yield int(pid), env
+
+
+def process_parent(pid: int) -> int:
+    """The parent's pid of `pid`, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def torchrun_workers(agent_pid: int) -> dict[int, int]:
     """LOCAL_RANK -> pid of a torchrun agent's workers (its children with LOCAL_RANK set), read
     from /proc (Linux): how a test or the cluster check kills one rank of a live job."""
     workers = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != agent_pid:
-                    continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except (OSError, ValueError):
-            continue
-        if b"LOCAL_RANK" in env:
-            workers[int(env[b"LOCAL_RANK"])] = int(pid)
+    for pid, env in process_environments():
+        with contextlib.suppress(OSError):
+            if b"LOCAL_RANK" in env and process_parent(pid) == agent_pid:
+                workers[int(env[b"LOCAL_RANK"])] = pid
     return workers

@@ -10,7 +10,9 @@ repeats. The next fault is armed when one has recovered, `after` iterations past
 resume.
 """
 
+import contextlib
 import json
+import os
 import queue
 import random
 import re
@@ -20,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megalite.atomic_write import atomic_write
 from megalite.chaos.faults import SIGNALS, Fault, RunPlan
 from megalite.chaos.inject import ARMED, DIR_ENV, fired_path
 from megalite.chaos.job import Job
@@ -138,19 +141,14 @@ class RunDriver:
         return max((k for t, k in self.iterations if since <= t <= moment), default=start)
 
     def finished(self) -> bool:
-        try:
-            return tracked_checkpoint(self.save)[0] == self.settings.train_iters
-        except CheckpointError:
-            return False
+        return tracked_iteration(self.save) == self.settings.train_iters
 
     # ------------------------------------------------------------------ one attempt
 
     def _attempt(self, job: Job, deadline: float) -> None:
         while time.time() < deadline:
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._on_line(*job.lines.get(timeout=0.05))
-            except queue.Empty:
-                pass
             self._tick(job)
             job.replace_lost_node()
             if not job.running_agents():
@@ -204,9 +202,7 @@ class RunDriver:
     def _write_armed(self, fault: Fault, iteration: int) -> None:
         armed = {"id": fault.id, "where": fault.kind.where, "rank": fault.rank,
                  "iteration": iteration, "occurrence": fault.occurrence, "pick": fault.pick}
-        tmp = self.dir / (ARMED + ".tmp")
-        tmp.write_text(json.dumps(armed))
-        tmp.replace(self.dir / ARMED)
+        atomic_write(self.dir / ARMED, lambda f: f.write(json.dumps(armed).encode()))
 
     # ------------------------------------------------------------------ firing
 
@@ -224,16 +220,13 @@ class RunDriver:
             return
         last = self.iterations[-1][1] if self.iterations else 0
         needs_checkpoint = fault.kind.how == "between" or fault.kind.where == "load"
-        if last < record.target or needs_checkpoint and not self.has_tracker():
+        if last < record.target or needs_checkpoint and not (self.save / TRACKER_FILENAME).exists():
             return
         if self.signal_at is None:
             self.signal_at = time.time() + fault.delay_s
         if time.time() < self.signal_at:
             return
         self._inject(job, fault, record)
-
-    def has_tracker(self) -> bool:
-        return (self.save / TRACKER_FILENAME).exists()
 
     def _inject(self, job: Job, fault: Fault, record: Record) -> None:
         kind = fault.kind
@@ -247,20 +240,16 @@ class RunDriver:
             return
         if not job.signal_rank(fault.rank, signal.SIGKILL):  # the prelude: a stop
             return
-        stamp = time.time()
         if kind.where == "load":
             self._write_armed(fault, 0)
             record.state = "prelude"
             return
-        self._fired(record, stamp)
+        self._fired(record, time.time())
         record.hit = damage(fault, self.save, self.dir / "data" / DATA_NAME, self.dir / "local")
 
     def _fired(self, record: Record, stamp: float) -> None:
         record.fired_at, record.state = stamp, "fired"
-        try:
-            record.durable = tracked_checkpoint(self.save)[0]
-        except CheckpointError:
-            record.durable = None
+        record.durable = tracked_iteration(self.save)
 
     # ------------------------------------------------------------------ between attempts
 
@@ -306,17 +295,14 @@ def damage(fault: Fault, save: Path, data: Path, local: Path | None = None) -> s
     if name.startswith("delete"):
         path.unlink()
     elif name.startswith("truncate"):
-        with open(path, "r+b") as f:
-            f.truncate(int(rng.random() * size))
+        os.truncate(path, int(rng.random() * size))
     elif name == "garble_tracker":
         path.write_bytes(rng.choice([b"", b"\x00\x17garbage", b"9999999", b"4\n2"]))
     else:
         offset = int(rng.random() * size)
-        with open(path, "r+b") as f:
-            f.seek(offset)
-            byte = f.read(1)
-            f.seek(offset)
-            f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
+        flipped = bytearray(path.read_bytes())
+        flipped[offset] ^= 1 << rng.randrange(8)
+        path.write_bytes(flipped)
     return str(path)
 
 
@@ -348,6 +334,14 @@ def fix(fault: Fault, record: Record, save: Path, data: Path, pristine: Path) ->
         return f"{removed}tracker set to iteration {whole[0]}"
     (save / TRACKER_FILENAME).unlink(missing_ok=True)
     return f"{removed}no whole checkpoint left: tracker removed (a fresh start)"
+
+
+def tracked_iteration(save: Path) -> int | None:
+    """The tracker's iteration, None without a readable tracker."""
+    try:
+        return tracked_checkpoint(save)[0]
+    except CheckpointError:
+        return None
 
 
 def _readable(directory: Path) -> bool:

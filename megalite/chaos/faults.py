@@ -82,6 +82,10 @@ class Fault:
     pick: float  # which file / byte / gradient element, as a fraction
 
 
+# A kind's `mode` as the run's setting it needs: (attribute, value).
+SAVES = {"sync": ("async_save", False), "async": ("async_save", True), "local": ("local", True)}
+
+
 @dataclass
 class RunPlan:
     index: int
@@ -91,23 +95,15 @@ class RunPlan:
     faults: list[Fault] = field(default_factory=list)
 
     def fits(self, kind: Kind, per_run: int) -> bool:
-        wants = {"sync": ("async_save", False), "async": ("async_save", True),
-                 "local": ("local", True)}.get(kind.mode)
+        wants = SAVES.get(kind.mode)
         return len(self.faults) < per_run and (
             wants is None or getattr(self, wants[0]) in (None, wants[1]))
 
     def add(self, fault: Fault) -> None:
-        wants = {"sync": ("async_save", False), "async": ("async_save", True),
-                 "local": ("local", True)}.get(fault.kind.mode)
+        wants = SAVES.get(fault.kind.mode)
         if wants is not None:
             setattr(self, *wants)
         self.faults.append(fault)
-
-
-def _fault(i: int, kind: Kind, rng: random.Random) -> Fault:
-    return Fault(i, kind, 0 if kind.rank0 else rng.randrange(2), rng.randint(1, 6),
-                 rng.randint(1, kind.occurrences), round(rng.uniform(0.0, 0.05), 4),
-                 rng.random())
 
 
 def schedule(seed: int, n_faults: int, per_run: int, kinds: list[Kind] = KINDS,
@@ -124,7 +120,9 @@ def schedule(seed: int, n_faults: int, per_run: int, kinds: list[Kind] = KINDS,
         if run is None:
             run = RunPlan(len(runs), policies[len(runs) % len(policies)])
             runs.append(run)
-        run.add(_fault(i, kind, rng))
+        run.add(Fault(i, kind, 0 if kind.rank0 else rng.randrange(2), rng.randint(1, 6),
+                      rng.randint(1, kind.occurrences), round(rng.uniform(0.0, 0.05), 4),
+                      rng.random()))
     for run in runs:
         run.async_save = rng.random() < 0.5 if run.async_save is None else run.async_save
         run.local = rng.random() < 0.5 if run.local is None else run.local

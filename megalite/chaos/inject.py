@@ -40,8 +40,6 @@ from megalite.training import pretrain
 
 DIR_ENV = "MEGALITE_CHAOS_DIR"
 ARMED = "armed.json"
-KILLS = ("forward", "backward", "grad_reduce", "optimizer", "save_sync", "save_async",
-         "save_local", "publish", "tracker", "load")
 
 
 def fired_path(directory: Path, fault_id: int) -> Path:

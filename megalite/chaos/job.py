@@ -7,6 +7,7 @@ they are orphans; `kill_all` ends them as Slurm ends a job step whose task died.
 every process, stamped with its arrival time, goes to one queue and one log file.
 """
 
+import contextlib
 import os
 import queue
 import signal
@@ -17,20 +18,10 @@ import time
 from pathlib import Path
 
 from megalite.network import free_port
+from megalite.spawn import process_environments, process_parent
 
 TAG = "MEGALITE_CHAOS_RUN"
 ROOT = Path(__file__).resolve().parents[2]
-INJECT = ["-m", "megalite.chaos.inject"]
-
-
-def _environ(pid: int) -> dict[bytes, bytes]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        return dict(i.split(b"=", 1) for i in f.read().split(b"\0") if b"=" in i)
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 class Job:
@@ -78,7 +69,7 @@ class Job:
     def _agent(self, launch: list[str]) -> None:
         command = [sys.executable, "-m", "torch.distributed.run", *launch,
                    "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1",
-                   *INJECT, *self.flags]
+                   "-m", "megalite.chaos.inject", *self.flags]
         env = {**self.env, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
                               if self.policy == "elastic" else {})}
         proc = subprocess.Popen(command, cwd=ROOT, env=env, text=True,
@@ -102,16 +93,9 @@ class Job:
 
     def processes(self) -> dict[int, int | None]:
         """pid -> RANK (None for an agent) of every live process of this attempt."""
-        found = {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                env = _environ(int(pid))
-            except (OSError, ValueError):
-                continue
-            if env.get(TAG.encode()) == self.tag.encode():
-                rank = env.get(b"RANK")
-                found[int(pid)] = int(rank) if rank is not None else None
-        return found
+        tag = self.tag.encode()
+        return {pid: int(env[b"RANK"]) if b"RANK" in env else None
+                for pid, env in process_environments() if env.get(TAG.encode()) == tag}
 
     def worker(self, rank: int) -> int | None:
         return next((pid for pid, r in self.processes().items() if r == rank), None)
@@ -146,9 +130,10 @@ class Job:
         pid = self.worker(rank)
         if pid is None:
             return False
-        agent = _parent(pid)
-        return any([_send(p, signal.SIGKILL) for p in (agent, *[
-            w for w, r in self.processes().items() if r is not None and _parent(w) == agent])])
+        agent = process_parent(pid)
+        node = [agent] + [w for w, r in self.processes().items()
+                          if r is not None and process_parent(w) == agent]
+        return any([_send(p, signal.SIGKILL) for p in node])
 
     def kill_all(self) -> None:
         """SIGKILL what is left of the attempt (agents, orphaned workers, the store)."""
@@ -157,10 +142,8 @@ class Job:
         if self.store is not None:
             self.store.kill()
         for proc in [*self.agents, *([self.store] if self.store else [])]:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         for reader in self.readers:
             reader.join(timeout=10)
         with self._log_lock:

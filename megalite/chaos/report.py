@@ -19,6 +19,7 @@ Outcomes:
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -114,9 +115,7 @@ def summarize(records: list[Record]) -> dict:
 
 
 def _stats(records: list[Record]) -> dict:
-    counts = {}
-    for r in records:
-        counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    counts = Counter(r.outcome for r in records)
     recovery = [r.recovery_s() for r in records if r.recovery_s() is not None]
     lost = [r.lost_steps() for r in records if r.lost_steps() is not None
             and r.recovered_at is not None]
@@ -129,8 +128,8 @@ def _stats(records: list[Record]) -> dict:
 
 
 def markdown(summary: dict, header: str) -> str:
-    def seconds(v):
-        return "-" if v is None else f"{v:.1f}"
+    def shown(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
 
     def row(name, s):
         o = s["outcomes"]
@@ -138,9 +137,8 @@ def markdown(summary: dict, header: str) -> str:
         r, lost = s["recovery_s"], s["lost_steps"]
         return (f"| {name} | {s['faults']} | {o.get('survived', 0)} | "
                 f"{o.get('clear-error', 0)} | {s['silent']} | {other} | "
-                f"{o.get('not-injected', 0)} | {seconds(r['median'])} / {seconds(r['p95'])} / "
-                f"{seconds(r['max'])} | {lost['median'] if lost['median'] is not None else '-'}"
-                f" / {lost['max'] if lost['max'] is not None else '-'} |")
+                f"{o.get('not-injected', 0)} | {shown(r['median'])} / {shown(r['p95'])} / "
+                f"{shown(r['max'])} | {shown(lost['median'], '')} / {shown(lost['max'], '')} |")
     lines = [header, "", "| class | faults | survived | clear error | silent | other failures "
              "| not injected | recovery s (median / p95 / max) | lost steps (median / max) |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -3,6 +3,8 @@
 
 import os
 
+from megalite.atomic_write import atomic_path
+
 
 def import_pyplot():
     """matplotlib.pyplot on the Agg backend, or None when the `plot` extra is missing."""
@@ -15,9 +17,8 @@ def import_pyplot():
     return plt
 
 
-def scaling_chart(plt, points, path: str):
+def scaling_chart(ax, points):
     n, eff = zip(*points)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(n, [100 * e for e in eff], "o-", label="measured")
     for level in (90, 80):
         ax.axhline(level, linestyle="--", color="grey")
@@ -26,22 +27,15 @@ def scaling_chart(plt, points, path: str):
            ylim=(0, max(110, 110 * max(eff))), title="Weak scaling: tokens/s per rank vs 1 rank")
     ax.set_xticks(n, [str(v) for v in n])
     ax.minorticks_off()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
-def bandwidth_chart(plt, measured: dict, path: str):
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+def bandwidth_chart(ax, measured: dict):
     for op in dict.fromkeys(op for op, _ in measured):
         sizes = sorted(size for o, size in measured if o == op)
         ax.plot([s / 2 ** 10 for s in sizes], [measured[op, s] for s in sizes], "o-", label=op)
     ax.set(xscale="log", yscale="log", xlabel="message (KiB)", ylabel="bus bandwidth (GB/s)",
            title="Collectives over all ranks")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def write_charts(output_dir: str, charts: dict) -> list[str]:
@@ -58,8 +52,12 @@ def write_charts(output_dir: str, charts: dict) -> list[str]:
     lines = []
     for name, data in charts.items():
         fn, title = draw[name]
-        fn(plt, data, os.path.join(output_dir, name + ".tmp.png"))
-        os.replace(os.path.join(output_dir, name + ".tmp.png"), os.path.join(output_dir, name))
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        fn(ax, data)
+        fig.tight_layout()
+        with atomic_path(os.path.join(output_dir, name), ".tmp.png") as tmp:
+            fig.savefig(tmp)
+        plt.close(fig)
         lines += [f"![{title}]({name})", ""]
     return lines
 

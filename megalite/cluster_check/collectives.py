@@ -18,14 +18,11 @@ from megalite.timers import synchronize
 def node_groups(world: int) -> tuple[object, list[list[int]], object]:
     """(this node's group, every node's ranks, a group of each node's first rank)."""
     hosts = gathered(socket.gethostname())
-    nodes = [[r for r in range(world) if hosts[r] == h] for h in dict.fromkeys(hosts)]
-    mine = None
-    for ranks in nodes:
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
+    names = list(dict.fromkeys(hosts))
+    nodes = [[r for r in range(world) if hosts[r] == h] for h in names]
+    groups = [dist.new_group(ranks) for ranks in nodes]  # every rank creates every group
     leaders = dist.new_group([ranks[0] for ranks in nodes])
-    return mine, nodes, leaders
+    return groups[names.index(hosts[dist.get_rank()])], nodes, leaders
 
 
 def time_collective(fn, device, iters: int = 5) -> float:

@@ -2,9 +2,11 @@
 written by rank 0 under a temporary name and renamed; and its tables read back
 (tools/estimate_cost.py takes the measured MFU and save rate from them)."""
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
+from megalite.atomic_write import atomic_write
 from megalite.cluster_check.charts import write_charts
 
 
@@ -30,12 +32,9 @@ def read_tables(text: str, title: str) -> list[list[dict[str, str]]]:
             section = line[3:]
         elif (section or "").startswith(title) and line.startswith("| ") and \
                 i + 1 < len(lines) and lines[i + 1].startswith("|---|"):
-            header, rows = _cells(line), []
-            for row in lines[i + 2:]:
-                if not row.startswith("| "):
-                    break
-                rows.append(dict(zip(header, _cells(row))))
-            tables.append(rows)
+            header = _cells(line)
+            body = itertools.takewhile(lambda row: row.startswith("| "), lines[i + 2:])
+            tables.append([dict(zip(header, _cells(row))) for row in body])
     return tables
 
 
@@ -50,10 +49,8 @@ def write_report(output_dir: str, sections: list[Section], charts: dict, header:
         took = f" ({section.seconds:.0f} s)" if section.seconds is not None else ""
         lines += [f"## {section.title}{' — FAILED' if section.failed else ''}{took}", ""]
         lines += section.lines + [""]
-    path = os.path.join(output_dir, "REPORT.md")
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines))
-    os.replace(path + ".tmp", path)
+    text = "\n".join(lines).encode()
+    atomic_write(os.path.join(output_dir, "REPORT.md"), lambda f: f.write(text))
 
 
 def publish(output_dir: str, sections: list[Section], charts: dict, launch: str):

@@ -1,17 +1,15 @@
 """Weak scaling: plain DP on the first 1, 2, 4, ... ranks and all of them, a fixed number of
 sequences per rank, tokens/s per rank against one rank."""
 
+from megalite.arguments import parse_args
 from megalite.cluster_check.report import Section, table
 from megalite.cluster_check.shared import TARGETS, batch_flags, time_steps
 from megalite.errors import MegaliteError
 
 
 def world_sizes(world: int) -> list[int]:
-    sizes, n = [], 1
-    while n < world:
-        sizes.append(n)
-        n *= 2
-    return sizes + [world]
+    """1, 2, 4, ... below `world`, then `world`."""
+    return [2 ** i for i in range((world - 1).bit_length())] + [world]
 
 
 def check_scaling(model: list[str], args, rank: int, world: int, device, charts) -> Section:
@@ -20,14 +18,15 @@ def check_scaling(model: list[str], args, rank: int, world: int, device, charts)
     to_8, at_32 = TARGETS["scaling to 8"], TARGETS["scaling at 32"]
     rows, points = [], []
     base = None
+    seq_length = parse_args(model).seq_length
     for n in world_sizes(world):
-        trial, config = time_steps(model + batch_flags(per_rank * n), n, rank, device,
-                                   args.timed_steps)
+        trial = time_steps(model + batch_flags(per_rank * n), n, rank, device,
+                           args.timed_steps)
         if trial.out_of_memory:
             raise MegaliteError(f"weak scaling on {n} ranks ran out of memory on rank "
                                 f"{trial.out_of_memory[0]}: {trial.out_of_memory[1]}")
         seconds = trial.seconds
-        tokens = per_rank * n * config.model.seq_length / seconds / n
+        tokens = per_rank * n * seq_length / seconds / n
         base = base or tokens
         points.append((n, tokens / base))
         rows.append([n, f"{seconds * 1e3:.1f}", f"{tokens:.1f}", f"{100 * tokens / base:.1f}%"])

@@ -6,9 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from megalite.arguments import parse_args
 from megalite.layout_trial import Trial, time_layout
-from megalite.validation import validate_args
 
 # pretrain_gpt.py and examples/configs/ (the recovery and checkpoint phases use them).
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -30,12 +28,9 @@ def gathered(obj) -> list:
 
 
 def time_steps(flags: list[str], world: int, rank: int, device, steps: int,
-               name: str = "") -> tuple[Trial, object]:
-    """(the trial of `flags` on the first `world` ranks: the slowest rank's median seconds
+               name: str = "") -> Trial:
+    """The trial of `flags` on the first `world` ranks: the slowest rank's median seconds
     per step after one warm-up step and the most any rank's memory grew, or the rank that
-    ran out of memory, which ends the trial and not the check (megalite/layout_trial.py);
-    the config)."""
+    ran out of memory, which ends the trial and not the check (megalite/layout_trial.py)."""
     inject = os.environ.get(TEST_HOOK) == f"{rank}:{name}"
-    trial = time_layout(flags, world, rank, device, steps, inject_out_of_memory=inject)
-    return trial, validate_args(parse_args(flags), world)
-
+    return time_layout(flags, world, rank, device, steps, inject_out_of_memory=inject)

@@ -74,14 +74,14 @@ def time_candidate(candidate: Candidate, model: list[str], args, rank: int, worl
     """Time `candidate` into `timed` {name: (seconds, memory, config)}; or, when a rank ran
     out of memory, say which in `short` {name: words for the report}. True if timed."""
     print_rank_0(f"  tune {candidate.name}{what}")
-    trial, config = time_steps(model + list(candidate.flags), world, rank, device,
-                               args.timed_steps, candidate.name)
+    trial = time_steps(model + list(candidate.flags), world, rank, device, args.timed_steps,
+                       candidate.name)
     if trial.out_of_memory:
         r, message = trial.out_of_memory
         short[candidate.name] = f"out of memory on rank {r}"
         print_rank_0(f"  tune {candidate.name}: out of memory on rank {r}: {message}")
         return False
-    timed[candidate.name] = (trial.seconds, trial.peak_bytes, config)
+    timed[candidate.name] = (trial.seconds, trial.peak_bytes, candidate.config)
     return True
 
 
@@ -190,8 +190,8 @@ def verdict(rows, by_name, default, model, world: int, short) -> list[str]:
            f"the estimate ranked {estimated_best} first, but measured it is slower: the "
            "estimate's FLOP rate comes from the default layout, and smaller matrix "
            "multiplies (TP, CP) or more micro-batches run at a lower rate than it")
-    if default.flags != tuple(batch_flags(tune_global_batch(world))):
-        plain = tuple(batch_flags(tune_global_batch(world)))
+    plain = tuple(batch_flags(tune_global_batch(world)))
+    if default.flags != plain:
         ran_out = any(e.candidate.flags == plain and name in short
                       for name, e in by_name.items())
         why = ("plain DP at micro-batch 1 ran out of memory" if ran_out else
