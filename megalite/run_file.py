@@ -114,8 +114,8 @@ def _convert(action: argparse.Action, value, where: str):
 
 def _scalar(action: argparse.Action, value, where: str):
     if value is None or isinstance(value, (bool, list, dict)):
-        kind = {int: "integer", float: "number"}.get(action.type, "string")
-        raise ConfigError(f"{where}: expected a {kind}, got {value!r}")
+        kind = {int: "an integer", float: "a number"}.get(action.type, "a string")
+        raise ConfigError(f"{where}: expected {kind}, got {value!r}")
     if action.type is int and not isinstance(value, int):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if action.type is float and not isinstance(value, (int, float)):

@@ -117,6 +117,7 @@ def test_effective_config_of_a_run_reloads_to_the_same_config(tmp_path):
     ("- num-layers\n", r"run.yaml, line 1: expected a mapping"),
     ("num-layers: [\n", r"run.yaml: not valid YAML"),
     ("lr: true\n", r"line 1: lr: expected a number, got True"),
+    ("num-layers: true\n", r"line 1: num-layers: expected an integer, got True"),
 ])
 def test_bad_file_names_file_line_and_key(tmp_path, text, message):
     path = write(tmp_path, text)
