@@ -143,6 +143,19 @@ def torchrun_launcher(nproc: int, max_restarts: int | None = None) -> list[str]:
             str(nproc), *restarts]
 
 
+# What torchrun hands its workers. A launch made from inside one (the chaos job's agents, the
+# cluster check's recovery run) drops them, or its own torchrun would join the outer job.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                "MASTER_PORT")
+
+
+def outside_launcher(env) -> dict:
+    """`env` without torchrun's variables (LAUNCHER_ENV and TORCHELASTIC_*)."""
+    return {k: v for k, v in env.items()
+            if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+
+
 def torchrun_command(nproc: int, script: str, args=(), max_restarts: int | None = None
                      ) -> list[str]:
     """The command line of a one-node torchrun of `script` with `args` on `nproc` workers."""

@@ -14,6 +14,7 @@ import torch
 
 from megalite.chaos import campaign, faults, inject, report
 from megalite.chaos.campaign import Record
+from megalite.chaos.job import Job
 from megalite.checkpointing import storage
 from megalite.errors import CheckpointError
 
@@ -199,3 +200,15 @@ def test_a_local_save_cut_short_is_not_what_is_damaged(tmp_path):
         assert campaign.damage(fault, tmp_path / "ckpt", tmp_path / "data",
                                tmp_path / "local") == str(local / "rank_00000.pt")
     assert (local / "rank_00000.pt").read_bytes() != whole
+
+
+def test_a_campaign_run_under_torchrun_does_not_hand_its_launcher_to_the_job(tmp_path):
+    """Every variable torchrun gives its workers (torch.distributed.run's docs list them) is
+    dropped, or the job's own agents would rendezvous with the outer launch."""
+    outer = {name: "1" for name in (
+        "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+        "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")}
+    job = Job("restart", [], {**outer, "PATH": "/bin"}, tmp_path / "log", "t")
+    job.log.close()
+    assert not set(outer) & set(job.env) and job.env["PATH"] == "/bin"

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from megalite.network import free_port
-from megalite.spawn import process_environments, process_parent
+from megalite.spawn import outside_launcher, process_environments, process_parent
 
 TAG = "MEGALITE_CHAOS_RUN"
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,9 +30,7 @@ class Job:
     def __init__(self, policy: str, flags: list[str], env: dict, log: Path, tag: str,
                  max_restarts: int = 3):
         self.policy, self.flags, self.tag = policy, flags, tag
-        self.env = {k: v for k, v in env.items()
-                    if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                 "MASTER_PORT")}
+        self.env = outside_launcher(env)
         self.env.update({TAG: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         self.max_restarts = 0 if policy == "requeue" else max_restarts
         self.lines: queue.Queue = queue.Queue()

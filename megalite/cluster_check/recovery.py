@@ -16,13 +16,7 @@ import torch.distributed as dist
 from megalite.checkpointing.storage import TRACKER_FILENAME
 from megalite.cluster_check.report import Section, table
 from megalite.cluster_check.shared import ROOT, TARGETS, batch_flags
-from megalite.spawn import torchrun_command, torchrun_workers
-
-
-# What a worker inherits from the check's own launcher and must not pass to the child's.
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
-                "MASTER_PORT")
+from megalite.spawn import outside_launcher, torchrun_command, torchrun_workers
 
 
 class Child:
@@ -83,8 +77,7 @@ def time_recovery(model: list[str], nproc: int, directory: str, limit: float) ->
     """Train under torchrun --max-restarts 1, SIGKILL the last worker once a checkpoint is
     published, and time from the kill to the end of the first resumed iteration (the
     line training's monitor prints then). {"problem": text} when that does not happen."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    env = outside_launcher(os.environ)
     env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
         filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     child = Child(recovery_command(model, nproc, directory), env)
