@@ -14,7 +14,6 @@ its two newest local saves (a crash between two ranks' writes still leaves a com
 and drops those a published persistent save makes stale.
 """
 
-import re
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -25,11 +24,10 @@ import torch.distributed as dist
 from megalite.checkpointing import remote
 from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
-                                           load_tensor_file, save_tensor_file)
+                                           iteration_dirs, load_tensor_file, save_tensor_file)
 from megalite.errors import CheckpointError
 
 KEEP = 2
-_ITER = re.compile(r"iter_(\d{7,})")
 
 
 def rank_path(root: str | Path, iteration: int, rank: int) -> Path:
@@ -41,8 +39,7 @@ def _own_iterations(root: str | Path, rank: int) -> list[int]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [int(m.group(1)) for d in root.iterdir() if (m := _ITER.fullmatch(d.name))]
-    return sorted(i for i in found if rank_path(root, i, rank).is_file())
+    return sorted(i for i in iteration_dirs(root) if rank_path(root, i, rank).is_file())
 
 
 def save_local(root: str, iteration: int, ckpt: CheckpointState,

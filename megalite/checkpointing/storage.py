@@ -271,7 +271,8 @@ def _complete_metadata(directory: Path) -> dict | None:
         return None
 
 
-def _iteration_dirs(save: Path) -> dict[int, Path]:
+def iteration_dirs(save: Path) -> dict[int, Path]:
+    """The `iter_*` directories in `save`, complete or not, by iteration."""
     return {int(m.group(1)): d for d in save.iterdir()
             if (m := _ITER_DIR.fullmatch(d.name)) and d.is_dir()}
 
@@ -279,7 +280,7 @@ def _iteration_dirs(save: Path) -> dict[int, Path]:
 def checkpoint_names(directory: Path) -> list[str]:
     """The checkpoint directories in `directory`, complete or not, by name (staging and
     moved-aside leftovers of a crashed save are not checkpoints)."""
-    return sorted(d.name for d in _iteration_dirs(directory).values()) + (
+    return sorted(d.name for d in iteration_dirs(directory).values()) + (
         [RELEASE] if (directory / RELEASE).is_dir() else [])
 
 
@@ -314,7 +315,7 @@ def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
         raise CheckpointError(f"checkpoint path {load} is not a directory")
     tracker = load / TRACKER_FILENAME
     if not tracker.exists():
-        dirs = _iteration_dirs(load)
+        dirs = iteration_dirs(load)
         found = checkpoint_names(load)
         if not found:
             return None
@@ -357,7 +358,7 @@ def apply_retention(save: str | Path, keep: int,
     """
     save = Path(save)
     tracked = _read_tracker(save)
-    dirs = _iteration_dirs(save)
+    dirs = iteration_dirs(save)
     complete = {i: meta for i, d in dirs.items() if (meta := _complete_metadata(d)) is not None}
     deleted = [dirs[i] for i in retired(complete, tracked, keep, owns)]
     if tracked != RELEASE:
