@@ -183,19 +183,14 @@ def _layer_modules(config: GPTConfig) -> tuple[str, ...]:
     return (LAYER_MODULES[0], *mla.attention_modules(config), *LAYER_MODULES[5:])
 
 
-def _mtp_extra_states(config: GPTConfig) -> list[str]:
-    """torch_dist's `_extra_state` keys of the MTP layers, unstacked (no layer offset)."""
-    last = config.num_layers - 1
-    moe_extra = moe.torch_dist_extra_states(config, last, stacked=False)
-    keys = []
-    for k in range(config.mtp_depths):
-        prefix = f"{layout.MTP_PREFIX}{k}."
-        layer = prefix + layout.MTP_LAYER
-        keys += [f"{prefix}eh_proj._extra_state/shard_0_1"]
-        keys += [f"{layer}{linear}._extra_state/shard_0_1" for linear in _linears(config)
-                 if moe_extra is None or not linear.startswith("mlp.")]
-        keys += [layer + key for key in moe_extra or []]
-    return keys
+def _extra_states(config: GPTConfig, layer: int, stacked: bool = True) -> list[str]:
+    """torch_dist's `_extra_state` keys of the linears of a layer of layer `layer`'s kind,
+    without the layer in the module path: sharded by layer when `stacked`, else (an MTP
+    layer's, which no layer offset shards) `shard_0_1`."""
+    moe_extra = moe.torch_dist_extra_states(config, layer, stacked)
+    shard = f"shard_{layer}_{config.num_layers}" if stacked else "shard_0_1"
+    return [f"{linear}._extra_state/{shard}" for linear in _linears(config)
+            if moe_extra is None or not linear.startswith("mlp.")] + (moe_extra or [])
 
 
 def _linears(config: GPTConfig) -> tuple[str, ...]:
@@ -217,14 +212,13 @@ def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: d
     layers = config.num_layers
     flat.update({n: torch.stack([per_layer[i] for i in range(layers)])
                  for n, per_layer in stacked.items()})
-    for i in range(layers):
-        moe_extra = moe.torch_dist_extra_states(config, i)
-        extra = [f"{linear}._extra_state/shard_{i}_{layers}" for linear in _linears(config)
-                 if moe_extra is None or not linear.startswith("mlp.")] + (moe_extra or [])
-        for key in extra:
-            # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.
-            flat[layout.LAYER_PREFIX + key] = [None]
-    flat.update({key: [None] for key in _mtp_extra_states(config)})
+    extra = [layout.LAYER_PREFIX + key for i in range(layers) for key in _extra_states(config, i)]
+    for k in range(config.mtp_depths):  # the MTP layers' unstacked: no layer offset
+        prefix = f"{layout.MTP_PREFIX}{k}."
+        extra += [f"{prefix}eh_proj._extra_state/shard_0_1"] + [
+            prefix + layout.MTP_LAYER + key for key in _extra_states(config, layers - 1, False)]
+    # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.
+    flat.update({key: [None] for key in extra})
     flat["common_state/shard_0_1"] = [common]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
