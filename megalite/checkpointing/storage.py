@@ -286,13 +286,10 @@ def checkpoint_names(directory: Path) -> list[str]:
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     """A nested record's leaves by key path ("model_tp00_pp000.pt/model/0/weight")."""
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in
-                flatten(item, f"{prefix}/{key}").items()}
-    if isinstance(value, (list, tuple)):
-        return {k: v for i, item in enumerate(value) for k, v in
-                flatten(item, f"{prefix}/{i}").items()}
-    return {prefix: value}
+    if not isinstance(value, (dict, list, tuple)):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return {k: v for key, item in items for k, v in flatten(item, f"{prefix}/{key}").items()}
 
 
 def checkpoint_values(directory: Path) -> dict[str, Any]:
