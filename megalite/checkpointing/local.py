@@ -14,7 +14,7 @@ its two newest local saves (a crash between two ranks' writes still leaves a com
 and drops those a published persistent save makes stale.
 """
 
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Callable
 
@@ -58,10 +58,8 @@ def save_local(root: str, iteration: int, ckpt: CheckpointState,
 
 def _drop(root: str | Path, iteration: int, rank: int) -> None:
     rank_path(root, iteration, rank).unlink(missing_ok=True)
-    try:
-        checkpoint_dir(root, iteration).rmdir()  # the last rank of the node to leave it
-    except OSError:
-        pass
+    with suppress(OSError):  # removed by the last rank of the node to leave it
+        checkpoint_dir(root, iteration).rmdir()
 
 
 def drop_stale(root: str, persistent_iteration: int) -> None:

@@ -21,6 +21,7 @@ import os
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 
 import torch.distributed as dist
@@ -76,10 +77,8 @@ def upload(save: str, iteration: int, staging: Path, names: list[str]
             lambda name: store.upload(staging / name, directory.join(name)), names)))
     for name in names:
         (staging / name).unlink(missing_ok=True)
-    try:
-        staging.rmdir()  # the node's last uploader; commit removes rank 0's
-    except OSError:
-        pass
+    with suppress(OSError):  # removed by the node's last uploader; commit removes rank 0's
+        staging.rmdir()
     return records
 
 
