@@ -96,9 +96,9 @@ def gather_uploads(records: dict | None, error: str | None, group=None) -> dict:
 
 
 def commit(save: str, iteration: int, metadata: dict, expected: list[str],
-           uploads: dict[str, ObjectRecord], track: bool, cache: str | None) -> str:
+           uploads: dict[str, ObjectRecord], track: bool, cache: str | None) -> None:
     """Rank 0, once every rank has uploaded: confirm, then metadata.json, then the tracker
-    (unless not `track`, as storage.commit). Returns the checkpoint's URL."""
+    (unless not `track`, as storage.commit)."""
     store, url = S3Store.shared(), S3Url.parse(save)
     directory = url.join(_dir_name(iteration))
     found = {name: store.head(directory.join(name)) for name in expected}
@@ -111,7 +111,6 @@ def commit(save: str, iteration: int, metadata: dict, expected: list[str],
     if track:
         store.put(url.join(TRACKER_FILENAME), str(iteration).encode())
     shutil.rmtree(local_staging(save, iteration, cache), ignore_errors=True)
-    return str(directory)
 
 
 def _difference(uploaded: ObjectRecord | None, found: ObjectRecord | None) -> str:
