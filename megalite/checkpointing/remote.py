@@ -130,7 +130,7 @@ def apply_retention(save: str, keep: int, owns) -> list[str]:
     if keep <= 0 or tracked is None:
         return []
     complete = {i: meta for i in checkpoint_iterations(save)
-                if (meta := _metadata(store, url.join(_dir_name(i)))) is not None}
+                if (meta := _metadata(save, i)) is not None}
     deleted = [url.join(_dir_name(i)) for i in retired(complete, tracked, keep, owns)]
     for directory in deleted:
         store.delete_under(directory)
@@ -168,22 +168,22 @@ def tracked_iteration(save: str) -> int | str | None:
     return None if data is None else parse_tracker(data, tracker)
 
 
-def _metadata(store: S3Store, directory: S3Url) -> dict | None:
+def _metadata(save: str, iteration: int) -> dict | None:
+    """The record of `save`'s complete checkpoint of `iteration`, else None."""
+    path = S3Url.parse(save).join(_dir_name(iteration), METADATA_FILENAME)
     try:
-        data = store.get(directory.join(METADATA_FILENAME))
-        return None if data is None else parse_metadata(data, directory.join(METADATA_FILENAME))
+        data = S3Store.shared().get(path)
+        return None if data is None else parse_metadata(data, path)
     except (CheckpointError, StorageError):
         return None
 
 
 def newer_tracked(save: str, iteration: int) -> int | None:
     """save_guard.newer_tracked in a bucket."""
-    store = S3Store.shared()
     tracked = tracked_iteration(save)
     if not isinstance(tracked, int) or tracked <= iteration:
         return None
-    complete = _metadata(store, S3Url.parse(save).join(_dir_name(tracked))) is not None
-    return tracked if complete else None
+    return tracked if _metadata(save, tracked) is not None else None
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -221,16 +221,11 @@ def fetch(load: str, cache: str | None, iteration: int | None = None, part: int 
         raise CheckpointError(f"checkpoint metadata {directory.join(METADATA_FILENAME)}: file "
                               f"names must be relative to the checkpoint, got {escaping}")
     for name in files[part::parts]:
-        _download(store, directory.join(name), local / name)
+        path, source = local / name, directory.join(name)
+        if not (path.is_file() and store.head(source) == file_record(path)):  # not cached
+            store.download(source, path)
     _write(local / METADATA_FILENAME, data)
     return root
-
-
-def _download(store: S3Store, url: S3Url, path: Path) -> None:
-    """Into `path` unless it already holds the object's bytes (the cache)."""
-    if path.is_file() and store.head(url) == file_record(path):
-        return
-    store.download(url, path)
 
 
 def _write(path: Path, data: bytes) -> None:
