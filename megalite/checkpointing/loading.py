@@ -124,11 +124,10 @@ def load_checkpoint(load: str, ckpt: CheckpointState) -> dict | None:
     """Restore everything a checkpoint holds that the flags ask for into `ckpt`. Returns
     the iteration and consumed samples to continue from, or None when `load` holds no
     checkpoint at all (a fresh start)."""
-    if remote.is_remote(load):  # downloaded into the node's cache, then loaded from there
-        local = remote.fetch_for_ranks(load, remote.cache_of(ckpt.config))
-        found = find_checkpoint_to_load(local) if local is not None else None
-    else:
-        found = find_checkpoint_to_load(load)
+    # A bucket's is downloaded into the node's cache, then loaded from there.
+    local = (remote.fetch_for_ranks(load, remote.cache_of(ckpt.config))
+             if remote.is_remote(load) else load)
+    found = find_checkpoint_to_load(local) if local is not None else None
     flags = ckpt.config.checkpoint
     if found is None:
         if flags.finetune:
