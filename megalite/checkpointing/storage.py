@@ -88,28 +88,27 @@ def save_tensor_file(obj: Any, path: str | Path) -> None:
     _atomic_write(Path(path), lambda f: torch.save(obj, f))
 
 
-def load_tensor_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """A checkpoint file, by `guarded_load`, once its records match their CRC-32s
-    (`damaged_file`: one read of the file). With `mmap` tensors are read from disk only
-    when touched (resharding reads pieces)."""
+def load_tensor_file(path: str | Path, mmap: bool = False) -> Any:
+    """A checkpoint file, by `guarded_load` (on the CPU), once its records match their
+    CRC-32s (`damaged_file`: one read of the file). With `mmap` tensors are read from disk
+    only when touched (resharding reads pieces)."""
     damage = damaged_file(Path(path)) if Path(path).is_file() else None
     if damage is not None:
         raise CheckpointError(f"{damage}: it changed after it was written; restore it, or "
                               f"resume from an older checkpoint (docs/troubleshooting.md)")
-    return guarded_load(Path(path), f"checkpoint file {path}", map_location=map_location,
-                        mmap=mmap)
+    return guarded_load(Path(path), f"checkpoint file {path}", mmap=mmap)
 
 
 def guarded_load(source: Path | BinaryIO, what: str, allowed: Sequence = (),
-                 map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """`torch.load(weights_only=True)` of a path or a stream, with the extra globals
+                 mmap: bool = False) -> Any:
+    """`torch.load(weights_only=True)` onto the CPU of a path or a stream, with the extra globals
     `allowed`: a file holding anything else is refused without running its pickle, so a
     checkpoint cannot run code. `what` names the file in errors."""
     if isinstance(source, Path) and not source.is_file():
         raise CheckpointError(f"{what} does not exist")
     try:
         with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         # The line of torch's message that says what was refused, without its advice.
         reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
