@@ -85,9 +85,11 @@ class SavedCheckpoint:
 
     def _optimizer_shard(self, name: str, key: str, tp: int, shape) -> torch.Tensor:
         """`key` of TP shard `tp` of `name`, its DP segments placed at their ranges."""
-        whole = self._whole_segment(name, key, tp, shape)
-        if whole is not None:  # the same layout: no assembly, no copy
-            return whole
+        if len(self.dps) == 1:  # the same layout (no ZeRO-1): no assembly, no copy
+            segment = self._file(optim_file(tp, self._stage(name), 0))["segments"].get(name)
+            if segment is not None and key in segment and \
+                    segment["range"].tolist() == [0, shape.numel()]:
+                return segment[key].view(shape)
         flat, covered = torch.zeros(shape.numel()), 0
         for d in self.dps:
             filename = optim_file(tp, self._stage(name), d)
@@ -105,16 +107,6 @@ class SavedCheckpoint:
                                   f"{name} (TP shard {tp}) covers {covered} of "
                                   f"{flat.numel()} elements")
         return flat.view(shape)
-
-    def _whole_segment(self, name: str, key: str, tp: int, shape) -> torch.Tensor | None:
-        """`key` of TP shard `tp` when a single DP segment holds all of it (no ZeRO-1)."""
-        if len(self.dps) != 1:
-            return None
-        segment = self._file(optim_file(tp, self._stage(name), 0))["segments"].get(name)
-        if segment is None or key not in segment or \
-                segment["range"].tolist() != [0, shape.numel()]:
-            return None
-        return segment[key].view(shape)
 
     def optimizer_step(self) -> int:
         return int(self._file(optim_file(0, 0, 0))["step"])
