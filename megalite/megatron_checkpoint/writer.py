@@ -151,15 +151,12 @@ def _layer_names(config: GPTConfig, prefix: str, i: int) -> list[str]:
     names = []
     moe_mlp = moe.layer_mlp_names(config, i)
     for module in _layer_modules(config):
-        if module in QK_NORMS and not config.qk_layernorm:
-            continue
         if moe_mlp is not None and module.startswith("mlp."):
             if module == LAYER_MODULES[-1]:
                 names += [prefix + n for n in moe_mlp]
             continue
         if module in LINEARS or mla.is_linear(module):
-            names += [f"{prefix}{module}.{k}" for k in kinds]
-            names.append(f"{prefix}{module}._extra_state")
+            names += [f"{prefix}{module}.{k}" for k in (*kinds, "_extra_state")]
         else:
             names += [f"{prefix}{module}.{k}" for k in norm_kinds]
     return names
@@ -177,9 +174,10 @@ def _mtp_names(config: GPTConfig, k: int) -> list[str]:
 
 
 def _layer_modules(config: GPTConfig) -> tuple[str, ...]:
-    """A layer's modules in Megatron's state-dict order, MLA's attention in place of QKV."""
+    """A layer's modules in Megatron's state-dict order (the QK norms only with
+    --qk-layernorm), MLA's attention in place of QKV."""
     if not config.multi_latent_attention:
-        return LAYER_MODULES
+        return tuple(m for m in LAYER_MODULES if config.qk_layernorm or m not in QK_NORMS)
     return (LAYER_MODULES[0], *mla.attention_modules(config), *LAYER_MODULES[5:])
 
 
