@@ -53,7 +53,7 @@ def local_staging(save: str, iteration: int, cache: str | None) -> Path:
 
 # --- saving ----------------------------------------------------------------------------------
 
-def begin(save: str, iteration: int, cache: str | None) -> Path:
+def begin(save: str, iteration: int, cache: str | None) -> None:
     """Rank 0, before any rank writes: no object of a crashed save of `iteration` left to be
     mixed into this one (metadata.json first: the checkpoint stops being complete), and an
     empty local staging directory."""
@@ -63,7 +63,6 @@ def begin(save: str, iteration: int, cache: str | None) -> Path:
     staging = local_staging(save, iteration, cache)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    return staging
 
 
 def upload(save: str, iteration: int, staging: Path, names: list[str]
@@ -122,19 +121,16 @@ def _difference(uploaded: ObjectRecord | None, found: ObjectRecord | None) -> st
            f"bytes of CRC-32 {found.crc32 or '(none)'}"
 
 
-def apply_retention(save: str, keep: int, owns) -> list[str]:
+def apply_retention(save: str, keep: int, owns) -> None:
     """storage.apply_retention in a bucket: the same checkpoints kept (storage.retired).
     Incomplete ones (no metadata.json) are left alone, as on disk."""
-    store, url = S3Store.shared(), S3Url.parse(save)
     tracked = tracked_iteration(save)
     if keep <= 0 or tracked is None:
-        return []
+        return
     complete = {i: meta for i in checkpoint_iterations(save)
                 if (meta := _metadata(save, i)) is not None}
-    deleted = [url.join(_dir_name(i)) for i in retired(complete, tracked, keep, owns)]
-    for directory in deleted:
-        store.delete_under(directory)
-    return [str(d) for d in deleted]
+    for i in retired(complete, tracked, keep, owns):
+        S3Store.shared().delete_under(S3Url.parse(save).join(_dir_name(i)))
 
 
 def checkpoint_iterations(save: str) -> list[int]:
