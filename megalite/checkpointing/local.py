@@ -43,17 +43,15 @@ def _own_iterations(root: str | Path, rank: int) -> list[int]:
 
 
 def save_local(root: str, iteration: int, ckpt: CheckpointState,
-               writing: Callable = nullcontext) -> Path:
+               writing: Callable = nullcontext) -> None:
     """Every rank at the same iteration (FSDP2 gathers each parameter): this rank's file,
     written in the context `writing()`."""
     rank = dist.get_rank()
-    path = rank_path(root, iteration, rank)
     state = ckpt.state_dict(iteration)
     with writing():
-        save_tensor_file(state, path)
+        save_tensor_file(state, rank_path(root, iteration, rank))
     for old in _own_iterations(root, rank)[:-KEEP]:
         _drop(root, old, rank)
-    return path
 
 
 def _drop(root: str | Path, iteration: int, rank: int) -> None:
