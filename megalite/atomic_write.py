@@ -5,7 +5,7 @@ A leaf: imports nothing of megalite."""
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
@@ -38,14 +38,13 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None], suffix: st
 
 def fsync_dir(path: Path) -> None:
     """Makes renames and new entries in `path` durable, not just the files' bytes."""
-    try:
+    # Some filesystems refuse fsync on a directory; the rename is still atomic.
+    with suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
 
 
 def swap_in(staging: Path, path: Path, aside: Path) -> None:

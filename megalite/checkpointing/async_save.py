@@ -72,20 +72,18 @@ class HostBuffers:
         # Pinned where the device has it: a copy from the device that does not block.
         self.pin = accelerator is not None and accelerator.type == device.type
         self.stream = self.streams.Stream()
-        self.buffers, self.next, self.queued, self.ready = [], 0, [], None
+        self.buffers, self.queued, self.ready = [], [], None
 
     def start(self) -> None:
-        self.next, self.queued = 0, []
+        self.queued = []
 
     def copy(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or tensor.dtype
-        i, self.next = self.next, self.next + 1
-        if i == len(self.buffers):
-            self.buffers.append(None)
-        buffer = self.buffers[i]
+        i = len(self.queued)  # this save's i-th copy
+        buffer = self.buffers[i] if i < len(self.buffers) else None
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != dtype:
             buffer = torch.empty(tensor.shape, dtype=dtype, pin_memory=self.pin)
-            self.buffers[i] = buffer
+            self.buffers[i:i + 1] = [buffer]  # replaced, or appended when i is new
         self.queued.append((buffer, tensor.detach()))
         return buffer
 
@@ -110,7 +108,7 @@ class HostBuffers:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)
+        return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
 class _Pending:

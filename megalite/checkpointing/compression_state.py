@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpointing.storage import load_tensor_file
+from megalite.parallel_state import print_rank_0
 
 
 def compression_file(rank: int) -> str:
@@ -29,9 +30,8 @@ def compression_record(compressor, layout: dict, copy) -> dict:
 
 
 def load_compression_state(directory: Path, compressor, layout: dict,
-                           device: torch.device) -> str | None:
-    """Restore this rank's state; or restart compression and return (and print on rank 0)
-    why."""
+                           device: torch.device) -> None:
+    """Restore this rank's state; or restart compression and say why (rank 0)."""
     path = directory / compression_file(dist.get_rank())
     saved = load_tensor_file(path) if path.exists() else None
     if saved is None:
@@ -46,8 +46,6 @@ def load_compression_state(directory: Path, compressor, layout: dict,
             "steps": saved["steps"],
             **{key: {name: t.to(device) for name, t in saved[key].items()}
                for key in ("errors", "qs")}})
-        return None
+        return
     compressor.restart()
-    if dist.get_rank() == 0:
-        print(f" > restarting PowerSGD from uncompressed steps: {reason}", flush=True)
-    return reason
+    print_rank_0(f" > restarting PowerSGD from uncompressed steps: {reason}")

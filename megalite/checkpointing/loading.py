@@ -58,67 +58,55 @@ class SavedCheckpoint:
         """The single-process parameter names this checkpoint gives values for."""
         return [n for n in self.stage_of if _LEGACY_GATE not in n]
 
-    def _tp_shards(self, name: str) -> tuple[list[dict], int | None, int]:
-        files = [self._file(model_file(t, self._stage(name))) for t in range(self.tp)]
-        return (files, files[0]["partition_dims"].get(name),
-                files[0].get("partition_strides", {}).get(name, 1))
-
-    def _with_legacy_gate(self, name: str, read) -> torch.Tensor:
-        """`read(name)`; of a SwiGLU checkpoint saved before gate and up were fused into
-        linear_fc1 (transformer.MLP), its separate gate stacked on top: [gate; up]."""
-        gate = name.replace("mlp.linear_fc1.", f"mlp.{_LEGACY_GATE}.")
-        if gate != name and gate in self.stage_of:
-            return torch.cat([read(gate), read(name)])
-        return read(name)
-
     def param(self, name: str) -> torch.Tensor:
-        return self._with_legacy_gate(name, self._param)
-
-    def _param(self, name: str) -> torch.Tensor:
-        files, dim, stride = self._tp_shards(name)
-        return tp_unshard([f["params"][name] for f in files], dim, stride)
+        return self._with_legacy_gate(name, None)
 
     def optimizer_tensor(self, name: str, key: str) -> torch.Tensor:
         """The full fp32 tensor `key` ("main", "exp_avg" or "exp_avg_sq") of `name`."""
-        return self._with_legacy_gate(name, lambda n: self._optimizer_tensor(n, key))
+        return self._with_legacy_gate(name, key)
 
-    def _optimizer_tensor(self, name: str, key: str) -> torch.Tensor:
-        files, dim, stride = self._tp_shards(name)
-        shards = []
-        for t, f in enumerate(files):
-            shape = f["params"][name].shape
-            whole = self._whole_segment(name, key, t, shape)
-            if whole is not None:  # the same layout: no assembly, no copy
-                shards.append(whole)
+    def _with_legacy_gate(self, name: str, key: str | None) -> torch.Tensor:
+        """`_full(name, key)`; of a SwiGLU checkpoint saved before gate and up were fused
+        into linear_fc1 (transformer.MLP), its separate gate stacked on top: [gate; up]."""
+        gate = name.replace("mlp.linear_fc1.", f"mlp.{_LEGACY_GATE}.")
+        if gate != name and gate in self.stage_of:
+            return torch.cat([self._full(gate, key), self._full(name, key)])
+        return self._full(name, key)
+
+    def _full(self, name: str, key: str | None) -> torch.Tensor:
+        """The parameter `name` (`key` None) or its optimizer tensor `key`, its TP shards
+        joined."""
+        files = [self._file(model_file(t, self._stage(name))) for t in range(self.tp)]
+        shards = [f["params"][name] if key is None else
+                  self._optimizer_shard(name, key, t, f["params"][name].shape)
+                  for t, f in enumerate(files)]
+        return tp_unshard(shards, files[0]["partition_dims"].get(name),
+                          files[0].get("partition_strides", {}).get(name, 1))
+
+    def _optimizer_shard(self, name: str, key: str, tp: int, shape) -> torch.Tensor:
+        """`key` of TP shard `tp` of `name`, its DP segments placed at their ranges."""
+        if len(self.dps) == 1:  # the same layout (no ZeRO-1): no assembly, no copy
+            segment = self._file(optim_file(tp, self._stage(name), 0))["segments"].get(name)
+            if segment is not None and key in segment and \
+                    segment["range"].tolist() == [0, shape.numel()]:
+                return segment[key].view(shape)
+        flat, covered = torch.zeros(shape.numel()), 0
+        for d in self.dps:
+            filename = optim_file(tp, self._stage(name), d)
+            segment = self._file(filename)["segments"].get(name)
+            if segment is None:
                 continue
-            flat, covered = torch.zeros(shape.numel()), 0
-            for d in self.dps:
-                filename = optim_file(t, self._stage(name), d)
-                segment = self._file(filename)["segments"].get(name)
-                if segment is None:
-                    continue
-                if key not in segment:
-                    raise CheckpointError(f"{self.directory / filename} has no {key} for "
-                                          f"{name} (saved before the first optimizer step?)")
-                start, end = segment["range"].tolist()
-                flat[start:end] = segment[key]
-                covered += end - start
-            if covered != flat.numel():
-                raise CheckpointError(f"checkpoint {self.directory}: the optimizer state of "
-                                      f"{name} (TP shard {t}) covers {covered} of "
-                                      f"{flat.numel()} elements")
-            shards.append(flat.view(shape))
-        return tp_unshard(shards, dim, stride)
-
-    def _whole_segment(self, name: str, key: str, tp: int, shape) -> torch.Tensor | None:
-        """`key` of TP shard `tp` when a single DP segment holds all of it (no ZeRO-1)."""
-        if len(self.dps) != 1:
-            return None
-        segment = self._file(optim_file(tp, self._stage(name), 0))["segments"].get(name)
-        if segment is None or key not in segment or \
-                segment["range"].tolist() != [0, shape.numel()]:
-            return None
-        return segment[key].view(shape)
+            if key not in segment:
+                raise CheckpointError(f"{self.directory / filename} has no {key} for "
+                                      f"{name} (saved before the first optimizer step?)")
+            start, end = segment["range"].tolist()
+            flat[start:end] = segment[key]
+            covered += end - start
+        if covered != flat.numel():
+            raise CheckpointError(f"checkpoint {self.directory}: the optimizer state of "
+                                  f"{name} (TP shard {tp}) covers {covered} of "
+                                  f"{flat.numel()} elements")
+        return flat.view(shape)
 
     def optimizer_step(self) -> int:
         return int(self._file(optim_file(0, 0, 0))["step"])
@@ -128,11 +116,10 @@ def load_checkpoint(load: str, ckpt: CheckpointState) -> dict | None:
     """Restore everything a checkpoint holds that the flags ask for into `ckpt`. Returns
     the iteration and consumed samples to continue from, or None when `load` holds no
     checkpoint at all (a fresh start)."""
-    if remote.is_remote(load):  # downloaded into the node's cache, then loaded from there
-        local = remote.fetch_for_ranks(load, remote.cache_of(ckpt.config))
-        found = find_checkpoint_to_load(local) if local is not None else None
-    else:
-        found = find_checkpoint_to_load(load)
+    # A bucket's is downloaded into the node's cache, then loaded from there.
+    local = (remote.fetch_for_ranks(load, remote.cache_of(ckpt.config))
+             if remote.is_remote(load) else load)
+    found = find_checkpoint_to_load(local) if local is not None else None
     flags = ckpt.config.checkpoint
     if found is None:
         if flags.finetune:

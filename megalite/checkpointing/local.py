@@ -14,8 +14,7 @@ its two newest local saves (a crash between two ranks' writes still leaves a com
 and drops those a published persistent save makes stale.
 """
 
-import re
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Callable
 
@@ -25,11 +24,10 @@ import torch.distributed as dist
 from megalite.checkpointing import remote
 from megalite.checkpointing.state import CheckpointState
 from megalite.checkpointing.storage import (checkpoint_dir, find_checkpoint_to_load,
-                                           load_tensor_file, save_tensor_file)
+                                           iteration_dirs, load_tensor_file, save_tensor_file)
 from megalite.errors import CheckpointError
 
 KEEP = 2
-_ITER = re.compile(r"iter_(\d{7,})")
 
 
 def rank_path(root: str | Path, iteration: int, rank: int) -> Path:
@@ -41,30 +39,25 @@ def _own_iterations(root: str | Path, rank: int) -> list[int]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [int(m.group(1)) for d in root.iterdir() if (m := _ITER.fullmatch(d.name))]
-    return sorted(i for i in found if rank_path(root, i, rank).is_file())
+    return sorted(i for i in iteration_dirs(root) if rank_path(root, i, rank).is_file())
 
 
 def save_local(root: str, iteration: int, ckpt: CheckpointState,
-               writing: Callable = nullcontext) -> Path:
+               writing: Callable = nullcontext) -> None:
     """Every rank at the same iteration (FSDP2 gathers each parameter): this rank's file,
     written in the context `writing()`."""
     rank = dist.get_rank()
-    path = rank_path(root, iteration, rank)
     state = ckpt.state_dict(iteration)
     with writing():
-        save_tensor_file(state, path)
+        save_tensor_file(state, rank_path(root, iteration, rank))
     for old in _own_iterations(root, rank)[:-KEEP]:
         _drop(root, old, rank)
-    return path
 
 
 def _drop(root: str | Path, iteration: int, rank: int) -> None:
     rank_path(root, iteration, rank).unlink(missing_ok=True)
-    try:
-        checkpoint_dir(root, iteration).rmdir()  # the last rank of the node to leave it
-    except OSError:
-        pass
+    with suppress(OSError):  # removed by the last rank of the node to leave it
+        checkpoint_dir(root, iteration).rmdir()
 
 
 def drop_stale(root: str, persistent_iteration: int) -> None:

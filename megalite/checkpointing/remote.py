@@ -21,6 +21,7 @@ import os
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 
 import torch.distributed as dist
@@ -52,7 +53,7 @@ def local_staging(save: str, iteration: int, cache: str | None) -> Path:
 
 # --- saving ----------------------------------------------------------------------------------
 
-def begin(save: str, iteration: int, cache: str | None) -> Path:
+def begin(save: str, iteration: int, cache: str | None) -> None:
     """Rank 0, before any rank writes: no object of a crashed save of `iteration` left to be
     mixed into this one (metadata.json first: the checkpoint stops being complete), and an
     empty local staging directory."""
@@ -62,7 +63,6 @@ def begin(save: str, iteration: int, cache: str | None) -> Path:
     staging = local_staging(save, iteration, cache)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    return staging
 
 
 def upload(save: str, iteration: int, staging: Path, names: list[str]
@@ -76,10 +76,8 @@ def upload(save: str, iteration: int, staging: Path, names: list[str]
             lambda name: store.upload(staging / name, directory.join(name)), names)))
     for name in names:
         (staging / name).unlink(missing_ok=True)
-    try:
-        staging.rmdir()  # the node's last uploader; commit removes rank 0's
-    except OSError:
-        pass
+    with suppress(OSError):  # removed by the node's last uploader; commit removes rank 0's
+        staging.rmdir()
     return records
 
 
@@ -97,9 +95,9 @@ def gather_uploads(records: dict | None, error: str | None, group=None) -> dict:
 
 
 def commit(save: str, iteration: int, metadata: dict, expected: list[str],
-           uploads: dict[str, ObjectRecord], track: bool, cache: str | None) -> str:
+           uploads: dict[str, ObjectRecord], track: bool, cache: str | None) -> None:
     """Rank 0, once every rank has uploaded: confirm, then metadata.json, then the tracker
-    (unless not `track`, as storage.commit). Returns the checkpoint's URL."""
+    (unless not `track`, as storage.commit)."""
     store, url = S3Store.shared(), S3Url.parse(save)
     directory = url.join(_dir_name(iteration))
     found = {name: store.head(directory.join(name)) for name in expected}
@@ -112,7 +110,6 @@ def commit(save: str, iteration: int, metadata: dict, expected: list[str],
     if track:
         store.put(url.join(TRACKER_FILENAME), str(iteration).encode())
     shutil.rmtree(local_staging(save, iteration, cache), ignore_errors=True)
-    return str(directory)
 
 
 def _difference(uploaded: ObjectRecord | None, found: ObjectRecord | None) -> str:
@@ -124,19 +121,16 @@ def _difference(uploaded: ObjectRecord | None, found: ObjectRecord | None) -> st
            f"bytes of CRC-32 {found.crc32 or '(none)'}"
 
 
-def apply_retention(save: str, keep: int, owns) -> list[str]:
+def apply_retention(save: str, keep: int, owns) -> None:
     """storage.apply_retention in a bucket: the same checkpoints kept (storage.retired).
     Incomplete ones (no metadata.json) are left alone, as on disk."""
-    store, url = S3Store.shared(), S3Url.parse(save)
     tracked = tracked_iteration(save)
     if keep <= 0 or tracked is None:
-        return []
+        return
     complete = {i: meta for i in checkpoint_iterations(save)
-                if (meta := _metadata(store, url.join(_dir_name(i)))) is not None}
-    deleted = [url.join(_dir_name(i)) for i in retired(complete, tracked, keep, owns)]
-    for directory in deleted:
-        store.delete_under(directory)
-    return [str(d) for d in deleted]
+                if (meta := _metadata(save, i)) is not None}
+    for i in retired(complete, tracked, keep, owns):
+        S3Store.shared().delete_under(S3Url.parse(save).join(_dir_name(i)))
 
 
 def checkpoint_iterations(save: str) -> list[int]:
@@ -170,22 +164,22 @@ def tracked_iteration(save: str) -> int | str | None:
     return None if data is None else parse_tracker(data, tracker)
 
 
-def _metadata(store: S3Store, directory: S3Url) -> dict | None:
+def _metadata(save: str, iteration: int) -> dict | None:
+    """The record of `save`'s complete checkpoint of `iteration`, else None."""
+    path = S3Url.parse(save).join(_dir_name(iteration), METADATA_FILENAME)
     try:
-        data = store.get(directory.join(METADATA_FILENAME))
-        return None if data is None else parse_metadata(data, directory.join(METADATA_FILENAME))
+        data = S3Store.shared().get(path)
+        return None if data is None else parse_metadata(data, path)
     except (CheckpointError, StorageError):
         return None
 
 
 def newer_tracked(save: str, iteration: int) -> int | None:
     """save_guard.newer_tracked in a bucket."""
-    store = S3Store.shared()
     tracked = tracked_iteration(save)
     if not isinstance(tracked, int) or tracked <= iteration:
         return None
-    complete = _metadata(store, S3Url.parse(save).join(_dir_name(tracked))) is not None
-    return tracked if complete else None
+    return tracked if _metadata(save, tracked) is not None else None
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -223,16 +217,11 @@ def fetch(load: str, cache: str | None, iteration: int | None = None, part: int 
         raise CheckpointError(f"checkpoint metadata {directory.join(METADATA_FILENAME)}: file "
                               f"names must be relative to the checkpoint, got {escaping}")
     for name in files[part::parts]:
-        _download(store, directory.join(name), local / name)
+        path, source = local / name, directory.join(name)
+        if not (path.is_file() and store.head(source) == file_record(path)):  # not cached
+            store.download(source, path)
     _write(local / METADATA_FILENAME, data)
     return root
-
-
-def _download(store: S3Store, url: S3Url, path: Path) -> None:
-    """Into `path` unless it already holds the object's bytes (the cache)."""
-    if path.is_file() and store.head(url) == file_record(path):
-        return
-    store.download(url, path)
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -35,19 +35,15 @@ class CheckpointSaver:
         self.directory = self.flags.save
         self.writer = (AsyncCheckpointer(device, dist.group.WORLD, writing)
                        if self.flags.async_save else None)
-        self.stall_s: list[float] = []
-        """Seconds each save blocked training, in order (benchmarks read them)."""
 
     def save(self, iteration: int) -> None:
-        start = time.perf_counter()
         if self.writer is None:
+            start = time.perf_counter()
             save_checkpoint(self.directory, iteration, self.ckpt, self.writing)
             self._finished(iteration, time.perf_counter() - start)
-            self.stall_s.append(time.perf_counter() - start)
             return
         self._report(self.writer.finalize(blocking=True))  # a save still pending: its line
         stall = self.writer.save(self.directory, iteration, self.ckpt)
-        self.stall_s.append(time.perf_counter() - start)  # with a wait for the last save
         print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
                       f"blocked {stall * 1e3:.1f} ms (snapshot queued; copied to host memory "
                       f"before the next optimizer step); writing in the background "

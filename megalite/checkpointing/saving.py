@@ -228,7 +228,7 @@ def checkpoint_metadata(ckpt: CheckpointState) -> dict:
 
 
 def publish(save: str, iteration: int, metadata: dict, config,
-            uploads: dict | None = None) -> Path | str:
+            uploads: dict | None = None) -> None:
     """Rank 0, once every rank's files are in the staging directory (in a bucket: uploaded,
     `uploads` their records): commit, retention, both leaving alone the checkpoints of
     another run (save_guard.py)."""
@@ -237,15 +237,14 @@ def publish(save: str, iteration: int, metadata: dict, config,
     run = RunRecord.of(metadata)
     owns, keep = (run.owns if run else None), config.checkpoint.keep_last
     if remote.is_remote(save):
-        final = remote.commit(save, iteration, metadata, expected, uploads, newer is None,
-                              remote.cache_of(config))
+        remote.commit(save, iteration, metadata, expected, uploads, newer is None,
+                      remote.cache_of(config))
     else:
-        final = commit(save, iteration, metadata, expected, track=newer is None)
+        commit(save, iteration, metadata, expected, track=newer is None)
     if newer is not None:
         print(f"  the tracker of {save} still names iteration {newer}, a newer checkpoint "
               f"this run did not write: --load {save} resumes that one", flush=True)
     (remote.apply_retention if remote.is_remote(save) else apply_retention)(save, keep, owns)
-    return final
 
 
 def _optimizer_shard(ckpt: CheckpointState, names: dict[int, str], copy: Callable,

@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megalite.checkpointing.save_guard import RunRecord
 from megalite.distributed.fsdp import copy_into, full_tensor
-from megalite.parallel_state import ParallelState, RankGrid
+from megalite.parallel_state import ParallelState, RankGrid, print_rank_0
 from megalite.tensor_parallel.params import (ep_shard, is_embedding_copy, local_shard,
                                              single_process_name)
 from megalite.tensor_parallel.random import get_device_rng_state, set_device_rng_state
@@ -225,10 +224,9 @@ class CheckpointState:
         # Records before "device" hold a "cuda" generator when saved on a CUDA machine.
         saved = state.get("device", "cuda" if "cuda" in state else "cpu")
         if saved != device.type:  # gpu_check: save_paths
-            if dist.get_rank() == 0:
-                print(f" > RNG states saved on {saved}, running on {device.type}: restoring "
-                      f"the host's generators (python, numpy, torch) only; the others stay "
-                      f"as seeded", flush=True)
+            print_rank_0(f" > RNG states saved on {saved}, running on {device.type}: "
+                         f"restoring the host's generators (python, numpy, torch) only; the "
+                         f"others stay as seeded")
             return
         if saved in state:
             set_device_rng_state(state[saved], device)  # gpu_check: checkpoint_resume

@@ -88,28 +88,27 @@ def save_tensor_file(obj: Any, path: str | Path) -> None:
     _atomic_write(Path(path), lambda f: torch.save(obj, f))
 
 
-def load_tensor_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """A checkpoint file, by `guarded_load`, once its records match their CRC-32s
-    (`damaged_file`: one read of the file). With `mmap` tensors are read from disk only
-    when touched (resharding reads pieces)."""
+def load_tensor_file(path: str | Path, mmap: bool = False) -> Any:
+    """A checkpoint file, by `guarded_load` (on the CPU), once its records match their
+    CRC-32s (`damaged_file`: one read of the file). With `mmap` tensors are read from disk
+    only when touched (resharding reads pieces)."""
     damage = damaged_file(Path(path)) if Path(path).is_file() else None
     if damage is not None:
         raise CheckpointError(f"{damage}: it changed after it was written; restore it, or "
                               f"resume from an older checkpoint (docs/troubleshooting.md)")
-    return guarded_load(Path(path), f"checkpoint file {path}", map_location=map_location,
-                        mmap=mmap)
+    return guarded_load(Path(path), f"checkpoint file {path}", mmap=mmap)
 
 
 def guarded_load(source: Path | BinaryIO, what: str, allowed: Sequence = (),
-                 map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """`torch.load(weights_only=True)` of a path or a stream, with the extra globals
+                 mmap: bool = False) -> Any:
+    """`torch.load(weights_only=True)` onto the CPU of a path or a stream, with the extra globals
     `allowed`: a file holding anything else is refused without running its pickle, so a
     checkpoint cannot run code. `what` names the file in errors."""
     if isinstance(source, Path) and not source.is_file():
         raise CheckpointError(f"{what} does not exist")
     try:
         with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         # The line of torch's message that says what was refused, without its advice.
         reason = str(error).split("WeightsUnpickler error:", 1)[-1].strip()
@@ -271,7 +270,8 @@ def _complete_metadata(directory: Path) -> dict | None:
         return None
 
 
-def _iteration_dirs(save: Path) -> dict[int, Path]:
+def iteration_dirs(save: Path) -> dict[int, Path]:
+    """The `iter_*` directories in `save`, complete or not, by iteration."""
     return {int(m.group(1)): d for d in save.iterdir()
             if (m := _ITER_DIR.fullmatch(d.name)) and d.is_dir()}
 
@@ -279,19 +279,16 @@ def _iteration_dirs(save: Path) -> dict[int, Path]:
 def checkpoint_names(directory: Path) -> list[str]:
     """The checkpoint directories in `directory`, complete or not, by name (staging and
     moved-aside leftovers of a crashed save are not checkpoints)."""
-    return sorted(d.name for d in _iteration_dirs(directory).values()) + (
+    return sorted(d.name for d in iteration_dirs(directory).values()) + (
         [RELEASE] if (directory / RELEASE).is_dir() else [])
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     """A nested record's leaves by key path ("model_tp00_pp000.pt/model/0/weight")."""
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in
-                flatten(item, f"{prefix}/{key}").items()}
-    if isinstance(value, (list, tuple)):
-        return {k: v for i, item in enumerate(value) for k, v in
-                flatten(item, f"{prefix}/{i}").items()}
-    return {prefix: value}
+    if not isinstance(value, (dict, list, tuple)):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return {k: v for key, item in items for k, v in flatten(item, f"{prefix}/{key}").items()}
 
 
 def checkpoint_values(directory: Path) -> dict[str, Any]:
@@ -314,7 +311,7 @@ def find_checkpoint_to_load(load: str | Path) -> tuple[int, Path] | None:
         raise CheckpointError(f"checkpoint path {load} is not a directory")
     tracker = load / TRACKER_FILENAME
     if not tracker.exists():
-        dirs = _iteration_dirs(load)
+        dirs = iteration_dirs(load)
         found = checkpoint_names(load)
         if not found:
             return None
@@ -357,7 +354,7 @@ def apply_retention(save: str | Path, keep: int,
     """
     save = Path(save)
     tracked = _read_tracker(save)
-    dirs = _iteration_dirs(save)
+    dirs = iteration_dirs(save)
     complete = {i: meta for i, d in dirs.items() if (meta := _complete_metadata(d)) is not None}
     deleted = [dirs[i] for i in retired(complete, tracked, keep, owns)]
     if tracked != RELEASE:

@@ -14,6 +14,7 @@ import torch
 import megalite
 from megalite.checkpointing import saving
 from megalite.checkpointing.storage import commit, prepare_staging, save_tensor_file
+from megalite.config.flags import flag_name
 from megalite.errors import ConfigError
 from megalite.megatron_checkpoint import layout
 from megalite.megatron_checkpoint.optimizer_state import AdamState, adam_state
@@ -52,18 +53,14 @@ def add_megatron_args(parser: argparse.ArgumentParser):
     g = parser.add_argument_group("model flags checked against the Megatron args "
                                   "(--import-megatron; optional)")
     for name, kind in SHAPE_FLAGS.items():
-        g.add_argument(_flag(name), type=kind, default=argparse.SUPPRESS)
+        g.add_argument(flag_name(name), type=kind, default=argparse.SUPPRESS)
     for name in (*SHAPE_SWITCHES, "group_query_attention"):
-        g.add_argument(_flag(name), action="store_true", default=argparse.SUPPRESS)
+        g.add_argument(flag_name(name), action="store_true", default=argparse.SUPPRESS)
 
 
 def shape_flags_given(args: argparse.Namespace) -> dict:
     """The model flags on the command line (their defaults are SUPPRESS: absent if not)."""
     return {n: getattr(args, n) for n in (*SHAPE_FLAGS, *SHAPE_SWITCHES) if hasattr(args, n)}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def check_flags(ckpt: MegatronCheckpoint, given: dict) -> None:

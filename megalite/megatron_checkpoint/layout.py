@@ -45,7 +45,7 @@ MTP_PREFIX = "mtp.layers."
 # `transformer_layer`: both are read.
 MTP_LAYER, MTP_LAYER_MODULE = "transformer_layer.", "mtp_model_layer."
 
-# Megatron args -> GPTConfig fields megalite reads, with Megatron's defaults.
+# Megatron args -> GPTConfig fields megalite reads (and args_for writes), with Megatron's defaults.
 _ARG_DEFAULTS = dict(position_embedding_type="learned_absolute", rotary_base=10000,
                      rotary_percent=1.0, normalization="LayerNorm", norm_epsilon=1e-5,
                      swiglu=False, qk_layernorm=False, add_bias_linear=True,
@@ -103,13 +103,7 @@ def args_for(config: GPTConfig, tp: int, pp: int, divisible_by: int,
         group_query_attention=c.num_query_groups != c.num_attention_heads,
         num_query_groups=c.num_query_groups, kv_channels=c.kv_channels,
         seq_length=c.seq_length, max_position_embeddings=c.max_position_embeddings,
-        position_embedding_type=c.position_embedding_type, rotary_base=c.rotary_base,
-        rotary_percent=c.rotary_percent, normalization=c.normalization,
-        norm_epsilon=c.norm_epsilon, swiglu=c.swiglu, qk_layernorm=c.qk_layernorm,
-        add_bias_linear=c.add_bias_linear,
-        untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
-        init_method_std=c.init_method_std, mtp_num_layers=c.mtp_num_layers,
-        mtp_loss_scaling_factor=c.mtp_loss_scaling_factor, vocab_size=c.vocab_size,
+        **{n: getattr(c, n) for n in _ARG_DEFAULTS}, vocab_size=c.vocab_size,
         make_vocab_size_divisible_by=divisible_by,
         padded_vocab_size=pad_vocab_size(c.vocab_size or c.padded_vocab_size, divisible_by, tp),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -130,7 +124,7 @@ def megalite_name(name: str) -> str | None:
     per-expert keys keep their names (moe.legacy_expert stacks them)."""
     if "._extra_state" in name:  # torch_dist's expert ones end in /shard_{layer}.{expert}_...
         return None
-    name = moe.from_torch_dist_name(name)
+    name = name.replace(moe.TORCH_DIST_EXPERTS, moe.EXPERTS)
     if name.startswith(MTP_PREFIX):
         name = name.replace(MTP_LAYER_MODULE, MTP_LAYER, 1)
     for fused, plain in READ_FUSED_NORMS.items():
@@ -149,8 +143,8 @@ def legacy_name(name: str) -> str:
 def fused_name(name: str, config: GPTConfig) -> str:
     """torch_dist's name for a megalite tensor: a norm's (FUSED_NORMS inverted; none with
     multi-latent attention, whose local layer spec keeps them apart), the experts'
-    (moe.torch_dist_name)."""
-    name = moe.torch_dist_name(name)
+    (moe.TORCH_DIST_EXPERTS)."""
+    name = name.replace(moe.EXPERTS, moe.TORCH_DIST_EXPERTS)
     if config.multi_latent_attention:
         return name
     for fused, plain in FUSED_NORMS.items():

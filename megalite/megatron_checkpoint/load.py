@@ -10,14 +10,13 @@ in Megatron. Adam's state is carried over where it maps one to one (optimizer_st
 otherwise a message says the optimizer starts fresh.
 """
 
-import torch.distributed as dist
-
 from megalite.checkpointing.saving import model_fields
 from megalite.checkpointing.state import CheckpointState, canonical_name, state_buffers
 from megalite.checkpointing.model_fields import MODEL_FIELDS, check_model_compatible
 from megalite.errors import CheckpointError
 from megalite.megatron_checkpoint.optimizer_state import adam_state
 from megalite.megatron_checkpoint.reader import MegatronCheckpoint, read_checkpoint
+from megalite.parallel_state import print_rank_0
 
 
 def check_compatible(ckpt: MegatronCheckpoint, model_config) -> None:
@@ -58,10 +57,8 @@ def load_megatron_checkpoint(load: str, ckpt: CheckpointState) -> dict:
 def _load_optimizer(megatron: MegatronCheckpoint, ckpt: CheckpointState) -> None:
     adam, reason = adam_state(megatron)
     if adam is None:
-        if dist.get_rank() == 0:
-            print(f" > {megatron.directory}: {reason}; the optimizer starts fresh (Adam "
-                  f"moments zero, step 0)", flush=True)
+        print_rank_0(f" > {megatron.directory}: {reason}; the optimizer starts fresh (Adam "
+                     f"moments zero, step 0)")
         return
     ckpt.load_optimizer(adam.step, lambda name, k: adam.tensors[name][k])
-    if dist.get_rank() == 0:
-        print(f" > {megatron.directory}: Adam state carried over (step {adam.step})", flush=True)
+    print_rank_0(f" > {megatron.directory}: Adam state carried over (step {adam.step})")

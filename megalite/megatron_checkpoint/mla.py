@@ -51,17 +51,12 @@ def mla_fields(args: argparse.Namespace, where: str) -> dict:
     if fields["rope_type"] not in ("rope", "yarn"):
         raise CheckpointError(f"Megatron checkpoint {where}: rope_type="
                               f"{fields['rope_type']!r}, expected rope or yarn")
-    return dict(fields, multi_latent_attention=True,
-                position_embedding_type=_position_embedding_type(args, where))
-
-
-def _position_embedding_type(args: argparse.Namespace, where: str) -> str:
     # MLA rotates its own RoPE part whatever this says: rope and none mean the same there.
     kind = getattr(args, "position_embedding_type", None) or "learned_absolute"
     if kind not in ("rope", "none"):
         raise CheckpointError(f"Megatron checkpoint {where}: position_embedding_type={kind!r} "
                               f"with multi_latent_attention; megalite's MLA takes rope or none")
-    return kind
+    return dict(fields, multi_latent_attention=True, position_embedding_type=kind)
 
 
 def megatron_args(config: GPTConfig) -> dict:

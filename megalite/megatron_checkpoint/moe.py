@@ -82,15 +82,6 @@ def moe_fields(args: argparse.Namespace, where: str) -> dict:
                 moe_token_dispatcher_type="alltoall" if dispatcher == "flex" else dispatcher)
 
 
-def torch_dist_name(megalite_name: str) -> str:
-    """torch_dist's key (layers not yet stacked) for a megalite name of an expert tensor."""
-    return megalite_name.replace(EXPERTS, TORCH_DIST_EXPERTS)
-
-
-def from_torch_dist_name(name: str) -> str:
-    return name.replace(TORCH_DIST_EXPERTS, EXPERTS)
-
-
 def legacy_expert(name: str, where: str) -> tuple[str, int] | None:
     """(megalite's stacked name, local expert index) of a legacy per-expert key; None for any
     other key."""
@@ -105,12 +96,6 @@ def legacy_expert(name: str, where: str) -> tuple[str, int] | None:
                               f"GroupedMLP's layout (--moe-use-legacy-grouped-gemm): megalite "
                               f"reads its experts from a --ckpt-format torch_dist save")
     return None
-
-
-def legacy_expert_name(stacked: str, local: int) -> str:
-    """Megatron's local-spec (SequentialMLP) key of local expert `local` of a stacked name."""
-    prefix, linear = stacked.split(EXPERTS, 1)
-    return f"{prefix}{EXPERTS}local_experts.{local}.{linear}"
 
 
 def megatron_args(config: GPTConfig) -> dict:

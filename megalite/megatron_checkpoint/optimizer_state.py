@@ -90,7 +90,6 @@ def adam_state(ckpt) -> tuple[AdamState | None, str]:
         # Megatron groups and numbers each expert's parameters apart; megalite stacks them.
         return None, "the Adam state of a mixture of experts is not mapped"
     per_name: dict[str, list[dict]] = {}
-    step = 0
     for (tp, pp), (names, shapes, record) in sorted(ckpt.optimizer_shards.items(),
                                                    key=lambda kv: (kv[0][1], kv[0][0])):
         try:

@@ -151,15 +151,12 @@ def _layer_names(config: GPTConfig, prefix: str, i: int) -> list[str]:
     names = []
     moe_mlp = moe.layer_mlp_names(config, i)
     for module in _layer_modules(config):
-        if module in QK_NORMS and not config.qk_layernorm:
-            continue
         if moe_mlp is not None and module.startswith("mlp."):
             if module == LAYER_MODULES[-1]:
                 names += [prefix + n for n in moe_mlp]
             continue
         if module in LINEARS or mla.is_linear(module):
-            names += [f"{prefix}{module}.{k}" for k in kinds]
-            names.append(f"{prefix}{module}._extra_state")
+            names += [f"{prefix}{module}.{k}" for k in (*kinds, "_extra_state")]
         else:
             names += [f"{prefix}{module}.{k}" for k in norm_kinds]
     return names
@@ -177,25 +174,21 @@ def _mtp_names(config: GPTConfig, k: int) -> list[str]:
 
 
 def _layer_modules(config: GPTConfig) -> tuple[str, ...]:
-    """A layer's modules in Megatron's state-dict order, MLA's attention in place of QKV."""
+    """A layer's modules in Megatron's state-dict order (the QK norms only with
+    --qk-layernorm), MLA's attention in place of QKV."""
     if not config.multi_latent_attention:
-        return LAYER_MODULES
+        return tuple(m for m in LAYER_MODULES if config.qk_layernorm or m not in QK_NORMS)
     return (LAYER_MODULES[0], *mla.attention_modules(config), *LAYER_MODULES[5:])
 
 
-def _mtp_extra_states(config: GPTConfig) -> list[str]:
-    """torch_dist's `_extra_state` keys of the MTP layers, unstacked (no layer offset)."""
-    last = config.num_layers - 1
-    moe_extra = moe.torch_dist_extra_states(config, last, stacked=False)
-    keys = []
-    for k in range(config.mtp_depths):
-        prefix = f"{layout.MTP_PREFIX}{k}."
-        layer = prefix + layout.MTP_LAYER
-        keys += [f"{prefix}eh_proj._extra_state/shard_0_1"]
-        keys += [f"{layer}{linear}._extra_state/shard_0_1" for linear in _linears(config)
-                 if moe_extra is None or not linear.startswith("mlp.")]
-        keys += [layer + key for key in moe_extra or []]
-    return keys
+def _extra_states(config: GPTConfig, layer: int, stacked: bool = True) -> list[str]:
+    """torch_dist's `_extra_state` keys of the linears of a layer of layer `layer`'s kind,
+    without the layer in the module path: sharded by layer when `stacked`, else (an MTP
+    layer's, which no layer offset shards) `shard_0_1`."""
+    moe_extra = moe.torch_dist_extra_states(config, layer, stacked)
+    shard = f"shard_{layer}_{config.num_layers}" if stacked else "shard_0_1"
+    return [f"{linear}._extra_state/{shard}" for linear in _linears(config)
+            if moe_extra is None or not linear.startswith("mlp.")] + (moe_extra or [])
 
 
 def _linears(config: GPTConfig) -> tuple[str, ...]:
@@ -217,14 +210,13 @@ def _write_torch_dist(directory: Path, config: GPTConfig, state: dict, common: d
     layers = config.num_layers
     flat.update({n: torch.stack([per_layer[i] for i in range(layers)])
                  for n, per_layer in stacked.items()})
-    for i in range(layers):
-        moe_extra = moe.torch_dist_extra_states(config, i)
-        extra = [f"{linear}._extra_state/shard_{i}_{layers}" for linear in _linears(config)
-                 if moe_extra is None or not linear.startswith("mlp.")] + (moe_extra or [])
-        for key in extra:
-            # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.
-            flat[layout.LAYER_PREFIX + key] = [None]
-    flat.update({key: [None] for key in _mtp_extra_states(config)})
+    extra = [layout.LAYER_PREFIX + key for i in range(layers) for key in _extra_states(config, i)]
+    for k in range(config.mtp_depths):  # the MTP layers' unstacked: no layer offset
+        prefix = f"{layout.MTP_PREFIX}{k}."
+        extra += [f"{prefix}eh_proj._extra_state/shard_0_1"] + [
+            prefix + layout.MTP_LAYER + key for key in _extra_states(config, layers - 1, False)]
+    # torch.distributed.checkpoint torch.saves each object: [None] as Megatron does.
+    flat.update({key: [None] for key in extra})
     flat["common_state/shard_0_1"] = [common]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
