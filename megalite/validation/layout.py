@@ -11,7 +11,7 @@ from megalite.errors import ConfigError
 from megalite.parallel_state import RankGrid, num_microbatches
 from megalite.pipeline_parallel.schedules import validate_schedule_args
 from megalite.validation.checks import check_positive
-from megalite.validation.uneven import is_uneven_split, pipeline_split
+from megalite.validation.uneven import is_uneven_split, pipeline_split, shares_batch
 
 
 @dataclass(frozen=True)
@@ -146,12 +146,16 @@ def _virtual_stages(args, pp: int) -> int | None:
     return layers // (pp * per_virtual)
 
 
-def batch(args, parallel: ParallelConfig) -> tuple[int, int, int]:
-    """(micro-batch, global batch, micro-batches per DP rank per step). An unset global
-    batch is one micro-batch per DP rank, as in Megatron."""
+def batch(args, parallel: ParallelConfig) -> tuple[int, int, int, tuple[int, ...] | None]:
+    """(micro-batch, global batch, micro-batches per DP rank per step (the largest share),
+    the micro-batches of each DP rank under --data-parallel-shares, else None). An unset
+    global batch is one micro-batch per DP rank, as in Megatron."""
     micro, dp = args.micro_batch_size or 1, parallel.data_parallel_size
     global_batch = args.global_batch_size or micro * dp
+    if args.data_parallel_shares is not None:
+        shares = shares_batch(args, parallel, micro, global_batch)
+        return micro, global_batch, max(shares), shares
     micro_batches = num_microbatches(global_batch, micro, dp)
     validate_schedule_args(parallel.pipeline_model_parallel_size, micro_batches,
                            parallel.virtual_pipeline_model_parallel_size or 1)
-    return micro, global_batch, micro_batches
+    return micro, global_batch, micro_batches, None
