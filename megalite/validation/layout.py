@@ -56,8 +56,7 @@ def _validate_context_parallel(args) -> int:
     """Each sequence is cut into 2 x CP equal chunks (load balancing), and under sequence
     parallelism each CP rank's s / CP rows are split again over TP."""
     cp, seq, tp = args.context_parallel_size, args.seq_length, args.tensor_model_parallel_size
-    if cp <= 0:
-        raise ConfigError(f"--context-parallel-size must be positive, got {cp}")
+    check_positive(args, "context_parallel_size")
     if cp == 1:
         return cp
     if seq % (2 * cp):
@@ -120,9 +119,7 @@ def _check_replicas(args):
     """--num-distributed-optimizer-instances: hybrid sharding replicates a sharded
     optimizer (the grid checks that N divides DP x CP and expert-DP)."""
     n = args.num_distributed_optimizer_instances
-    if n == 1:
-        return
-    if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+    if n != 1 and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
         # As in Megatron: the replicas are of a sharded optimizer; plain DP has no shards.
         raise ConfigError(f"--num-distributed-optimizer-instances={n} needs "
                           "--use-distributed-optimizer or --use-torch-fsdp2 (got neither)")
