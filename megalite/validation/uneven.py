@@ -80,12 +80,11 @@ def pipeline_split(args, pp: int) -> tuple[int | None, tuple[int, ...] | None]:
         raise ConfigError("with an uneven pipeline split use "
                           "--num-virtual-stages-per-pipeline-rank to interleave, not "
                           "--num-layers-per-virtual-pipeline-stage")
-    counts = stage_layer_counts(args.num_layers, pp, v or 1,
-                                args.decoder_first_pipeline_num_layers,
-                                args.decoder_last_pipeline_num_layers,
-                                args.account_for_embedding_in_pipeline_split,
-                                args.account_for_loss_in_pipeline_split)
-    return v, counts
+    return v, stage_layer_counts(args.num_layers, pp, v or 1,
+                                 args.decoder_first_pipeline_num_layers,
+                                 args.decoder_last_pipeline_num_layers,
+                                 args.account_for_embedding_in_pipeline_split,
+                                 args.account_for_loss_in_pipeline_split)
 
 
 def shares_batch(args, parallel: ParallelConfig, micro: int,
