@@ -52,10 +52,6 @@ def flag(default=MISSING, option: str | None = None, *, group: str | None = None
         option=option, group=group, unset=unset, argparse=argparse_kwargs)})
 
 
-def flag_fields(cls) -> list[dataclasses.Field]:
-    return [f for f in fields(cls) if FLAG in f.metadata]
-
-
 def section_types(cls) -> list[type]:
     """The dataclasses of `cls`'s fields (Config's sections), in order."""
     return [t for t in map(_dataclass_in, (f.type for f in fields(cls))) if t is not None]
@@ -65,8 +61,9 @@ def add_flags(parser: argparse.ArgumentParser, classes) -> None:
     """Every flag of `classes`' fields on `parser`, each in its --help group."""
     by_group = {key: [] for key in GROUPS}  # added in --help's order, the usage line's too
     for cls in classes:
-        for f in flag_fields(cls):
-            by_group[f.metadata[FLAG]["group"] or cls.GROUP].append(f)
+        for f in fields(cls):
+            if FLAG in f.metadata:
+                by_group[f.metadata[FLAG]["group"] or cls.GROUP].append(f)
     for key, group_fields in by_group.items():
         group = parser.add_argument_group(*GROUPS[key])
         for f in group_fields:

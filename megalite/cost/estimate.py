@@ -48,8 +48,7 @@ def resolve(config: Config, args) -> Inputs:
     if not 0.0 < mfu <= 1.0:
         raise ConfigError(f"--mfu must be in (0, 1], a fraction of the peak, got {mfu:g}"
                           + (" (read from --cluster-report)" if args.mfu is None else ""))
-    save_s, save = _save_seconds(config, args, measured)
-    return Inputs(gpu, peak, mfu, *_prices(gpu, args), save_s, save)
+    return Inputs(gpu, peak, mfu, *_prices(gpu, args), *_save_seconds(config, args, measured))
 
 
 def _table_peak(gpu: str, config: Config) -> float:

@@ -17,10 +17,10 @@ class Offer:
     """One published price of a GPU kind, USD per GPU-hour."""
     gpu: str
     offer: str
-    on_demand: float | None
-    spot: float | None
     source: str
     date: str
+    on_demand: float | None = None
+    spot: float | None = None
     what: str = ""
 
 
@@ -62,8 +62,7 @@ def _offer(path, gpu: str, entry) -> Offer:
         if value is not None and (not isinstance(value, (int, float)) or value <= 0):
             raise ConfigError(f"--prices {path}: {gpu} {entry['offer']}: {price} must be a "
                               f"positive number of USD per GPU-hour, got {value!r}")
-    return Offer(gpu=gpu, **{"on_demand": None, "spot": None, **entry,
-                             "date": str(entry["date"])})
+    return Offer(gpu=gpu, **{**entry, "date": str(entry["date"])})
 
 
 def find_offer(offers: dict[str, list[Offer]], gpu: str, name: str | None,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from megalite.config import Config
 from megalite.memory_estimate.activations import DEVICES, rank_chunks  # noqa: F401
 from megalite.memory_estimate.schedule import activation_bytes, microbatches_in_flight
-from megalite.memory_estimate.checkpoint import async_save_host_bytes
+from megalite.memory_estimate.checkpoint import checkpoint_bytes
 from megalite.memory_estimate.weights import (num_model_parameters, rank_parameters,  # noqa: F401
                                               shard_numel, weights_and_optimizer)
 
@@ -75,11 +75,8 @@ def estimate_rank_memory(config: Config, pp_rank: int, device: str = "cuda") -> 
     in_flight = microbatches_in_flight(par.pipeline_model_parallel_size, pp_rank,
                                        config.training.num_microbatches, chunks,
                                        par.pipeline_schedule) / chunks
-    return RankMemory(pp_rank=pp_rank, num_parameters=state["num_parameters"],
-                      parameters=state["parameters"], gradients=state["gradients"],
-                      optimizer_state=state["optimizer_state"], main_grads=state["main_grads"],
-                      activations=peak, activations_per_microbatch=per_mb,
+    weights = {k: v for k, v in state.items() if k in RankMemory.__dataclass_fields__}
+    async_save = checkpoint_bytes(config, state) if config.checkpoint.async_save else 0
+    return RankMemory(pp_rank=pp_rank, activations=peak, activations_per_microbatch=per_mb,
                       microbatches_in_flight=in_flight, p2p_buffers=p2p,
-                      host=state.get("host", 0),
-                      async_save_host=async_save_host_bytes(config, state),
-                      grad_compression=state.get("grad_compression", 0))
+                      async_save_host=async_save, **weights)

@@ -18,7 +18,7 @@ from megalite.memory_estimate.mla import mla_saved_bytes, qk_norm_saved_bytes
 from megalite.memory_estimate.moe import moe_saved_bytes
 from megalite.model.gpt import recompute_groups
 from megalite.pipeline_parallel.stages import rank_stages
-from megalite.tensor_parallel.fp8 import Fp8Recipe, layer_fp8_recipe
+from megalite.tensor_parallel.fp8 import layer_fp8_recipe
 
 
 @dataclass(frozen=True)
@@ -202,16 +202,15 @@ def mlp_saved_bytes(config: Config, shape: _Shapes) -> int:
             + shape.mask(config.model.hidden_dropout) * shape.residual_tokens * shape.hidden)
 
 
-def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = None,
-                      layer: int = 0) -> int:
+def layer_saved_bytes(config: Config, shape: _Shapes, layer: int = 0) -> int:
     """One transformer layer (global index `layer`), without recompute or with selective
-    recompute; its linear layers' GEMMs in FP8 with a recipe `fp8`; a MoE layer's MLP as
-    memory_estimate/moe.py counts it; a compiled layer as compiled_layer_saved_bytes does
-    where that count holds (plans_compiled)."""
-    if plans_compiled(config, shape, fp8, layer):
+    recompute; its linear layers' GEMMs in FP8 with its recipe (layer_fp8_recipe); a MoE
+    layer's MLP as memory_estimate/moe.py counts it; a compiled layer as
+    compiled_layer_saved_bytes does where that count holds (plans_compiled)."""
+    if plans_compiled(config, shape, layer):
         return compiled_layer_saved_bytes(config, shape)
     selective = config.model.recompute_granularity == "selective"
-    mlp = (moe_saved_bytes(config, shape, mlp_saved_bytes) if config.model.is_moe_layer(layer)
+    mlp = (moe_saved_bytes(config, shape) if config.model.is_moe_layer(layer)
            else mlp_saved_bytes(config, shape))
     if config.model.multi_latent_attention:  # its input included (memory_estimate/mla.py)
         attention = mla_saved_bytes(config, shape, selective, norm_saved_bytes,
@@ -220,10 +219,10 @@ def layer_saved_bytes(config: Config, shape: _Shapes, fp8: Fp8Recipe | None = No
         attention = (norm_output_bytes(config, shape) + attention_saved_bytes(
             config, shape, selective) + qk_norm_saved_bytes(config, shape, norm_saved_bytes))
     return (2 * norm_saved_bytes(config, shape) + norm_output_bytes(config, shape)
-            + attention + mlp + fp8_layer_delta_bytes(config, shape, fp8))
+            + attention + mlp + fp8_layer_delta_bytes(config, shape, layer))
 
 
-def plans_compiled(config: Config, shape: _Shapes, fp8: Fp8Recipe | None, layer: int) -> bool:
+def plans_compiled(config: Config, shape: _Shapes, layer: int) -> bool:
     """Whether layer `layer` is counted as compiled: it is (shape.compiled), and it is one
     of the variants whose compiled saved tensors were measured (the layers compiled by
     default: TP 1, CP 1, a dense MLP), without FP8 GEMMs, the `unfused` attention
@@ -233,7 +232,8 @@ def plans_compiled(config: Config, shape: _Shapes, fp8: Fp8Recipe | None, layer:
     (Selective recompute never compiles: config.compile_by_default leaves it out and
     validation refuses it with --compile-layers.)"""
     m = config.model
-    return (shape.compiled and shape.tp == 1 and shape.cp == 1 and fp8 is None
+    return (shape.compiled and shape.tp == 1 and shape.cp == 1
+            and layer_fp8_recipe(m, layer) is None
             and not m.is_moe_layer(layer) and m.attention_backend != "unfused"
             and not m.masks_documents and not m.multi_latent_attention)
 
@@ -275,8 +275,7 @@ def layer_activation_bytes(config: Config, device: Device) -> tuple[int, int]:
     context-parallel buffers it holds on top in its backward): the per-layer figures of
     benchmarks/cp_memory.py."""
     shape = _shapes(config, device)
-    fp8 = layer_fp8_recipe(config.model, 0)
-    return layer_saved_bytes(config, shape, fp8), cp_attention_working_set(config, shape)
+    return layer_saved_bytes(config, shape), cp_attention_working_set(config, shape)
 
 
 def embedding_saved_bytes(config: Config, shape: _Shapes) -> int:
@@ -307,7 +306,7 @@ def mtp_depth_saved_bytes(config: Config, shape: _Shapes) -> int:
     recomputed) and the head: final norm, output layer input and loss as loss_saved_bytes."""
     layer = config.model.num_layers - 1
     return (embedding_saved_bytes(config, shape) + 2 * norm_saved_bytes(config, shape)
-            + 2 * norm_output_bytes(config, shape) + layer_saved_bytes(config, shape, None, layer)
+            + 2 * norm_output_bytes(config, shape) + layer_saved_bytes(config, shape, layer)
             + loss_saved_bytes(config, shape))
 
 
@@ -335,13 +334,10 @@ def chunk_activations(config: Config, shape: _Shapes, layers: range, pre: bool,
     contiguous = config.model.sequence_parallel or not pre
     residual = shape.act_bytes * shape.residual_tokens * shape.hidden
     saved, working = rope_table_bytes(config, shape), cp_attention_working_set(config, shape)
-    fp8_weights = sum(fp8_weight_copy_bytes(config, shape, layer_fp8_recipe(config.model, i))
-                      for i in layers)
+    fp8_weights = sum(fp8_weight_copy_bytes(config, shape, i) for i in layers)
     groups = recompute_groups(config.model, len(layers))
     for run, recomputed in groups:
-        run_bytes = sum(layer_saved_bytes(config, shape, layer_fp8_recipe(config.model,
-                                                                          layers[i]), layers[i])
-                        for i in run)
+        run_bytes = sum(layer_saved_bytes(config, shape, layers[i]) for i in run)
         if recomputed:
             saved += residual  # the group's input, kept by the checkpoint
             working = max(working, run_bytes + cp_attention_working_set(config, shape))
@@ -367,8 +363,7 @@ def _first_layer_keeps_input(config: Config, shape: _Shapes, first: range) -> bo
     tensor received from the previous stage (a checkpointed group, a compiled layer, a
     LayerNorm in the activation dtype, an fp32 RMSNorm), so that holding it costs nothing
     more."""
-    compiled = any(plans_compiled(config, shape, layer_fp8_recipe(config.model, i), i)
-                   for i in first)
+    compiled = any(plans_compiled(config, shape, i) for i in first)
     if recompute_groups(config.model, 1)[0][1] or compiled:
         return True  # a checkpoint keeps its input; so does a compiled layer (above)
     if config.model.normalization == "RMSNorm":

@@ -26,11 +26,6 @@ def checkpoint_bytes(config: Config, state: dict) -> int:
     return params + optimizer
 
 
-def async_save_host_bytes(config: Config, state: dict) -> int:
-    """The host buffers of --async-save (checkpoint_bytes); 0 without it."""
-    return checkpoint_bytes(config, state) if config.checkpoint.async_save else 0
-
-
 def planned_save_seconds(config: Config, write_gbps: float) -> tuple[float, int]:
     """(seconds, bytes) of the slowest rank's save at `write_gbps` GB/s per rank."""
     pp = config.parallel.pipeline_model_parallel_size

@@ -22,58 +22,48 @@ Offload moves the shards (parameters, gradients, moments) to the host; the gathe
 parameters, accumulated gradients and the reduction stay on the GPU.
 """
 
-import torch
-
 from megalite.config import Config
 from megalite.distributed.fsdp import ZERO3, fsdp_units
-from megalite.model.gpt import build_model_chunks
 from megalite.tensor_parallel.params import is_expert_parallel, partition_dim
 
 
-def _shard_numel(param, t: int, grid) -> int:
-    """One DP rank's rows of one TP rank's shard of `param` (a whole meta parameter): over a
-    shard group of DP x CP, an expert weight's EP block over one of expert-DP."""
-    rows = param.shape[0] // t if partition_dim(param) == 0 else param.shape[0]
-    numel = param.numel() // t if partition_dim(param) is not None else param.numel()
+def _numels(param, t: int, grid) -> tuple[int, int]:
+    """(elements of one TP (and EP) rank's shard of `param` (a whole meta parameter), one DP
+    rank's rows of that shard): over a shard group of DP x CP, an expert weight's EP block
+    over one of expert-DP."""
+    split = partition_dim(param)
+    rows = param.shape[0] // t if split == 0 else param.shape[0]
+    numel = param.numel() // t if split is not None else param.numel()
     dp = grid.shard_size
     if is_expert_parallel(param):
         ep = grid.expert_model_parallel_size
         rows, numel, dp = rows // ep, numel // ep, grid.expert_shard_size
-    return -(-rows // dp) * (numel // rows)
+    return numel, -(-rows // dp) * (numel // rows)
 
 
-def fsdp_weights(config: Config, pp_rank: int, pbytes: int) -> dict:
-    """weights.weights_and_optimizer's dict for --use-torch-fsdp2, plus bytes "host" (not
-    on the GPU), "gathered" (compute parameters) and "reducing" (one unit's reduction),
-    the transient parts of parameters and gradients."""
-    par = config.parallel
+def fsdp_weights(config: Config, chunks) -> dict:
+    """weights.weights_and_optimizer's dict for --use-torch-fsdp2 (`chunks`: the rank's
+    model chunks, weights.meta_chunks), plus bytes "host" (not on the GPU), "gathered"
+    (compute parameters) and "reducing" (one unit's reduction), the transient parts of
+    parameters and gradients."""
+    par, pbytes, rbytes = config.parallel, config.precision.params_bytes, config.grad_bytes
     # FSDP2 shards over DP x CP, or a shard group of it under HSDP (distributed/fsdp.py).
     t, grid = par.tensor_model_parallel_size, par.grid
-    with torch.device("meta"):
-        chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
-                                    par.virtual_pipeline_model_parallel_size or 1,
-                                    layer_counts=par.pipeline_layer_counts)
 
-    def local(params) -> int:  # elements of one TP (and EP) rank's shard
-        return sum((q.numel() // t if partition_dim(q) is not None else q.numel())
-                   // (grid.expert_model_parallel_size if is_expert_parallel(q) else 1)
-                   for q in params)
-    params = list(chunks.parameters())
-    num = local(params)
-    shard = sum(_shard_numel(q, t, grid) for q in params)
+    def numels(params, which: int) -> int:  # 0: one TP (and EP) rank's shard, 1: its DP rows
+        return sum(_numels(q, t, grid)[which] for q in params)
+    num, shard = numels(chunks.parameters(), 0), numels(chunks.parameters(), 1)
     units = [_unit_parameters(chunk) for chunk in chunks]  # per chunk: root first
     if par.data_parallel_sharding_strategy == ZERO3:
-        gathered = sum(local(root) + sum(sorted(local(u) for u in rest)[-2:])
+        gathered = sum(numels(root, 0) + sum(sorted(numels(u, 0) for u in rest)[-2:])
                        for root, *rest in units)
     else:
         gathered = num
-    rbytes = config.grad_bytes
     deferred = config.training.num_microbatches > 1 and \
         not par.fsdp_grad_reduce_every_micro_batch
     accumulated = rbytes * num if deferred else 0
     # The reduction of the largest unit (module docstring).
-    sizes = [(pbytes * local(u), rbytes * grid.shard_size * sum(_shard_numel(q, t, grid)
-                                                                 for q in u))
+    sizes = [(pbytes * numels(u, 0), rbytes * grid.shard_size * numels(u, 1))
              for chunk_units in units for u in chunk_units]
     reducing = max(max(pair) if deferred else sum(pair) for pair in sizes)
     host = 16 * shard if par.optimizer_cpu_offload else 0

@@ -38,41 +38,34 @@ def mla_saved_bytes(config: Config, shape, selective: bool, norm_saved_bytes,
     q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
     q_and_k, kv = (a * tokens * heads * 2 * q_head,
                    a * tokens * heads * (m.qk_head_dim + m.v_head_dim))
-    own = None if selective else _own_operands_bytes(config, shape)
-    if own is not None:
-        total += own
-    elif not selective:
-        total += q_and_k + kv + _kernel_bytes(config, shape, core_attention_bytes)
-    else:
-        total += q_and_k + kv
-    total += a * tokens * heads * m.v_head_dim  # the output projection's input
+    own = None if selective else _own_operands_bytes(config, shape, core_attention_bytes)
+    if own is None:
+        kernel = 0 if selective else _kernel_bytes(config, shape, core_attention_bytes)
+        own = q_and_k + kv + kernel
+    total += own + a * tokens * heads * m.v_head_dim  # + the output projection's input
     return total + shape.mask(m.hidden_dropout) * rows * shape.hidden
 
 
-def _own_operands_bytes(config: Config, shape) -> int | None:
+def _own_operands_bytes(config: Config, shape, core_attention_bytes) -> int | None:
     """The kernels that keep their own copies of Q and K (as bmm operands, in fp32) and
     the s x s probabilities instead of Q and K themselves (None for the others): unfused
-    (attention_backends._unfused: V repeated, the causal mask, the probabilities cast for
-    the second matmul in lower precision, dropout's), and the CPU's SDPA for unequal head
-    sizes, which falls back to its math kernel (its flash kernel refuses them; bf16 inputs
-    upcast, V too, fp32 V kept itself)."""
+    (attention_backends._unfused: the probabilities, mask and dropout's as
+    core_attention_bytes counts them, with no repeated K and V of Q's width: V itself
+    instead), and the CPU's SDPA for unequal head sizes, which falls back to its math
+    kernel (its flash kernel refuses them; bf16 inputs upcast, V too, fp32 V kept itself)."""
     m, heads, tokens = config.model, shape.heads, shape.tokens
     if shape.cp > 1 or m.masks_documents:
         return None
     q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
-    probs = shape.micro_batch * heads * shape.seq * shape.seq
     q_and_k = 4 * tokens * heads * 2 * q_head
     v = tokens * heads * m.v_head_dim
-    kv = shape.act_bytes * tokens * heads * (m.qk_head_dim + m.v_head_dim)
     if m.attention_backend == "unfused":
-        fp32 = not shape.mixed or shape.device.autocast_fp32_norm_softmax
-        softmax = 4 if fp32 else shape.act_bytes
-        total = q_and_k + shape.seq * shape.seq + softmax * probs + shape.act_bytes * v
-        if m.attention_dropout > 0:
-            total += ((1 if shape.device.dropout_mask_is_bool else softmax) + softmax) * probs
-        return total + (shape.act_bytes * probs if softmax != shape.act_bytes else 0)
+        probs = core_attention_bytes(config, dataclasses.replace(shape, query_width=0))
+        return q_and_k + shape.act_bytes * v + probs
     if (m.attention_backend in ("sdpa", "auto") and not shape.device.sdpa_takes_unequal_heads
             and q_head != m.v_head_dim):
+        probs = shape.micro_batch * heads * shape.seq * shape.seq
+        kv = shape.act_bytes * tokens * heads * (m.qk_head_dim + m.v_head_dim)
         return q_and_k + 4 * probs + (4 * v if shape.mixed else kv)
     return None
 

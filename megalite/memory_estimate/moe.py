@@ -39,9 +39,8 @@ def dispatched_rows(config: Config, tokens: int) -> int:
     return capped if m.moe_pad_expert_input_to_capacity else min(dropless, capped)
 
 
-def moe_saved_bytes(config: Config, shape, mlp_bytes) -> int:
-    """One MoE layer's saved bytes in place of the dense MLP's (`shape`: activations._Shapes;
-    `mlp_bytes(config, shape)`: the dense MLP's count, for the shared experts)."""
+def moe_saved_bytes(config: Config, shape) -> int:
+    """One MoE layer's saved bytes in place of the dense MLP's (`shape`: activations._Shapes)."""
     m, a = config.model, shape.act_bytes
     tokens, h, tp = shape.tokens, shape.hidden, shape.tp
     rows = dispatched_rows(config, tokens)

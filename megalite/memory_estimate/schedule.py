@@ -2,6 +2,8 @@
 through the action list its executor runs (`pipeline_parallel.schedules`), with the p2p
 send buffers that the communication plan keeps."""
 
+from itertools import accumulate
+
 from megalite.config import Config
 from megalite.memory_estimate.activations import Device, rank_chunks
 from megalite.pipeline_parallel.p2p import communication_plan
@@ -24,7 +26,6 @@ def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int,
     schedule = build_schedule(par.pipeline_model_parallel_size, pp_rank, m, len(chunks),
                               par.pipeline_schedule)
     split = any(action.kind == WEIGHT for action in schedule)
-    piped = par.pipeline_model_parallel_size > 1
     held = sends_held(config, pp_rank)
     live = sent = peak = peak_sent = 0
     until_backward = {}  # (microbatch, chunk) -> its sent output, let go at its backward
@@ -32,8 +33,8 @@ def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int,
         chunk, key = chunks[action.chunk], (action.microbatch, action.chunk)
         if action.kind == FORWARD:
             live += chunk.saved
-            sent += chunk.send_forward if piped else 0
-            until_backward[key] = 0 if keep or not piped else chunk.send_forward
+            sent += chunk.send_forward
+            until_backward[key] = 0 if keep else chunk.send_forward
             now = live + sent
         elif action.kind == WEIGHT:
             now = live + sent
@@ -41,7 +42,7 @@ def activation_bytes(config: Config, pp_rank: int, device: Device) -> tuple[int,
         else:
             now = live + sent + chunk.working_set
             live -= 0 if split else chunk.saved
-            sent += (chunk.send_backward if keep and piped else 0) - until_backward.pop(key)
+            sent += (chunk.send_backward if keep else 0) - until_backward.pop(key)
         if now > peak:
             peak, peak_sent = now, sent
     fp8_weights = sum(chunk.fp8_weights for chunk in chunks)  # held through the whole walk
@@ -66,8 +67,6 @@ def microbatches_in_flight(pp_size: int, pp_rank: int, num_microbatches: int,
     on this rank."""
     actions = build_schedule(pp_size, pp_rank, num_microbatches, num_chunks, schedule)
     done = WEIGHT if any(action.kind == WEIGHT for action in actions) else BACKWARD
-    live = peak = 0
-    for action in actions:
-        live += 1 if action.kind == FORWARD else -1 if action.kind == done else 0
-        peak = max(peak, live)
-    return peak
+    steps = (1 if action.kind == FORWARD else -1 if action.kind == done else 0
+             for action in actions)
+    return max(accumulate(steps, initial=0))

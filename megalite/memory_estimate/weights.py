@@ -5,7 +5,6 @@ Nothing here restates the model or the buffer: the parameter list is the model's
 `GradBuffer`'s rule (`bucket_layout`, `padded_size`) applied to those sizes.
 """
 
-import torch
 from torch import nn
 
 from megalite.config import Config, OptimizerKind
@@ -17,16 +16,19 @@ from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parall
                                              is_shared_embedding, is_tensor_parallel)
 
 
-def rank_parameters(config: Config, pp_rank: int) -> list[nn.Parameter]:
-    """This pipeline rank's parameters in `model.parameters()` order, built by the model's
-    own code on the meta device. Built without a TP group, so whole: `shard_numel` gives
-    one TP rank's part."""
+def meta_chunks(config: Config, pp_rank: int) -> nn.ModuleList:
+    """This pipeline rank's model chunks, built by the model's own code on the meta device.
+    Built without a TP group, so whole: `shard_numel` gives one TP rank's part of each
+    parameter."""
     par = config.parallel
-    with torch.device("meta"):
-        chunks = build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
-                                    par.virtual_pipeline_model_parallel_size or 1,
-                                    layer_counts=par.pipeline_layer_counts)
-    return list(chunks.parameters())
+    return build_model_chunks(config.model, 0, pp_rank, par.pipeline_model_parallel_size,
+                              par.virtual_pipeline_model_parallel_size or 1, device="meta",
+                              layer_counts=par.pipeline_layer_counts)
+
+
+def rank_parameters(config: Config, pp_rank: int) -> list[nn.Parameter]:
+    """This pipeline rank's parameters in `model.parameters()` order (meta_chunks')."""
+    return list(meta_chunks(config, pp_rank).parameters())
 
 
 def shard_numel(config: Config, param: nn.Parameter) -> int:
@@ -72,27 +74,26 @@ def grad_buckets(config: Config, params: list[nn.Parameter]) -> list[tuple[int, 
 def weights_and_optimizer(config: Config, pp_rank: int) -> dict:
     """Bytes of parameters, gradients, optimizer state and fp32 main grads on DP rank 0,
     and "owned": the elements whose fp32 main copy and moments this rank's optimizer holds."""
-    params = rank_parameters(config, pp_rank)
-    num = sum(shard_numel(config, param) for param in params)
-    layout = _buckets(config, params)
-    padded = sum(n for _, n, _ in layout)
-    pbytes, gbytes = config.precision.params_bytes, config.grad_bytes
     kind = config.optimizer_kind
     if kind is OptimizerKind.FULLY_SHARDED:
-        return fsdp_weights(config, pp_rank, pbytes)
-    main_params, sharded = kind.has_main_params, kind.sharded
-    compression = powersgd_bytes(config, params, [shard_numel(config, p) for p in params])
-    if not main_params:  # plain AdamW: the parameters are the main copy, two fp32 moments
-        return dict(num_parameters=num, parameters=pbytes * num, gradients=gbytes * padded,
-                    optimizer_state=8 * num, main_grads=0, owned=num,
-                    grad_compression=compression)
-    # DP rank 0 owns the first 1/shards of every bucket (shards: the bucket's group under
-    # ZeRO-1), all of it real parameters.
-    owned = sum(min(real, padded_numel // (group if sharded else 1))
-                for real, padded_numel, group in layout)
-    state = dict(num_parameters=num, parameters=pbytes * padded, gradients=gbytes * padded,
-                 optimizer_state=12 * owned, main_grads=0 if gbytes == 4 else 4 * owned,
-                 owned=owned, grad_compression=compression)
+        return fsdp_weights(config, meta_chunks(config, pp_rank))
+    params = rank_parameters(config, pp_rank)
+    numels = [shard_numel(config, param) for param in params]
+    layout = _buckets(config, params)
+    num, padded = sum(numels), sum(n for _, n, _ in layout)
+    pbytes, gbytes = config.precision.params_bytes, config.grad_bytes
+    if kind.has_main_params:
+        # DP rank 0 owns the first 1/shards of every bucket (shards: the bucket's group under
+        # ZeRO-1), all of it real parameters; the parameters live in the padded buckets.
+        owned = sum(min(real, padded_numel // (group if kind.sharded else 1))
+                    for real, padded_numel, group in layout)
+        state = dict(parameters=pbytes * padded, optimizer_state=12 * owned)
+    else:  # plain AdamW: the parameters are the main copy, two fp32 moments
+        owned = num
+        state = dict(parameters=pbytes * num, optimizer_state=8 * num)
+    state.update(num_parameters=num, gradients=gbytes * padded, owned=owned,
+                 main_grads=0 if gbytes == 4 else 4 * owned,
+                 grad_compression=powersgd_bytes(config, params, numels))
     if config.parallel.optimizer_cpu_offload:
         # The owned main parameters, moments and the fp32 gradient copies on the host
         # (mixed_precision.HostOffload).

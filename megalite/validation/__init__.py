@@ -22,7 +22,7 @@ from megalite.validation.run import (TokenizerFlags, check_checkpoint, check_dat
                                      check_wandb, monitoring_fields, precision_fields)
 from megalite.validation.schedule import (ScheduleFlags, check_optimizer, run_length,
                                           scheduler_fields)
-from megalite.validation.uneven import UnevenFlags, shares_batch
+from megalite.validation.uneven import UnevenFlags
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
@@ -65,12 +65,7 @@ def _sections(args, world_size: int, tokenizer_vocab_size: int | None) -> dict:
                    "make_vocab_size_divisible_by", "tensor_model_parallel_size",
                    "pipeline_model_parallel_size", "distributed_timeout_minutes")
     parallel = parallel_config(args, world_size)
-    shares = None
-    if args.data_parallel_shares is None:
-        micro, global_batch, num_micro = batch(args, parallel)
-    else:
-        micro, global_batch, shares = shares_batch(args, parallel)
-        num_micro = max(shares)
+    micro, global_batch, num_micro, shares = batch(args, parallel)
     validate_pipeline_schedule(args, parallel, num_micro)
     model = model_fields(args, parallel, tokenizer_vocab_size)
     precision = precision_fields(args)

@@ -11,7 +11,7 @@ from megalite.errors import ConfigError
 from megalite.parallel_state import RankGrid, num_microbatches
 from megalite.pipeline_parallel.schedules import validate_schedule_args
 from megalite.validation.checks import check_positive
-from megalite.validation.uneven import is_uneven_split, pipeline_split
+from megalite.validation.uneven import is_uneven_split, pipeline_split, shares_batch
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,7 @@ def _validate_context_parallel(args) -> int:
     """Each sequence is cut into 2 x CP equal chunks (load balancing), and under sequence
     parallelism each CP rank's s / CP rows are split again over TP."""
     cp, seq, tp = args.context_parallel_size, args.seq_length, args.tensor_model_parallel_size
-    if cp <= 0:
-        raise ConfigError(f"--context-parallel-size must be positive, got {cp}")
+    check_positive(args, "context_parallel_size")
     if cp == 1:
         return cp
     if seq % (2 * cp):
@@ -120,9 +119,7 @@ def _check_replicas(args):
     """--num-distributed-optimizer-instances: hybrid sharding replicates a sharded
     optimizer (the grid checks that N divides DP x CP and expert-DP)."""
     n = args.num_distributed_optimizer_instances
-    if n == 1:
-        return
-    if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+    if n != 1 and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
         # As in Megatron: the replicas are of a sharded optimizer; plain DP has no shards.
         raise ConfigError(f"--num-distributed-optimizer-instances={n} needs "
                           "--use-distributed-optimizer or --use-torch-fsdp2 (got neither)")
@@ -146,12 +143,16 @@ def _virtual_stages(args, pp: int) -> int | None:
     return layers // (pp * per_virtual)
 
 
-def batch(args, parallel: ParallelConfig) -> tuple[int, int, int]:
-    """(micro-batch, global batch, micro-batches per DP rank per step). An unset global
-    batch is one micro-batch per DP rank, as in Megatron."""
+def batch(args, parallel: ParallelConfig) -> tuple[int, int, int, tuple[int, ...] | None]:
+    """(micro-batch, global batch, micro-batches per DP rank per step (the largest share),
+    the micro-batches of each DP rank under --data-parallel-shares, else None). An unset
+    global batch is one micro-batch per DP rank, as in Megatron."""
     micro, dp = args.micro_batch_size or 1, parallel.data_parallel_size
     global_batch = args.global_batch_size or micro * dp
+    if args.data_parallel_shares is not None:
+        shares = shares_batch(args, parallel, micro, global_batch)
+        return micro, global_batch, max(shares), shares
     micro_batches = num_microbatches(global_batch, micro, dp)
     validate_schedule_args(parallel.pipeline_model_parallel_size, micro_batches,
                            parallel.virtual_pipeline_model_parallel_size or 1)
-    return micro, global_batch, micro_batches
+    return micro, global_batch, micro_batches, None

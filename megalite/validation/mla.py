@@ -17,20 +17,20 @@ YARN_DEFAULTS = dict(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
 def mla_model_fields(args, parallel: ParallelConfig) -> dict:
     """GPTConfig's rope_type (Megatron's default: yarn with MLA, rope without), after the
     checks of the MLA and YaRN flags."""
-    rope_type = args.rope_type or ("yarn" if args.multi_latent_attention else "rope")
-    if not args.multi_latent_attention:
-        if rope_type != "rope":
-            raise ConfigError(f"--rope-type {rope_type} applies to --multi-latent-attention "
-                              "only (other attention takes rope)")
-        _check_yarn_flags_unset(args, "without --multi-latent-attention")
-        return dict(rope_type=rope_type)
-    _check_heads(args)
-    _check_combinations(args, parallel)
+    mla = args.multi_latent_attention
+    rope_type = args.rope_type or ("yarn" if mla else "rope")
+    if mla:
+        _check_heads(args)
+        _check_combinations(args, parallel)
+    elif rope_type != "rope":
+        raise ConfigError(f"--rope-type {rope_type} applies to --multi-latent-attention "
+                          "only (other attention takes rope)")
     if rope_type == "yarn":
         check_positive(args, "rotary_scaling_factor", "yarn_original_max_position_embeddings",
                        "yarn_beta_fast", "yarn_beta_slow")
     else:
-        _check_yarn_flags_unset(args, "with --rope-type rope")
+        _check_yarn_flags_unset(args, "with --rope-type rope" if mla else
+                                "without --multi-latent-attention")
     return dict(rope_type=rope_type)
 
 

@@ -55,15 +55,13 @@ def check_optimizer(args):
 def scheduler_fields(args, global_batch: int, train_samples: int) -> dict:
     """SchedulerConfig's sample counts: iteration flags are multiplied by the global batch,
     so --train-iters and --train-samples runs share one code path."""
-    if args.train_iters is not None:
-        _reject_flags(args, "samples")
-        to_samples = lambda iters: None if iters is None else iters * global_batch  # noqa: E731
-        decay = to_samples(args.lr_decay_iters) or train_samples
-        warmup, wsd = to_samples(args.lr_warmup_iters), to_samples(args.lr_wsd_decay_iters)
-    else:
-        _reject_flags(args, "iters")
-        decay = args.lr_decay_samples or train_samples
-        warmup, wsd = args.lr_warmup_samples, args.lr_wsd_decay_samples
+    unit, scale = ("iters", global_batch) if args.train_iters is not None else ("samples", 1)
+    _reject_flags(args, unit)
+
+    def samples(name: str) -> int | None:  # --lr-<name>-<unit>, in samples
+        value = getattr(args, f"lr_{name}_{unit}")
+        return None if value is None else value * scale
+    decay, warmup, wsd = samples("decay") or train_samples, samples("warmup"), samples("wsd_decay")
     if args.lr_warmup_fraction is not None:
         if warmup:
             raise ConfigError("pass only one of --lr-warmup-fraction and "
@@ -81,9 +79,9 @@ def scheduler_fields(args, global_batch: int, train_samples: int) -> dict:
 
 def _reject_flags(args, unit: str):
     """The schedule is given in the run's unit: iterations with --train-iters, samples
-    with --train-samples."""
+    with --train-samples; `unit` is the run's, the other's flags are refused."""
     other = "iters" if unit == "samples" else "samples"
-    named = [n for n in (f"lr_decay_{unit}", f"lr_wsd_decay_{unit}")
+    named = [n for n in (f"lr_decay_{other}", f"lr_wsd_decay_{other}")
              if getattr(args, n) is not None]
-    for name in named + ([f"lr_warmup_{unit}"] if getattr(args, f"lr_warmup_{unit}") else []):
-        raise ConfigError(f"{flag_name(name)} goes with --train-{unit}, not --train-{other}")
+    for name in named + ([f"lr_warmup_{other}"] if getattr(args, f"lr_warmup_{other}") else []):
+        raise ConfigError(f"{flag_name(name)} goes with --train-{other}, not --train-{unit}")

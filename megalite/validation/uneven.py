@@ -80,18 +80,18 @@ def pipeline_split(args, pp: int) -> tuple[int | None, tuple[int, ...] | None]:
         raise ConfigError("with an uneven pipeline split use "
                           "--num-virtual-stages-per-pipeline-rank to interleave, not "
                           "--num-layers-per-virtual-pipeline-stage")
-    counts = stage_layer_counts(args.num_layers, pp, v or 1,
-                                args.decoder_first_pipeline_num_layers,
-                                args.decoder_last_pipeline_num_layers,
-                                args.account_for_embedding_in_pipeline_split,
-                                args.account_for_loss_in_pipeline_split)
-    return v, counts
+    return v, stage_layer_counts(args.num_layers, pp, v or 1,
+                                 args.decoder_first_pipeline_num_layers,
+                                 args.decoder_last_pipeline_num_layers,
+                                 args.account_for_embedding_in_pipeline_split,
+                                 args.account_for_loss_in_pipeline_split)
 
 
-def shares_batch(args, parallel: ParallelConfig) -> tuple[int, int, tuple[int, ...]]:
-    """(micro-batch, global batch, micro-batches of each DP rank) under
-    --data-parallel-shares: the global batch need only divide into micro-batches, and each
-    rank's count must suit the pipeline schedule (interleaved 1F1B: multiples of p)."""
+def shares_batch(args, parallel: ParallelConfig, micro: int,
+                 global_batch: int) -> tuple[int, ...]:
+    """The micro-batches of each DP rank under --data-parallel-shares: the global batch need
+    only divide into micro-batches, and each rank's count must suit the pipeline schedule
+    (interleaved 1F1B: multiples of p)."""
     dp, pp = parallel.data_parallel_size, parallel.pipeline_model_parallel_size
     text = args.data_parallel_shares
     if dp < 2:
@@ -109,12 +109,10 @@ def shares_batch(args, parallel: ParallelConfig) -> tuple[int, int, tuple[int, .
         raise ConfigError(f"--data-parallel-shares={text} cannot be combined with "
                           f"--use-torch-fsdp2 (its parameter all-gathers run per "
                           f"micro-batch); use --use-distributed-optimizer (ZeRO-1)")
-    micro = args.micro_batch_size or 1
-    global_batch = args.global_batch_size or micro * dp
     v = parallel.virtual_pipeline_model_parallel_size or 1
     weights = parse_weights(text, dp) or [1.0] * dp
     shares = split_microbatches(weights, num_microbatches(global_batch, micro),
                                 share_unit(parallel))
     for m in set(shares):
         validate_schedule_args(pp, m, v)
-    return micro, global_batch, shares
+    return shares

@@ -26,7 +26,6 @@ from megalite.optimizer.grad_scaler import DynamicGradScaler
 from megalite.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.optimizer.optimizer import Optimizer
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.memory_estimate.fsdp import fsdp_weights
 from megalite.spawn import run_distributed
 from megalite.train_step import StepRunner
 from megalite.training import build_model, build_optimizer
@@ -298,7 +297,7 @@ def planner_against_tensors(rank, world_size) -> dict[str, list[str]]:
                     "gradients": sum(p.grad.to_local().numel() * 4 for p in params),
                     "optimizer_state": optimizer.optimizer_state_bytes() - shards}
         plan = me.estimate_rank_memory(config, 0, "cpu")
-        transient = fsdp_weights(config, 0, 2)
+        transient = me.weights_and_optimizer(config, 0)
         gathered = transient["gathered"]
         # The planner's parameters include the gathered compute copies, its gradients
         # one unit's reduction (both transient).
