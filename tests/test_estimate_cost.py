@@ -162,6 +162,9 @@ def test_bad_input_is_an_error_naming_the_flag(tmp_path, capsys):
     bad.write_text("A100:\n  - offer: x\n    on_demand: -1\n    source: s\n    date: 2024\n")
     assert f"--prices {bad}: A100 x: on_demand must be a positive" in error(
         capsys, "--gpu", "A100", "--mfu", "0.4", "--prices", str(bad), *base)
+    bad.write_text("A100:\n  - {offer: x, source: s, date: 2024, gpu: A100}\n")
+    assert f"--prices {bad}: A100: each offer needs offer, source and date" in error(
+        capsys, "--gpu", "A100", "--mfu", "0.4", "--prices", str(bad), *base)
     assert "--preemption-rate must be positive, got -1" in error(
         capsys, "--gpu", "A100", "--mfu", "0.4", "--preemption-rate", "-1", *base)
     assert "--gpu V100 has no bf16 tensor-core peak" in error(

@@ -52,9 +52,9 @@ def load_offers(path: str | Path = DEFAULT_TABLE) -> dict[str, list[Offer]]:
 
 
 def _offer(path, gpu: str, entry) -> Offer:
-    fields = Offer.__dataclass_fields__
+    fields = Offer.__dataclass_fields__.keys() - {"gpu"}  # the kind is the entry's key
     if not isinstance(entry, dict) or not {"offer", "source", "date"} <= entry.keys() \
-            or entry.keys() - fields.keys():
+            or entry.keys() - fields:
         raise ConfigError(f"--prices {path}: {gpu}: each offer needs offer, source and date, "
                           f"and may have on_demand, spot and what; got {entry!r}")
     for price in ("on_demand", "spot"):
