@@ -357,10 +357,10 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"{DIRECTIONS[direction]} needs --save (the megalite save directory "
                      f"to write)")
     others = {f for d, flags in DIRECTION_FLAGS.items() for f in flags}
-    wrong = [_flag(name) for name in sorted(others - set(DIRECTION_FLAGS[direction]))
+    wrong = [flag_name(name) for name in sorted(others - set(DIRECTION_FLAGS[direction]))
              if getattr(args, name) not in (None, False)]
     if direction != "import_megatron":
-        wrong += [_flag(n) for n in megatron_convert.shape_flags_given(args)]
+        wrong += [flag_name(n) for n in megatron_convert.shape_flags_given(args)]
     if wrong:
         parser.error(f"not used with {DIRECTIONS[direction]}: {', '.join(wrong)}")
     if args.iteration is not None and args.iteration < 0:
@@ -368,11 +368,7 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace):
     for name in ("make_vocab_size_divisible_by", "target_tensor_parallel_size",
                  "target_pipeline_parallel_size", "vocab_size"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
-            parser.error(f"{_flag(name)} must be positive, got {getattr(args, name)}")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+            parser.error(f"{flag_name(name)} must be positive, got {getattr(args, name)}")
 
 
 def main(argv=None) -> int:
