@@ -8,6 +8,7 @@ buffers the snapshot holds, and a rank copies to host memory only what it writes
 import contextlib
 import io
 import os
+import re
 import sys
 import time
 
@@ -72,6 +73,10 @@ def test_async_save_writes_a_sync_saves_bytes_and_resumes_bit_exactly(tmp_path, 
     finished = first.index("successfully saved checkpoint at iteration       2")
     assert requested < finished
     assert "training blocked" in first[requested:finished]
+    # The save at 4 waited for iteration 2's slow write: its stall says so and includes it.
+    stall = re.search(r"iteration +4 requested: training blocked ([\d.]+) ms, ([\d.]+) ms of "
+                      r"it waiting for the save of iteration 2 to be written", first)
+    assert stall and float(stall[1]) >= float(stall[2]) > 0, first
     assert "successfully saved checkpoint at iteration       4" in first
     assert planned_host_buffers("--save", str(asyn), "--async-save") == \
         tensor_bytes(saved_files(asyn / "iter_0000002"))

@@ -3,7 +3,8 @@
 Megatron-LM once printed "saved checkpoint" with the time of a save that was only requested
 (Megatron-LM #1763); here the two moments have lines and times of their own:
   requested: how long training was blocked (the whole save when synchronous, the snapshot
-             when asynchronous);
+             when asynchronous, and the wait for the previous save's writes if they are
+             still running);
   finished:  "successfully saved checkpoint at iteration N", printed once the tracker
              names it, with the seconds from the request (and their share of
              --preemption-notice-seconds).
@@ -42,10 +43,14 @@ class CheckpointSaver:
             save_checkpoint(self.directory, iteration, self.ckpt, self.writing)
             self._finished(iteration, time.perf_counter() - start)
             return
+        pending, start = self.writer.pending, time.perf_counter()
         self._report(self.writer.finalize(blocking=True))  # a save still pending: its line
-        stall = self.writer.save(self.directory, iteration, self.ckpt)
+        waited = time.perf_counter() - start  # saves closer than their writes stall too
+        stall = waited + self.writer.save(self.directory, iteration, self.ckpt)
+        wait = ("" if pending is None else f", {waited * 1e3:.1f} ms of it waiting for the "
+                f"save of iteration {pending.iteration} to be written")
         print_rank_0(f"  save of checkpoint at iteration {iteration:7d} requested: training "
-                      f"blocked {stall * 1e3:.1f} ms (snapshot queued; copied to host memory "
+                      f"blocked {stall * 1e3:.1f} ms{wait} (snapshot queued; copied to host memory "
                       f"before the next optimizer step); writing in the background "
                       f"(--async-save)")
 
