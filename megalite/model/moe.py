@@ -26,7 +26,7 @@ from megalite.expert_parallel.dispatch import TokenDispatcher
 from megalite.expert_parallel.grouped_gemm import grouped_linear
 from megalite.model.router import TopKRouter, counting_forward, expert_capacity
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+from megalite.tensor_parallel.mappings import (all_reduce_, gather_from_sequence_parallel_region,
                                                reduce_scatter_to_sequence_parallel_region)
 from megalite.tensor_parallel.params import (mark_expert_parallel, mark_sequence_parallel,
                                              mark_stacked, mark_tensor_parallel)
@@ -189,8 +189,6 @@ def update_expert_bias(chunks, group=None):
         router = layer.router
         if router.expert_bias is None:
             continue
-        load = router.local_tokens_per_expert
-        if group_size(group) > 1:
-            torch.distributed.all_reduce(load, group=group)
+        load = all_reduce_(router.local_tokens_per_expert, group)
         router.expert_bias += torch.sign(load.mean() - load) * layer.config.moe_router_bias_update_rate
         load.zero_()
