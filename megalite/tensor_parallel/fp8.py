@@ -23,7 +23,6 @@ column-parallel GEMM and reduce-scatters after the row-parallel one). So TP n in
 one FP8 process within round-off.
 """
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from megalite.config import GPTConfig
 from megalite.errors import ConfigError
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.weight_grad import LinearStep, apply_as_autocast_would
+from megalite.tensor_parallel.weight_grad import LinearStep, apply_as_autocast_would, temporarily
 
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
                "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -163,7 +162,6 @@ def _cast_row_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype, memory_format=torch.contiguous_format)
 
 
-@contextlib.contextmanager
 def quantize_weights_once(step: LinearStep):
     """Inside (one training step's forwards and backwards), a tensorwise FP8 layer running
     with `step` (its model's, weight_grad.LinearStep, where the copies are kept) quantizes
@@ -179,11 +177,7 @@ def quantize_weights_once(step: LinearStep):
     scaled_mm): two bytes an element, a bf16 weight's size, as Transformer Engine keeps an
     FP8 weight and its transpose. Keeping one and transposing it for the other GEMM would
     be a copy per micro-batch again, the cost this removes."""
-    previous, step.fp8_weights = step.fp8_weights, {}
-    try:
-        yield
-    finally:
-        step.fp8_weights = previous
+    return temporarily(step, "fp8_weights", {})
 
 
 def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype, group,

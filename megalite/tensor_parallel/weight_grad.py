@@ -84,30 +84,20 @@ class LinearStep:
             if hasattr(module, "linear_step"):
                 module.linear_step = self
 
-    @contextlib.contextmanager
     def defer_weight_grads(self, store: WeightGradStore):
         """The layers' backwards inside this context leave their weight gradients in
         `store` (B of a split backward)."""
         if self.store is not None:
             raise RuntimeError("defer_weight_grads is already active: one B pass at a time")
-        self.store = store
-        try:
-            yield store
-        finally:
-            self.store = None
+        return temporarily(self, "store", store)
 
-    @contextlib.contextmanager
     def unsplit(self):
         """The layers' forwards inside this context build torch's own F.linear node, whose
         backward computes dA at once: for a schedule without W passes. It is ~40 us per
         layer and step cheaper than the custom function on a CPU (Python forward and
         backward), and its dA (X^T dY, transposed) is bit for bit the custom one's on the
         CPU (tests/test_weight_grad.py)."""
-        previous, self.splittable = self.splittable, False
-        try:
-            yield
-        finally:
-            self.splittable = previous
+        return temporarily(self, "splittable", False)
 
     def deferred(self, param: torch.Tensor) -> bool:
         """Whether the B pass running now deferred `param`'s gradient. Autograd still calls
@@ -124,6 +114,17 @@ class LinearStep:
         self.store.pending.append((weight, compute, tensors))
         self.store.weights.add(id(weight))
         return None
+
+
+@contextlib.contextmanager
+def temporarily(obj, name: str, value):
+    """obj.<name> = value inside the context (which yields it), the previous value after."""
+    previous = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield value
+    finally:
+        setattr(obj, name, previous)
 
 
 def weight_grad(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
