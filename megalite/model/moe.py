@@ -62,13 +62,18 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, h] grouped by expert -> [N, h] (partial sums over TP)."""
-        y = grouped_linear(x, self.linear_fc1.weight, tokens_per_expert, self.grouped)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
+        y = activation(grouped_linear(x, self.linear_fc1.weight, tokens_per_expert, self.grouped),
+                       self.swiglu)
         return grouped_linear(y, self.linear_fc2.weight, tokens_per_expert, self.grouped)
+
+
+def activation(y: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The MLP's activation of fc1's output: GeLU, or SwiGLU (Shazeer 2020) of its
+    [gate; up] halves (the dense MLP's and each routed expert's)."""
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(y)
 
 
 class MoELayer(nn.Module):
