@@ -94,7 +94,6 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config, config.num_experts // group_size(ep_group),
                                       group_size(tp_group))
         self.dispatcher = TokenDispatcher(config.num_experts, ep_group=ep_group,
-                                          tp_group=tp_group,
                                           kind=config.moe_token_dispatcher_type)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
