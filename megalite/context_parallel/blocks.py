@@ -23,6 +23,8 @@ in (at least) fp32, as the unfused backend's.
 
 import torch
 
+from megalite.attention_backends import future_keys
+
 
 def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
     """[b, s, heads, d] -> [b, g, heads/g, s, d] in (at least) fp32, g = kv_heads: q, its
@@ -40,9 +42,7 @@ def _scores(qg, kg, causal: bool, scale: float, visible=None) -> torch.Tensor:
     if visible is not None:  # [b, s_q, s_k]: documents (block-causal)
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     if causal:  # aligned to the lower right, as core_attention's
-        sq, sk = scores.shape[-2:]
-        future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - sq)
-        scores = scores.masked_fill(future, float("-inf"))
+        scores = scores.masked_fill(future_keys(*scores.shape[-2:], scores.device), float("-inf"))
     return scores
 
 
