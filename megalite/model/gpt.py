@@ -17,7 +17,8 @@ from megalite.config import GPTConfig
 from megalite.model.init import initialize_parameters
 from megalite.model.mtp import MultiTokenPrediction, attach_mtp_loss
 from megalite.model.norms import build_norm
-from megalite.model.rotary import mla_rotary_table, rotary_frequencies, rotary_table
+from megalite.model.rotary import (mla_rotary_table, rotary_frequencies, rotary_table,
+                                   uses_rotary)
 from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
@@ -179,7 +180,7 @@ class GPTModel(nn.Module):
         .to(bfloat16) would round it, and bf16 angles of neighbouring positions above 256
         are equal."""
         c = self.config
-        if c.position_embedding_type != "rope" and not c.multi_latent_attention:
+        if not uses_rotary(c):
             return None
         if self._rotary is None or self._rotary.device != device:
             if c.multi_latent_attention:  # its RoPE part's own (YaRN's with --rope-type yarn)
@@ -252,10 +253,8 @@ class GPTModel(nn.Module):
                         if documents is not None and self.config.resets_positions else None)
         x = self.embedding(inputs, offset, position_ids) if self.pre_process else inputs
         table = self.rope_table(x.device)
-        if table is not None and position_ids is not None:
-            table = self._rotary_full[position_ids.t()]  # [seq, batch, 2, rotary dim]
-        elif table is not None:
-            table = table[offset:]
+        if table is not None:  # with reset positions [seq, batch, 2, rotary dim]
+            table = table[offset:] if position_ids is None else self._rotary_full[position_ids.t()]
         x = self.decoder(x, table, kv_cache,
                          documents if self.config.masks_documents else None)
         if not self.post_process:

@@ -10,6 +10,12 @@ import torch
 from megalite.config import GPTConfig
 
 
+def uses_rotary(config: GPTConfig) -> bool:
+    """Whether positions come from rotary angles over --seq-length (multi-latent attention's
+    RoPE part has them whatever --position-embedding-type says)."""
+    return config.position_embedding_type == "rope" or config.multi_latent_attention
+
+
 def rotary_frequencies(seq_length: int, rotary_dim: int, base: int, device=None) -> torch.Tensor:
     """Angles [seq, rotary_dim]: position p times base^(-2i/rotary_dim), each half repeated."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=device,
