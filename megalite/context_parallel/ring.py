@@ -107,6 +107,20 @@ def _ring_wait(pending) -> torch.Tensor:
     return received
 
 
+def _ring_steps(k, v, group, documents: Documents | None):
+    """For each ring step t: (t, the K/V block held then, the blocks to compute against it),
+    the next K/V block on its way while the caller computes (and sends its own messages)."""
+    cp, rank = group_size(group), group_rank(group)
+    # One message per step for K and V, side by side in the last dim (their head sizes
+    # differ under multi-latent attention).
+    kv = torch.cat([k, v], dim=-1)
+    for t in range(cp):
+        pending = _ring_start(kv, group) if t < cp - 1 else None
+        yield t, kv, _blocks(cp, rank, (rank - t) % cp, k.shape[1] // 2, documents)
+        if pending is not None:
+            kv = _ring_wait(pending)
+
+
 class _RingAttention(torch.autograd.Function):
     """Autocast is switched off inside: the blocks' scores (blocks.py), log-sum-exps and
     accumulators are fp32 by design (bf16 scores would lose the log-sum-exp's precision),
@@ -115,28 +129,20 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, dropout_p, kernels, documents):
         with torch.autocast(q.device.type, enabled=False):
-            cp, rank = group_size(group), group_rank(group)
-            c = q.shape[1] // 2
-            # One message per step for K and V, side by side in the last dim (their head
-            # sizes differ under multi-latent attention).
-            kv, d_k = torch.cat([k, v], dim=-1), k.shape[-1]
+            d_k = k.shape[-1]
             # No keys yet: a zero output of weight exp(-inf); step 0 then covers every row.
             out = q.new_zeros((*q.shape[:-1], v.shape[-1]),
                               dtype=torch.promote_types(q.dtype, torch.float32))
             lse = out.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"))
             rng_states = []  # one per block, in the order computed
-            for t in range(cp):
-                pending = _ring_start(kv, group) if t < cp - 1 else None
-                for rows, keys, causal, visible in _blocks(cp, rank, (rank - t) % cp, c,
-                                                           documents):
+            for _, kv, kv_blocks in _ring_steps(k, v, group, documents):
+                for rows, keys, causal, visible in kv_blocks:
                     block_out, block_lse, rng_state = kernels.block_forward(
                         q[:, rows], kv[:, keys, ..., :d_k], kv[:, keys, ..., d_k:],
                         causal=causal, scale=scale, dropout_p=dropout_p, **_mask(visible))
                     rng_states.append(rng_state)
                     out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
                                                           block_out, block_lse)
-                if pending is not None:
-                    kv = _ring_wait(pending)
             out = out.to(q.dtype)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.group, ctx.scale, ctx.dropout_p = group, scale, dropout_p
@@ -147,17 +153,12 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):
             q, k, v, out, lse = ctx.saved_tensors
-            group = ctx.group
-            cp, rank = group_size(group), group_rank(group)
-            c = q.shape[1] // 2
-            kv, d_k = torch.cat([k, v], dim=-1), k.shape[-1]
+            group, d_k = ctx.group, k.shape[-1]
             dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
             dkv_pending, rng_states = None, iter(ctx.rng_states)
-            for t in range(cp):
-                kv_pending = _ring_start(kv, group) if t < cp - 1 else None
+            for t, kv, kv_blocks in _ring_steps(k, v, group, ctx.documents):
                 grads = []
-                for rows, keys, causal, visible in _blocks(cp, rank, (rank - t) % cp, c,
-                                                           ctx.documents):
+                for rows, keys, causal, visible in kv_blocks:
                     dq_b, dk_b, dv_b = ctx.kernels.block_backward(
                         dout[:, rows], q[:, rows], kv[:, keys, ..., :d_k], kv[:, keys, ..., d_k:],
                         out[:, rows], lse[:, :, rows], causal=causal, scale=ctx.scale,
@@ -171,8 +172,6 @@ class _RingAttention(torch.autograd.Function):
                     dkv[:, keys, ..., :d_k] += dk_b
                     dkv[:, keys, ..., d_k:] += dv_b
                 dkv_pending = _ring_start(dkv, group)
-                if kv_pending is not None:
-                    kv = _ring_wait(kv_pending)
             # This rank's own block, home after CP hops.
             dk, dv = _ring_wait(dkv_pending).to(k.dtype).split([d_k, v.shape[-1]], dim=-1)
             return dq.to(q.dtype), dk, dv, None, None, None, None, None
