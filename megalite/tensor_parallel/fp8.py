@@ -37,10 +37,6 @@ from megalite.tensor_parallel.weight_grad import LinearStep, apply_as_autocast_w
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
                "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
 """--fp8-format -> (dtype of X and A, dtype of dY)."""
-FP8_RECIPES = ("tensorwise", "rowwise")
-"""--fp8-recipe choices megalite builds."""
-FP8_RECIPES_NOT_BUILT = ("delayed", "mxfp8", "blockwise")
-"""Megatron's other --fp8-recipe choices, refused by name."""
 _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (torchao's EPS)
 
 
