@@ -31,10 +31,9 @@ from megalite.model.attention import CoreAttention
 from megalite.model.norms import build_norm
 from megalite.model.rotary import apply_rotary, deinterleave, mla_softmax_scale
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, parameter
 from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                gather_from_sequence_parallel_region)
-from megalite.tensor_parallel.params import mark_sequence_parallel, mark_tensor_parallel
 from megalite.tensor_parallel.weight_grad import LinearStep, linear
 
 
@@ -44,9 +43,8 @@ class DuplicatedLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, partial_grad: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(output_size, input_size))
-        mark_tensor_parallel(self.weight, None)
-        mark_sequence_parallel(self.weight, partial_grad)
+        self.weight = parameter(output_size, input_size, partition_dim=None,
+                                sequence_parallel=partial_grad)
         self.linear_step = LinearStep()  # until the step running the model installs its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,9 @@ def _divide(size: int, tp: int, what: str) -> int:
     return size // tp
 
 
-def _parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool = False):
+def parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool = False):
+    """A zero parameter of `shape`, tagged (params.py) as split over TP along `partition_dim`
+    (None: replicated) and as getting a partial gradient per TP rank (`sequence_parallel`)."""
     param = nn.Parameter(torch.zeros(*shape))
     mark_tensor_parallel(param, partition_dim)
     mark_sequence_parallel(param, sequence_parallel)
@@ -78,8 +80,8 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(
             output_size, group_size(group), "ColumnParallelLinear output size")
-        self.weight = _parameter(self.output_size_per_partition, input_size, partition_dim=0)
-        self.bias = _parameter(self.output_size_per_partition, partition_dim=0) if bias else None
+        self.weight = parameter(self.output_size_per_partition, input_size, partition_dim=0)
+        self.bias = parameter(self.output_size_per_partition, partition_dim=0) if bias else None
         self.linear_step = LinearStep()  # until the step running the model installs its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,9 +112,9 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(
             input_size, group_size(group), "RowParallelLinear input size")
-        self.weight = _parameter(output_size, self.input_size_per_partition, partition_dim=1)
+        self.weight = parameter(output_size, self.input_size_per_partition, partition_dim=1)
         # Added to this rank's sequence shard under SP: a partial grad (params.py).
-        self.bias = (_parameter(output_size, partition_dim=None,
+        self.bias = (parameter(output_size, partition_dim=None,
                                 sequence_parallel=sequence_parallel) if bias else None)
         self.linear_step = LinearStep()  # until the step running the model installs its own
 
@@ -152,7 +154,7 @@ class VocabParallelEmbedding(nn.Module):
                                 "VocabParallelEmbedding vocabulary size (padded)")
         self.vocab_start_index = group_rank(group) * per_partition
         self.vocab_end_index = self.vocab_start_index + per_partition
-        self.weight = _parameter(per_partition, embedding_dim, partition_dim=0)
+        self.weight = parameter(per_partition, embedding_dim, partition_dim=0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens of any shape [...] (global ids) -> [..., embedding_dim]."""
