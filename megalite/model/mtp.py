@@ -27,8 +27,7 @@ from megalite.model.moe import AuxLossBackward
 from megalite.model.norms import build_norm
 from megalite.model.transformer import TransformerLayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear
-from megalite.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
-                                               scatter_to_sequence_parallel_region)
+from megalite.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 
 
 class MultiTokenPredictionLayer(nn.Module):
@@ -42,7 +41,7 @@ class MultiTokenPredictionLayer(nn.Module):
         self.enorm = build_norm(config)
         self.hnorm = build_norm(config)
         self.eh_proj = ColumnParallelLinear(2 * config.hidden_size, config.hidden_size,
-                                            group=tp_group, bias=False,
+                                            group=tp_group, bias=False, gather_output=True,
                                             sequence_parallel=config.sequence_parallel)
         self.transformer_layer = TransformerLayer(config, tp_group, rng_tracker, cp_group,
                                                   layer_index=config.num_layers - 1,
@@ -54,7 +53,6 @@ class MultiTokenPredictionLayer(nn.Module):
         """hidden, embedded [s, b, h] (this rank's sequence shard under SP) -> h^k."""
         # Megatron's order: the embedding first.
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        x = gather_from_tensor_model_parallel_region(x, self.tp_group)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         return self.final_layernorm(self.transformer_layer(x, rope_table))
