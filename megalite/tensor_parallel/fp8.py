@@ -331,13 +331,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     breaks, guards, the compiled quantizations' calls) and left the GPU idle 28% of an FP8
     step (docs/benchmarks.md). Over a TP group it stays eager: its amax all-reduce is not
     traced."""
-    if torch.compiler.is_compiling() and group_size(group) == 1:
-        return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
-                                       row_parallel, step)
-    return _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel, step)
+    apply = (apply_as_autocast_would if torch.compiler.is_compiling() and group_size(group) == 1
+             else _eager_apply_as_autocast_would)
+    return apply(_Fp8Linear.apply, x, weight, bias, recipe, group, row_parallel, step)
 
 
-@torch.compiler.disable
-def _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel, step):
-    return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
-                                   row_parallel, step)
+_eager_apply_as_autocast_would = torch.compiler.disable(apply_as_autocast_would)
