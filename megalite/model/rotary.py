@@ -41,10 +41,8 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     [seq, batch, 2, rotary_dim] (positions restarting in each document); the rest (with
     --rotary-percent < 1) pass through unchanged. Computed in fp32, returned in x's dtype."""
     rot_dim = table.shape[-1]
-    if table.dim() == 4:
-        cos, sin = table[:, :, None, 0], table[:, :, None, 1]
-    else:
-        cos, sin = table[:, None, None, 0], table[:, None, None, 1]
+    # cos and sin [seq, batch or 1, 1, rotary_dim], broadcast over the heads (and samples)
+    cos, sin = (table.unsqueeze(-3) if table.dim() == 4 else table[:, None, None]).unbind(-2)
     x_rot = x[..., :rot_dim].float()
     x_rot = (x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype)
     if rot_dim == x.shape[-1]:
