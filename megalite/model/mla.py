@@ -31,9 +31,8 @@ from megalite.model.attention import CoreAttention
 from megalite.model.norms import build_norm
 from megalite.model.rotary import apply_rotary, deinterleave, mla_softmax_scale
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, parameter
-from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                               gather_from_sequence_parallel_region)
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                             column_parallel_input, parameter)
 from megalite.tensor_parallel.weight_grad import LinearStep, linear
 
 
@@ -110,10 +109,7 @@ class MultiLatentAttention(CoreAttention):
             [c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
         if c.qk_layernorm:
             kv_latent = self.kv_layernorm(kv_latent)
-        if c.sequence_parallel:
-            k_pe = gather_from_sequence_parallel_region(k_pe, self.tp_group)
-        else:
-            k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp_group)
+        k_pe = column_parallel_input(k_pe, self.tp_group, c.sequence_parallel)
         s, b = q.shape[:2]
         q_nope, q_pe = q.view(s, b, self.heads, self.q_head_dim).split(
             [c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)

@@ -45,15 +45,20 @@ def parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool = 
     return param
 
 
+def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel product: all-gathered along seq under SP (backward
+    reduce-scatters its gradient), else f (backward all-reduces it)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group)
+    return copy_to_tensor_model_parallel_region(x, group)
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            group, sequence_parallel: bool, step: LinearStep,
                            fp8: Fp8Recipe | None = None) -> torch.Tensor:
     """X A^T + b for this rank's row block A: X all-gathered along seq under SP, else f;
     the GEMMs in FP8 with a recipe `fp8` (fp8.py); `step`: the model's LinearStep."""
-    if sequence_parallel:
-        x = gather_from_sequence_parallel_region(x, group)
-    else:
-        x = copy_to_tensor_model_parallel_region(x, group)
+    x = column_parallel_input(x, group, sequence_parallel)
     if fp8 is not None:
         return fp8_linear(x, weight, bias, fp8, group, step, row_parallel=False)
     return linear(x, weight, bias, step)
