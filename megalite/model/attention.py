@@ -11,7 +11,6 @@ every TP size.
 import torch
 from torch import nn
 
-from megalite.attention_backends import core_attention
 from megalite.context_parallel import context_parallel_attention
 from megalite.documents import Documents
 from megalite.config import GPTConfig
@@ -59,13 +58,11 @@ class CoreAttention(nn.Module):
         c = self.config
         dropout = c.attention_dropout if self.training else 0.0
         with model_parallel_rng(self.rng_tracker, dropout != 0.0):  # no draws: no swap
-            if self.cp_group is not None:
-                return context_parallel_attention(
-                    q, k, v, cp_group=self.cp_group, comm_type=c.cp_comm_type,
-                    backend=c.attention_backend, dropout_p=dropout,
-                    softmax_scale=self.softmax_scale, documents=documents)
-            return core_attention(q, k, v, backend=c.attention_backend, dropout_p=dropout,
-                                  softmax_scale=self.softmax_scale, documents=documents)
+            # Without CP (cp_group None) this is core_attention itself.
+            return context_parallel_attention(
+                q, k, v, cp_group=self.cp_group, comm_type=c.cp_comm_type,
+                backend=c.attention_backend, dropout_p=dropout,
+                softmax_scale=self.softmax_scale, documents=documents)
 
 
 class SelfAttention(CoreAttention):
