@@ -174,13 +174,14 @@ class AuxLossBackward(torch.autograd.Function):
         return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
-def moe_layers(chunks) -> list[MoELayer]:
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+def modules_of(chunks, kind: type) -> list:
+    """The modules of type `kind` in the model chunks `chunks`."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, kind)]
 
 
 def set_aux_loss_scale(chunks, scale: float):
     """The gradient each micro-batch's auxiliary losses get (see the module docstring)."""
-    for layer in moe_layers(chunks):
+    for layer in modules_of(chunks, MoELayer):
         layer.aux_loss_scale = scale
 
 
@@ -189,7 +190,7 @@ def update_expert_bias(chunks, group=None):
     """DeepSeek-V3 §2.1.2, after each step: b_i += u x sign(mean load - load_i), the loads
     the pairs each expert received over the global batch (summed over `group`, the ranks
     holding the batch's other samples and sequence chunks); the counts restart."""
-    for layer in moe_layers(chunks):
+    for layer in modules_of(chunks, MoELayer):
         router = layer.router
         if router.expert_bias is None:
             continue

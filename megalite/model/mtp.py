@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from megalite.config import GPTConfig
-from megalite.model.moe import AuxLossBackward
+from megalite.model.moe import AuxLossBackward, modules_of
 from megalite.model.norms import build_norm
 from megalite.model.transformer import TransformerLayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear
@@ -94,13 +94,9 @@ class MultiTokenPrediction(nn.Module):
         return total
 
 
-def mtp_blocks(chunks) -> list[MultiTokenPrediction]:
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MultiTokenPrediction)]
-
-
 def set_mtp_loss_weights(chunks, weights: torch.Tensor):
     """The gradient each depth's summed token losses get this step (module docstring)."""
-    for block in mtp_blocks(chunks):
+    for block in modules_of(chunks, MultiTokenPrediction):
         block.loss_weights = weights
 
 
@@ -108,7 +104,7 @@ def take_mtp_loss_sums(chunks, depths: int, device: torch.device) -> torch.Tenso
     """Each depth's summed token losses over the micro-batches since the last call ([D];
     zeros on a rank without the MTP modules), and restart the sums."""
     sums = torch.zeros(depths, device=device)
-    for block in mtp_blocks(chunks):
+    for block in modules_of(chunks, MultiTokenPrediction):
         if block.loss_sums is not None:
             sums += block.loss_sums.to(device)
         block.loss_sums = None
