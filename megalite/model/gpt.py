@@ -17,8 +17,7 @@ from megalite.config import GPTConfig
 from megalite.model.init import initialize_parameters
 from megalite.model.mtp import MultiTokenPrediction, attach_mtp_loss
 from megalite.model.norms import build_norm
-from megalite.model.rotary import (mla_rotary_table, rotary_frequencies, rotary_table,
-                                   uses_rotary)
+from megalite.model.rotary import model_rotary_table, uses_rotary
 from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
@@ -183,13 +182,7 @@ class GPTModel(nn.Module):
         if not uses_rotary(c):
             return None
         if self._rotary is None or self._rotary.device != device:
-            if c.multi_latent_attention:  # its RoPE part's own (YaRN's with --rope-type yarn)
-                self._rotary_full = mla_rotary_table(c, device)
-            else:
-                self._rotary_full = rotary_table(rotary_frequencies(
-                    c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base,
-                    device=device))
-            self._rotary = self._rotary_full
+            self._rotary = self._rotary_full = model_rotary_table(c, device)
             cp = group_size(self.cp_group)
             if cp > 1:
                 self._rotary = self._rotary[local_positions(c.seq_length, cp,

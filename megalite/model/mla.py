@@ -80,7 +80,7 @@ class MultiLatentAttention(CoreAttention):
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor, kv_cache=None,
                 documents: Documents | None = None) -> torch.Tensor:
         """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape; `rope_table`:
-        rotary.mla_rotary_table's rows of x's positions ([seq, 2, r], or per sample
+        rotary.model_rotary_table's rows of x's positions ([seq, 2, r], or per sample
         [seq, batch, 2, r] with reset positions); `documents` as SelfAttention's.
         `kv_cache` (generation: inference.LatentKVCache) holds earlier positions' latents and
         rotated k_pe, not their K and V: x's are appended, and K, V rebuilt from all."""

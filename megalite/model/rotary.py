@@ -1,7 +1,7 @@
 """Rotary position embedding (Su et al. 2021), in the non-interleaved "rotate half" form
 Megatron and HF Llama use, so exported weights need no permutation. Every layer reads the
 one cos/sin table of its chunk (GPTModel.rope_table), the rows of its positions; multi-latent
-attention's RoPE part its own (mla_rotary_table, YaRN's where --rope-type yarn)."""
+attention's RoPE part its own (model_rotary_table, YaRN's where --rope-type yarn)."""
 
 import math
 
@@ -80,12 +80,14 @@ def yarn_frequencies(seq_length: int, rotary_dim: int, base: float, scaling_fact
     return torch.cat([angles, angles], dim=-1)
 
 
-def mla_rotary_table(config: GPTConfig, device=None) -> torch.Tensor:
-    """The cos/sin table [seq_length, 2, qk_pos_emb_head_dim] of multi-latent attention's
-    RoPE part: YaRN's (times its cos/sin factor mscale / mscale_all_dim, both through
-    yarn_mscale) or plain RoPE's (--rope-type)."""
-    c, dim = config, config.qk_pos_emb_head_dim
-    if c.rope_type == "rope":
+def model_rotary_table(config: GPTConfig, device=None) -> torch.Tensor:
+    """The model's cos/sin table [seq_length, 2, rotary dim]: of its heads' first
+    kv_channels x --rotary-percent channels, or of multi-latent attention's RoPE part
+    (qk_pos_emb_head_dim channels), YaRN's there with --rope-type yarn (times its cos/sin
+    factor mscale / mscale_all_dim, both through yarn_mscale)."""
+    c, mla = config, config.multi_latent_attention
+    dim = c.qk_pos_emb_head_dim if mla else int(c.kv_channels * c.rotary_percent)
+    if c.rope_type == "rope" or not mla:
         return rotary_table(rotary_frequencies(c.seq_length, dim, c.rotary_base, device))
     angles = yarn_frequencies(c.seq_length, dim, c.rotary_base, c.rotary_scaling_factor,
                               c.yarn_original_max_position_embeddings, c.yarn_beta_fast,
