@@ -47,11 +47,10 @@ class TokenDispatcher:
         """expert_output [N, h] in dispatch's order -> [T, h] in token order: each pair's
         output times its probability (in fp32, as Megatron), summed over the token's pairs;
         a token whose pairs were all dropped gets zeros."""
+        state, self._state = self._state, None
         if self._exchange is not None:
-            exchange, self._state = self._state, None
-            return exchange.combine(expert_output)
-        tokens, weights, num_tokens = self._state
-        self._state = None
+            return state.combine(expert_output)
+        tokens, weights, num_tokens = state
         weighted = expert_output.float() * weights.unsqueeze(1)
         out = weighted.new_zeros(num_tokens, expert_output.shape[1])
         return out.index_add(0, tokens, weighted).to(expert_output.dtype)
