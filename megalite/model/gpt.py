@@ -87,17 +87,16 @@ class Decoder(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None, documents: Documents | None = None) -> torch.Tensor:
-        if kv_cache is not None:  # generation, without grad: nothing to recompute
-            for index, layer in self.layers.items():
-                x = layer(x, rope_table, kv_cache.layers[int(index)])
-        else:
-            layers = list(self.layers.values())
-            for run, recompute in recompute_groups(self.config, len(layers)):
-                forward = _run_layers(layers[run.start:run.stop])
-                if recompute and torch.is_grad_enabled():
-                    x = checkpoint(forward, self.rng_tracker, x, rope_table, documents)
-                else:
-                    x = forward(x, rope_table, documents)
+        layers = list(self.layers.values())
+        # Generation (the whole model, without grad: nothing to recompute) passes a cache
+        # per layer.
+        caches = [None] * len(layers) if kv_cache is None else kv_cache.layers
+        for run, recompute in recompute_groups(self.config, len(layers)):
+            forward = _run_layers(layers[run.start:run.stop], caches[run.start:run.stop])
+            if recompute and torch.is_grad_enabled():
+                x = checkpoint(forward, self.rng_tracker, x, rope_table, documents)
+            else:
+                x = forward(x, rope_table, documents)
         return x if self.final_layernorm is None else self.final_layernorm(x)
 
 
@@ -114,11 +113,11 @@ def recompute_groups(config: GPTConfig, num_layers: int) -> list[tuple[range, bo
     return [(range(i, i + 1), i < n) for i in range(num_layers)]
 
 
-def _run_layers(layers: list[nn.Module]):
+def _run_layers(layers: list[nn.Module], caches: list):
     def run(x: torch.Tensor, rope_table: torch.Tensor | None,
             documents: Documents | None) -> torch.Tensor:
-        for layer in layers:
-            x = layer(x, rope_table, documents=documents)
+        for layer, cache in zip(layers, caches):
+            x = layer(x, rope_table, cache, documents=documents)
         return x
     return run
 
