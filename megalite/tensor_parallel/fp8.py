@@ -262,7 +262,6 @@ class _Fp8Linear(torch.autograd.Function):
                 step: LinearStep):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.recipe, ctx.group, ctx.row_parallel, ctx.step = recipe, group, row_parallel, step
-        ctx.has_bias = bias is not None
         fwd_dtype = recipe.dtypes[0]
         x_group = group if row_parallel else None
         if recipe.rowwise:  # scales along the input dim K: sharded in a row-parallel layer
@@ -305,7 +304,7 @@ class _Fp8Linear(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = scaled_mm(gq, wq, dtype).reshape(*grad_output.shape[:-1], wq.data.shape[1])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False for a bias of None
             grad_bias = g2d.sum(0)
         if ctx.needs_input_grad[1]:
             grad_weight = ctx.step.weight_grad_now_or_deferred(

@@ -141,7 +141,6 @@ class _Linear(torch.autograd.Function):
         # same tensors saved, so the memory planner's counts hold for both.
         x2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2d, weight)
-        ctx.has_bias = bias is not None
         # Written through a 2-D view into a tensor of its own: a returned view could not be
         # modified in place (the vocab-parallel loss does that to the logits).
         y = x2d.new_empty(*x.shape[:-1], weight.shape[0])
@@ -156,7 +155,7 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_bias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False for a bias of None
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
         grad_weight = None
         if ctx.needs_input_grad[1]:
