@@ -90,7 +90,7 @@ def _sdpa(q, k, v, dropout_p, scale):
     # is_causal aligns to the upper left, right only for s_q == s_k. One new token sees
     # every key; a longer query shorter than the keys needs its lower-right band.
     sq, sk = q.shape[2], k.shape[2]
-    mask = None if sq in (1, sk) else _future(sq, sk, q.device).logical_not()
+    mask = None if sq in (1, sk) else future_keys(sq, sk, q.device).logical_not()
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          is_causal=sq == sk, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
@@ -106,13 +106,13 @@ def _unfused(q, k, v, dropout_p, scale, hidden: torch.Tensor | None = None):
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = q.to(acc) @ k.to(acc).transpose(-2, -1) * scale
     if hidden is None:
-        hidden = _future(q.shape[2], k.shape[2], q.device)
+        hidden = future_keys(q.shape[2], k.shape[2], q.device)
     probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
     probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
     return (probs.to(v.dtype) @ v).transpose(1, 2)
 
 
-def _future(sq: int, sk: int, device) -> torch.Tensor:
+def future_keys(sq: int, sk: int, device) -> torch.Tensor:
     """[sq, sk], True where query i may not see key j: the keys after position i + sk - sq."""
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1 + sk - sq)
 

@@ -33,6 +33,7 @@ from megalite.checkpointing.storage import find_checkpoint_to_load, read_metadat
 from megalite.errors import CheckpointError, ConfigError
 from megalite.config import GPTConfig
 from megalite.model.gpt import GPTModel
+from megalite.model.rotary import uses_rotary
 from megalite.parallel_state import group_rank, group_size
 from megalite.tensor_parallel.params import local_shard
 
@@ -147,16 +148,10 @@ def next_token_logits(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> 
     return logits[:, :model.config.vocab_size or logits.shape[-1]]
 
 
-def _rotary(config: GPTConfig) -> bool:
-    """Positions come from rotary angles over --seq-length (multi-latent attention's RoPE
-    part has them whatever --position-embedding-type says)."""
-    return config.position_embedding_type == "rope" or config.multi_latent_attention
-
-
 def max_positions(config: GPTConfig) -> int:
     """Positions the model has embeddings for: its rotary angles cover --seq-length,
     a learned table --max-position-embeddings."""
-    return config.seq_length if _rotary(config) else config.max_position_embeddings
+    return config.seq_length if uses_rotary(config) else config.max_position_embeddings
 
 
 def check_length(prompt_length: int, max_new_tokens: int, config: GPTConfig):
@@ -166,7 +161,7 @@ def check_length(prompt_length: int, max_new_tokens: int, config: GPTConfig):
         raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     limit = max_positions(config)
     if prompt_length + max_new_tokens > limit:
-        flag = "--seq-length" if _rotary(config) else "--max-position-embeddings"
+        flag = "--seq-length" if uses_rotary(config) else "--max-position-embeddings"
         raise ConfigError(f"the prompt ({prompt_length} tokens) + --max-new-tokens "
                           f"({max_new_tokens}) = {prompt_length + max_new_tokens} tokens exceeds "
                           f"the model's {limit} positions ({flag}); shorten the prompt or "

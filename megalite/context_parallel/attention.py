@@ -32,7 +32,8 @@ from megalite.context_parallel.ring import ring_attention
 from megalite.context_split import load_balanced_chunks
 from megalite.documents import Documents
 from megalite.errors import ConfigError
-from megalite.parallel_state import all_gather_into, group_rank, group_size, reduce_scatter_into
+from megalite.parallel_state import group_rank, group_size
+from megalite.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -105,27 +106,6 @@ def cp_comm_bytes(comm_type: str, *, cp_size: int, batch: int, seq_length: int, 
 
 # all_gather
 
-class _GatherAlongCP(torch.autograd.Function):
-    """[n, ...] per rank -> [cp, n, ...]; backward reduce-scatters the gradient (each rank's
-    block of the gathered tensor gets the sum of every rank's gradient for it)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        cp = group_size(group)
-        x = x.contiguous()
-        out = x.new_empty((cp * x.shape[0], *x.shape[1:]))
-        all_gather_into(out, x, group=group)
-        return out.view(cp, *x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = grad.new_empty(grad.shape[1:])
-        reduce_scatter_into(out, grad.flatten(0, 1), group=ctx.group)
-        return out, None
-
-
 def _global_order(gathered: torch.Tensor) -> torch.Tensor:
     """[cp, b, 2c, g, d] in rank order -> [b, 2·cp·c, g, d] in sequence order: chunk j < cp
     is rank j's first half, chunk j >= cp rank 2·cp-1-j's second half."""
@@ -140,8 +120,10 @@ def _all_gather_attention(q, k, v, group, backend, dropout_p, scale, documents=N
     c = q.shape[1] // 2
     # One collective for K and V together, side by side in the last dim (their head sizes
     # differ under multi-latent attention).
-    k_all, v_all = _global_order(_GatherAlongCP.apply(torch.cat([k, v], dim=-1), group)).split(
-        [k.shape[-1], v.shape[-1]], dim=-1)
+    # Backward reduce-scatters dK, dV: each rank's block gets every rank's gradient for it.
+    kv = torch.cat([k, v], dim=-1)
+    kv_all = gather_from_sequence_parallel_region(kv, group).view(cp, *kv.shape)
+    k_all, v_all = _global_order(kv_all).split([k.shape[-1], v.shape[-1]], dim=-1)
     outs = []
     for half, chunk in enumerate(load_balanced_chunks(cp, rank)):
         prefix = (chunk + 1) * c  # causal: chunk j sees chunks 0..j, its own lower-right

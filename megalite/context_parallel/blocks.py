@@ -23,6 +23,9 @@ in (at least) fp32, as the unfused backend's.
 
 import torch
 
+from megalite.attention_backends import future_keys
+from megalite.tensor_parallel.random import get_device_rng_state
+
 
 def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
     """[b, s, heads, d] -> [b, g, heads/g, s, d] in (at least) fp32, g = kv_heads: q, its
@@ -40,22 +43,12 @@ def _scores(qg, kg, causal: bool, scale: float, visible=None) -> torch.Tensor:
     if visible is not None:  # [b, s_q, s_k]: documents (block-causal)
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     if causal:  # aligned to the lower right, as core_attention's
-        sq, sk = scores.shape[-2:]
-        future = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - sq)
-        scores = scores.masked_fill(future, float("-inf"))
+        scores = scores.masked_fill(future_keys(*scores.shape[-2:], scores.device), float("-inf"))
     return scores
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
-    if device.type == "cpu":
-        return torch.default_generator
-    module = torch.get_device_module(device.type)
-    return module.default_generators[device.index if device.index is not None
-                                     else module.current_device()]
-
-
-def _dropout_mask(shape, p: float, device, generator) -> torch.Tensor:
-    """Keep-mask over (1-p), drawn from `generator`."""
+def _dropout_mask(shape, p: float, device, generator=None) -> torch.Tensor:
+    """Keep-mask over (1-p), drawn from `generator` (default: the device's default one)."""
     keep = torch.empty(shape, device=device).bernoulli_(1.0 - p, generator=generator)
     return keep / (1.0 - p)
 
@@ -74,9 +67,8 @@ def block_forward(q, k, v, *, causal: bool, scale: float, dropout_p: float = 0.0
     probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
     rng_state = None
     if dropout_p > 0:
-        generator = _default_generator(q.device)
-        rng_state = generator.get_state()
-        probs = probs * _dropout_mask(probs.shape, dropout_p, q.device, generator)
+        rng_state = get_device_rng_state(q.device)
+        probs = probs * _dropout_mask(probs.shape, dropout_p, q.device)
     out = _ungroup(probs @ vg)
     return out, lse.flatten(1, 2), rng_state
 

@@ -73,49 +73,52 @@ def ring_blocks(cp_size: int, cp_rank: int, src: int, c: int) -> list[tuple[slic
     return [(slice(c, 2 * c), slice(0, 2 * c), False)]
 
 
-def document_blocks(cp_size: int, cp_rank: int, src: int, c: int, documents: Documents):
-    """ring_blocks under a document mask: (query rows, key rows, visible [b, rows, keys])
-    of the blocks in which some row sees some key; a block whose keys all lie before
-    every document of its rows is skipped (docs/design.md §28)."""
-    key_positions = local_positions(2 * cp_size * c, cp_size, src)  # on the host
+def _blocks(cp, rank, src, c, documents: Documents | None):
+    """(rows, keys, causal, visible) of the blocks to compute against src's K/V block:
+    ring_blocks, or under a document mask the blocks in which some row sees some key, with
+    `visible` [b, rows, keys]; a block whose keys all lie before every document of its rows
+    is skipped (docs/design.md §28)."""
+    if documents is None:
+        return [(rows, keys, causal, None) for rows, keys, causal in ring_blocks(cp, rank, src, c)]
+    key_positions = local_positions(2 * cp * c, cp, src)  # on the host
     out = []
-    for rows, keys, _ in ring_blocks(cp_size, cp_rank, src, c):
+    for rows, keys, _ in ring_blocks(cp, rank, src, c):
         positions = key_positions[keys]
-        if src != cp_rank and documents.first_visible_key(rows) > positions.max().item():
+        if src != rank and documents.first_visible_key(rows) > positions.max().item():
             continue
-        out.append((rows, keys, documents.rows(rows).visible(positions)))
+        out.append((rows, keys, False, documents.rows(rows).visible(positions)))
     return out
 
 
-def _blocks(cp, rank, src, c, documents):
-    """(rows, keys, causal, visible) of the blocks to compute against src's K/V block."""
-    if documents is None:
-        return [(rows, keys, causal, None) for rows, keys, causal in ring_blocks(cp, rank, src, c)]
-    return [(rows, keys, False, visible)
-            for rows, keys, visible in document_blocks(cp, rank, src, c, documents)]
+def _ring_start(tensor: torch.Tensor, group):
+    """Send `tensor` to the next CP rank while receiving one from the previous."""
+    cp, rank = group_size(group), group_rank(group)
+    received = torch.empty_like(tensor)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group),
+        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % cp), group)])
+    return works, tensor, received  # the sent tensor is held until the works are done
 
 
-class _RingExchange:
-    """Sends a tensor to the next CP rank while receiving one from the previous."""
+def _ring_wait(pending) -> torch.Tensor:
+    works, _, received = pending
+    for work in works:  # each once: a gloo work waited twice blocks forever
+        work.wait()
+    return received
 
-    def __init__(self, group):
-        cp, rank = group_size(group), group_rank(group)
-        self.group = group
-        self.next = dist.get_global_rank(group, (rank + 1) % cp)
-        self.prev = dist.get_global_rank(group, (rank - 1) % cp)
 
-    def start(self, tensor: torch.Tensor):
-        received = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
-                                        dist.P2POp(dist.irecv, received, self.prev, self.group)])
-        return works, tensor, received  # the sent tensor is held until the works are done
-
-    @staticmethod
-    def wait(pending) -> torch.Tensor:
-        works, _, received = pending
-        for work in works:  # each once: a gloo work waited twice blocks forever
-            work.wait()
-        return received
+def _ring_steps(k, v, group, documents: Documents | None):
+    """For each ring step t: (t, the K/V block held then, the blocks to compute against it),
+    the next K/V block on its way while the caller computes (and sends its own messages)."""
+    cp, rank = group_size(group), group_rank(group)
+    # One message per step for K and V, side by side in the last dim (their head sizes
+    # differ under multi-latent attention).
+    kv = torch.cat([k, v], dim=-1)
+    for t in range(cp):
+        pending = _ring_start(kv, group) if t < cp - 1 else None
+        yield t, kv, _blocks(cp, rank, (rank - t) % cp, k.shape[1] // 2, documents)
+        if pending is not None:
+            kv = _ring_wait(pending)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -126,28 +129,20 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, dropout_p, kernels, documents):
         with torch.autocast(q.device.type, enabled=False):
-            cp, rank = group_size(group), group_rank(group)
-            ring, c = _RingExchange(group), q.shape[1] // 2
-            # One message per step for K and V, side by side in the last dim (their head
-            # sizes differ under multi-latent attention).
-            kv, d_k = torch.cat([k, v], dim=-1), k.shape[-1]
+            d_k = k.shape[-1]
             # No keys yet: a zero output of weight exp(-inf); step 0 then covers every row.
             out = q.new_zeros((*q.shape[:-1], v.shape[-1]),
                               dtype=torch.promote_types(q.dtype, torch.float32))
             lse = out.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"))
             rng_states = []  # one per block, in the order computed
-            for t in range(cp):
-                pending = ring.start(kv) if t < cp - 1 else None
-                for rows, keys, causal, visible in _blocks(cp, rank, (rank - t) % cp, c,
-                                                           documents):
+            for _, kv, kv_blocks in _ring_steps(k, v, group, documents):
+                for rows, keys, causal, visible in kv_blocks:
                     block_out, block_lse, rng_state = kernels.block_forward(
                         q[:, rows], kv[:, keys, ..., :d_k], kv[:, keys, ..., d_k:],
                         causal=causal, scale=scale, dropout_p=dropout_p, **_mask(visible))
                     rng_states.append(rng_state)
                     out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
                                                           block_out, block_lse)
-                if pending is not None:
-                    kv = ring.wait(pending)
             out = out.to(q.dtype)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.group, ctx.scale, ctx.dropout_p = group, scale, dropout_p
@@ -158,17 +153,12 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):
             q, k, v, out, lse = ctx.saved_tensors
-            group = ctx.group
-            cp, rank = group_size(group), group_rank(group)
-            ring, c = _RingExchange(group), q.shape[1] // 2
-            kv, d_k = torch.cat([k, v], dim=-1), k.shape[-1]
+            group, d_k = ctx.group, k.shape[-1]
             dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
             dkv_pending, rng_states = None, iter(ctx.rng_states)
-            for t in range(cp):
-                kv_pending = ring.start(kv) if t < cp - 1 else None
+            for t, kv, kv_blocks in _ring_steps(k, v, group, ctx.documents):
                 grads = []
-                for rows, keys, causal, visible in _blocks(cp, rank, (rank - t) % cp, c,
-                                                           ctx.documents):
+                for rows, keys, causal, visible in kv_blocks:
                     dq_b, dk_b, dv_b = ctx.kernels.block_backward(
                         dout[:, rows], q[:, rows], kv[:, keys, ..., :d_k], kv[:, keys, ..., d_k:],
                         out[:, rows], lse[:, :, rows], causal=causal, scale=ctx.scale,
@@ -177,15 +167,13 @@ class _RingAttention(torch.autograd.Function):
                     grads.append((keys, dk_b, dv_b))
                 # The block's accumulator: what earlier ranks added (none at t = 0, the block
                 # starts here) plus this rank's part; then it moves on with the block.
-                dkv = torch.zeros_like(kv, dtype=dq.dtype) if t == 0 else ring.wait(dkv_pending)
+                dkv = torch.zeros_like(kv, dtype=dq.dtype) if t == 0 else _ring_wait(dkv_pending)
                 for keys, dk_b, dv_b in grads:
                     dkv[:, keys, ..., :d_k] += dk_b
                     dkv[:, keys, ..., d_k:] += dv_b
-                dkv_pending = ring.start(dkv)
-                if kv_pending is not None:
-                    kv = ring.wait(kv_pending)
+                dkv_pending = _ring_start(dkv, group)
             # This rank's own block, home after CP hops.
-            dk, dv = ring.wait(dkv_pending).to(k.dtype).split([d_k, v.shape[-1]], dim=-1)
+            dk, dv = _ring_wait(dkv_pending).to(k.dtype).split([d_k, v.shape[-1]], dim=-1)
             return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 

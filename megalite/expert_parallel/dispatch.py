@@ -20,16 +20,14 @@ from megalite.parallel_state import group_size
 
 
 class TokenDispatcher:
-    """`num_experts` routed experts, split over `ep_group` (None: all local); `tp_group` the
-    tensor-parallel group the experts' weights are split over (tokens are already the same on
-    every TP rank when they arrive here); `kind` "alltoall" or "allgather", how tokens travel
-    between EP ranks."""
+    """`num_experts` routed experts, split over `ep_group` (None: all local); `kind`
+    "alltoall" or "allgather", how tokens travel between EP ranks. Under TP the tokens are
+    already the same on every TP rank when they arrive here."""
 
-    def __init__(self, num_experts: int, ep_group=None, tp_group=None, kind: str = "alltoall"):
-        self.num_experts, self.ep_group, self.tp_group, self.kind = (num_experts, ep_group,
-                                                                     tp_group, kind)
-        self._exchange = {"alltoall": AllToAllDispatch, "allgather": AllGatherDispatch}[kind] \
-            if group_size(ep_group) > 1 else None
+    def __init__(self, num_experts: int, ep_group=None, kind: str = "alltoall"):
+        self.num_experts, self.ep_group = num_experts, ep_group
+        self._exchange = ({"alltoall": AllToAllDispatch, "allgather": AllGatherDispatch}[kind]
+                          if group_size(ep_group) > 1 else None)
         self._state = None
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
@@ -49,11 +47,10 @@ class TokenDispatcher:
         """expert_output [N, h] in dispatch's order -> [T, h] in token order: each pair's
         output times its probability (in fp32, as Megatron), summed over the token's pairs;
         a token whose pairs were all dropped gets zeros."""
+        state, self._state = self._state, None
         if self._exchange is not None:
-            exchange, self._state = self._state, None
-            return exchange.combine(expert_output)
-        tokens, weights, num_tokens = self._state
-        self._state = None
+            return state.combine(expert_output)
+        tokens, weights, num_tokens = state
         weighted = expert_output.float() * weights.unsqueeze(1)
         out = weighted.new_zeros(num_tokens, expert_output.shape[1])
         return out.index_add(0, tokens, weighted).to(expert_output.dtype)

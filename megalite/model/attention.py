@@ -11,7 +11,6 @@ every TP size.
 import torch
 from torch import nn
 
-from megalite.attention_backends import core_attention
 from megalite.context_parallel import context_parallel_attention
 from megalite.documents import Documents
 from megalite.config import GPTConfig
@@ -22,11 +21,15 @@ from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 from megalite.tensor_parallel.random import checkpoint, model_parallel_rng
 
 
-class SelfAttention(nn.Module):
+class CoreAttention(nn.Module):
+    """What SelfAttention and MultiLatentAttention share: the core attention of their heads,
+    over the CP group, with dropout and selective recompute. `softmax_scale`: None for
+    1/sqrt(head dim)."""
+
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None,
-                 fp8=None):
+                 softmax_scale: float | None = None):
         super().__init__()
-        c = self.config = config
+        self.config, self.softmax_scale = config, softmax_scale
         # Under context parallelism x holds this rank's chunks of each sequence; the core
         # attention reaches the keys and values of the others (docs/design.md §10).
         self.cp_group = cp_group if group_size(cp_group) > 1 else None
@@ -37,6 +40,36 @@ class SelfAttention(nn.Module):
         # layer, at the compile default's TP 1 and CP 1).
         self.rng_tracker = rng_tracker if group_size(tp_group) * group_size(cp_group) > 1 \
             else None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Documents | None) -> torch.Tensor:
+        """q, k, v [batch, seq, heads, dim] (the backends' layout; grouped K/V heads stay
+        grouped) -> [seq, batch, heads x value dim], for the output projection."""
+        if self.config.recompute_granularity == "selective" and torch.is_grad_enabled():
+            # Selective recompute (Korthikanti et al. 2022 §4.2): the core attention
+            # holds the most activation memory per flop; keep only q, k, v.
+            out = checkpoint(self._core_attention, self.rng_tracker, q, k, v, documents)
+        else:
+            out = self._core_attention(q, k, v, documents)
+        return out.transpose(0, 1).flatten(2)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        documents: Documents | None = None) -> torch.Tensor:
+        c = self.config
+        dropout = c.attention_dropout if self.training else 0.0
+        with model_parallel_rng(self.rng_tracker, dropout != 0.0):  # no draws: no swap
+            # Without CP (cp_group None) this is core_attention itself.
+            return context_parallel_attention(
+                q, k, v, cp_group=self.cp_group, comm_type=c.cp_comm_type,
+                backend=c.attention_backend, dropout_p=dropout,
+                softmax_scale=self.softmax_scale, documents=documents)
+
+
+class SelfAttention(CoreAttention):
+    def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None,
+                 fp8=None):
+        super().__init__(config, tp_group, rng_tracker, cp_group)
+        c = config
         self.num_groups = c.num_query_groups // group_size(tp_group)
         self.heads_per_group = c.num_attention_heads // c.num_query_groups
         qkv_size = c.query_projection_size + 2 * c.kv_projection_size
@@ -78,23 +111,4 @@ class SelfAttention(nn.Module):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-        if c.recompute_granularity == "selective" and torch.is_grad_enabled():
-            # Selective recompute (Korthikanti et al. 2022 §4.2): the core attention
-            # holds the most activation memory per flop; keep only q, k, v.
-            out = checkpoint(self._core_attention, self.rng_tracker, q, k, v, documents)
-        else:
-            out = self._core_attention(q, k, v, documents)
-        out = out.transpose(0, 1).reshape(s, b, -1)
-        return self.linear_proj(out)
-
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        documents: Documents | None = None) -> torch.Tensor:
-        dropout = self.config.attention_dropout if self.training else 0.0
-        with model_parallel_rng(self.rng_tracker, dropout != 0.0):  # no draws: no swap
-            if self.cp_group is not None:
-                return context_parallel_attention(
-                    q, k, v, cp_group=self.cp_group, comm_type=self.config.cp_comm_type,
-                    backend=self.config.attention_backend, dropout_p=dropout,
-                    documents=documents)
-            return core_attention(q, k, v, backend=self.config.attention_backend,
-                                  dropout_p=dropout, documents=documents)
+        return self.linear_proj(self.attend(q, k, v, documents))

@@ -17,7 +17,7 @@ from megalite.config import GPTConfig
 from megalite.model.init import initialize_parameters
 from megalite.model.mtp import MultiTokenPrediction, attach_mtp_loss
 from megalite.model.norms import build_norm
-from megalite.model.rotary import mla_rotary_table, rotary_frequencies, rotary_table
+from megalite.model.rotary import model_rotary_table, uses_rotary
 from megalite.model.transformer import SequenceParallelDropout, TransformerLayer
 from megalite.parallel_state import group_rank, group_size
 from megalite.pipeline_parallel.stages import Stage, rank_stages
@@ -87,17 +87,16 @@ class Decoder(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None,
                 kv_cache=None, documents: Documents | None = None) -> torch.Tensor:
-        if kv_cache is not None:  # generation, without grad: nothing to recompute
-            for index, layer in self.layers.items():
-                x = layer(x, rope_table, kv_cache.layers[int(index)])
-        else:
-            layers = list(self.layers.values())
-            for run, recompute in recompute_groups(self.config, len(layers)):
-                forward = _run_layers(layers[run.start:run.stop])
-                if recompute and torch.is_grad_enabled():
-                    x = checkpoint(forward, self.rng_tracker, x, rope_table, documents)
-                else:
-                    x = forward(x, rope_table, documents)
+        layers = list(self.layers.values())
+        # Generation (the whole model, without grad: nothing to recompute) passes a cache
+        # per layer.
+        caches = [None] * len(layers) if kv_cache is None else kv_cache.layers
+        for run, recompute in recompute_groups(self.config, len(layers)):
+            forward = _run_layers(layers[run.start:run.stop], caches[run.start:run.stop])
+            if recompute and torch.is_grad_enabled():
+                x = checkpoint(forward, self.rng_tracker, x, rope_table, documents)
+            else:
+                x = forward(x, rope_table, documents)
         return x if self.final_layernorm is None else self.final_layernorm(x)
 
 
@@ -114,11 +113,11 @@ def recompute_groups(config: GPTConfig, num_layers: int) -> list[tuple[range, bo
     return [(range(i, i + 1), i < n) for i in range(num_layers)]
 
 
-def _run_layers(layers: list[nn.Module]):
+def _run_layers(layers: list[nn.Module], caches: list):
     def run(x: torch.Tensor, rope_table: torch.Tensor | None,
             documents: Documents | None) -> torch.Tensor:
-        for layer in layers:
-            x = layer(x, rope_table, documents=documents)
+        for layer, cache in zip(layers, caches):
+            x = layer(x, rope_table, cache, documents=documents)
         return x
     return run
 
@@ -179,16 +178,10 @@ class GPTModel(nn.Module):
         .to(bfloat16) would round it, and bf16 angles of neighbouring positions above 256
         are equal."""
         c = self.config
-        if c.position_embedding_type != "rope" and not c.multi_latent_attention:
+        if not uses_rotary(c):
             return None
         if self._rotary is None or self._rotary.device != device:
-            if c.multi_latent_attention:  # its RoPE part's own (YaRN's with --rope-type yarn)
-                self._rotary_full = mla_rotary_table(c, device)
-            else:
-                self._rotary_full = rotary_table(rotary_frequencies(
-                    c.seq_length, int(c.kv_channels * c.rotary_percent), c.rotary_base,
-                    device=device))
-            self._rotary = self._rotary_full
+            self._rotary = self._rotary_full = model_rotary_table(c, device)
             cp = group_size(self.cp_group)
             if cp > 1:
                 self._rotary = self._rotary[local_positions(c.seq_length, cp,
@@ -252,10 +245,8 @@ class GPTModel(nn.Module):
                         if documents is not None and self.config.resets_positions else None)
         x = self.embedding(inputs, offset, position_ids) if self.pre_process else inputs
         table = self.rope_table(x.device)
-        if table is not None and position_ids is not None:
-            table = self._rotary_full[position_ids.t()]  # [seq, batch, 2, rotary dim]
-        elif table is not None:
-            table = table[offset:]
+        if table is not None:  # with reset positions [seq, batch, 2, rotary dim]
+            table = table[offset:] if position_ids is None else self._rotary_full[position_ids.t()]
         x = self.decoder(x, table, kv_cache,
                          documents if self.config.masks_documents else None)
         if not self.post_process:

@@ -26,17 +26,13 @@ import torch
 from torch import nn
 
 from megalite.config import GPTConfig
-from megalite.context_parallel import context_parallel_attention
-from megalite.attention_backends import core_attention
 from megalite.documents import Documents
+from megalite.model.attention import CoreAttention
 from megalite.model.norms import build_norm
 from megalite.model.rotary import apply_rotary, deinterleave, mla_softmax_scale
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                               gather_from_sequence_parallel_region)
-from megalite.tensor_parallel.params import mark_sequence_parallel, mark_tensor_parallel
-from megalite.tensor_parallel.random import checkpoint, model_parallel_rng
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                             column_parallel_input, parameter)
 from megalite.tensor_parallel.weight_grad import LinearStep, linear
 
 
@@ -46,27 +42,21 @@ class DuplicatedLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, partial_grad: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(output_size, input_size))
-        mark_tensor_parallel(self.weight, None)
-        mark_sequence_parallel(self.weight, partial_grad)
+        self.weight = parameter(output_size, input_size, partition_dim=None,
+                                sequence_parallel=partial_grad)
         self.linear_step = LinearStep()  # until the step running the model installs its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, None, self.linear_step)
 
 
-class MultiLatentAttention(nn.Module):
+class MultiLatentAttention(CoreAttention):
     def __init__(self, config: GPTConfig, tp_group=None, rng_tracker=None, cp_group=None):
-        super().__init__()
-        c = self.config = config
+        super().__init__(config, tp_group, rng_tracker, cp_group, mla_softmax_scale(config))
+        c = config
         self.tp_group = tp_group
-        self.cp_group = cp_group if group_size(cp_group) > 1 else None
-        # As SelfAttention's: dropout masks differ per TP and CP rank.
-        self.rng_tracker = rng_tracker if group_size(tp_group) * group_size(cp_group) > 1 \
-            else None
         self.heads = c.num_attention_heads // group_size(tp_group)
         self.q_head_dim = c.qk_head_dim + c.qk_pos_emb_head_dim
-        self.softmax_scale = mla_softmax_scale(c)
         column = dict(group=tp_group, bias=False, sequence_parallel=c.sequence_parallel)
         sp = c.sequence_parallel
         q_size = c.num_attention_heads * self.q_head_dim
@@ -90,7 +80,7 @@ class MultiLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor, kv_cache=None,
                 documents: Documents | None = None) -> torch.Tensor:
         """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape; `rope_table`:
-        rotary.mla_rotary_table's rows of x's positions ([seq, 2, r], or per sample
+        rotary.model_rotary_table's rows of x's positions ([seq, 2, r], or per sample
         [seq, batch, 2, r] with reset positions); `documents` as SelfAttention's.
         `kv_cache` (generation: inference.LatentKVCache) holds earlier positions' latents and
         rotated k_pe, not their K and V: x's are appended, and K, V rebuilt from all."""
@@ -99,15 +89,9 @@ class MultiLatentAttention(nn.Module):
             kv_latent, k_pe = (t.transpose(0, 1) for t in kv_cache.append(
                 kv_latent.transpose(0, 1), k_pe.transpose(0, 1)))
         k, v = self.key_value(kv_latent, k_pe)
-        s, b = q.shape[:2]
         # Backends take [batch, seq, heads, dim].
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        if self.config.recompute_granularity == "selective" and torch.is_grad_enabled():
-            # Selective recompute (Korthikanti et al. 2022 §4.2), as SelfAttention's.
-            out = checkpoint(self._core_attention, self.rng_tracker, q, k, v, documents)
-        else:
-            out = self._core_attention(q, k, v, documents)
-        return self.linear_proj(out.transpose(0, 1).reshape(s, b, -1))
+        return self.linear_proj(self.attend(q, k, v, documents))
 
     def query_and_latent(self, x: torch.Tensor, rope_table: torch.Tensor):
         """q [seq, batch, local heads, qk_head_dim + r], the normalised KV latent
@@ -125,10 +109,7 @@ class MultiLatentAttention(nn.Module):
             [c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
         if c.qk_layernorm:
             kv_latent = self.kv_layernorm(kv_latent)
-        if c.sequence_parallel:
-            k_pe = gather_from_sequence_parallel_region(k_pe, self.tp_group)
-        else:
-            k_pe = copy_to_tensor_model_parallel_region(k_pe, self.tp_group)
+        k_pe = column_parallel_input(k_pe, self.tp_group, c.sequence_parallel)
         s, b = q.shape[:2]
         q_nope, q_pe = q.view(s, b, self.heads, self.q_head_dim).split(
             [c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
@@ -146,16 +127,3 @@ class MultiLatentAttention(nn.Module):
         k_nope, v = kv.view(s, b, self.heads, c.qk_head_dim + c.v_head_dim).split(
             [c.qk_head_dim, c.v_head_dim], dim=-1)
         return torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1), v
-
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        documents: Documents | None = None) -> torch.Tensor:
-        c = self.config
-        dropout = c.attention_dropout if self.training else 0.0
-        with model_parallel_rng(self.rng_tracker, dropout != 0.0):
-            if self.cp_group is not None:
-                return context_parallel_attention(
-                    q, k, v, cp_group=self.cp_group, comm_type=c.cp_comm_type,
-                    backend=c.attention_backend, dropout_p=dropout,
-                    softmax_scale=self.softmax_scale, documents=documents)
-            return core_attention(q, k, v, backend=c.attention_backend, dropout_p=dropout,
-                                  softmax_scale=self.softmax_scale, documents=documents)

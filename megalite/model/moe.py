@@ -26,7 +26,7 @@ from megalite.expert_parallel.dispatch import TokenDispatcher
 from megalite.expert_parallel.grouped_gemm import grouped_linear
 from megalite.model.router import TopKRouter, counting_forward, expert_capacity
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+from megalite.tensor_parallel.mappings import (all_reduce_, gather_from_sequence_parallel_region,
                                                reduce_scatter_to_sequence_parallel_region)
 from megalite.tensor_parallel.params import (mark_expert_parallel, mark_sequence_parallel,
                                              mark_stacked, mark_tensor_parallel)
@@ -62,13 +62,18 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, h] grouped by expert -> [N, h] (partial sums over TP)."""
-        y = grouped_linear(x, self.linear_fc1.weight, tokens_per_expert, self.grouped)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
+        y = activation(grouped_linear(x, self.linear_fc1.weight, tokens_per_expert, self.grouped),
+                       self.swiglu)
         return grouped_linear(y, self.linear_fc2.weight, tokens_per_expert, self.grouped)
+
+
+def activation(y: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The MLP's activation of fc1's output: GeLU, or SwiGLU (Shazeer 2020) of its
+    [gate; up] halves (the dense MLP's and each routed expert's)."""
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(y)
 
 
 class MoELayer(nn.Module):
@@ -89,7 +94,6 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config, config.num_experts // group_size(ep_group),
                                       group_size(tp_group))
         self.dispatcher = TokenDispatcher(config.num_experts, ep_group=ep_group,
-                                          tp_group=tp_group,
                                           kind=config.moe_token_dispatcher_type)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
@@ -170,13 +174,14 @@ class AuxLossBackward(torch.autograd.Function):
         return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
-def moe_layers(chunks) -> list[MoELayer]:
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+def modules_of(chunks, kind: type) -> list:
+    """The modules of type `kind` in the model chunks `chunks`."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, kind)]
 
 
 def set_aux_loss_scale(chunks, scale: float):
     """The gradient each micro-batch's auxiliary losses get (see the module docstring)."""
-    for layer in moe_layers(chunks):
+    for layer in modules_of(chunks, MoELayer):
         layer.aux_loss_scale = scale
 
 
@@ -185,12 +190,10 @@ def update_expert_bias(chunks, group=None):
     """DeepSeek-V3 §2.1.2, after each step: b_i += u x sign(mean load - load_i), the loads
     the pairs each expert received over the global batch (summed over `group`, the ranks
     holding the batch's other samples and sequence chunks); the counts restart."""
-    for layer in moe_layers(chunks):
+    for layer in modules_of(chunks, MoELayer):
         router = layer.router
         if router.expert_bias is None:
             continue
-        load = router.local_tokens_per_expert
-        if group_size(group) > 1:
-            torch.distributed.all_reduce(load, group=group)
+        load = all_reduce_(router.local_tokens_per_expert, group)
         router.expert_bias += torch.sign(load.mean() - load) * layer.config.moe_router_bias_update_rate
         load.zero_()

@@ -23,12 +23,11 @@ import torch
 from torch import nn
 
 from megalite.config import GPTConfig
-from megalite.model.moe import AuxLossBackward
+from megalite.model.moe import AuxLossBackward, modules_of
 from megalite.model.norms import build_norm
 from megalite.model.transformer import TransformerLayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear
-from megalite.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
-                                               scatter_to_sequence_parallel_region)
+from megalite.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 
 
 class MultiTokenPredictionLayer(nn.Module):
@@ -42,7 +41,7 @@ class MultiTokenPredictionLayer(nn.Module):
         self.enorm = build_norm(config)
         self.hnorm = build_norm(config)
         self.eh_proj = ColumnParallelLinear(2 * config.hidden_size, config.hidden_size,
-                                            group=tp_group, bias=False,
+                                            group=tp_group, bias=False, gather_output=True,
                                             sequence_parallel=config.sequence_parallel)
         self.transformer_layer = TransformerLayer(config, tp_group, rng_tracker, cp_group,
                                                   layer_index=config.num_layers - 1,
@@ -54,7 +53,6 @@ class MultiTokenPredictionLayer(nn.Module):
         """hidden, embedded [s, b, h] (this rank's sequence shard under SP) -> h^k."""
         # Megatron's order: the embedding first.
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        x = gather_from_tensor_model_parallel_region(x, self.tp_group)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         return self.final_layernorm(self.transformer_layer(x, rope_table))
@@ -96,13 +94,9 @@ class MultiTokenPrediction(nn.Module):
         return total
 
 
-def mtp_blocks(chunks) -> list[MultiTokenPrediction]:
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MultiTokenPrediction)]
-
-
 def set_mtp_loss_weights(chunks, weights: torch.Tensor):
     """The gradient each depth's summed token losses get this step (module docstring)."""
-    for block in mtp_blocks(chunks):
+    for block in modules_of(chunks, MultiTokenPrediction):
         block.loss_weights = weights
 
 
@@ -110,7 +104,7 @@ def take_mtp_loss_sums(chunks, depths: int, device: torch.device) -> torch.Tenso
     """Each depth's summed token losses over the micro-batches since the last call ([D];
     zeros on a rank without the MTP modules), and restart the sums."""
     sums = torch.zeros(depths, device=device)
-    for block in mtp_blocks(chunks):
+    for block in modules_of(chunks, MultiTokenPrediction):
         if block.loss_sums is not None:
             sums += block.loss_sums.to(device)
         block.loss_sums = None

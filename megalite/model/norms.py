@@ -38,11 +38,8 @@ def build_norm(config: GPTConfig, size: int | None = None,
     """A norm over the last `size` channels (default hidden_size). `partial_grad`: whether
     each TP rank's gradient is a partial sum to all-reduce over TP (params.py); by default,
     under SP, where the norm is fed this rank's sequence shard."""
-    size = size or config.hidden_size
-    if config.normalization == "RMSNorm":
-        norm = RMSNorm(size, config.norm_epsilon)
-    else:
-        norm = LayerNorm(size, eps=config.norm_epsilon)
+    kind = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
+    norm = kind(size or config.hidden_size, config.norm_epsilon)
     for param in norm.parameters():
         mark_sequence_parallel(param, config.sequence_parallel if partial_grad is None
                                else partial_grad)

@@ -1,13 +1,19 @@
 """Rotary position embedding (Su et al. 2021), in the non-interleaved "rotate half" form
 Megatron and HF Llama use, so exported weights need no permutation. Every layer reads the
 one cos/sin table of its chunk (GPTModel.rope_table), the rows of its positions; multi-latent
-attention's RoPE part its own (mla_rotary_table, YaRN's where --rope-type yarn)."""
+attention's RoPE part its own (model_rotary_table, YaRN's where --rope-type yarn)."""
 
 import math
 
 import torch
 
 from megalite.config import GPTConfig
+
+
+def uses_rotary(config: GPTConfig) -> bool:
+    """Whether positions come from rotary angles over --seq-length (multi-latent attention's
+    RoPE part has them whatever --position-embedding-type says)."""
+    return config.position_embedding_type == "rope" or config.multi_latent_attention
 
 
 def rotary_frequencies(seq_length: int, rotary_dim: int, base: int, device=None) -> torch.Tensor:
@@ -35,10 +41,8 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     [seq, batch, 2, rotary_dim] (positions restarting in each document); the rest (with
     --rotary-percent < 1) pass through unchanged. Computed in fp32, returned in x's dtype."""
     rot_dim = table.shape[-1]
-    if table.dim() == 4:
-        cos, sin = table[:, :, None, 0], table[:, :, None, 1]
-    else:
-        cos, sin = table[:, None, None, 0], table[:, None, None, 1]
+    # cos and sin [seq, batch or 1, 1, rotary_dim], broadcast over the heads (and samples)
+    cos, sin = (table.unsqueeze(-3) if table.dim() == 4 else table[:, None, None]).unbind(-2)
     x_rot = x[..., :rot_dim].float()
     x_rot = (x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype)
     if rot_dim == x.shape[-1]:
@@ -76,12 +80,14 @@ def yarn_frequencies(seq_length: int, rotary_dim: int, base: float, scaling_fact
     return torch.cat([angles, angles], dim=-1)
 
 
-def mla_rotary_table(config: GPTConfig, device=None) -> torch.Tensor:
-    """The cos/sin table [seq_length, 2, qk_pos_emb_head_dim] of multi-latent attention's
-    RoPE part: YaRN's (times its cos/sin factor mscale / mscale_all_dim, both through
-    yarn_mscale) or plain RoPE's (--rope-type)."""
-    c, dim = config, config.qk_pos_emb_head_dim
-    if c.rope_type == "rope":
+def model_rotary_table(config: GPTConfig, device=None) -> torch.Tensor:
+    """The model's cos/sin table [seq_length, 2, rotary dim]: of its heads' first
+    kv_channels x --rotary-percent channels, or of multi-latent attention's RoPE part
+    (qk_pos_emb_head_dim channels), YaRN's there with --rope-type yarn (times its cos/sin
+    factor mscale / mscale_all_dim, both through yarn_mscale)."""
+    c, mla = config, config.multi_latent_attention
+    dim = c.qk_pos_emb_head_dim if mla else int(c.kv_channels * c.rotary_percent)
+    if c.rope_type == "rope" or not mla:
         return rotary_table(rotary_frequencies(c.seq_length, dim, c.rotary_base, device))
     angles = yarn_frequencies(c.seq_length, dim, c.rotary_base, c.rotary_scaling_factor,
                               c.yarn_original_max_position_embeddings, c.yarn_beta_fast,

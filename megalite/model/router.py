@@ -22,12 +22,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import GPTConfig
 from megalite.parallel_state import group_size
+from megalite.tensor_parallel.mappings import all_reduce_
 
 
 @dataclass
@@ -192,13 +192,6 @@ def routing_map(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(scores).scatter(1, torch.topk(scores, k, dim=-1).indices, 1.0)
 
 
-def _summed(counts: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) > 1:
-        counts = counts.clone()
-        dist.all_reduce(counts, group=group)
-    return counts
-
-
 def switch_load_balancing_loss(scores: torch.Tensor, chosen: torch.Tensor, k: int,
                                coeff: float, count_group=None) -> torch.Tensor:
     """Switch Transformer eq. 4-6 with top k: coeff x E x sum_i f_i P_i, f_i the fraction
@@ -207,7 +200,7 @@ def switch_load_balancing_loss(scores: torch.Tensor, chosen: torch.Tensor, k: in
     only this rank's probabilities: each rank holds its part of the loss, and the parts
     sum to the loss of the whole micro-batch."""
     num_experts = scores.shape[1]
-    counts = _summed(chosen.sum(0), count_group)
+    counts = all_reduce_(chosen.sum(0), count_group)
     total = scores.shape[0] * group_size(count_group)
     return (scores.sum(0) * counts).sum() * (num_experts * coeff / (k * total * total))
 
@@ -221,7 +214,7 @@ def sequence_load_balancing_loss(scores: torch.Tensor, chosen: torch.Tensor,
     sequence-first ([S, B] flattened)."""
     num_experts = scores.shape[1]
     scores = scores.view(-1, num_sequences, num_experts)
-    counts = _summed(chosen.view_as(scores).sum(0), count_group)      # [B, E]
+    counts = all_reduce_(chosen.view_as(scores).sum(0), count_group)      # [B, E]
     length = scores.shape[0] * group_size(count_group)
     per_sequence = (scores.sum(0) * counts).sum(1) * (num_experts / (k * length * length))
     return per_sequence.mean() * coeff

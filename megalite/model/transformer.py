@@ -11,7 +11,7 @@ from torch import nn
 
 from megalite.model.attention import SelfAttention
 from megalite.model.mla import MultiLatentAttention
-from megalite.model.moe import MoELayer
+from megalite.model.moe import MoELayer, activation
 from megalite.config import GPTConfig
 from megalite.model.norms import build_norm
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -40,11 +40,7 @@ class MLP(nn.Module):
                                             fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            return self.linear_fc2(F.silu(gate) * up)
-        return self.linear_fc2(F.gelu(y))
+        return self.linear_fc2(activation(self.linear_fc1(x), self.swiglu))
 
 
 class TransformerLayer(nn.Module):

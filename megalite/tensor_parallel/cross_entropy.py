@@ -11,13 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megalite.parallel_state import group_rank, group_size
-
-
-def _all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
+from megalite.parallel_state import group_rank
+from megalite.tensor_parallel.mappings import all_reduce_
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -32,16 +27,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.logits_dtype = logits.dtype
         buffer = logits.float()  # the caller's fp32 logits themselves: overwritten
 
-        logits_max = _all_reduce_(buffer.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        logits_max = all_reduce_(buffer.max(dim=-1).values, group, dist.ReduceOp.MAX)
         buffer.sub_(logits_max.unsqueeze(-1))
 
         # The target logit lives on exactly one rank; the others contribute 0.
         elsewhere = (target < vocab_start) | (target >= vocab_start + shard_size)
         local_target = (target - vocab_start).masked_fill(elsewhere, 0)
         target_logit = buffer.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = _all_reduce_(target_logit.masked_fill(elsewhere, 0.0), group)
+        target_logit = all_reduce_(target_logit.masked_fill(elsewhere, 0.0), group)
 
-        sum_exp = _all_reduce_(buffer.exp_().sum(dim=-1), group)
+        sum_exp = all_reduce_(buffer.exp_().sum(dim=-1), group)
         loss = sum_exp.log() - target_logit
 
         softmax = buffer.div_(sum_exp.unsqueeze(-1))

@@ -23,7 +23,6 @@ column-parallel GEMM and reduce-scatters after the row-parallel one). So TP n in
 one FP8 process within round-off.
 """
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -33,15 +32,11 @@ import torch.distributed as dist
 from megalite.config import GPTConfig
 from megalite.errors import ConfigError
 from megalite.parallel_state import group_size
-from megalite.tensor_parallel.weight_grad import LinearStep, apply_as_autocast_would
+from megalite.tensor_parallel.weight_grad import LinearStep, apply_as_autocast_would, temporarily
 
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
                "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
 """--fp8-format -> (dtype of X and A, dtype of dY)."""
-FP8_RECIPES = ("tensorwise", "rowwise")
-"""--fp8-recipe choices megalite builds."""
-FP8_RECIPES_NOT_BUILT = ("delayed", "mxfp8", "blockwise")
-"""Megatron's other --fp8-recipe choices, refused by name."""
 _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (torchao's EPS)
 
 
@@ -163,7 +158,6 @@ def _cast_row_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype, memory_format=torch.contiguous_format)
 
 
-@contextlib.contextmanager
 def quantize_weights_once(step: LinearStep):
     """Inside (one training step's forwards and backwards), a tensorwise FP8 layer running
     with `step` (its model's, weight_grad.LinearStep, where the copies are kept) quantizes
@@ -179,11 +173,7 @@ def quantize_weights_once(step: LinearStep):
     scaled_mm): two bytes an element, a bf16 weight's size, as Transformer Engine keeps an
     FP8 weight and its transpose. Keeping one and transposing it for the other GEMM would
     be a copy per micro-batch again, the cost this removes."""
-    previous, step.fp8_weights = step.fp8_weights, {}
-    try:
-        yield
-    finally:
-        step.fp8_weights = previous
+    return temporarily(step, "fp8_weights", {})
 
 
 def _quantized_weight(weight: torch.Tensor, dtype: torch.dtype, group,
@@ -272,7 +262,6 @@ class _Fp8Linear(torch.autograd.Function):
                 step: LinearStep):
         x2d = x.reshape(-1, x.shape[-1])
         ctx.recipe, ctx.group, ctx.row_parallel, ctx.step = recipe, group, row_parallel, step
-        ctx.has_bias = bias is not None
         fwd_dtype = recipe.dtypes[0]
         x_group = group if row_parallel else None
         if recipe.rowwise:  # scales along the input dim K: sharded in a row-parallel layer
@@ -315,7 +304,7 @@ class _Fp8Linear(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = scaled_mm(gq, wq, dtype).reshape(*grad_output.shape[:-1], wq.data.shape[1])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False for a bias of None
             grad_bias = g2d.sum(0)
         if ctx.needs_input_grad[1]:
             grad_weight = ctx.step.weight_grad_now_or_deferred(
@@ -341,13 +330,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     breaks, guards, the compiled quantizations' calls) and left the GPU idle 28% of an FP8
     step (docs/benchmarks.md). Over a TP group it stays eager: its amax all-reduce is not
     traced."""
-    if torch.compiler.is_compiling() and group_size(group) == 1:
-        return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
-                                       row_parallel, step)
-    return _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel, step)
+    apply = (apply_as_autocast_would if torch.compiler.is_compiling() and group_size(group) == 1
+             else _eager_apply_as_autocast_would)
+    return apply(_Fp8Linear.apply, x, weight, bias, recipe, group, row_parallel, step)
 
 
-@torch.compiler.disable
-def _eager_fp8_linear(x, weight, bias, recipe, group, row_parallel, step):
-    return apply_as_autocast_would(_Fp8Linear.apply, x, weight, bias, recipe, group,
-                                   row_parallel, step)
+_eager_apply_as_autocast_would = torch.compiler.disable(apply_as_autocast_would)

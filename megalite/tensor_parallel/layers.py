@@ -36,11 +36,21 @@ def _divide(size: int, tp: int, what: str) -> int:
     return size // tp
 
 
-def _parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool = False):
+def parameter(*shape: int, partition_dim: int | None, sequence_parallel: bool = False):
+    """A zero parameter of `shape`, tagged (params.py) as split over TP along `partition_dim`
+    (None: replicated) and as getting a partial gradient per TP rank (`sequence_parallel`)."""
     param = nn.Parameter(torch.zeros(*shape))
     mark_tensor_parallel(param, partition_dim)
     mark_sequence_parallel(param, sequence_parallel)
     return param
+
+
+def column_parallel_input(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel product: all-gathered along seq under SP (backward
+    reduce-scatters its gradient), else f (backward all-reduces it)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group)
+    return copy_to_tensor_model_parallel_region(x, group)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -48,10 +58,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            fp8: Fp8Recipe | None = None) -> torch.Tensor:
     """X A^T + b for this rank's row block A: X all-gathered along seq under SP, else f;
     the GEMMs in FP8 with a recipe `fp8` (fp8.py); `step`: the model's LinearStep."""
-    if sequence_parallel:
-        x = gather_from_sequence_parallel_region(x, group)
-    else:
-        x = copy_to_tensor_model_parallel_region(x, group)
+    x = column_parallel_input(x, group, sequence_parallel)
     if fp8 is not None:
         return fp8_linear(x, weight, bias, fp8, group, step, row_parallel=False)
     return linear(x, weight, bias, step)
@@ -78,8 +85,8 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(
             output_size, group_size(group), "ColumnParallelLinear output size")
-        self.weight = _parameter(self.output_size_per_partition, input_size, partition_dim=0)
-        self.bias = _parameter(self.output_size_per_partition, partition_dim=0) if bias else None
+        self.weight = parameter(self.output_size_per_partition, input_size, partition_dim=0)
+        self.bias = parameter(self.output_size_per_partition, partition_dim=0) if bias else None
         self.linear_step = LinearStep()  # until the step running the model installs its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,9 +117,9 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(
             input_size, group_size(group), "RowParallelLinear input size")
-        self.weight = _parameter(output_size, self.input_size_per_partition, partition_dim=1)
+        self.weight = parameter(output_size, self.input_size_per_partition, partition_dim=1)
         # Added to this rank's sequence shard under SP: a partial grad (params.py).
-        self.bias = (_parameter(output_size, partition_dim=None,
+        self.bias = (parameter(output_size, partition_dim=None,
                                 sequence_parallel=sequence_parallel) if bias else None)
         self.linear_step = LinearStep()  # until the step running the model installs its own
 
@@ -152,7 +159,7 @@ class VocabParallelEmbedding(nn.Module):
                                 "VocabParallelEmbedding vocabulary size (padded)")
         self.vocab_start_index = group_rank(group) * per_partition
         self.vocab_end_index = self.vocab_start_index + per_partition
-        self.weight = _parameter(per_partition, embedding_dim, partition_dim=0)
+        self.weight = parameter(per_partition, embedding_dim, partition_dim=0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens of any shape [...] (global ids) -> [..., embedding_dim]."""

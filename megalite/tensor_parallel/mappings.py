@@ -38,6 +38,14 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """x all-reduced in place over `group` (over one rank or none: as it is), returned.
+    For a tensor no autograd graph has saved."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
 def _split(x: torch.Tensor, group, *, dim: int, op: str) -> torch.Tensor:
     """This rank's contiguous chunk of `dim`."""
     _check_divisible(x, dim, group_size(group), op)

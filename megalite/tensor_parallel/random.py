@@ -13,6 +13,8 @@ import contextlib
 import torch
 import torch.utils.checkpoint
 
+from megalite.tensor_parallel.weight_grad import temporarily
+
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
@@ -99,18 +101,9 @@ def checkpoint(function, rng_tracker: RNGStatesTracker | None, *args):
     saved = rng_tracker.get_states() if rng_tracker is not None else None
 
     def contexts():
-        if rng_tracker is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
-        return contextlib.nullcontext(), _tracker_states(rng_tracker, saved)
+        recompute = (contextlib.nullcontext() if rng_tracker is None
+                     else temporarily(rng_tracker, "states", dict(saved)))
+        return contextlib.nullcontext(), recompute
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              preserve_rng_state=True, context_fn=contexts)
 
-
-@contextlib.contextmanager
-def _tracker_states(rng_tracker: RNGStatesTracker, states):
-    current = rng_tracker.get_states()
-    rng_tracker.set_states(states)
-    try:
-        yield
-    finally:
-        rng_tracker.set_states(current)

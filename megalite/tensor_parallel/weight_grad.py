@@ -84,30 +84,20 @@ class LinearStep:
             if hasattr(module, "linear_step"):
                 module.linear_step = self
 
-    @contextlib.contextmanager
     def defer_weight_grads(self, store: WeightGradStore):
         """The layers' backwards inside this context leave their weight gradients in
         `store` (B of a split backward)."""
         if self.store is not None:
             raise RuntimeError("defer_weight_grads is already active: one B pass at a time")
-        self.store = store
-        try:
-            yield store
-        finally:
-            self.store = None
+        return temporarily(self, "store", store)
 
-    @contextlib.contextmanager
     def unsplit(self):
         """The layers' forwards inside this context build torch's own F.linear node, whose
         backward computes dA at once: for a schedule without W passes. It is ~40 us per
         layer and step cheaper than the custom function on a CPU (Python forward and
         backward), and its dA (X^T dY, transposed) is bit for bit the custom one's on the
         CPU (tests/test_weight_grad.py)."""
-        previous, self.splittable = self.splittable, False
-        try:
-            yield
-        finally:
-            self.splittable = previous
+        return temporarily(self, "splittable", False)
 
     def deferred(self, param: torch.Tensor) -> bool:
         """Whether the B pass running now deferred `param`'s gradient. Autograd still calls
@@ -126,6 +116,17 @@ class LinearStep:
         return None
 
 
+@contextlib.contextmanager
+def temporarily(obj, name: str, value):
+    """obj.<name> = value inside the context (which yields it), the previous value after."""
+    previous = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield value
+    finally:
+        setattr(obj, name, previous)
+
+
 def weight_grad(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     """dA = dY^T X over all leading (sequence, batch) dims, in one matrix product."""
     return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
@@ -140,7 +141,6 @@ class _Linear(torch.autograd.Function):
         # same tensors saved, so the memory planner's counts hold for both.
         x2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2d, weight)
-        ctx.has_bias = bias is not None
         # Written through a 2-D view into a tensor of its own: a returned view could not be
         # modified in place (the vocab-parallel loss does that to the logits).
         y = x2d.new_empty(*x.shape[:-1], weight.shape[0])
@@ -155,7 +155,7 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_bias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False for a bias of None
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
         grad_weight = None
         if ctx.needs_input_grad[1]:
