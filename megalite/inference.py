@@ -92,11 +92,14 @@ def sample(logits: torch.Tensor, sampling: Sampling,
 
 class LayerKVCache:
     """One layer's keys and values [batch, max_length, this rank's K/V heads, head dim],
-    of which `length` positions are filled."""
+    of which `length` positions are filled. Multi-latent attention's (`values_shape` given):
+    `keys` holds the normalised KV latents [batch, max_length, kv_lora_rank] and `values` the
+    rotated k_pe [batch, max_length, 1, qk_pos_emb_head_dim]."""
 
-    def __init__(self, shape: tuple[int, ...], like: torch.Tensor):
+    def __init__(self, shape: tuple[int, ...], like: torch.Tensor, values_shape=None):
         self.keys = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.values, self.length = torch.empty_like(self.keys), 0
+        self.values = torch.empty(values_shape or shape, dtype=like.dtype, device=like.device)
+        self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [batch, s, K/V heads, dim] of the next s positions -> all positions' so far."""
@@ -108,23 +111,15 @@ class LayerKVCache:
         return self.keys[:, :end], self.values[:, :end]
 
 
-class LatentKVCache(LayerKVCache):
-    """One multi-latent-attention layer's cache: `keys` holds the normalised KV latents
-    [batch, max_length, kv_lora_rank] and `values` the rotated k_pe [batch, max_length, 1,
-    qk_pos_emb_head_dim] (the names are LayerKVCache's; append takes and returns them)."""
-
-    def __init__(self, batch: int, max_length: int, config: GPTConfig, like: torch.Tensor):
-        super().__init__((batch, max_length, config.kv_lora_rank), like)
-        self.values = like.new_empty(batch, max_length, 1, config.qk_pos_emb_head_dim)
-
-
 class KVCache:
     """Every layer's cache (`layers[i]`: layer i's) for `batch` sequences of up to
     `max_length` positions; the first `length` (the next token's position) are filled."""
 
     def __init__(self, model: GPTModel, batch: int, max_length: int):
         c, like = model.config, model.output_weight()
-        self.layers = [LatentKVCache(batch, max_length, c, like) if c.multi_latent_attention
+        self.layers = [LayerKVCache((batch, max_length, c.kv_lora_rank), like,
+                                    (batch, max_length, 1, c.qk_pos_emb_head_dim))
+                       if c.multi_latent_attention
                        else LayerKVCache((batch, max_length, layer.self_attention.num_groups,
                                           c.kv_channels), like)
                        for layer in model.decoder.layers.values()]

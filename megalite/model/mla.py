@@ -82,7 +82,7 @@ class MultiLatentAttention(CoreAttention):
         """x: [seq, batch, hidden] (a sequence shard under SP) -> same shape; `rope_table`:
         rotary.model_rotary_table's rows of x's positions ([seq, 2, r], or per sample
         [seq, batch, 2, r] with reset positions); `documents` as SelfAttention's.
-        `kv_cache` (generation: inference.LatentKVCache) holds earlier positions' latents and
+        `kv_cache` (generation: inference.LayerKVCache) holds earlier positions' latents and
         rotated k_pe, not their K and V: x's are appended, and K, V rebuilt from all."""
         q, kv_latent, k_pe = self.query_and_latent(x, rope_table)
         if kv_cache is not None:
