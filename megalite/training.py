@@ -164,7 +164,7 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     p = config.parallel
     if config.optimizer_kind is OptimizerKind.FULLY_SHARDED:  # FSDP2 reduces the gradients
         return FullyShardedOptimizer(model, config.optimizer, scaler, state.tp_group,
-                                     state.mp_group, p.optimizer_cpu_offload, timers), None
+                                     state.mp_group, timers), None
     params = [q for q in model.parameters() if q.requires_grad]
     # Over the shard groups: DP x CP and expert-DP themselves with one replica.
     grad_buffer = GradBuffer(params, state.shard_group, p.ddp_bucket_size,

@@ -73,10 +73,6 @@ class MixedPrecisionOptimizer(Optimizer):
         rank = bucket.dp_rank
         return rank * bucket.shard_size, (rank + 1) * bucket.shard_size
 
-    @property
-    def host_step(self) -> bool:
-        return self.host is not None
-
     def _owned_segments(self) -> list[Segment]:
         segments = []
         for index, (bucket, owned) in enumerate(zip(self.grad_buffer.buckets, self._owned_params)):
