@@ -21,7 +21,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer
-from megalite.parallel_state import (ParallelState, all_gather_into, all_reduce_anywhere,
+from megalite.parallel_state import (ParallelState, all_gather_first_dim, all_reduce_anywhere,
                                      group_size, num_microbatches)
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
@@ -192,8 +192,7 @@ class StepRunner:
                              ~torch.isfinite(squares.to(loss.device))]).float()
         flags = local[None]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flags = torch.empty(dist.get_world_size(), 3, device=loss.device)
-            all_gather_into(flags.view(-1), local, dist.group.WORLD)
+            flags = all_gather_first_dim(flags, dist.group.WORLD)
         for column, what, when in ((0, "lm loss", ""),
                                    (1, "a gradient", " before the data-parallel reduction"),
                                    (2, "a gradient", "")):
