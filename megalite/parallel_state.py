@@ -256,6 +256,13 @@ def all_reduce_anywhere(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM):
         tensor.copy_(on_device)
 
 
+def all_reduce_over(tensor: torch.Tensor, groups: list, op=dist.ReduceOp.SUM):
+    """all_reduce_anywhere over each of `groups` that has several ranks, in turn."""
+    for group in groups:
+        if group_size(group) > 1:
+            all_reduce_anywhere(tensor, group, op)
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
     """All-gather x from every rank into out (concatenated along dim 0). x may be this
     rank's own block of out (in place). Returns the work handle when async_op."""
