@@ -328,14 +328,11 @@ class ParallelState:
         self.replica_group = self.expert_replica_group = None
         if self.num_replicas == 1:
             return
-        self.shard_group = self._make(grid.shard_groups())
-        self.replica_group = self._make(grid.replica_groups())
+        self.shard_group = self.expert_shard_group = self._make(grid.shard_groups())
+        self.replica_group = self.expert_replica_group = self._make(grid.replica_groups())
         if self.ep_size > 1:
             self.expert_shard_group = self._make(grid.expert_shard_groups())
             self.expert_replica_group = self._make(grid.expert_replica_groups())
-        else:
-            self.expert_shard_group = self.shard_group
-            self.expert_replica_group = self.replica_group
 
     @classmethod
     def single_process(cls) -> "ParallelState":

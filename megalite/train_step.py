@@ -91,13 +91,11 @@ class StepRunner:
         self.state, self.device, self.grad_buffer, self.timers = state, device, grad_buffer, timers
         self.linear_step = LinearStep()
         self.linear_step.install(chunks)
-        if grad_buffer is not None:
-            grad_buffer.linear_step = self.linear_step
         # fp16's loss scaler skips the steps whose gradients overflow instead.
         self.check_for_nan = config.checkpoint.check_for_nan and not config.precision.fp16
         if grad_buffer is not None:
+            grad_buffer.linear_step = self.linear_step
             grad_buffer.check_finite = self.check_for_nan
-        self.num_microbatches = m = config.training.num_microbatches
         fsdp = is_fully_sharded(chunks)
         self.fsdp_defer_grad_reduce = (fsdp and
                                        not config.parallel.fsdp_grad_reduce_every_micro_batch)
@@ -111,7 +109,7 @@ class StepRunner:
         # batch), a number DP does not change (model/moe.py).
         self.microbatches_per_global_batch = num_microbatches(
             config.training.global_batch_size, config.training.micro_batch_size)
-        self._plan(m)
+        self._plan(config.training.num_microbatches)
         self.comm = None
         if state.pp_size > 1:
             # Activations travel in the compute dtype (under FSDP2 the gathered

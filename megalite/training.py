@@ -144,11 +144,10 @@ def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
     built there draws it, rounded to `dtype` as a model built in it is (widened back to
     fp32, the main copy a ZeRO-1 run starts from, value for value); this rank keeps its
     rows of its TP block."""
-    def assign(param, block):
-        copy_into(param, block.to(dtype).float())
     for chunk in chunks:
         initialize_parameters(chunk, chunk.config, seed, state.tp_rank, state.tp_size, device,
-                              assign, ep_rank=state.ep_rank)
+                              lambda param, block: copy_into(param, block.to(dtype).float()),
+                              ep_rank=state.ep_rank)
         initialize_buffers(chunk, device)
 
 

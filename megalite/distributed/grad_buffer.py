@@ -245,9 +245,7 @@ class GradBuffer:
         for bucket in self.buckets:
             for p in bucket.params:
                 self._move_into_buffer(p)
-            if compressing:
-                continue
-            if bucket.work is None:
+            if not compressing and bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:

@@ -70,8 +70,7 @@ class MixedPrecisionOptimizer(Optimizer):
     def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
         if not self.sharded:
             return 0, bucket.numel
-        rank = bucket.dp_rank
-        return rank * bucket.shard_size, (rank + 1) * bucket.shard_size
+        return bucket.dp_rank * bucket.shard_size, (bucket.dp_rank + 1) * bucket.shard_size
 
     def _owned_segments(self) -> list[Segment]:
         segments = []
