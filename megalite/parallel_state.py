@@ -172,9 +172,8 @@ class RankGrid:
         """The N x S ranks of the DP x CP group (expert-DP group for `expert`) holding
         `rank`: row i is replica i's shard group (FSDP2's 2-D DeviceMesh under HSDP)."""
         whole = self.expert_data_groups() if expert else self.dp_cp_groups()
-        ranks = next(g for g in whole if rank in g)
-        size = len(ranks) // self.num_distributed_optimizer_instances
-        return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+        return _split([next(g for g in whole if rank in g)],
+                      self.num_distributed_optimizer_instances)
 
     def expert_shard_groups(self) -> list[list[int]]:
         """An expert-DP group cut the same way: within one dense shard group."""

@@ -254,9 +254,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({state.tp_rank}, {state.pp_rank}): {sum(p.numel() for p in model.parameters())}",
               flush=True)
-    evaluating = config.training.eval_iters > 0
     valid = (microbatches(valid_ds, progress.consumed_valid_samples, config, state, device)
-             if evaluating and valid_ds is not None else None)
+             if config.training.eval_iters > 0 and valid_ds is not None else None)
     try:
         stopped = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device,
                         progress, saver, monitor,
