@@ -136,11 +136,11 @@ class GradBuffer:
         with the other ranks' (`local_nonfinite`): the NaN check then names the rank where
         a NaN starts, as Megatron's does (set by the StepRunner that checks)."""
         self.local_nonfinite: torch.Tensor | None = None
-        self._where = {}
+        self._bucket_of = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 p.main_grad = bucket.view(bucket.flat, i)
-                self._where[id(p)] = (bucket, i)
+                self._bucket_of[id(p)] = bucket
         self._in_place = all(b.flat.dtype == b.params[0].dtype for b in self.buckets)
         if overlap or not self._in_place:
             for p in params:
@@ -189,7 +189,7 @@ class GradBuffer:
         if self.linear_step is not None and self.linear_step.deferred(param):
             # a split backward's B: the gradient comes in W
             return
-        bucket, _ = self._where[id(param)]
+        bucket = self._bucket_of[id(param)]
         self._move_into_buffer(param)
         if not self.overlap or self.compressing:
             return
