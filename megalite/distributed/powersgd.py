@@ -46,7 +46,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (_orthogon
 
 from megalite.config import GradCompressionConfig
 from megalite.timers import NO_TIMERS, Timers
-from megalite.parallel_state import group_rank, group_size
+from megalite.parallel_state import all_gather_first_dim, group_rank, group_size
 from megalite.tensor_parallel.params import partition_dim, single_process_name
 
 
@@ -203,9 +203,7 @@ class PowerSGD:
         if not split:
             _orthogonalize(x.unsqueeze(0), eps)
             return x
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        full = torch.cat(parts)
+        full = all_gather_first_dim(x, self.tp_group)
         _orthogonalize(full.unsqueeze(0), eps)
         return full.chunk(self.tp_size)[self.tp_rank]
 
