@@ -132,10 +132,10 @@ def interleaved_one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int,
         # same p on chunk 1, ... so each chunk's output is ready when the next asks for it.
         return (k // p) % v
 
-    actions = [Action(FORWARD, microbatch(k), chunk(k)) for k in range(total)]
+    forwards = [Action(FORWARD, microbatch(k), chunk(k)) for k in range(total)]
     backwards = [Action(BACKWARD, microbatch(k), v - 1 - chunk(k)) for k in range(total)]
-    steady = [a for pair in zip(actions[warmup:], backwards) for a in pair]
-    return actions[:warmup] + steady + backwards[total - warmup:]
+    steady = [a for pair in zip(forwards[warmup:], backwards) for a in pair]
+    return forwards[:warmup] + steady + backwards[total - warmup:]
 
 
 def gpipe(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
