@@ -44,6 +44,8 @@ reduced across replicas, which the compressed sum already spans).
 `bytes_sent` counts the payload this rank put into the step's DP collectives.
 """
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,11 +65,8 @@ class Bucket:
                  replica_group=None):
         self.params, self.group, self.replica_group = params, group, replica_group
         self.dp, self.dp_rank = group_size(group), group_rank(group)
-        self.offsets, offset = [], 0
-        for p in params:
-            self.offsets.append(offset)
-            offset += p.numel()
-        self.numel = padded_size(offset, self.dp)
+        *self.offsets, end = itertools.accumulate([0, *(p.numel() for p in params)])
+        self.numel = padded_size(end, self.dp)
         self.shard_size = self.numel // self.dp
         self.flat = torch.zeros(self.numel, dtype=dtype, device=params[0].device)
         self.work = None
@@ -136,11 +135,11 @@ class GradBuffer:
         with the other ranks' (`local_nonfinite`): the NaN check then names the rank where
         a NaN starts, as Megatron's does (set by the StepRunner that checks)."""
         self.local_nonfinite: torch.Tensor | None = None
-        self._bucket_of = {}
+        self._where = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 p.main_grad = bucket.view(bucket.flat, i)
-                self._bucket_of[id(p)] = bucket
+                self._where[id(p)] = (bucket, i)
         self._in_place = all(b.flat.dtype == b.params[0].dtype for b in self.buckets)
         if overlap or not self._in_place:
             for p in params:
@@ -189,7 +188,7 @@ class GradBuffer:
         if self.linear_step is not None and self.linear_step.deferred(param):
             # a split backward's B: the gradient comes in W
             return
-        bucket = self._bucket_of[id(param)]
+        bucket, _ = self._where[id(param)]
         self._move_into_buffer(param)
         if not self.overlap or self.compressing:
             return

@@ -179,8 +179,7 @@ def _adopt_params(bucket: Bucket) -> torch.Tensor:
     """A flat parameter buffer laid out like `bucket`, holding the parameters' values,
     with each parameter's .data made a view into it, so the all-gather writes the
     parameters themselves."""
-    p0 = bucket.params[0]
-    flat = torch.zeros(bucket.numel, dtype=p0.dtype, device=p0.device)
+    flat = bucket.flat.new_zeros(bucket.numel, dtype=bucket.params[0].dtype)
     for i, p in enumerate(bucket.params):
         view = bucket.view(flat, i)
         view.copy_(p.detach())
