@@ -245,15 +245,13 @@ class StepRunner:
         """(sum of token losses, number of loss tokens) over the micro-batches."""
         if len(microbatches) != self.num_microbatches:
             self._plan(len(microbatches))
-        for chunk in self.chunks:
-            chunk.eval()
+        self.chunks.eval()
         # Untimed (timers=NO_TIMERS): the timers report training steps only.
         loss_sum = run_schedule(self.eval_schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum(),
                                 lambda loss: loss, self._autocast, self.linear_step,
                                 forward_only=True)
-        for chunk in self.chunks:
-            chunk.train()
+        self.chunks.train()
         tokens = sum(mb["loss_mask"].sum() for mb in microbatches)
         return (self._sum_over_data_parallel(loss_sum).item(),
                 self._sum_over_data_parallel(tokens).item())
