@@ -83,8 +83,7 @@ def build(mode: str, state, device):
         apply_fsdp(chunks.float(), state.dp_group, device,
                    strategy=ZERO2 if mode == "zero2" else ZERO3, param_dtype=torch.bfloat16,
                    reduce_dtype=torch.bfloat16, cpu_offload=mode.endswith("offload"))
-        optimizer = FullyShardedOptimizer(chunks, OptimizerConfig(lr=1e-3), None, None, None,
-                                          cpu_offload=mode.endswith("offload"))
+        optimizer = FullyShardedOptimizer(chunks, OptimizerConfig(lr=1e-3), None, None, None)
         return chunks, optimizer, None
     grad_buffer = GradBuffer(list(chunks.parameters()), state.dp_group, 10 ** 9,
                              shard=mode == "zero1")

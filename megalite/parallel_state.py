@@ -172,9 +172,8 @@ class RankGrid:
         """The N x S ranks of the DP x CP group (expert-DP group for `expert`) holding
         `rank`: row i is replica i's shard group (FSDP2's 2-D DeviceMesh under HSDP)."""
         whole = self.expert_data_groups() if expert else self.dp_cp_groups()
-        ranks = next(g for g in whole if rank in g)
-        size = len(ranks) // self.num_distributed_optimizer_instances
-        return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+        return _split([next(g for g in whole if rank in g)],
+                      self.num_distributed_optimizer_instances)
 
     def expert_shard_groups(self) -> list[list[int]]:
         """An expert-DP group cut the same way: within one dense shard group."""
@@ -256,6 +255,13 @@ def all_reduce_anywhere(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM):
         tensor.copy_(on_device)
 
 
+def all_reduce_over(tensor: torch.Tensor, groups: list, op=dist.ReduceOp.SUM):
+    """all_reduce_anywhere over each of `groups` that has several ranks, in turn."""
+    for group in groups:
+        if group_size(group) > 1:
+            all_reduce_anywhere(tensor, group, op)
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
     """All-gather x from every rank into out (concatenated along dim 0). x may be this
     rank's own block of out (in place). Returns the work handle when async_op."""
@@ -321,14 +327,11 @@ class ParallelState:
         self.replica_group = self.expert_replica_group = None
         if self.num_replicas == 1:
             return
-        self.shard_group = self._make(grid.shard_groups())
-        self.replica_group = self._make(grid.replica_groups())
+        self.shard_group = self.expert_shard_group = self._make(grid.shard_groups())
+        self.replica_group = self.expert_replica_group = self._make(grid.replica_groups())
         if self.ep_size > 1:
             self.expert_shard_group = self._make(grid.expert_shard_groups())
             self.expert_replica_group = self._make(grid.expert_replica_groups())
-        else:
-            self.expert_shard_group = self.shard_group
-            self.expert_replica_group = self.replica_group
 
     @classmethod
     def single_process(cls) -> "ParallelState":

@@ -173,8 +173,7 @@ def timers_report(names: list[str], per_rank_ms: torch.Tensor, option: str) -> l
     lines = ["max time across ranks (ms):" if option == "max"
              else "(min, max) time across ranks (ms):"]
     for i in used:
-        column = per_rank_ms[:, i]
-        ran = column[column > 0]
+        ran = per_rank_ms[:, i][per_rank_ms[:, i] > 0]
         label = (names[i] + " ").ljust(48, ".")
         lines.append(f"    {label}: {ran.max().item():.2f}" if option == "max" else
                      f"    {label}: ({ran.min().item():.2f}, {ran.max().item():.2f})")

@@ -21,7 +21,7 @@ from megalite.distributed.grad_buffer import GradBuffer
 from megalite.errors import NumericalError
 from megalite.timers import NO_TIMERS, Timers
 from megalite.optimizer.optimizer import Optimizer
-from megalite.parallel_state import (ParallelState, all_gather_into, all_reduce_anywhere,
+from megalite.parallel_state import (ParallelState, all_gather_first_dim, all_reduce_anywhere,
                                      group_size, num_microbatches)
 from megalite.pipeline_parallel.executor import run_schedule
 from megalite.pipeline_parallel.p2p import PipelineCommunicator, communication_plan
@@ -91,13 +91,11 @@ class StepRunner:
         self.state, self.device, self.grad_buffer, self.timers = state, device, grad_buffer, timers
         self.linear_step = LinearStep()
         self.linear_step.install(chunks)
-        if grad_buffer is not None:
-            grad_buffer.linear_step = self.linear_step
         # fp16's loss scaler skips the steps whose gradients overflow instead.
         self.check_for_nan = config.checkpoint.check_for_nan and not config.precision.fp16
         if grad_buffer is not None:
+            grad_buffer.linear_step = self.linear_step
             grad_buffer.check_finite = self.check_for_nan
-        self.num_microbatches = m = config.training.num_microbatches
         fsdp = is_fully_sharded(chunks)
         self.fsdp_defer_grad_reduce = (fsdp and
                                        not config.parallel.fsdp_grad_reduce_every_micro_batch)
@@ -111,7 +109,7 @@ class StepRunner:
         # batch), a number DP does not change (model/moe.py).
         self.microbatches_per_global_batch = num_microbatches(
             config.training.global_batch_size, config.training.micro_batch_size)
-        self._plan(m)
+        self._plan(config.training.num_microbatches)
         self.comm = None
         if state.pp_size > 1:
             # Activations travel in the compute dtype (under FSDP2 the gathered
@@ -192,8 +190,7 @@ class StepRunner:
                              ~torch.isfinite(squares.to(loss.device))]).float()
         flags = local[None]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flags = torch.empty(dist.get_world_size(), 3, device=loss.device)
-            all_gather_into(flags.view(-1), local, dist.group.WORLD)
+            flags = all_gather_first_dim(flags, dist.group.WORLD)
         for column, what, when in ((0, "lm loss", ""),
                                    (1, "a gradient", " before the data-parallel reduction"),
                                    (2, "a gradient", "")):
@@ -248,15 +245,13 @@ class StepRunner:
         """(sum of token losses, number of loss tokens) over the micro-batches."""
         if len(microbatches) != self.num_microbatches:
             self._plan(len(microbatches))
-        for chunk in self.chunks:
-            chunk.eval()
+        self.chunks.eval()
         # Untimed (timers=NO_TIMERS): the timers report training steps only.
         loss_sum = run_schedule(self.eval_schedule, self.chunks, microbatches, self.comm,
                                 lambda losses, mb: (losses * mb["loss_mask"]).sum(),
                                 lambda loss: loss, self._autocast, self.linear_step,
                                 forward_only=True)
-        for chunk in self.chunks:
-            chunk.train()
+        self.chunks.train()
         tokens = sum(mb["loss_mask"].sum() for mb in microbatches)
         return (self._sum_over_data_parallel(loss_sum).item(),
                 self._sum_over_data_parallel(tokens).item())

@@ -144,11 +144,10 @@ def _initialize_sharded(chunks: nn.ModuleList, seed: int, dtype: torch.dtype,
     built there draws it, rounded to `dtype` as a model built in it is (widened back to
     fp32, the main copy a ZeRO-1 run starts from, value for value); this rank keeps its
     rows of its TP block."""
-    def assign(param, block):
-        copy_into(param, block.to(dtype).float())
     for chunk in chunks:
         initialize_parameters(chunk, chunk.config, seed, state.tp_rank, state.tp_size, device,
-                              assign, ep_rank=state.ep_rank)
+                              lambda param, block: copy_into(param, block.to(dtype).float()),
+                              ep_rank=state.ep_rank)
         initialize_buffers(chunk, device)
 
 
@@ -164,7 +163,7 @@ def build_optimizer(model: nn.Module, config: Config, state: ParallelState,
     p = config.parallel
     if config.optimizer_kind is OptimizerKind.FULLY_SHARDED:  # FSDP2 reduces the gradients
         return FullyShardedOptimizer(model, config.optimizer, scaler, state.tp_group,
-                                     state.mp_group, p.optimizer_cpu_offload, timers), None
+                                     state.mp_group, timers), None
     params = [q for q in model.parameters() if q.requires_grad]
     # Over the shard groups: DP x CP and expert-DP themselves with one replica.
     grad_buffer = GradBuffer(params, state.shard_group, p.ddp_bucket_size,
@@ -255,9 +254,8 @@ def run_training(config: Config, state: ParallelState, device: torch.device,
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({state.tp_rank}, {state.pp_rank}): {sum(p.numel() for p in model.parameters())}",
               flush=True)
-    evaluating = config.training.eval_iters > 0
     valid = (microbatches(valid_ds, progress.consumed_valid_samples, config, state, device)
-             if evaluating and valid_ds is not None else None)
+             if config.training.eval_iters > 0 and valid_ds is not None else None)
     try:
         stopped = train(config, state, runner, scheduler, train_ds, valid, tensorboard, device,
                         progress, saver, monitor,

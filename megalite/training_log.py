@@ -246,5 +246,4 @@ class TensorBoardLogger:
 
     def close(self):
         if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+            self.writer.close()  # flushes

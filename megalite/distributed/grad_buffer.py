@@ -44,6 +44,8 @@ reduced across replicas, which the compressed sum already spans).
 `bytes_sent` counts the payload this rank put into the step's DP collectives.
 """
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,11 +65,8 @@ class Bucket:
                  replica_group=None):
         self.params, self.group, self.replica_group = params, group, replica_group
         self.dp, self.dp_rank = group_size(group), group_rank(group)
-        self.offsets, offset = [], 0
-        for p in params:
-            self.offsets.append(offset)
-            offset += p.numel()
-        self.numel = padded_size(offset, self.dp)
+        *self.offsets, end = itertools.accumulate([0, *(p.numel() for p in params)])
+        self.numel = padded_size(end, self.dp)
         self.shard_size = self.numel // self.dp
         self.flat = torch.zeros(self.numel, dtype=dtype, device=params[0].device)
         self.work = None
@@ -245,9 +244,7 @@ class GradBuffer:
         for bucket in self.buckets:
             for p in bucket.params:
                 self._move_into_buffer(p)
-            if compressing:
-                continue
-            if bucket.work is None:
+            if not compressing and bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:

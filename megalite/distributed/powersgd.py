@@ -46,7 +46,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (_orthogon
 
 from megalite.config import GradCompressionConfig
 from megalite.timers import NO_TIMERS, Timers
-from megalite.parallel_state import group_rank, group_size
+from megalite.parallel_state import all_gather_first_dim, group_rank, group_size
 from megalite.tensor_parallel.params import partition_dim, single_process_name
 
 
@@ -60,23 +60,21 @@ def single_process_names(chunks: nn.ModuleList) -> dict[int, str]:
 @dataclass
 class Matrix:
     """One compressed gradient: its parameter, its single-process name, its local view
-    n x m, the TP-split dimension of that view (None: whole), the rank, and the offsets of
-    its P (n x rank) and Q (m x rank) in the bucket's flat factor buffers."""
+    n x m, the TP-split dimension of that view (None: whole), and the rank of its factors
+    P (n x rank) and Q (m x rank)."""
     param: nn.Parameter
     name: str
     n: int
     m: int
     split: int | None
     rank: int
-    p_offset: int
-    q_offset: int
 
 
 def plan_bucket(params: list[nn.Parameter], names: dict[int, str], config: GradCompressionConfig,
                 tp_size: int) -> tuple[list[Matrix], list[nn.Parameter]]:
     """(compressed matrices, parameters reduced as they are) of one bucket. The decision
     and the rank use the full (TP-unsplit) matrix, so every layout compresses the same."""
-    matrices, plain, p_size, q_size = [], [], 0, 0
+    matrices, plain = [], []
     for param in params:
         split = partition_dim(param) if tp_size > 1 else None
         n, m = param.shape[0], param.numel() // max(param.shape[0], 1)
@@ -88,8 +86,7 @@ def plan_bucket(params: list[nn.Parameter], names: dict[int, str], config: GradC
         if not _should_compress(n_full, m_full, rank, config.min_compression_rate)[0]:
             plain.append(param)
             continue
-        matrices.append(Matrix(param, names[id(param)], n, m, split, rank, p_size, q_size))
-        p_size, q_size = p_size + n * rank, q_size + m * rank
+        matrices.append(Matrix(param, names[id(param)], n, m, split, rank))
     return matrices, plain
 
 
@@ -146,17 +143,16 @@ class PowerSGD:
         flat = torch.cat([p.main_grad.view(-1) for p in params])
         count(flat)
         dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for p in params:
-            p.main_grad.view(-1).copy_(flat[offset:offset + p.numel()])
-            offset += p.numel()
+        for p, summed in zip(params, flat.split([p.numel() for p in params])):
+            p.main_grad.view(-1).copy_(summed)
 
     def _reduce_matrices(self, matrices: list[Matrix], device, count):
-        last = matrices[-1]
-        ps = torch.empty(last.p_offset + last.n * last.rank, device=device)
-        qs = torch.empty(last.q_offset + last.m * last.rank, device=device)
-        p_of = [ps[a.p_offset:a.p_offset + a.n * a.rank].view(a.n, a.rank) for a in matrices]
-        q_of = [qs[a.q_offset:a.q_offset + a.m * a.rank].view(a.m, a.rank) for a in matrices]
+        # The bucket's Ps, and its Qs, in one flat buffer each: one collective apiece.
+        p_sizes, q_sizes = [a.n * a.rank for a in matrices], [a.m * a.rank for a in matrices]
+        ps = torch.empty(sum(p_sizes), device=device)
+        qs = torch.empty(sum(q_sizes), device=device)
+        p_of = [p.view(a.n, a.rank) for a, p in zip(matrices, ps.split(p_sizes))]
+        q_of = [q.view(a.m, a.rank) for a, q in zip(matrices, qs.split(q_sizes))]
         # The timer covers the local work and the small TP collectives, not the DP ones.
         with self.timers("grads-compress"):
             inputs = [self._input(a) for a in matrices]
@@ -207,9 +203,7 @@ class PowerSGD:
         if not split:
             _orthogonalize(x.unsqueeze(0), eps)
             return x
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        full = torch.cat(parts)
+        full = all_gather_first_dim(x, self.tp_group)
         _orthogonalize(full.unsqueeze(0), eps)
         return full.chunk(self.tp_size)[self.tp_rank]
 

@@ -32,7 +32,7 @@ def _resident_bytes() -> int | None:
         return None
 
 
-class SavedActivations:
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
     """Bytes of the distinct storages autograd saves for backward inside `with`, each
     counted once: what a forward holds until its backward (the memory planner's activations
     are checked against it). A GPT chunk's parameters, buffers and RoPE table are the
@@ -44,7 +44,7 @@ class SavedActivations:
                                                         else [rope_table])]
         self.own = {t.untyped_storage().data_ptr() for t in own}
         self.saved = {}  # data_ptr -> tensor: held, so no storage is freed and reused
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.add, lambda t: t)
+        super().__init__(self.add, lambda t: t)
 
     def add(self, *tensors: torch.Tensor) -> torch.Tensor:
         for t in tensors:
@@ -57,8 +57,5 @@ class SavedActivations:
         return sum(t.untyped_storage().nbytes() for t in self.saved.values())
 
     def __enter__(self):
-        self.hooks.__enter__()
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)

@@ -16,20 +16,15 @@ from megalite.model.moe import MoELayer
 from megalite.parallel_state import num_microbatches
 
 
-def loss_names(config: Config) -> list[str]:
+def loss_coefficients(config: Config) -> dict[str, float]:
     """Megatron's names of the auxiliary losses this run computes, with their coefficients."""
-    c, names = config.model, []
+    c, coefficients = config.model, {}
     if c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
-        names.append("load_balancing_loss" if c.moe_router_load_balancing_type == "aux_loss"
-                     else "seq_load_balancing_loss")
+        coefficients["load_balancing_loss" if c.moe_router_load_balancing_type == "aux_loss"
+                     else "seq_load_balancing_loss"] = c.moe_aux_loss_coeff
     if c.moe_z_loss_coeff:
-        names.append("z_loss")
-    return names
-
-
-def _coefficient(config: Config, name: str) -> float:
-    c = config.model
-    return c.moe_z_loss_coeff if name == "z_loss" else c.moe_aux_loss_coeff
+        coefficients["z_loss"] = c.moe_z_loss_coeff
+    return coefficients
 
 
 def moe_report(chunks, config: Config, tp_size: int, iterations: int,
@@ -39,7 +34,8 @@ def moe_report(chunks, config: Config, tp_size: int, iterations: int,
     c = config.model
     if c.num_experts is None:
         return {}, {}
-    names = loss_names(config)
+    coefficients = loss_coefficients(config)
+    names = list(coefficients)
     table = torch.zeros(c.num_layers, len(names) + c.num_experts, device=device)
     for chunk in chunks:
         for index, layer in chunk.decoder.layers.items():
@@ -55,7 +51,7 @@ def moe_report(chunks, config: Config, tp_size: int, iterations: int,
     moe = torch.tensor(c.moe_layer_pattern, device=device)
     microbatches = iterations * num_microbatches(config.training.global_batch_size,
                                                  config.training.micro_batch_size)
-    losses = {name: (table[moe, j].mean() / microbatches / _coefficient(config, name)).item()
+    losses = {name: (table[moe, j].mean() / microbatches / coefficients[name]).item()
               for j, name in enumerate(names)}
     load = table[moe, len(names):]
     per_layer = (load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).tolist()

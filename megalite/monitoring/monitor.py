@@ -24,7 +24,7 @@ from megalite.monitoring.replica_check import check_all_replicas
 from megalite.monitoring.statistics import params_norm
 from megalite.timers import COMPUTE, PHASES, Timers, timers_report
 from megalite.monitoring.watchdog import Watchdog
-from megalite.parallel_state import ParallelState, all_gather_into
+from megalite.parallel_state import ParallelState, all_gather_first_dim
 
 MIB = 2 ** 20
 
@@ -128,10 +128,7 @@ class Monitor:
         busy = sum(elapsed.get(n, 0.0) for n in COMPUTE)
         local = torch.tensor([*memory.values(), busy, *(elapsed.get(n, 0.0) for n in names)],
                              dtype=torch.float64, device=self.device)
-        table = torch.empty(self.world_size * local.numel(), dtype=torch.float64,
-                            device=self.device)
-        all_gather_into(table, local, dist.group.WORLD)
-        table = table.view(self.world_size, -1).cpu()
+        table = all_gather_first_dim(local[None], dist.group.WORLD).cpu()
         report = IntervalReport()
         if self.peak_tflops:
             report.mfu_percent = mfu_percent(tflops_per_gpu, self.peak_tflops)

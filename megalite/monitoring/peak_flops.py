@@ -72,10 +72,8 @@ def compute_dtype(dtype: torch.dtype) -> str:
 
 
 def device_key(device_name: str) -> str | None:
-    for pattern, key in DEVICE_PATTERNS:
-        if re.search(pattern, device_name):
-            return key
-    return None
+    return next((key for pattern, key in DEVICE_PATTERNS if re.search(pattern, device_name)),
+                None)
 
 
 def device_name(device: torch.device) -> str | None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.errors import MegaliteError
-from megalite.parallel_state import ParallelState, all_gather_into
+from megalite.parallel_state import ParallelState, all_gather_first_dim
 from megalite.tensor_parallel.params import is_expert_parallel
 
 
@@ -40,9 +40,7 @@ def check_replicas(named_params: list[tuple[str, torch.Tensor]], dp_group,
     group's replicas differ."""
     local = parameter_digests(named_params, device)
     ranks = dist.get_process_group_ranks(dp_group)
-    gathered = torch.empty(len(ranks) * local.numel(), dtype=torch.int64, device=device)
-    all_gather_into(gathered, local, dp_group)
-    table = gathered.view(len(ranks), local.numel()).cpu()
+    table = all_gather_first_dim(local[None], dp_group).cpu()
     differs = (table != table[0]).any(dim=1)
     message = None
     if differs.any():

@@ -6,7 +6,7 @@ import torch
 
 from megalite.distributed.fsdp import shard_group
 from megalite.optimizer.optimizer import params_for_norm, squared_norm_over_experts
-from megalite.parallel_state import all_reduce_anywhere, group_size
+from megalite.parallel_state import all_reduce_over
 from megalite.tensor_parallel.params import is_dtensor, is_expert_parallel
 
 
@@ -26,7 +26,5 @@ def params_norm(params: list[torch.Tensor], tp_group, model_parallel_group,
     groups = [model_parallel_group]
     if params and is_dtensor(params[0]):
         groups.append(shard_group(params))
-    for group in groups:
-        if group_size(group) > 1:
-            all_reduce_anywhere(squares, group)
+    all_reduce_over(squares, groups)
     return squares.sqrt().item()

@@ -29,11 +29,6 @@ def save_dir(config: Config) -> str | None:
     return os.path.join(config.checkpoint.save, "wandb") if config.checkpoint.save else None
 
 
-def effective_config(config: Config) -> dict:
-    """The Config as plain JSON values (dtypes and the like as their str)."""
-    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
-
-
 class WandbLogger:
     """Logs to `tensorboard` (a TensorBoardLogger) and to one W&B run."""
 
@@ -45,8 +40,10 @@ class WandbLogger:
         if directory:
             os.makedirs(directory, exist_ok=True)
         log = config.logging
+        # The Config as plain JSON values (dtypes and the like as their str).
+        effective = json.loads(json.dumps(dataclasses.asdict(config), default=str))
         self.run = wandb.init(project=log.wandb_project, name=log.wandb_exp_name,
-                              dir=directory, config=effective_config(config))
+                              dir=directory, config=effective)
 
     def scalars(self, iteration: int, values: dict):
         self.tensorboard.scalars(iteration, values)

@@ -24,8 +24,7 @@ class FullyShardedOptimizer(Optimizer):
     sharded = True
 
     def __init__(self, model: nn.Module, config, grad_scaler, tp_group, model_parallel_group,
-                 cpu_offload: bool = False, timers: Timers = NO_TIMERS):
-        self.host_step = cpu_offload  # apply_fsdp's CPUOffloadPolicy put the shards there
+                 timers: Timers = NO_TIMERS):
         # The group the shards are disjoint over is the one apply_fsdp sharded over (DP, or
         # DP x CP under context parallelism): read from the parameters, not passed again.
         self.dp_group = shard_group(model.parameters())

@@ -24,11 +24,9 @@ class ConstantGradScaler:
 
 
 class DynamicGradScaler:
-    def __init__(self, initial_scale: float, min_scale: float, window: int, hysteresis: int,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5):
+    def __init__(self, initial_scale: float, min_scale: float, window: int, hysteresis: int):
         self.scale, self.min_scale = float(initial_scale), float(min_scale)
         self.window, self.hysteresis = window, hysteresis
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self._clean_steps, self._hysteresis_left = 0, hysteresis
 
     def update(self, found_inf: bool):
@@ -36,13 +34,13 @@ class DynamicGradScaler:
             self._clean_steps = 0
             self._hysteresis_left -= 1
             if self._hysteresis_left <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+                self.scale = max(self.scale / 2, self.min_scale)
             return
         self._clean_steps += 1
         if self._clean_steps == self.window:
             self._clean_steps = 0
             self._hysteresis_left = self.hysteresis
-            self.scale *= self.growth_factor
+            self.scale *= 2
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self._clean_steps,

@@ -70,12 +70,7 @@ class MixedPrecisionOptimizer(Optimizer):
     def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
         if not self.sharded:
             return 0, bucket.numel
-        rank = bucket.dp_rank
-        return rank * bucket.shard_size, (rank + 1) * bucket.shard_size
-
-    @property
-    def host_step(self) -> bool:
-        return self.host is not None
+        return bucket.dp_rank * bucket.shard_size, (bucket.dp_rank + 1) * bucket.shard_size
 
     def _owned_segments(self) -> list[Segment]:
         segments = []
@@ -184,8 +179,7 @@ def _adopt_params(bucket: Bucket) -> torch.Tensor:
     """A flat parameter buffer laid out like `bucket`, holding the parameters' values,
     with each parameter's .data made a view into it, so the all-gather writes the
     parameters themselves."""
-    p0 = bucket.params[0]
-    flat = torch.zeros(bucket.numel, dtype=p0.dtype, device=p0.device)
+    flat = bucket.flat.new_zeros(bucket.numel, dtype=bucket.params[0].dtype)
     for i, p in enumerate(bucket.params):
         view = bucket.view(flat, i)
         view.copy_(p.detach())

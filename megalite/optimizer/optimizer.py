@@ -16,7 +16,7 @@ from torch import nn
 
 from megalite.config import OptimizerConfig
 from megalite.timers import NO_TIMERS, Timers
-from megalite.parallel_state import all_reduce_anywhere, group_rank, group_size
+from megalite.parallel_state import all_reduce_anywhere, all_reduce_over, group_rank, group_size
 from megalite.tensor_parallel.params import (is_embedding_copy, is_expert_parallel,
                                              is_tensor_parallel)
 
@@ -60,14 +60,22 @@ def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
+def count_zeros(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Zero elements of all `tensors`, exactly, as an fp64 scalar."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([t.numel() - torch.count_nonzero(t) for t in tensors]).sum().double()
+
+
 def squared_norm_over_experts(tensors: list[torch.Tensor], expert: list[bool],
-                             expert_group) -> torch.Tensor:
-    """squared_norm of `tensors`, the expert ones' part (`expert`) summed over the EP group
-    `expert_group` first when it has several ranks (each holds other experts)."""
+                             expert_group, measure=squared_norm) -> torch.Tensor:
+    """`measure` (squared_norm, or count_zeros) of `tensors`, the expert ones' part
+    (`expert`) summed over the EP group `expert_group` first when it has several ranks
+    (each holds other experts)."""
     if group_size(expert_group) <= 1:
-        return squared_norm(tensors)
-    squares = squared_norm([t for t, e in zip(tensors, expert) if not e])
-    experts = squared_norm([t for t, e in zip(tensors, expert) if e]).to(squares.device)
+        return measure(tensors)
+    squares = measure([t for t, e in zip(tensors, expert) if not e])
+    experts = measure([t for t, e in zip(tensors, expert) if e]).to(squares.device)
     all_reduce_anywhere(experts, expert_group)
     return squares + experts
 
@@ -93,8 +101,6 @@ class Optimizer:
 
     sharded = False
     """Whether each DP rank keeps only its shard of the optimizer state (ZeRO-1)."""
-    host_step = False
-    """Whether the step runs on the host (--optimizer-cpu-offload)."""
 
     def __init__(self, model: nn.Module, config: OptimizerConfig, grad_scaler=None,
                  tp_group=None, model_parallel_group=None, timers: Timers = NO_TIMERS,
@@ -133,13 +139,14 @@ class Optimizer:
         """Where the experts' gradients differ beyond `_reduce_groups`: the EP group."""
         return self.expert_group
 
-    def _squared_norm(self) -> torch.Tensor:
-        """This rank's share of the squared grad norm over `_reduce_groups`: the experts'
-        part summed over EP first (each expert counted once, on the rank holding it)."""
+    def _measure_grads(self, measure=squared_norm) -> torch.Tensor:
+        """This rank's share over `_reduce_groups` of `measure` of the gradients the norm
+        counts: the experts' part summed over EP first (each expert counted once, on the
+        rank holding it)."""
         segments = [s for s in self._norm_segments if s.main.grad is not None]
         return squared_norm_over_experts([s.main.grad for s in segments],
                                          [is_expert_parallel(s.param) for s in segments],
-                                         self._expert_reduce_group())
+                                         self._expert_reduce_group(), measure)
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the main parameters this rank's optimizer steps (fp32 copies or shards;
@@ -170,23 +177,22 @@ class Optimizer:
         before any parameter changes (a non-finite one means a NaN or inf gradient here)."""
         self._load_main_grads()
         grads = [s.main.grad for s in self.segments if s.main.grad is not None]
-        groups = [g for g in self._reduce_groups() if group_size(g) > 1]
         if self.grad_scaler is not None:
             with self.timers("optimizer-unscale-and-check-inf"):
-                overflow = self._unscale_and_check_inf(grads, groups)
+                overflow = self._unscale_and_check_inf(grads)
             if overflow:
                 self.zero_grad()
                 return False, None
         with self.timers("optimizer-clip-main-grad"):
-            squares = self._squared_norm()
+            squares = self._measure_grads()
             if before_update is not None:
                 before_update(squares)
             with self.timers("grad-norm-all-reduce"):
                 # On the host in the host step of --optimizer-cpu-offload, which
                 # all_reduce_anywhere takes over NCCL too. A copy: `before_update` kept it.
                 squares = squares.clone()
-                for group in groups:  # each rank's squares are disjoint: DP shards, TP pieces
-                    all_reduce_anywhere(squares, group)
+                # Each rank's squares are disjoint: DP shards, TP pieces.
+                all_reduce_over(squares, self._reduce_groups())
                 grad_norm = squares.sqrt().item()
             # Megatron's rule: scale by max_norm / (norm + 1e-6) only when that is below 1.
             coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
@@ -198,14 +204,14 @@ class Optimizer:
             self._copy_main_to_params()
         return True, grad_norm
 
-    def _unscale_and_check_inf(self, grads: list[torch.Tensor], groups: list) -> bool:
+    def _unscale_and_check_inf(self, grads: list[torch.Tensor]) -> bool:
         """fp16: divide the gradients by the loss scale; whether any rank overflowed."""
         found_inf = torch.zeros((), device=grads[0].device if grads else "cpu")
         inv_scale = torch.full((), 1.0 / self.grad_scaler.scale, device=found_inf.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        for group in groups + [self._expert_reduce_group()]:  # max over DP shards and
-            if group_size(group) > 1:                              # model-parallel pieces
-                all_reduce_anywhere(found_inf, group, dist.ReduceOp.MAX)
+        # The max over DP shards and model-parallel pieces.
+        all_reduce_over(found_inf, [*self._reduce_groups(), self._expert_reduce_group()],
+                        dist.ReduceOp.MAX)
         overflow = bool(found_inf.item())
         self.grad_scaler.update(overflow)
         return overflow
@@ -215,20 +221,10 @@ class Optimizer:
         """Zero elements in the gradients of the last update (Megatron's
         --log-num-zeros-in-grad), each distinct parameter counted once, as the grad norm
         counts them; None after a skipped step. A collective over the reduce groups."""
-        grads = [s.main.grad for s in self._norm_segments if s.main.grad is not None]
-        if not any(s.main.grad is not None for s in self.segments):
+        if all(s.main.grad is None for s in self.segments):
             return None
-        zeros = torch.zeros((), dtype=torch.float64, device=self.segments[0].main.device)
-        experts = torch.zeros_like(zeros)
-        group = self._expert_reduce_group()
-        for grad, s in zip(grads, (s for s in self._norm_segments if s.main.grad is not None)):
-            counted = experts if group_size(group) > 1 and is_expert_parallel(s.param) else zeros
-            counted += grad.numel() - torch.count_nonzero(grad)
-        if group_size(group) > 1:
-            all_reduce_anywhere(experts, group)
-        zeros += experts
-        for group in [g for g in self._reduce_groups() if group_size(g) > 1]:
-            all_reduce_anywhere(zeros, group)  # counted on the host under offload
+        zeros = self._measure_grads(count_zeros)
+        all_reduce_over(zeros, self._reduce_groups())  # counted on the host under offload
         return int(zeros.item())
 
     def finish_param_gather(self):

@@ -135,10 +135,9 @@ class PipelineCommunicator:
     def __init__(self, state: ParallelState, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device):
         grid, p = state.grid, state.pp_size
-        self.next_rank = grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank + 1) % p,
-                                   state.cp_rank)
-        self.prev_rank = grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank - 1) % p,
-                                   state.cp_rank)
+        self.next_rank, self.prev_rank = (
+            grid.rank(state.tp_rank, state.dp_rank, (state.pp_rank + step) % p, state.cp_rank)
+            for step in (1, -1))
         self.group, self.shape, self.dtype, self.device = state.pp_group, shape, dtype, device
         self.pending: list = []  # (works, sent tensors) of batches not waited for yet
         self.bytes_sent = 0

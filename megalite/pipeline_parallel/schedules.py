@@ -112,9 +112,9 @@ def interleaved_one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int,
                             num_chunks: int) -> list[Action]:
     """Interleaved 1F1B (paper §2.2, Fig. 4 bottom) over n = m*v virtual microbatches.
 
-    Virtual microbatch k runs microbatch `_microbatch(k)` on chunk `_forward_chunk(k)`:
-    chunks in increasing order for forwards, decreasing for backwards, p microbatches at a
-    time. With v = 1 this is exactly 1F1B.
+    Virtual microbatch k runs microbatch `microbatch(k)` on chunk `chunk(k)`: chunks in
+    increasing order for forwards, decreasing for backwards, p microbatches at a time. With
+    v = 1 this is exactly 1F1B.
 
         warmup    F(0) .. F(w-1)                   w = warmup_microbatches(...)
         steady    F(w) B(0)  F(w+1) B(1) ..  F(n-1) B(n-1-w)
@@ -124,17 +124,18 @@ def interleaved_one_f_one_b(pp_size: int, pp_rank: int, num_microbatches: int,
     warmup = warmup_microbatches(p, pp_rank, num_microbatches, v)
     total = num_microbatches * v
 
-    def forward(k):
-        return Action(FORWARD, _microbatch(k, p, v), _forward_chunk(k, p, v))
+    def microbatch(k):
+        return (k // (p * v)) * p + k % p
 
-    def backward(k):
-        return Action(BACKWARD, _microbatch(k, p, v), v - 1 - _forward_chunk(k, p, v))
+    def chunk(k):
+        # Virtual microbatches come in groups of p*v: p microbatches on chunk 0, then the
+        # same p on chunk 1, ... so each chunk's output is ready when the next asks for it.
+        return (k // p) % v
 
-    actions = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        actions += [forward(warmup + k), backward(k)]
-    actions += [backward(k) for k in range(total - warmup, total)]
-    return actions
+    forwards = [Action(FORWARD, microbatch(k), chunk(k)) for k in range(total)]
+    backwards = [Action(BACKWARD, microbatch(k), v - 1 - chunk(k)) for k in range(total)]
+    steady = [a for pair in zip(forwards[warmup:], backwards) for a in pair]
+    return forwards[:warmup] + steady + backwards[total - warmup:]
 
 
 def gpipe(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
@@ -196,13 +197,3 @@ def build_schedule(pp_size: int, pp_rank: int, num_microbatches: int,
     if num_chunks == 1:
         return one_f_one_b(pp_size, pp_rank, num_microbatches)
     return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, num_chunks)
-
-
-def _forward_chunk(k: int, p: int, v: int) -> int:
-    # Virtual microbatches come in groups of p*v: p microbatches on chunk 0, then the same
-    # p on chunk 1, ... so each chunk's output is ready when the next chunk asks for it.
-    return (k // p) % v
-
-
-def _microbatch(k: int, p: int, v: int) -> int:
-    return (k // (p * v)) * p + k % p

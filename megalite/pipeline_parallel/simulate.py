@@ -82,10 +82,6 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_cost=1,
     base = {FORWARD: forward_cost, WEIGHT: weight_cost,
             BACKWARD: backward_cost if split else backward_cost + weight_cost}
 
-    def cost(action: Action, stage: Stage):
-        scale = 1 if work_per_stage is None else work_per_stage[stage.index]
-        return base[action.kind] * scale
-
     finish, start_at, clock, nxt = {}, {}, [0] * p, [0] * p
     work = [0] * p
     while any(nxt[r] < len(schedules[r]) for r in range(p)):
@@ -98,8 +94,10 @@ def simulate(schedules: list[list[Action]], num_chunks: int = 1, forward_cost=1,
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[r]] + [finish[d] for d in deps])
-                clock[r] = start + cost(action, stage)
-                work[r] += cost(action, stage)
+                cost = base[action.kind] * (1 if work_per_stage is None
+                                            else work_per_stage[stage.index])
+                clock[r] = start + cost
+                work[r] += cost
                 key = (action.kind, action.microbatch, stage.index)
                 start_at[key], finish[key] = start, clock[r]
                 nxt[r] += 1

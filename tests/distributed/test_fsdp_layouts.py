@@ -67,8 +67,7 @@ def layout_optimizer(chunks, state, mode):
                                        grad_buffer, cpu_offload=extra == "offload"), grad_buffer
     apply_fsdp(chunks, state.dp_group, torch.device("cpu"), strategy=strategy,
                cpu_offload=extra == "offload")
-    return FullyShardedOptimizer(chunks, OPTIMIZER, None, state.tp_group, state.mp_group,
-                                 cpu_offload=extra == "offload"), None
+    return FullyShardedOptimizer(chunks, OPTIMIZER, None, state.tp_group, state.mp_group), None
 
 
 def run(config, chunks, state, mode=ZERO3):
