@@ -14,7 +14,8 @@ Documents (megalite/documents.py, --reset-attention-mask): attention is block-ca
 [s, s] mask is built where the kernel takes boundaries: flash runs flash_attn_varlen_func on
 the documents' cu_seqlens, sdpa causal calls on the documents as padded batches, one per
 length bucket (so its cost is that of the documents, about L/S of causal attention for
-documents of mean length L in a sequence of S), flex a block mask; only unfused builds the [b, s, s] mask.
+documents of mean length L in a sequence of S), flex a block mask; only unfused builds the
+[b, s, s] mask.
 
 Grouped-query attention (GQA, Ainslie et al. 2023): query head i reads K/V head
 i // (num_heads / num_kv_heads). flash and sdpa take the grouped K/V as they are; only

@@ -71,7 +71,9 @@ class Source:
 
     def where(self, row):
         """`file:line` for JSONL (as compilers and Megatron's users read it), else `file: row n`."""
-        return f"{self.path}:{row}" if self.format.startswith("jsonl") else f"{self.path}: row {row}"
+        if self.format.startswith("jsonl"):
+            return f"{self.path}:{row}"
+        return f"{self.path}: row {row}"
 
 
 # ---- --input -> Sources ----

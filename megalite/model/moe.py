@@ -195,5 +195,6 @@ def update_expert_bias(chunks, group=None):
         if router.expert_bias is None:
             continue
         load = all_reduce_(router.local_tokens_per_expert, group)
-        router.expert_bias += torch.sign(load.mean() - load) * layer.config.moe_router_bias_update_rate
+        rate = layer.config.moe_router_bias_update_rate
+        router.expert_bias += torch.sign(load.mean() - load) * rate
         load.zero_()
