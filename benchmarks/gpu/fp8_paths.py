@@ -12,7 +12,6 @@ Hopper, Blackwell); on a CPU the same code runs on torch's CPU kernels under SMO
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,8 @@ if __spec__ is None:  # run as a file: benchmarks.* and megalite from this check
 
 import torch
 
-from benchmarks.gpu.runs import GPU, HELPERS, Checks, relative, run_all, run_pretrain, tail
+from benchmarks.gpu.runs import (GPU, HELPERS, Checks, relative, run_all, run_pretrain,
+                                 run_script, tail)
 from megalite.training_log import parse_log
 
 
@@ -60,8 +60,10 @@ def main():
             check(f"{name} vs bf16", bool(pairs) and worst <= LOSS,
                   f"{len(pairs)} iterations, max relative loss difference {worst:.1e} "
                   f"(tol {LOSS:.0e})")
-    zb = subprocess.run([sys.executable, os.path.join(HELPERS, "zero_bubble.py"), "--fp8"])
-    check("zero-bubble W pass with FP8 linears", zb.returncode == 0, "the lines above")
+    log = os.path.join(log_dir, "fp8_paths.zero_bubble.log")
+    rc = run_script(log, os.path.join(HELPERS, "zero_bubble.py"), ["--fp8"])
+    print(open(log, errors="replace").read(), end="", flush=True)
+    check("zero-bubble W pass with FP8 linears", rc == 0, "the lines above")
     check.exit()
 
 

@@ -18,7 +18,6 @@ WORKDIR. Lines starting with ">>" are the results.
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ if __spec__ is None:  # run as a file: benchmarks.* and megalite from this check
 import numpy as np
 import torch
 
-from benchmarks.gpu.runs import planned_bytes
+from benchmarks.gpu.runs import planned_bytes, run_script
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megalite.training_log import parse_log
 
@@ -77,9 +76,7 @@ def fit_layers(flags: list[str], fraction: float, most: int) -> int:
 
 def run(workdir: str, name: str, flags: list[str], runner: list[str]) -> list[dict]:
     log = os.path.join(workdir, f"fp8_{name}.log")
-    with open(log, "w") as out:
-        rc = subprocess.run([sys.executable, os.path.join(HERE, "run_pretrain.py"), *runner,
-                             "--", *flags], stdout=out, stderr=subprocess.STDOUT).returncode
+    rc = run_script(log, os.path.join(HERE, "run_pretrain.py"), [*runner, "--", *flags])
     text = open(log, errors="replace").read()
     if rc != 0:
         print(text[-3000:])

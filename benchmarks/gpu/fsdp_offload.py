@@ -16,15 +16,14 @@ FSDP2, --log-params-norm and --log-num-zeros-in-grad, deterministic kernels. Che
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from benchmarks.gpu.runs import (GPU, HELPERS, Checks, peak_gib, relative, reports, run_all,
-                                 run_pretrain, tail)
+from benchmarks.gpu.runs import (GPU, Checks, peak_gib, relative, reports, resumed_bit_exact,
+                                 run_all, run_pretrain, tail)
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
 from megalite.training_log import parse_log
 
@@ -133,12 +132,10 @@ def main():
             offloaded(check, f"{s}_offload", done[f"{s}_offload"][1], done[s][1])
         if done.get(f"{s}_resumed", (1,))[0] == 0 and done[f"{s}_offload"][0] == 0:
             ckpt = os.path.join(log_dir, "ckpt_fsdp_offload", s)
-            same = subprocess.run([sys.executable, os.path.join(HELPERS, "compare_resume.py"),
-                                   *(os.path.join(log_dir, f"fsdp_offload.{s}_{r}.log")
-                                     for r in ("offload", "resumed")),
-                                   f"{ckpt}/straight", f"{ckpt}/resumed"])
-            check(f"{s}_offload: save and resume", same.returncode == 0,
-                  "bit-exact against the straight run (the lines above)")
+            resumed_bit_exact(check, f"{s}_offload",
+                              tuple(os.path.join(log_dir, f"fsdp_offload.{s}_{r}.log")
+                                    for r in ("offload", "resumed")),
+                              (f"{ckpt}/straight", f"{ckpt}/resumed"))
     check.exit()
 
 

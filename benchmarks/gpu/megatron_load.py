@@ -15,7 +15,6 @@ parameter's device (the host under offload).
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,8 @@ if __spec__ is None:  # run as a file: benchmarks.* and megalite from this check
 
 import torch
 
-from benchmarks.gpu.runs import GPU, REPO, Checks, relative, reports, run_all, run_pretrain, tail
+from benchmarks.gpu.runs import (GPU, REPO, Checks, relative, reports, run_all, run_pretrain,
+                                 run_script, tail)
 from megalite.atomic_write import atomic_path
 from megalite.megatron_checkpoint.optimizer_state import megatron_param_groups
 from megalite.megatron_checkpoint.reader import LEGACY_FILE, iteration_dir, legacy_rank_dir
@@ -72,12 +72,12 @@ def source(log_dir: str, flags: list[str], check: Checks) -> tuple[str, list[flo
     if not check("source run", rc == 0 and bool(parse_log(out)), f"exit {rc}"):
         print(tail(out))
         return None
-    export = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--load", ckpt,
-                             "--export-megatron", megatron, "--ckpt-format", "torch"],
-                            cwd=REPO, capture_output=True, text=True)
-    if not check("export (tools/convert_checkpoint.py --export-megatron)",
-                 export.returncode == 0, f"exit {export.returncode}"):
-        print(tail(export.stdout + export.stderr))
+    log = os.path.join(log_dir, "megatron_load.export.log")
+    rc = run_script(log, os.path.join(REPO, "tools", "convert_checkpoint.py"), [
+        "--load", ckpt, "--export-megatron", megatron, "--ckpt-format", "torch"])
+    if not check("export (tools/convert_checkpoint.py --export-megatron)", rc == 0,
+                 f"exit {rc}"):
+        print(tail(open(log, errors="replace").read()))
         return None
     add_adam_state(megatron)
     return megatron, [row["lm_loss"] for row in parse_log(out)]

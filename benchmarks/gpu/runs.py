@@ -4,8 +4,10 @@ figure for a run's flags, and collecting the checks' verdicts. Results are print
 ">> ok  | BAD  name: detail" lines."""
 
 import json
+import multiprocessing
 import os
 import re
+import runpy
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +26,14 @@ SMOKE = os.environ.get("SMOKE") == "1"
 # Several runs share the GPU at once (each its own one-rank NCCL group); on a CPU, one a core
 # (CI's two: a run is mostly its imports, one core's work).
 PARALLEL_RUNS = 4 if GPU else 2
+# A tiny run on a CPU (SMOKE) is mostly an interpreter start and the imports of torch and
+# megalite (~3 of its ~3.5 CPU seconds), so there each script runs in a fork of a server that
+# imported them once, as megalite.spawn's ranks do: multiprocessing's forkserver,
+# single-threaded and with no torch op run, so a fork is a fresh process but for the imports
+# (torch._dynamo: the optimizer's constructor imports it). A GPU run starts its own interpreter.
+FORKS = None if GPU else multiprocessing.get_context("forkserver")
+if FORKS:
+    FORKS.set_forkserver_preload(["benchmarks.gpu.run_pretrain", "torch._dynamo"])
 
 
 class Checks:
@@ -48,17 +58,61 @@ def run_pretrain(log: str, flags: list[str], *, nproc: int = 0,
     """run_pretrain.py (megalite's pretrain() with instruments) on `flags`, under torchrun
     with `nproc` processes if not 0; its output goes to `log`. Returns (exit code, output)."""
     script, args = os.path.join(HELPERS, "run_pretrain.py"), [*instruments, "--", *flags]
+    # Deterministic cuBLAS (run_pretrain --deterministic): its workspace must be fixed.
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **(env or {})}
     # One rank on a CPU is the same gloo world of one with or without torchrun (pretrain()
     # makes it); torchrun's agent would only add a process start to each of SMOKE's runs.
-    torchrun = nproc > 1 or (nproc == 1 and GPU)
-    command = (torchrun_command(nproc, script, args) if torchrun
-               else [sys.executable, script, *args])
-    # Deterministic cuBLAS (run_pretrain --deterministic): its workspace must be fixed.
-    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", **(env or {}))
-    with open(log, "w") as out:
-        rc = subprocess.run(command, cwd=REPO, env=env, stdout=out,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    if nproc > 1 or (nproc == 1 and GPU):
+        rc = run_command(log, torchrun_command(nproc, script, args), env)
+    else:
+        rc = run_script(log, script, args, env)
     return rc, open(log, errors="replace").read()
+
+
+def run_script(log: str, script: str, args: list[str], env: dict | None = None) -> int:
+    """`python script args` from the repository with `env` added, its output to `log`;
+    forked from the server of imports on a CPU. Returns the exit code."""
+    if FORKS is None:
+        return run_command(log, [sys.executable, script, *args], env)
+    process = FORKS.Process(target=_forked, args=(log, script, args,
+                                                  dict(os.environ, **(env or {}))))
+    process.start()
+    process.join()
+    return process.exitcode
+
+
+def run_command(log: str, command: list[str], env: dict | None) -> int:
+    with open(log, "w") as out:
+        return subprocess.run(command, cwd=REPO, env=dict(os.environ, **(env or {})),
+                              stdout=out, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL).returncode
+
+
+def _forked(log: str, script: str, args: list[str], env: dict):
+    """In the fork: what `python script args` would do, with `env` and output to `log`."""
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), sys.stdout.fileno())
+        os.dup2(out.fileno(), sys.stderr.fileno())
+    os.chdir(REPO)
+    os.environ.clear()
+    os.environ.update(env)
+    torch._logging._init_logs()  # TORCH_LOGS is read as torch is imported: read it again
+    # PARALLEL_RUNS runs, one a core: with a thread a core each, OpenMP's waiting threads
+    # spun against each other (a tiny step of 20 ms took 1.5 s).
+    torch.set_num_threads(1)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+def resumed_bit_exact(check: Checks, name: str, logs: tuple[str, str],
+                      checkpoints: tuple[str, str]) -> bool:
+    """compare_resume.py on a straight run and the run resumed from its save: the logs'
+    iterations and the final checkpoints' tensors, bit-exact; its lines printed here."""
+    log = logs[1].removesuffix(".log") + ".compare.log"
+    rc = run_script(log, os.path.join(HELPERS, "compare_resume.py"), [*logs, *checkpoints])
+    print(open(log, errors="replace").read(), end="", flush=True)
+    return check(f"{name}: save and resume", rc == 0,
+                 "bit-exact against the straight run (the lines above)")
 
 
 def run_all(jobs: dict, parallel: int = PARALLEL_RUNS) -> dict:

@@ -15,14 +15,14 @@ losses, grad norms, every tensor of the final checkpoints), deterministic kernel
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 if __spec__ is None:  # run as a file: benchmarks.* and megalite from this checkout
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from benchmarks.gpu.runs import GPU, HELPERS, Checks, relative, run_all, run_pretrain, tail
+from benchmarks.gpu.runs import (GPU, Checks, relative, resumed_bit_exact, run_all,
+                                 run_pretrain, tail)
 from megalite.checkpointing.storage import TRACKER_FILENAME, checkpoint_dir
 from megalite.training_log import parse_log
 
@@ -41,14 +41,6 @@ def resume_from(saved: str, iteration: int, resumed: str):
     shutil.copytree(checkpoint_dir(saved, iteration), checkpoint_dir(resumed, iteration))
     with open(os.path.join(resumed, TRACKER_FILENAME), "w") as tracker:
         tracker.write(str(iteration))
-
-
-def same_as_straight(check: Checks, name: str, log_dir: str, straight: str, resumed: str):
-    ckpt = os.path.join(log_dir, f"ckpt_{name}")
-    same = subprocess.run([sys.executable, os.path.join(HELPERS, "compare_resume.py"),
-                           straight, resumed, f"{ckpt}/straight", f"{ckpt}/resumed"])
-    check(f"{name}: save and resume", same.returncode == 0,
-          "bit-exact against the straight run (the lines above)")
 
 
 def main():
@@ -104,7 +96,8 @@ def main():
             print(tail(output))
     for n in (*extras, "local"):
         if done.get(f"{n}.resumed", (1,))[0] == 0:
-            same_as_straight(check, n, log_dir, log[f"{n}.straight"], log[f"{n}.resumed"])
+            resumed_bit_exact(check, n, (log[f"{n}.straight"], log[f"{n}.resumed"]),
+                              (f"{ckpt[n]}/straight", f"{ckpt[n]}/resumed"))
     if not GPU:
         print(">> cpu_written: a CPU-written checkpoint resumed on a GPU needs a GPU")
     elif done.get("cpu_written.resumed", (1,))[0] == 0:
