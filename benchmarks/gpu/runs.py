@@ -5,11 +5,13 @@ figure for a run's flags, and collecting the checks' verdicts. Results are print
 
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import runpy
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -34,6 +36,7 @@ PARALLEL_RUNS = 4 if GPU else 2
 FORKS = None if GPU else multiprocessing.get_context("forkserver")
 if FORKS:
     FORKS.set_forkserver_preload(["benchmarks.gpu.run_pretrain", "torch._dynamo"])
+_PROCESSES = threading.Lock()  # run_script's: PARALLEL_RUNS threads start and join processes
 
 
 class Checks:
@@ -76,8 +79,14 @@ def run_script(log: str, script: str, args: list[str], env: dict | None = None) 
         return run_command(log, [sys.executable, script, *args], env)
     process = FORKS.Process(target=_forked, args=(log, script, args,
                                                   dict(os.environ, **(env or {}))))
-    process.start()
-    process.join()
+    # multiprocessing's Process is not thread-safe: start() polls every live child, and a
+    # poll racing this thread's join for the exit code reads end of file instead (exit code
+    # 255 for a run that ended well). Every start and every read of an exit code is locked.
+    with _PROCESSES:
+        process.start()
+    multiprocessing.connection.wait([process.sentinel])
+    with _PROCESSES:
+        process.join()
     return process.exitcode
 
 
